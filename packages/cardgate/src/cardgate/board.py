@@ -1,0 +1,130 @@
+"""The board: every card under `kanban/<lane>/*.md`, plus the lint rules that span cards.
+
+Board lint (on top of each card's parse errors): a file outside the four lanes, duplicate card
+ids across lanes, a `Status:` that disagrees with the lane folder, a `Depends on:` naming no
+card (or the card itself), and dependency cycles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cardgate.card import STATUSES, Card, CardError, parse_card
+
+LANES: tuple[str, ...] = STATUSES
+KANBAN_DIR = "kanban"
+
+
+@dataclass
+class Board:
+    root: Path
+    cards: dict[str, Card] = field(default_factory=dict)
+    lanes: dict[str, list[Card]] = field(default_factory=lambda: {lane: [] for lane in LANES})
+    errors: list[CardError] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+
+    def errors_for(self, path: str) -> list[CardError]:
+        return sorted(e for e in self.errors if e.path == path)
+
+    def card_errors(self, card_id: str) -> list[CardError]:
+        card = self.cards.get(card_id)
+        return self.errors_for(card.path) if card is not None else []
+
+
+def rel(path: Path, root: Path) -> str:
+    try:
+        return path.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def card_files(root: Path) -> list[Path]:
+    base = root / KANBAN_DIR
+    if not base.is_dir():
+        return []
+    return sorted(p for p in base.rglob("*.md") if p.parent != base)
+
+
+def load_board(root: Path | str) -> Board:
+    """Parse and lint every card of `<root>/kanban`. Never raises on malformed cards."""
+    root = Path(root)
+    board = Board(root=root)
+    seen: dict[str, Card] = {}
+    for path in card_files(root):
+        where = rel(path, root)
+        board.files.append(where)
+        lane = path.parent.name
+        if path.parent.parent != root / KANBAN_DIR or lane not in LANES:
+            board.errors.append(
+                CardError(where, 0, f"card outside the lanes ({', '.join(LANES)}): move it")
+            )
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            board.errors.append(CardError(where, 0, f"unreadable card: {exc}"))
+            continue
+        result = parse_card(text, where)
+        board.errors.extend(result.errors)
+        card = result.card
+        if card is None:
+            continue
+        card.lane = lane
+        if card.id in seen:
+            first = seen[card.id]
+            board.errors.append(
+                CardError(where, 1, f"duplicate card id {card.id} (also {first.path}:1)")
+            )
+            board.errors.append(
+                CardError(first.path, 1, f"duplicate card id {card.id} (also {where}:1)")
+            )
+            continue
+        seen[card.id] = card
+        board.lanes[lane].append(card)
+        status_line = card.field_lines.get("status", 1)
+        if card.status is None:
+            board.errors.append(CardError(where, 1, "missing 'Status:' header field"))
+        elif card.status in LANES and card.status != lane:
+            board.errors.append(
+                CardError(
+                    where,
+                    status_line,
+                    f"Status {card.status!r} disagrees with lane folder {lane!r}",
+                )
+            )
+    board.cards = seen
+    _lint_dependencies(board)
+    board.errors = sorted(set(board.errors))
+    return board
+
+
+def _lint_dependencies(board: Board) -> None:
+    for card in board.cards.values():
+        line = card.field_lines.get("depends on", 1)
+        for dep in card.depends_on:
+            if dep == card.id:
+                board.errors.append(CardError(card.path, line, f"{card.id} depends on itself"))
+            elif dep not in board.cards:
+                board.errors.append(
+                    CardError(card.path, line, f"'Depends on' names unknown card {dep}")
+                )
+    state: dict[str, int] = {}
+
+    def visit(card_id: str, trail: list[str]) -> None:
+        state[card_id] = 1
+        for dep in board.cards[card_id].depends_on:
+            if dep not in board.cards or dep == card_id:
+                continue
+            if state.get(dep) == 1:
+                cycle = " -> ".join([*trail[trail.index(dep) :], dep])
+                card = board.cards[card_id]
+                line = card.field_lines.get("depends on", 1)
+                board.errors.append(CardError(card.path, line, f"dependency cycle: {cycle}"))
+            elif dep not in state:
+                visit(dep, [*trail, dep])
+        state[card_id] = 2
+
+    for card_id in board.cards:
+        if card_id not in state:
+            visit(card_id, [card_id])

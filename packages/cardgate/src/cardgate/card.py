@@ -1,0 +1,303 @@
+"""Parse one kanban card (a markdown file) into a `Card` with keyed checklist items.
+
+The parser never raises on bad input: `parse_card` returns a `ParseResult` holding the card (or
+None when no `# ID: Title` header exists) and a list of `CardError` with file and line number.
+
+Card format::
+
+    # P0-003: Radix cache core in Rust
+    Priority: P0
+    Status: in-progress
+    Depends on: P0-002, P0-001
+    Tests: packages/x/tests            (optional: pytest paths the gate collects)
+    Gates: worklog/gates/P0-003.yaml   (optional: default worklog/gates/<ID>.yaml)
+
+    ## Checklist
+    - [ ] Parent item:
+      - [ ] child item (nested by indentation)
+    - [x] Something a person checks (manual)
+
+    ## TDD Subtasks
+    1. Red
+    - [ ] Failing tests first.
+
+Items live in the sections `Checklist`, `TDD Subtasks` and `Acceptance Criteria`; other
+sections are kept (`Card.sections`) and never parsed for items. Each item's key is the slug of
+its text without the `(manual)` marker, unique within the card.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ITEM_SECTIONS = frozenset({"checklist", "tdd subtasks", "acceptance criteria"})
+PHASES = frozenset({"red", "green", "refactor"})
+STATUSES = ("backlog", "todo", "in-progress", "done")
+CARD_ID_RE = re.compile(r"^[A-Z][A-Z0-9]*-\d+$")
+
+_TITLE_RE = re.compile(r"^#[ \t]+(?P<id>[^\s:]+)[ \t]*:[ \t]*(?P<title>.*)$")
+_FIELD_RE = re.compile(r"^(?P<key>[A-Za-z][A-Za-z0-9 _-]*?)[ \t]*:[ \t]*(?P<value>.*)$")
+_SECTION_RE = re.compile(r"^##[ \t]+(?P<name>.*?)[ \t#]*$")
+_SUBHEADING_RE = re.compile(r"^###+[ \t]+(?P<name>.*?)[ \t#]*$")
+_CHECKBOX_RE = re.compile(r"^(?P<indent>[ \t]*)[-*+][ \t]+\[(?P<mark>[ xX])\][ \t]+(?P<text>\S.*)$")
+_BAD_CHECKBOX_RE = re.compile(r"^[ \t]*(?:[-*+]|\d+[.)])[ \t]*\[")
+_BULLET_RE = re.compile(r"^[ \t]*[-*+][ \t]+\S")
+_PHASE_RE = re.compile(r"^[ \t]*\d+[.)][ \t]+(?P<label>\S.*)$")
+_MANUAL_RE = re.compile(r"\(manual\)", re.IGNORECASE)
+_FENCE_RE = re.compile(r"^[ \t]*(```|~~~)")
+_DATE_SUFFIX_RE = re.compile(r"\s*\(.*\)\s*$")
+
+_ErrorFn = Callable[[int, str], None]
+
+
+@dataclass(frozen=True, order=True)
+class CardError:
+    """A problem in a card file, always with its file and 1-based line (0: the whole file)."""
+
+    path: str
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.message}"
+
+
+@dataclass
+class Item:
+    """One checkbox line of a card."""
+
+    key: str
+    text: str
+    checked: bool
+    manual: bool
+    line: int
+    indent: int
+    section: str
+    phase: str | None = None
+    parent: str | None = None
+    children: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Card:
+    """A parsed card. `fields` holds every header field with lower-cased names."""
+
+    id: str
+    title: str
+    path: str
+    text: str
+    fields: dict[str, str] = field(default_factory=dict)
+    field_lines: dict[str, int] = field(default_factory=dict)
+    depends_on: list[str] = field(default_factory=list)
+    items: dict[str, Item] = field(default_factory=dict)
+    sections: list[str] = field(default_factory=list)
+    lane: str | None = None
+
+    @property
+    def priority(self) -> str | None:
+        return self.fields.get("priority")
+
+    @property
+    def status(self) -> str | None:
+        raw = self.fields.get("status")
+        return normalize_status(raw) if raw is not None else None
+
+    @property
+    def tests(self) -> list[str]:
+        return split_list(self.fields.get("tests", ""))
+
+    @property
+    def gates(self) -> list[str]:
+        return split_list(self.fields.get("gates", ""))
+
+    def lookup(self, ref: str) -> Item | None:
+        """The item named by `ref`: its key, or its exact text (with or without `(manual)`)."""
+        return self.items.get(item_key(ref))
+
+    def leaves(self) -> list[Item]:
+        return [item for item in self.items.values() if not item.children]
+
+    def descendants(self, key: str) -> list[str]:
+        out: list[str] = []
+        for child in self.items[key].children:
+            out.append(child)
+            out.extend(self.descendants(child))
+        return out
+
+    def red_items(self) -> list[Item]:
+        return [item for item in self.items.values() if item.phase == "red"]
+
+
+@dataclass
+class ParseResult:
+    card: Card | None
+    errors: list[CardError]
+
+
+def slugify(text: str) -> str:
+    """`Page-aligned match & insert` -> `page-aligned-match-insert` (ASCII, lower, dashes)."""
+    ascii_text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode("ascii")
+    return re.sub(r"[^a-z0-9]+", "-", ascii_text.lower()).strip("-")
+
+
+def item_key(text: str) -> str:
+    """The stable key of an item text: the slug of the text without its `(manual)` marker."""
+    return slugify(_MANUAL_RE.sub(" ", text))
+
+
+def normalize_status(raw: str) -> str:
+    return re.sub(r"[\s_]+", "-", raw.strip().lower())
+
+
+def split_list(raw: str) -> list[str]:
+    parts = [part.strip() for part in re.split(r"[,\s]+", raw)]
+    return [p for p in parts if p and p.lower() not in {"none", "-", "n/a"}]
+
+
+def _indent_width(prefix: str) -> int:
+    return len(prefix.expandtabs(4))
+
+
+def _section_name(raw: str) -> str:
+    return _DATE_SUFFIX_RE.sub("", raw).strip().lower()
+
+
+def parse_card(text: str, path: str | Path = "<card>") -> ParseResult:
+    """Parse card text. Never raises: problems come back as `CardError`s with line numbers."""
+    where = str(path)
+    errors: list[CardError] = []
+
+    def error(line: int, message: str) -> None:
+        errors.append(CardError(where, line, message))
+
+    lines = [line.rstrip("\r") for line in text.split("\n")]
+    title_index = next((i for i, line in enumerate(lines) if line.strip()), None)
+    if title_index is None:
+        error(0, "empty card: expected a '# ID: Title' header")
+        return ParseResult(None, errors)
+    match = _TITLE_RE.match(lines[title_index].strip())
+    if match is None:
+        error(title_index + 1, "expected a '# ID: Title' header as the first line")
+        return ParseResult(None, errors)
+    card_id = match.group("id")
+    if not CARD_ID_RE.match(card_id):
+        error(title_index + 1, f"bad card id {card_id!r}: expected e.g. 'P0-003' or 'BK-001'")
+    card = Card(id=card_id, title=match.group("title").strip(), path=where, text=text)
+
+    section: str | None = None
+    phase: str | None = None
+    stack: list[tuple[int, str]] = []
+    in_fence = False
+    for index in range(title_index + 1, len(lines)):
+        lineno = index + 1
+        line = lines[index]
+        if _FENCE_RE.match(line):
+            in_fence = not in_fence
+            continue
+        if in_fence:
+            continue
+        if line.startswith("# "):
+            error(lineno, "a card has exactly one '# ID: Title' header")
+            continue
+        section_match = _SECTION_RE.match(line)
+        if section_match is not None and not line.startswith("###"):
+            section = _section_name(section_match.group("name"))
+            card.sections.append(section)
+            phase = None
+            stack.clear()
+            continue
+        if section is None:
+            _parse_field(card, line, lineno, error)
+            continue
+        if section not in ITEM_SECTIONS:
+            continue
+        sub = _SUBHEADING_RE.match(line)
+        phase_match = _PHASE_RE.match(line)
+        if sub is not None or (phase_match is not None and section == "tdd subtasks"):
+            label = sub.group("name") if sub is not None else phase_match.group("label")  # type: ignore[union-attr]
+            word = label.strip().split(" ", 1)[0].strip(":.").lower() if label.strip() else ""
+            phase = word if word in PHASES else None
+            stack.clear()
+            if phase_match is not None and _BAD_CHECKBOX_RE.match(line):
+                error(lineno, f"unparseable checkbox line: {line.strip()!r}")
+            continue
+        _parse_item_line(card, line, lineno, section, phase, stack, error)
+    if in_fence:
+        error(len(lines), "unclosed ``` code fence")
+    return ParseResult(card, errors)
+
+
+def _parse_field(card: Card, line: str, lineno: int, error: _ErrorFn) -> None:
+    if not line.strip():
+        return
+    match = _FIELD_RE.match(line.strip())
+    if match is None:
+        return
+    key = re.sub(r"[\s_-]+", " ", match.group("key").strip().lower())
+    value = match.group("value").strip()
+    if key in card.fields:
+        error(lineno, f"duplicate header field {key!r} (first at line {card.field_lines[key]})")
+        return
+    card.fields[key] = value
+    card.field_lines[key] = lineno
+    if key == "status" and normalize_status(value) not in STATUSES:
+        error(lineno, f"unknown Status {value!r}: expected one of {', '.join(STATUSES)}")
+    if key == "depends on":
+        for dep in split_list(value):
+            if CARD_ID_RE.match(dep):
+                card.depends_on.append(dep)
+            else:
+                error(lineno, f"bad card id {dep!r} in 'Depends on'")
+
+
+def _parse_item_line(
+    card: Card,
+    line: str,
+    lineno: int,
+    section: str,
+    phase: str | None,
+    stack: list[tuple[int, str]],
+    error: _ErrorFn,
+) -> None:
+    match = _CHECKBOX_RE.match(line)
+    if match is None:
+        if _BAD_CHECKBOX_RE.match(line):
+            error(lineno, f"unparseable checkbox line: {line.strip()!r} (expected '- [ ] text')")
+        elif _BULLET_RE.match(line):
+            error(lineno, f"list item without a checkbox: {line.strip()!r} (use '- [ ] text')")
+        return
+    text = match.group("text").strip()
+    key = item_key(text)
+    if not key:
+        error(lineno, f"item {text!r} has no letters or digits to form a key")
+        return
+    if key in card.items:
+        first = card.items[key].line
+        error(lineno, f"duplicate item key {key!r} (first at line {first})")
+        return
+    indent = _indent_width(match.group("indent"))
+    while stack and stack[-1][0] >= indent:
+        stack.pop()
+    parent = stack[-1][1] if stack else None
+    item = Item(
+        key=key,
+        text=text,
+        checked=match.group("mark") != " ",
+        manual=_MANUAL_RE.search(text) is not None,
+        line=lineno,
+        indent=indent,
+        section=section,
+        phase=phase,
+        parent=parent,
+    )
+    if parent is not None:
+        parent_item = card.items[parent]
+        parent_item.children.append(key)
+        if item.phase is None:
+            item.phase = parent_item.phase
+    card.items[key] = item
+    stack.append((indent, key))

@@ -1,0 +1,354 @@
+"""Benchmark gates: one YAML format, one evaluator (used by `cardgate` and the bench harness).
+
+Public API::
+
+    gates = load_gates("worklog/gates/P0-003.yaml")        # or parse_gates(dict, source=...)
+    results = evaluate(gates, {"rust_ops": 9.1e6, "py_ops": 8.0e5}, hardware="cpu")
+    ok = all(r.passed for r in results if r.applicable)
+
+Format (``worklog/gates/*.yaml``)::
+
+    version: 1
+    gates:
+      - metric: radix_insert_ops_per_s     # required: the metric name
+        hardware: cpu                      # optional (default "any"): "cpu", "any", or a
+                                           #   glob on the GPU name, e.g. "*H100*" (case-insens.)
+        min: 1.0e5                         # optional: value >= min
+        max: 5.0e9                         # optional: value <= max
+        relative:                          # optional: compare with another metric
+          baseline: py_radix_insert_ops_per_s   # default: the same metric name
+          factor: 10                       # required: the ratio to the baseline
+          direction: higher                # "higher" (default): value >= factor * baseline
+                                           # "lower": value <= factor * baseline
+          noise_floor: 0.02                # optional relative tolerance in [0, 1):
+                                           #   higher: value >= factor * baseline * (1 - nf)
+                                           #   lower:  value <= factor * baseline * (1 + nf)
+        note: free text shown next to the result
+
+A rule applies when its ``hardware`` matches the hardware string given to `evaluate`: ``"cpu"``
+on machines without a CUDA device, else the GPU name (``torch.cuda.get_device_name()`` or
+``nvidia-smi``). ``any`` (or no key) matches everything; ``cpu`` only ``"cpu"``; any other value
+is a case-insensitive `fnmatch` pattern on the GPU name. All matching rules are checked.
+
+The relative baseline is looked up first among the metrics of the same run, then in the optional
+``baseline`` mapping given to `evaluate` (e.g. the metrics of a recorded baseline run).
+
+Each check yields one `GateResult`: ``status`` is ``pass``, ``fail``, ``missing`` (the metric or
+its baseline was not recorded) or ``n/a`` (the hardware does not match). ``margin`` is the signed
+headroom (value - threshold for lower bounds, threshold - value for upper bounds, so negative
+means failed) and ``margin_pct`` the same relative to the threshold.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+Status = Literal["pass", "fail", "missing", "n/a"]
+_RULE_KEYS = frozenset({"metric", "hardware", "min", "max", "relative", "note"})
+_RELATIVE_KEYS = frozenset({"baseline", "factor", "direction", "noise_floor"})
+
+
+class GateFormatError(ValueError):
+    """A gates file that does not follow the format; the message names the file and rule."""
+
+
+@dataclass(frozen=True)
+class Relative:
+    factor: float
+    baseline: str | None = None
+    direction: Literal["higher", "lower"] = "higher"
+    noise_floor: float = 0.0
+
+
+@dataclass(frozen=True)
+class Gate:
+    metric: str
+    hardware: str = "any"
+    min: float | None = None
+    max: float | None = None
+    relative: Relative | None = None
+    note: str = ""
+    source: str = ""
+
+    def matches(self, hardware: str) -> bool:
+        return hardware_matches(self.hardware, hardware)
+
+
+@dataclass
+class GateSet:
+    gates: list[Gate] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.gates)
+
+    def __len__(self) -> int:
+        return len(self.gates)
+
+    def extend(self, other: GateSet) -> GateSet:
+        return GateSet([*self.gates, *other.gates], [*self.sources, *other.sources])
+
+
+@dataclass(frozen=True)
+class GateResult:
+    metric: str
+    check: Literal["min", "max", "relative"]
+    status: Status
+    threshold: float | None
+    value: float | None
+    margin: float | None
+    margin_pct: float | None
+    hardware: str
+    message: str
+    source: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "pass"
+
+    @property
+    def applicable(self) -> bool:
+        return self.status != "n/a"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def hardware_matches(pattern: str, hardware: str) -> bool:
+    """`any` matches all; `cpu` only "cpu"; anything else is a GPU-name glob (case-insensitive)."""
+    pattern = pattern.strip()
+    if pattern.lower() in {"any", "*", ""}:
+        return True
+    if pattern.lower() == "cpu" or hardware.lower() == "cpu":
+        return pattern.lower() == hardware.lower()
+    return fnmatch.fnmatchcase(hardware.lower(), pattern.lower())
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise GateFormatError(f"{what}: expected a number, got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise GateFormatError(f"{what}: expected a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise GateFormatError(f"{what}: expected a finite number, got {value!r}")
+    return number
+
+
+def _parse_relative(raw: Any, where: str) -> Relative:
+    if not isinstance(raw, Mapping):
+        raise GateFormatError(f"{where}: 'relative' must be a mapping")
+    unknown = set(raw) - _RELATIVE_KEYS
+    if unknown:
+        raise GateFormatError(f"{where}: unknown keys in 'relative': {sorted(unknown)}")
+    if "factor" not in raw:
+        raise GateFormatError(f"{where}: 'relative' needs 'factor'")
+    direction = raw.get("direction", "higher")
+    if direction not in ("higher", "lower"):
+        raise GateFormatError(f"{where}: direction must be 'higher' or 'lower'")
+    noise = _number(raw.get("noise_floor", 0.0), f"{where}: noise_floor")
+    if not 0.0 <= noise < 1.0:
+        raise GateFormatError(f"{where}: noise_floor must be in [0, 1)")
+    baseline = raw.get("baseline")
+    if baseline is not None and not isinstance(baseline, str):
+        raise GateFormatError(f"{where}: baseline must be a metric name")
+    return Relative(
+        factor=_number(raw["factor"], f"{where}: factor"),
+        baseline=baseline,
+        direction=direction,
+        noise_floor=noise,
+    )
+
+
+def parse_gates(data: Any, source: str = "<gates>") -> GateSet:
+    """Validate a loaded YAML document; raises `GateFormatError` naming the file and rule."""
+    if data is None:
+        return GateSet([], [source])
+    if not isinstance(data, Mapping):
+        raise GateFormatError(f"{source}: expected a mapping with 'version' and 'gates'")
+    version = data.get("version", 1)
+    if version != 1:
+        raise GateFormatError(f"{source}: unsupported version {version!r} (expected 1)")
+    unknown_top = set(data) - {"version", "gates"}
+    if unknown_top:
+        raise GateFormatError(f"{source}: unknown top-level keys {sorted(unknown_top)}")
+    rules = data.get("gates") or []
+    if not isinstance(rules, list):
+        raise GateFormatError(f"{source}: 'gates' must be a list")
+    gates: list[Gate] = []
+    for index, raw in enumerate(rules):
+        where = f"{source}: gates[{index}]"
+        if not isinstance(raw, Mapping):
+            raise GateFormatError(f"{where}: expected a mapping")
+        unknown = set(raw) - _RULE_KEYS
+        if unknown:
+            raise GateFormatError(f"{where}: unknown keys {sorted(unknown)}")
+        metric = raw.get("metric")
+        if not isinstance(metric, str) or not metric:
+            raise GateFormatError(f"{where}: 'metric' must be a non-empty string")
+        hardware = raw.get("hardware", "any")
+        if not isinstance(hardware, str):
+            raise GateFormatError(f"{where}: 'hardware' must be a string")
+        gate = Gate(
+            metric=metric,
+            hardware=hardware,
+            min=_number(raw["min"], f"{where}: min") if "min" in raw else None,
+            max=_number(raw["max"], f"{where}: max") if "max" in raw else None,
+            relative=_parse_relative(raw["relative"], where) if "relative" in raw else None,
+            note=str(raw.get("note", "")),
+            source=f"{source}#{index}",
+        )
+        if gate.min is None and gate.max is None and gate.relative is None:
+            raise GateFormatError(f"{where}: needs at least one of min, max, relative")
+        gates.append(gate)
+    return GateSet(gates, [source])
+
+
+def load_gates(*paths: Path | str) -> GateSet:
+    """Load and merge gates files (YAML). Raises `GateFormatError` or `OSError`."""
+    merged = GateSet()
+    for path in paths:
+        text = Path(path).read_text(encoding="utf-8")
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise GateFormatError(f"{path}: invalid YAML: {exc}") from None
+        merged = merged.extend(parse_gates(data, str(path)))
+    return merged
+
+
+def _result(
+    gate: Gate,
+    check: Literal["min", "max", "relative"],
+    value: float | None,
+    threshold: float | None,
+    lower_bound: bool,
+    hardware: str,
+    message: str = "",
+) -> GateResult:
+    if value is None or threshold is None:
+        return GateResult(
+            gate.metric,
+            check,
+            "missing",
+            threshold,
+            value,
+            None,
+            None,
+            hardware,
+            message,
+            gate.source,
+        )
+    margin = value - threshold if lower_bound else threshold - value
+    margin_pct = margin / abs(threshold) * 100.0 if threshold != 0 else None
+    status: Status = "pass" if margin >= 0 else "fail"
+    op = ">=" if lower_bound else "<="
+    verdict = "ok" if status == "pass" else f"missed by {abs(margin):.6g}"
+    text = f"{gate.metric}={value:.6g} {op} {threshold:.6g} ({verdict})"
+    if message:
+        text = f"{text}; {message}"
+    if gate.note:
+        text = f"{text} [{gate.note}]"
+    return GateResult(
+        gate.metric,
+        check,
+        status,
+        threshold,
+        value,
+        margin,
+        margin_pct,
+        hardware,
+        text,
+        gate.source,
+    )
+
+
+def evaluate(
+    gates: GateSet | list[Gate],
+    metrics: Mapping[str, float],
+    hardware: str,
+    baseline: Mapping[str, float] | None = None,
+) -> list[GateResult]:
+    """Check every rule against `metrics`; one `GateResult` per (rule, check)."""
+    results: list[GateResult] = []
+    baseline = baseline or {}
+    for gate in gates:
+        if not gate.matches(hardware):
+            for check in _checks(gate):
+                results.append(
+                    GateResult(
+                        gate.metric,
+                        check,
+                        "n/a",
+                        None,
+                        None,
+                        None,
+                        None,
+                        hardware,
+                        f"rule for hardware {gate.hardware!r}, not {hardware!r}",
+                        gate.source,
+                    )
+                )
+            continue
+        value = metrics.get(gate.metric)
+        missing = f"metric {gate.metric!r} was not recorded" if value is None else ""
+        if gate.min is not None:
+            results.append(_result(gate, "min", value, gate.min, True, hardware, missing))
+        if gate.max is not None:
+            results.append(_result(gate, "max", value, gate.max, False, hardware, missing))
+        if gate.relative is not None:
+            results.append(_relative(gate, gate.relative, value, metrics, baseline, hardware))
+    return results
+
+
+def _checks(gate: Gate) -> list[Literal["min", "max", "relative"]]:
+    checks: list[Literal["min", "max", "relative"]] = []
+    if gate.min is not None:
+        checks.append("min")
+    if gate.max is not None:
+        checks.append("max")
+    if gate.relative is not None:
+        checks.append("relative")
+    return checks
+
+
+def _relative(
+    gate: Gate,
+    rel: Relative,
+    value: float | None,
+    metrics: Mapping[str, float],
+    baseline: Mapping[str, float],
+    hardware: str,
+) -> GateResult:
+    name = rel.baseline or gate.metric
+    if rel.baseline is not None and name in metrics:
+        base = metrics.get(name)
+    else:
+        base = baseline.get(name)
+    if value is None or base is None:
+        what = gate.metric if value is None else f"baseline {name!r}"
+        return _result(gate, "relative", value, None, True, hardware, f"{what} was not recorded")
+    higher = rel.direction == "higher"
+    tolerance = (1.0 - rel.noise_floor) if higher else (1.0 + rel.noise_floor)
+    threshold = rel.factor * base * tolerance
+    detail = f"{rel.factor:g} x {name}={base:.6g}"
+    if rel.noise_floor:
+        detail += f" with noise floor {rel.noise_floor:g}"
+    return _result(gate, "relative", value, threshold, higher, hardware, detail)
+
+
+def summarize(results: list[GateResult]) -> Status:
+    """The worst applicable status: fail > missing > pass (n/a when nothing applies)."""
+    statuses = {r.status for r in results if r.applicable}
+    for status in ("fail", "missing", "pass"):
+        if status in statuses:
+            return status  # type: ignore[return-value]
+    return "n/a"

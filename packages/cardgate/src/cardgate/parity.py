@@ -1,0 +1,69 @@
+"""Parity evidence: a JSON report with `parity_passed: true` and zero mismatches.
+
+    from cardgate.parity import assert_parity_json
+    assert_parity_json("worklog/baselines/parity.json")
+
+Accepted mismatch fields: `mismatches`, `num_mismatches`, `divergences` (a count or a list).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MISMATCH_KEYS = ("mismatches", "num_mismatches", "divergences")
+
+
+@dataclass
+class ParityResult:
+    path: str
+    passed: bool
+    mismatches: int | None
+    reasons: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def _count(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, list | dict):
+        return len(value)
+    return None
+
+
+def check_parity_json(path: Path | str) -> ParityResult:
+    """Read a parity report; never raises (a missing or bad file is a failed result)."""
+    where = str(path)
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return ParityResult(where, False, None, [f"cannot read parity report: {exc}"])
+    if not isinstance(data, dict):
+        return ParityResult(where, False, None, ["parity report is not a JSON object"])
+    reasons: list[str] = []
+    if data.get("parity_passed") is not True:
+        reasons.append(f"parity_passed is {data.get('parity_passed')!r}, expected true")
+    mismatches: int | None = None
+    for key in MISMATCH_KEYS:
+        if key in data:
+            mismatches = _count(data[key])
+            if mismatches is None:
+                reasons.append(f"{key} is {data[key]!r}: expected a count or a list")
+            elif mismatches != 0:
+                reasons.append(f"{key} = {mismatches}, expected 0")
+            break
+    else:
+        reasons.append(f"no mismatch count ({', '.join(MISMATCH_KEYS)}) in the report")
+    return ParityResult(where, not reasons, mismatches, reasons, data)
+
+
+def assert_parity_json(path: Path | str) -> ParityResult:
+    """`check_parity_json` that fails the calling test with every reason."""
+    result = check_parity_json(path)
+    if not result.passed:
+        raise AssertionError(f"parity failed for {result.path}: " + "; ".join(result.reasons))
+    return result

@@ -1,0 +1,360 @@
+"""The pytest plugin (entry point `pytest11: cardgate`).
+
+- `@pytest.mark.card("P0-003", "item-key-or-exact-text", ...)` binds a test to card items; a
+  marker naming an unknown card or item (or a `(manual)` item) is a collection error.
+- `--cardgate-card ID` keeps only the tests bound to that card (`--cardgate-items k1,k2`
+  narrows to items and their children); `--cardgate-report PATH` writes a JSON report of every
+  test phase, with bound items and metrics, collected on the xdist controller.
+- `metric(name, value, unit=..., higher_is_better=...)` records a benchmark metric (tests
+  marked `bench`); `parity(path)` asserts a parity JSON and records its mismatch count.
+- `gpu` tests are skipped without a CUDA device (torch imported lazily; no torch = no GPU).
+- Card files under `<root>/kanban/<lane>/*.md` are collected as lint items.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cardgate import hardware
+from cardgate.board import KANBAN_DIR, Board, load_board, rel
+from cardgate.evidence import write_json
+from cardgate.parity import ParityResult, assert_parity_json
+
+BINDING_PROP = "cardgate_items"
+METRIC_PROP = "cardgate_metric"
+REPORT_VERSION = 1
+
+
+@dataclass
+class CardgateState:
+    root: Path
+    card: str | None
+    items: set[str] | None
+    report_path: Path | None
+    board: Board | None = None
+    selected: int = 0
+
+    def get_board(self) -> Board:
+        if self.board is None:
+            self.board = load_board(self.root)
+        return self.board
+
+
+STATE = pytest.StashKey[CardgateState]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("cardgate", "kanban cards bound to tests")
+    group.addoption("--cardgate-card", metavar="ID", help="run only the tests bound to card ID")
+    group.addoption(
+        "--cardgate-items",
+        metavar="KEYS",
+        help="with --cardgate-card: only tests bound to these comma-separated item keys",
+    )
+    group.addoption("--cardgate-report", metavar="PATH", help="write a JSON report to PATH")
+    group.addoption("--cardgate-root", metavar="DIR", help="repository root (default: rootdir)")
+    parser.addini("cardgate_lint", type="bool", default=True, help="collect kanban cards as lint")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "card(card_id, *items): bind a test to kanban card items")
+    config.addinivalue_line("markers", "bench: benchmark test that records metrics")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped = missing evidence)")
+    root_opt = config.getoption("cardgate_root")
+    items_opt = config.getoption("cardgate_items")
+    report_opt = config.getoption("cardgate_report")
+    config.stash[STATE] = CardgateState(
+        root=Path(root_opt).resolve() if root_opt else config.rootpath,
+        card=config.getoption("cardgate_card"),
+        items={k.strip() for k in items_opt.split(",") if k.strip()} if items_opt else None,
+        report_path=Path(report_opt) if report_opt else None,
+    )
+    if report_opt and not _is_worker(config):
+        config.pluginmanager.register(Recorder(config, Path(report_opt)), "cardgate-recorder")
+
+
+def _is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+# --- binding -------------------------------------------------------------------------------
+
+
+def resolve_bindings(item: pytest.Item, board: Board) -> tuple[list[str], list[str]]:
+    """(["CARD::key", ...], [error, ...]) for every `card` marker of a test."""
+    bound: list[str] = []
+    errors: list[str] = []
+    for marker in item.iter_markers("card"):
+        args = list(marker.args)
+        if not args or not all(isinstance(a, str) for a in args):
+            errors.append(f"{item.nodeid}: card marker needs string arguments: card(ID, item...)")
+            continue
+        card_id, refs = args[0], args[1:]
+        card = board.cards.get(card_id)
+        if card is None:
+            known = ", ".join(sorted(board.cards)) or "none"
+            errors.append(f"{item.nodeid}: unknown card {card_id!r} (known cards: {known})")
+            continue
+        if not refs:
+            errors.append(f"{item.nodeid}: card({card_id!r}) names no item")
+        for ref in refs:
+            found = card.lookup(ref)
+            if found is None:
+                keys = ", ".join(card.items) or "none"
+                errors.append(f"{item.nodeid}: card {card_id} has no item {ref!r} (items: {keys})")
+            elif found.manual:
+                errors.append(
+                    f"{item.nodeid}: {card_id}::{found.key} is a (manual) item; "
+                    "manual items are ticked by a person, not bound to tests"
+                )
+            elif f"{card_id}::{found.key}" not in bound:
+                bound.append(f"{card_id}::{found.key}")
+    return bound, errors
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, Any]:
+    report = yield
+    if not report.passed or not report.result:
+        return report
+    items = [node for node in report.result if isinstance(node, pytest.Item)]
+    if not any(item.get_closest_marker("card") for item in items):
+        return report
+    board = collector.config.stash[STATE].get_board()
+    errors: list[str] = []
+    for item in items:
+        bound, item_errors = resolve_bindings(item, board)
+        errors.extend(item_errors)
+        if bound:
+            item.user_properties.append((BINDING_PROP, bound))
+    if errors:
+        report.outcome = "failed"
+        report.longrepr = "cardgate binding errors:\n" + "\n".join(errors)
+        report.result = []
+    return report
+
+
+def _bindings(item: pytest.Item) -> list[str]:
+    for name, value in item.user_properties:
+        if name == BINDING_PROP:
+            return list(value)
+    return []
+
+
+def _expand_items(board: Board, card_id: str, keys: set[str]) -> set[str]:
+    card = board.cards.get(card_id)
+    if card is None:
+        return keys
+    out = set(keys)
+    for key in keys:
+        if key in card.items:
+            out.update(card.descendants(key))
+    return out
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    state = config.stash[STATE]
+    if state.card is None:
+        return
+    wanted_items = (
+        _expand_items(state.get_board(), state.card, state.items) if state.items else None
+    )
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
+    for item in items:
+        keys = [b.split("::", 1)[1] for b in _bindings(item) if b.split("::", 1)[0] == state.card]
+        if keys and (wanted_items is None or wanted_items.intersection(keys)):
+            keep.append(item)
+        else:
+            drop.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    items[:] = keep
+    state.selected = len(keep)
+
+
+# --- gpu marker ----------------------------------------------------------------------------
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is not None and not hardware.cuda_available():
+        pytest.skip("gpu: no CUDA device (missing evidence)")
+
+
+# --- fixtures ------------------------------------------------------------------------------
+
+
+class MetricRecorder:
+    """`metric(name, value, unit="", higher_is_better=True)`: record one benchmark metric."""
+
+    def __init__(self, node: pytest.Item) -> None:
+        self._node = node
+
+    def __call__(
+        self, name: str, value: float, unit: str = "", higher_is_better: bool = True
+    ) -> float:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError("metric name must be a non-empty string")
+        number = float(value)
+        if not math.isfinite(number):
+            raise ValueError(f"metric {name!r} is not finite: {value!r}")
+        record = {"name": name, "value": number, "unit": unit, "higher_is_better": higher_is_better}
+        self._node.user_properties.append((METRIC_PROP, record))
+        return number
+
+
+@pytest.fixture
+def metric(request: pytest.FixtureRequest) -> MetricRecorder:
+    """Record benchmark metrics from a test marked `@pytest.mark.bench`."""
+    node = request.node
+    if node.get_closest_marker("bench") is None:
+        pytest.fail("the metric fixture is for tests marked @pytest.mark.bench", pytrace=False)
+    return MetricRecorder(node)
+
+
+@pytest.fixture
+def parity(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """`parity(path)`: fail unless the parity JSON passed; records `parity_mismatches`."""
+
+    def check(path: Path | str, metric_name: str = "parity_mismatches") -> ParityResult:
+        result = assert_parity_json(path)
+        recorder = MetricRecorder(request.node)
+        recorder(metric_name, float(result.mismatches or 0), unit="count", higher_is_better=False)
+        return result
+
+    yield check
+
+
+# --- reporting (controller only) -----------------------------------------------------------
+
+
+def _message(report: pytest.TestReport | pytest.CollectReport, root: Path) -> str:
+    longrepr = report.longrepr
+    if longrepr is None:
+        return ""
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        text = str(longrepr[2])
+    else:
+        crash = getattr(longrepr, "reprcrash", None)
+        text = getattr(crash, "message", None) or str(longrepr)
+    text = text.replace(str(root), ".").replace(os.path.expanduser("~"), "~")
+    return text if len(text) <= 2000 else text[:2000] + "..."
+
+
+class Recorder:
+    """Collects every test phase on the controller (xdist workers forward their reports)."""
+
+    def __init__(self, config: pytest.Config, path: Path) -> None:
+        self.config = config
+        self.path = path
+        self.tests: list[dict[str, Any]] = []
+        self.collection_errors: list[dict[str, Any]] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        root = self.config.stash[STATE].root
+        bound: list[str] = []
+        metrics: list[dict[str, Any]] = []
+        for name, value in report.user_properties:
+            if name == BINDING_PROP:
+                bound = list(value)
+            elif name == METRIC_PROP and report.when == "teardown":
+                metrics.append(dict(value))
+        self.tests.append(
+            {
+                "nodeid": report.nodeid,
+                "when": report.when,
+                "outcome": report.outcome,
+                "duration": round(report.duration, 6),
+                "items": bound,
+                "metrics": metrics,
+                "wasxfail": hasattr(report, "wasxfail"),
+                "message": "" if report.passed else _message(report, root),
+            }
+        )
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            root = self.config.stash[STATE].root
+            self.collection_errors.append(
+                {"nodeid": report.nodeid, "message": _message(report, root)}
+            )
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        state = self.config.stash[STATE]
+        gpu = hardware.gpu_info()
+        report = {
+            "version": REPORT_VERSION,
+            "card": state.card,
+            "items_filter": sorted(state.items) if state.items else None,
+            "exitstatus": int(exitstatus),
+            "selected": state.selected,
+            "tests": self.tests,
+            "collection_errors": self.collection_errors,
+            "hardware": hardware.hardware_key(gpu),
+            "gpu": gpu or None,
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            self.path.unlink()
+        write_json(self.path, report)
+
+
+# --- kanban lint items ---------------------------------------------------------------------
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    config = parent.config
+    if file_path.suffix != ".md" or not config.getini("cardgate_lint"):
+        return None
+    root = config.stash[STATE].root
+    if file_path.parent.parent != root / KANBAN_DIR:
+        return None
+    return CardFile.from_parent(parent, path=file_path)
+
+
+class CardLintError(Exception):
+    pass
+
+
+class CardFile(pytest.File):
+    def collect(self) -> Iterator[pytest.Item]:
+        yield CardLintItem.from_parent(self, name="lint")
+
+
+class CardLintItem(pytest.Item):
+    """Fails with `file:line: message` lines when the card (or the board around it) is broken."""
+
+    def runtest(self) -> None:
+        state = self.config.stash[STATE]
+        board = state.get_board()
+        where = rel(self.path, state.root)
+        errors = board.errors_for(where)
+        if errors:
+            raise CardLintError("\n".join(str(e) for e in errors))
+
+    def repr_failure(
+        self,
+        excinfo: pytest.ExceptionInfo[BaseException],
+        style: Any = None,
+    ) -> str:
+        if isinstance(excinfo.value, CardLintError):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self) -> tuple[Path, int, str]:
+        return self.path, 0, f"card lint: {self.path.name}"
+
+
+def load_report(path: Path | str) -> dict[str, Any]:
+    """Read a report written by `--cardgate-report`."""
+    return json.loads(Path(path).read_text(encoding="utf-8"))
