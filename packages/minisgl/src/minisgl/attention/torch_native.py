@@ -1,0 +1,82 @@
+"""Torch-native attention over the paged KV pool (CPU and CUDA; the reference backend)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from minisgl.attention import register_backend
+from minisgl.attention.base import AttentionBackend
+from minisgl.scheduler.plan import StepPlan
+
+
+@dataclass
+class _Meta:
+    out_loc: torch.Tensor
+    is_prefill: bool
+    # prefill: one entry per request (q rows, kv locations, boolean mask [q, kv])
+    segments: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+    # decode: padded KV locations [bs, Lmax] and mask [bs, 1, 1, Lmax]
+    kv_index: torch.Tensor | None = None
+    kv_mask: torch.Tensor | None = None
+
+
+@register_backend("torch_native")
+class TorchNativeBackend(AttentionBackend):
+    def prepare(self, plan: StepPlan) -> _Meta:
+        dev = self.device
+        out_loc = torch.from_numpy(plan.out_loc).to(dev, torch.int64)
+        kv_indices = torch.from_numpy(plan.kv_indices).to(dev, torch.int64)
+        seq_lens = plan.seq_lens.tolist()
+        ext = plan.extend_lens.tolist()
+        if plan.is_prefill:
+            segments = []
+            q0, kv0 = 0, 0
+            for n_q, n_kv in zip(ext, seq_lens, strict=True):
+                q_pos = torch.arange(n_kv - n_q, n_kv, device=dev)[:, None]
+                kv_pos = torch.arange(n_kv, device=dev)[None, :]
+                mask = kv_pos <= q_pos
+                if self.sliding_window is not None:
+                    mask &= kv_pos > q_pos - self.sliding_window
+                segments.append((q0, n_q, kv_indices[kv0 : kv0 + n_kv], mask))
+                q0 += n_q
+                kv0 += n_kv
+            return _Meta(out_loc, True, segments)
+        lens = torch.from_numpy(plan.seq_lens).to(dev, torch.int64)
+        indptr = torch.from_numpy(plan.kv_indptr[:-1]).to(dev, torch.int64)
+        lmax = max(seq_lens)
+        ar = torch.arange(lmax, device=dev)[None, :]
+        valid = ar < lens[:, None]
+        if self.sliding_window is not None:
+            valid &= ar >= lens[:, None] - self.sliding_window
+        gather = torch.where(valid, indptr[:, None] + ar, 0)
+        kv_index = kv_indices[gather] if kv_indices.numel() else gather
+        return _Meta(out_loc, False, [], kv_index, valid[:, None, None, :])
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: _Meta) -> torch.Tensor:
+        self.pool.store(layer, meta.out_loc, k, v)
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        gqa = self.num_heads // self.num_kv_heads
+        if meta.is_prefill:
+            out = torch.empty_like(q)
+            for q0, n_q, kv_idx, mask in meta.segments:
+                qs = q[q0 : q0 + n_q].transpose(0, 1)  # [H, q, D]
+                ks = k_cache[kv_idx].transpose(0, 1)  # [KVH, kv, D]
+                vs = v_cache[kv_idx].transpose(0, 1)
+                if gqa > 1:
+                    ks = ks.repeat_interleave(gqa, dim=0)
+                    vs = vs.repeat_interleave(gqa, dim=0)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+                out[q0 : q0 + n_q] = o.transpose(0, 1)
+            return out.reshape(q.shape[0], -1)
+        assert meta.kv_index is not None
+        ks = k_cache[meta.kv_index].transpose(1, 2)  # [bs, KVH, L, D]
+        vs = v_cache[meta.kv_index].transpose(1, 2)
+        if gqa > 1:
+            ks = ks.repeat_interleave(gqa, dim=1)
+            vs = vs.repeat_interleave(gqa, dim=1)
+        o = F.scaled_dot_product_attention(q[:, :, None, :], ks, vs, attn_mask=meta.kv_mask)
+        return o.reshape(q.shape[0], -1)

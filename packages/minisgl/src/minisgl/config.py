@@ -1,0 +1,120 @@
+"""Frozen configuration: what the engine was asked to run, and what the model is."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+class ModelLoadError(RuntimeError):
+    """The model directory cannot be served (missing files, unknown architecture...)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None
+    hf_config: Any  # the transformers PretrainedConfig (RoPE init reads it)
+
+    @staticmethod
+    def from_dir(model_path: str | Path) -> ModelConfig:
+        path = Path(model_path)
+        cfg_file = path / "config.json"
+        if not path.is_dir():
+            raise ModelLoadError(f"model path {str(path)!r} is not a directory")
+        if not cfg_file.is_file():
+            raise ModelLoadError(f"no config.json in model directory {str(path)!r}")
+        raw = json.loads(cfg_file.read_text())
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(
+                f"unsupported architecture {archs or raw.get('model_type')!r} in {cfg_file}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(str(path))
+        heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        window = None
+        if arch == "MistralForCausalLM" or getattr(hf, "use_sliding_window", False):
+            window = getattr(hf, "sliding_window", None)
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=window,
+            eos_token_ids=eos_ids,
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            hf_config=hf,
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What `LLM(...)` and the server were asked for. GPU-only options are kept and ignored on CPU."""
+
+    model_path: str
+    dtype: str = "auto"
+    device: str = "auto"
+    max_seq_len_override: int | None = None
+    max_extend_tokens: int = 4096
+    max_running_requests: int = 256
+    cuda_graph_max_bs: int | None = None
+    page_size: int = 1
+    num_pages: int | None = None
+    memory_ratio: float | None = None
+    cache_type: str = "radix"
+    attention_backend: str = "torch_native"
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_extend_tokens < 1:
+            raise ValueError(f"max_extend_tokens must be >= 1, got {self.max_extend_tokens}")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        if self.cache_type not in ("radix", "naive"):
+            raise ValueError(f"cache_type must be 'radix' or 'naive', got {self.cache_type!r}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.memory_ratio is not None and not (0.0 < self.memory_ratio <= 1.0):
+            raise ValueError(f"memory_ratio must be in (0, 1], got {self.memory_ratio}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto/float32/float16/bfloat16, got {self.dtype!r}")

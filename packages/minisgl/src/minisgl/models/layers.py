@@ -1,0 +1,63 @@
+"""Building blocks numerically identical to HF transformers' Llama family (fp32 parity)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minisgl.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with a precomputed cos/sin table; inverse frequencies come from transformers'
+    own initialisers so every `rope_type` (default, linear, llama3, yarn, ...) matches HF."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        inv_freq, scaling = _rope_init(cfg)
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :].float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions][:, None, :]  # [T, 1, D]
+        sin = self.sin[positions][:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_init(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    hf = cfg.hf_config
+    params = getattr(hf, "rope_parameters", None) or {}
+    scaling = getattr(hf, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+    if rope_type in (None, "default"):
+        theta = params.get("rope_theta") or getattr(hf, "rope_theta", None) or 10000.0
+        dim = cfg.head_dim
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_type {rope_type!r}")
+    inv, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, None)
+    return inv.float(), float(attention_scaling)

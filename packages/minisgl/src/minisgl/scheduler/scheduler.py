@@ -1,0 +1,265 @@
+"""Continuous batching with chunked prefill and a prefix cache.
+
+Each step is either a prefill step (admit / continue prompts under `max_extend_tokens`) or a
+decode step (one token for every running request). Admission reserves, for every admitted
+request, the pages it can still need (prompt + max_tokens), so decode never runs out of KV.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+from minisgl.core import SamplingParams
+from minisgl.kvcache import create_prefix_cache
+from minisgl.kvcache.allocator import PageAllocator
+from minisgl.scheduler.plan import StepPlan, build_step_plan
+from minisgl.scheduler.request import Req, StepOutput
+from minisgl.scheduler.stats import SchedulerStats
+
+
+class RequestError(ValueError):
+    """The request can never be served as asked (empty prompt, longer than the context...)."""
+
+
+def _pages(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+class Scheduler:
+    def __init__(self, *, num_pages: int, page_size: int, max_seq_len: int,
+                 max_running_requests: int, max_extend_tokens: int, cache_type: str,
+                 eos_token_ids: Sequence[int] = ()) -> None:
+        self.page_size = page_size
+        self.max_seq_len = max_seq_len
+        self.max_running = max_running_requests
+        self.max_extend_tokens = max_extend_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.alloc = PageAllocator(num_pages, page_size, max_running_requests, max_seq_len)
+        self.cache = create_prefix_cache(cache_type, page_size)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # admitted, in admission order (prefilling or decoding)
+        self.requests: dict[int, Req] = {}
+        self.stats = SchedulerStats()
+        self._rids = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, input_ids: Sequence[int] | np.ndarray, params: SamplingParams,
+                    rid: int | None = None, generator=None) -> int:
+        ids = np.asarray(input_ids, dtype=np.int32).reshape(-1)
+        if len(ids) == 0:
+            raise RequestError("prompt is empty: at least one token is required")
+        if len(ids) >= self.max_seq_len:
+            raise RequestError(
+                f"prompt has {len(ids)} tokens, the context holds {self.max_seq_len} "
+                "(prompt plus at least one generated token)"
+            )
+        max_total = min(len(ids) + params.max_tokens, self.max_seq_len)
+        if _pages(max_total, self.page_size) > self.alloc.num_pages:
+            raise RequestError(
+                f"request needs {max_total} tokens of KV, the pool holds "
+                f"{self.alloc.num_pages * self.page_size}"
+            )
+        rid = next(self._rids) if rid is None else rid
+        if rid in self.requests:
+            raise RequestError(f"duplicate request id {rid}")
+        req = Req(rid, ids, params, max_total, generator=generator)
+        req.fill_ids = ids
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return rid
+
+    def abort(self, rid: int) -> bool:
+        """Finish a request now (client gone, stop string hit...); frees all it holds."""
+        return self.finish(rid, "abort")
+
+    def finish(self, rid: int, reason: str) -> bool:
+        req = self.requests.get(rid)
+        if req is None:
+            return False
+        req.finish_reason = reason
+        if req.slot >= 0:
+            self.running.remove(req)
+            self._release(req)
+        else:
+            self.waiting.remove(req)
+        del self.requests[rid]
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> tuple[StepPlan, list[Req]] | None:
+        t0 = time.perf_counter()
+        batch = self._schedule_prefill()
+        plan = self._prefill_plan(batch) if batch else self._decode_plan()
+        self.stats.schedule_s.append(time.perf_counter() - t0)
+        return plan
+
+    def commit(self, reqs: list[Req], plan: StepPlan, next_tokens: Sequence[int]) -> list[StepOutput]:
+        """Advance KV lengths, append sampled tokens, finish and release requests."""
+        t0 = time.perf_counter()
+        for req, n in zip(reqs, plan.extend_lens.tolist(), strict=True):
+            req.kv_len += n
+        outputs: list[StepOutput] = []
+        for row, token in zip(plan.sample_rows.tolist(), next_tokens, strict=True):
+            req = reqs[row]
+            req.output_ids.append(token)
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                req.finish_reason = reason
+                self.running.remove(req)
+                self._release(req)
+                del self.requests[req.rid]
+            outputs.append(StepOutput(req.rid, token, reason))
+        self.stats.commit_s.append(time.perf_counter() - t0)
+        self.stats.steps += 1
+        self.stats.generated_tokens += len(outputs)
+        return outputs
+
+    def _finish_reason(self, req: Req, token: int) -> str | None:
+        p = req.params
+        if p.stop_token_ids and token in p.stop_token_ids:
+            return "stop"
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if len(req.output_ids) >= p.max_tokens or len(req.input_ids) + len(req.output_ids) >= req.max_total_len:
+            return "length"
+        return None
+
+    # ------------------------------------------------------------------ admission
+    def _reserved_pages(self) -> int:
+        """Pages admitted requests may still allocate (up to their max_total_len)."""
+        ps = self.page_size
+        return sum(_pages(r.max_total_len, ps) - r.alloc_len // ps for r in self.running)
+
+    def _schedule_prefill(self) -> list[tuple[Req, int]]:
+        budget = self.max_extend_tokens
+        batch: list[tuple[Req, int]] = []
+        for req in [r for r in self.running if r.in_prefill]:  # chunked prompts continue first
+            if budget <= 0:
+                break
+            n = min(req.prefill_len - req.kv_len, budget)
+            batch.append((req, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            if not self._admit(req):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            n = min(req.prefill_len - req.kv_len, budget)
+            batch.append((req, n))
+            budget -= n
+        for req, n in batch:
+            self._ensure_capacity(req, req.kv_len + n)
+        return batch
+
+    def _admit(self, req: Req) -> bool:
+        ps = self.page_size
+        fill = req.fill_ids
+        assert fill is not None
+        match = self.cache.match_prefix(fill[: len(fill) - 1])
+        self.cache.lock(match.node)
+        need = _pages(req.max_total_len, ps) - match.length // ps
+        avail = self.alloc.num_free_pages + self.cache.evictable_size // ps - self._reserved_pages()
+        if need > avail or self.alloc.num_free_slots == 0:
+            self.cache.unlock(match.node)
+            return False
+        req.slot = self.alloc.alloc_slot()
+        m = match.length
+        self.alloc.page_table[req.slot, :m] = match.indices
+        req.kv_len = req.alloc_len = req.cache_len = m
+        req.cache_node = match.node
+        if not req.output_ids:
+            req.cached_tokens = m
+            self.stats.prompt_tokens += len(fill)
+            self.stats.cached_prompt_tokens += m
+        return True
+
+    def _ensure_capacity(self, req: Req, length: int) -> None:
+        ps = self.page_size
+        need = _pages(length, ps) - req.alloc_len // ps
+        if need <= 0:
+            return
+        short = need - self.alloc.num_free_pages
+        if short > 0:
+            self.alloc.free_locations(self.cache.evict(short * ps))
+        self.alloc.alloc_pages(req.slot, req.alloc_len, need)
+        req.alloc_len += need * ps
+
+    # ------------------------------------------------------------------ plans
+    def _prefill_plan(self, batch: list[tuple[Req, int]]) -> tuple[StepPlan, list[Req]]:
+        reqs = [r for r, _ in batch]
+        starts = np.array([r.kv_len for r in reqs], dtype=np.int32)
+        lens = np.array([n for _, n in batch], dtype=np.int32)
+        ids = np.concatenate([r.fill_ids[r.kv_len : r.kv_len + n] for r, n in batch])
+        sample = starts + lens == np.array([r.prefill_len for r in reqs])
+        slots = np.array([r.slot for r in reqs], dtype=np.int32)
+        plan = build_step_plan(self.alloc.page_table, slots, starts, lens, ids, sample, True)
+        return plan, reqs
+
+    def _decode_plan(self) -> tuple[StepPlan, list[Req]] | None:
+        reqs = self.running
+        if not reqs:
+            return None
+        for req in reqs:
+            self._ensure_capacity(req, req.kv_len + 1)
+        n = len(reqs)
+        slots = np.fromiter((r.slot for r in reqs), dtype=np.int32, count=n)
+        starts = np.fromiter((r.kv_len for r in reqs), dtype=np.int32, count=n)
+        ids = np.fromiter((r.output_ids[-1] for r in reqs), dtype=np.int32, count=n)
+        ones = np.ones(n, dtype=np.int32)
+        plan = build_step_plan(self.alloc.page_table, slots, starts, ones, ids,
+                               np.ones(n, dtype=bool), False)
+        return plan, list(reqs)
+
+    # ------------------------------------------------------------------ release
+    def _release(self, req: Req) -> None:
+        ps, slot = self.page_size, req.slot
+        row = self.alloc.page_table[slot]
+        aligned = req.kv_len // ps * ps if req.finish_reason != "abort" else req.cache_len
+        tokens = req.all_tokens()[:aligned]
+        present = self.cache.insert(tokens, row[:aligned].copy())
+        # [cache_len, present): duplicates of KV the cache already holds; [aligned, alloc): tail
+        self.alloc.free_locations(row[req.cache_len : present])
+        self.alloc.free_locations(row[max(aligned, present) : req.alloc_len])
+        self.cache.unlock(req.cache_node)
+        self.alloc.free_slot(slot)
+        req.slot, req.cache_node = -1, None
+        req.kv_len = req.alloc_len = req.cache_len = 0
+
+    # ------------------------------------------------------------------ integrity
+    def check_integrity(self) -> None:
+        """Every page is exactly one of: free, owned by the cache, owned by a live request."""
+        ps = self.page_size
+        owners = np.zeros(self.alloc.num_pages, dtype=np.int32)
+        free = np.array(self.alloc._free_pages, dtype=np.int64)
+        np.add.at(owners, free, 1)
+        np.add.at(owners, self.cache.all_indices()[::ps] // ps, 1)
+        for req in self.running:
+            own = self.alloc.page_table[req.slot, req.cache_len : req.alloc_len]
+            np.add.at(owners, own[::ps] // ps, 1)
+        bad = np.flatnonzero(owners != 1)
+        if len(bad):
+            raise AssertionError(
+                f"KV integrity: {len(bad)} pages with owner count != 1, e.g. page {int(bad[0])} "
+                f"owned {int(owners[bad[0]])} times"
+            )
+        self.cache.check_integrity()
+        if len(self.running) + self.alloc.num_free_slots != self.alloc.max_slots:
+            raise AssertionError("KV integrity: request slots leaked")
+
+    def kv_usage(self) -> dict[str, int]:
+        return {
+            "total_pages": self.alloc.num_pages,
+            "free_pages": self.alloc.num_free_pages,
+            "cached_tokens": self.cache.evictable_size + self.cache.protected_size,
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+        }
