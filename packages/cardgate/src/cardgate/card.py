@@ -36,7 +36,7 @@ from pathlib import Path
 
 ITEM_SECTIONS = frozenset({"checklist", "tdd subtasks", "acceptance criteria"})
 PHASES = frozenset({"red", "green", "refactor"})
-STATUSES = ("backlog", "todo", "in-progress", "done")
+STATUSES = ("todo", "in-progress", "done", "backlog")
 CARD_ID_RE = re.compile(r"^[A-Z][A-Z0-9]*-\d+$")
 
 _TITLE_RE = re.compile(r"^#[ \t]+(?P<id>[^\s:]+)[ \t]*:[ \t]*(?P<title>.*)$")

@@ -110,8 +110,8 @@ def board_table(board: Board, root: Path, markdown: bool = False) -> str:
     else:
         widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=False)]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-        lines = [fmt.format(*header), fmt.format(*["-" * w for w in widths])]
-        lines += [fmt.format(*row) for row in rows]
+        lines = [fmt.format(*header).rstrip(), fmt.format(*["-" * w for w in widths])]
+        lines += [fmt.format(*row).rstrip() for row in rows]
     if board.errors:
         lines.append("")
         lines.append(f"{len(board.errors)} lint errors:")

@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cardgate.parity import assert_parity_json, check_parity_json
+
+
+@pytest.mark.card("P0-000", "parity-json-evidence-checked")
+def test_parity_json(tmp_path: Path) -> None:
+    def write(data: object) -> Path:
+        path = tmp_path / "parity.json"
+        path.write_text(json.dumps(data))
+        return path
+
+    assert check_parity_json(write({"parity_passed": True, "mismatches": 0})).passed
+    assert check_parity_json(write({"parity_passed": True, "divergences": []})).passed
+    failed = check_parity_json(write({"parity_passed": True, "mismatches": 2}))
+    assert not failed.passed and failed.mismatches == 2
+    assert not check_parity_json(write({"parity_passed": False, "mismatches": 0})).passed
+    assert not check_parity_json(write({"parity_passed": True})).passed
+    assert not check_parity_json(tmp_path / "missing.json").passed
+    with pytest.raises(AssertionError, match="mismatches = 1"):
+        assert_parity_json(write({"parity_passed": True, "mismatches": [{"i": 3}]}))
