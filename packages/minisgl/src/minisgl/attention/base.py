@@ -16,8 +16,15 @@ class AttentionBackend(ABC):
     every layer with that metadata. The backend writes the new K/V to the pool itself.
     """
 
-    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
-                 sliding_window: int | None, device: torch.device) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None,
+        device: torch.device,
+    ) -> None:
         self.pool = pool
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -29,6 +36,7 @@ class AttentionBackend(ABC):
     def prepare(self, plan: StepPlan) -> Any: ...
 
     @abstractmethod
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: Any) -> torch.Tensor:
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any
+    ) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KVH, D] -> [T, H * D]."""

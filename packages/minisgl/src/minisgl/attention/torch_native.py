@@ -55,8 +55,9 @@ class TorchNativeBackend(AttentionBackend):
         kv_index = kv_indices[gather] if kv_indices.numel() else gather
         return _Meta(out_loc, False, [], kv_index, valid[:, None, None, :])
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: _Meta) -> torch.Tensor:
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: _Meta
+    ) -> torch.Tensor:
         self.pool.store(layer, meta.out_loc, k, v)
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         gqa = self.num_heads // self.num_kv_heads

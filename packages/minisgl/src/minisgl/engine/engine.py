@@ -28,12 +28,23 @@ class Engine:
             self.max_seq_len = min(self.max_seq_len, config.max_seq_len_override)
         self.model = load_model(config.model_path, cfg, self.dtype, self.device, self.max_seq_len)
         self.num_pages = plan_num_pages(config, cfg, self.dtype, self.device, self.max_seq_len)
-        self.pool = KVPool(cfg.num_layers, self.num_pages, config.page_size, cfg.num_kv_heads,
-                           cfg.head_dim, self.dtype, self.device)
+        self.pool = KVPool(
+            cfg.num_layers,
+            self.num_pages,
+            config.page_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
+        )
         self.backend = create_backend(
-            config.attention_backend, pool=self.pool, num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            sliding_window=cfg.sliding_window, device=self.device,
+            config.attention_backend,
+            pool=self.pool,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            sliding_window=cfg.sliding_window,
+            device=self.device,
         )
 
     @torch.inference_mode()

@@ -29,8 +29,13 @@ def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.d
     return _DTYPES.get(str(cfg.torch_dtype).replace("torch.", ""), torch.bfloat16)
 
 
-def plan_num_pages(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype,
-                   device: torch.device, max_seq_len: int) -> int:
+def plan_num_pages(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_seq_len: int,
+) -> int:
     if config.num_pages is not None:
         return config.num_pages
     per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)

@@ -23,7 +23,9 @@ class KVPool:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_token(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

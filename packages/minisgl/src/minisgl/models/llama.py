@@ -19,7 +19,11 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
         h, bias = cfg.hidden_size, cfg.attention_bias
         self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
@@ -30,8 +34,14 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                backend: Any, meta: Any) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        backend: Any,
+        meta: Any,
+    ) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -87,8 +97,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                logits_indices: torch.Tensor, backend: Any, meta: Any) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+        backend: Any,
+        meta: Any,
+    ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, positions, self.rotary, backend, meta)

@@ -40,8 +40,13 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def load_model(model_path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
-               device: torch.device, max_positions: int):
+def load_model(
+    model_path: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+):
     from safetensors import safe_open
 
     model_path = Path(model_path)

@@ -31,9 +31,17 @@ def _pages(tokens: int, page_size: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, *, num_pages: int, page_size: int, max_seq_len: int,
-                 max_running_requests: int, max_extend_tokens: int, cache_type: str,
-                 eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_seq_len: int,
+        max_running_requests: int,
+        max_extend_tokens: int,
+        cache_type: str,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
         self.page_size = page_size
         self.max_seq_len = max_seq_len
         self.max_running = max_running_requests
@@ -48,8 +56,13 @@ class Scheduler:
         self._rids = itertools.count()
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, input_ids: Sequence[int] | np.ndarray, params: SamplingParams,
-                    rid: int | None = None, generator=None) -> int:
+    def add_request(
+        self,
+        input_ids: Sequence[int] | np.ndarray,
+        params: SamplingParams,
+        rid: int | None = None,
+        generator=None,
+    ) -> int:
         ids = np.asarray(input_ids, dtype=np.int32).reshape(-1)
         if len(ids) == 0:
             raise RequestError("prompt is empty: at least one token is required")
@@ -101,7 +114,9 @@ class Scheduler:
         self.stats.schedule_s.append(time.perf_counter() - t0)
         return plan
 
-    def commit(self, reqs: list[Req], plan: StepPlan, next_tokens: Sequence[int]) -> list[StepOutput]:
+    def commit(
+        self, reqs: list[Req], plan: StepPlan, next_tokens: Sequence[int]
+    ) -> list[StepOutput]:
         """Advance KV lengths, append sampled tokens, finish and release requests."""
         t0 = time.perf_counter()
         for req, n in zip(reqs, plan.extend_lens.tolist(), strict=True):
@@ -128,7 +143,10 @@ class Scheduler:
             return "stop"
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
-        if len(req.output_ids) >= p.max_tokens or len(req.input_ids) + len(req.output_ids) >= req.max_total_len:
+        if (
+            len(req.output_ids) >= p.max_tokens
+            or len(req.input_ids) + len(req.output_ids) >= req.max_total_len
+        ):
             return "length"
         return None
 
@@ -215,8 +233,9 @@ class Scheduler:
         starts = np.fromiter((r.kv_len for r in reqs), dtype=np.int32, count=n)
         ids = np.fromiter((r.output_ids[-1] for r in reqs), dtype=np.int32, count=n)
         ones = np.ones(n, dtype=np.int32)
-        plan = build_step_plan(self.alloc.page_table, slots, starts, ones, ids,
-                               np.ones(n, dtype=bool), False)
+        plan = build_step_plan(
+            self.alloc.page_table, slots, starts, ones, ids, np.ones(n, dtype=bool), False
+        )
         return plan, list(reqs)
 
     # ------------------------------------------------------------------ release

@@ -1,0 +1,99 @@
+"""Tiny random-weight models of every supported architecture, for tests and benchmarks.
+
+`write_tiny_model("llama", path, seed=0)` writes config.json, model.safetensors and a small
+byte-level BPE tokenizer (with a ChatML template) to `path`, deterministic from the seed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
+    "Batching helps GPU utilization because many requests share one forward pass. "
+    "A radix tree shares prefixes between prompts; chunked prefill splits long prompts. "
+    "0123456789 !?,.;:'\"()[]{}<>+-*/=_ abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+)
+
+
+def _config(arch: str, vocab: int, **overrides: Any):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if arch == "llama":
+        cfg = LlamaConfig(**{**common, "tie_word_embeddings": False, **overrides})
+    elif arch == "qwen2":
+        cfg = Qwen2Config(**{**common, "tie_word_embeddings": True, **overrides})
+    elif arch == "qwen3":
+        cfg = Qwen3Config(
+            **{**common, "tie_word_embeddings": False, "num_hidden_layers": 3, **overrides}
+        )
+    elif arch == "mistral":
+        cfg = MistralConfig(
+            **{**common, "tie_word_embeddings": False, "sliding_window": 48, **overrides}
+        )
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
+    return cfg
+
+
+def write_tokenizer(path: Path, vocab_size: int = 384) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        bos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+    return tok.get_vocab_size()
+
+
+def write_tiny_model(arch: str, path: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write a tiny random model of `arch` (llama, qwen2, qwen3, mistral) to `path`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(path)
+    cfg = _config(arch, vocab, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path

@@ -1,0 +1,174 @@
+"""Offline API behaviour: sampling, stops, aborts, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import assert_kv_clean, random_prompts
+
+from minisgl import LLM, SamplingParams
+from minisgl.config import ModelLoadError
+from minisgl.scheduler.scheduler import RequestError
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir) -> LLM:
+    return LLM(tiny_model_dir("llama"), num_pages=2048, max_seq_len_override=256)
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    prompt = random_prompts(1, 10, 10, seed=7)
+    p = dict(temperature=1.0, top_k=50, top_p=0.9, max_tokens=24, ignore_eos=True)
+    a = llm.generate(prompt, SamplingParams(seed=1, **p))[0]["token_ids"]
+    b = llm.generate(prompt, SamplingParams(seed=1, **p))[0]["token_ids"]
+    c = llm.generate(prompt, SamplingParams(seed=2, **p))[0]["token_ids"]
+    assert a == b
+    assert a != c
+    # the same seed gives the same tokens when batched with other requests
+    batched = llm.generate(prompt * 3, [SamplingParams(seed=s, **p) for s in (1, 2, 3)])
+    assert batched[0]["token_ids"] == a and batched[1]["token_ids"] == c
+    assert_kv_clean(llm)
+
+
+def test_top_k_one_is_greedy(llm):
+    prompt = random_prompts(1, 12, 12, seed=8)
+    greedy = llm.generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True))
+    topk1 = llm.generate(
+        prompt, SamplingParams(temperature=1.5, top_k=1, max_tokens=10, ignore_eos=True)
+    )
+    assert greedy[0]["token_ids"] == topk1[0]["token_ids"]
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    prompt = random_prompts(1, 12, 12, seed=9)
+    free = llm.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    assert free["finish_reason"] == "length" and len(free["token_ids"]) == 16
+    stop_at = free["token_ids"][5]
+    first = free["token_ids"].index(stop_at)
+    out = llm.generate(
+        prompt, SamplingParams(max_tokens=16, ignore_eos=True, stop_token_ids=[stop_at])
+    )[0]
+    assert out["finish_reason"] == "stop"
+    assert out["token_ids"] == free["token_ids"][: first + 1]
+    assert_kv_clean(llm)
+
+
+def test_stop_string_truncates_text(llm):
+    prompt = random_prompts(1, 12, 12, seed=10)
+    free = llm.generate(prompt, SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    text = free["text"]
+    assert len(text) > 6
+    stop = text[3:6]
+    out = llm.generate(prompt, SamplingParams(max_tokens=20, ignore_eos=True, stop=[stop]))[0]
+    assert out["finish_reason"] == "stop"
+    assert out["text"] == text[: text.find(stop)]
+    assert len(out["token_ids"]) < 20
+    assert_kv_clean(llm)
+
+
+def test_abort_frees_everything(llm):
+    sched = llm.scheduler
+    for ids in random_prompts(4, 20, 40, seed=11):
+        sched.add_request(ids, SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        llm.step()
+    assert sched.running
+    for rid in list(sched.requests):
+        assert sched.abort(rid)
+    assert not sched.abort(12345)
+    assert_kv_clean(llm)
+
+
+def test_string_and_chat_prompts(llm):
+    out = llm.generate(
+        ["hello world", [{"role": "user", "content": "hi"}]],
+        SamplingParams(max_tokens=4, ignore_eos=True),
+    )
+    assert [len(o["token_ids"]) for o in out] == [4, 4]
+    chat_ids = llm.encode([{"role": "user", "content": "hi"}])
+    assert chat_ids[0] == llm.tokenizer.convert_tokens_to_ids("<|im_start|>")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_tokens=0), "max_tokens must be > 0"),
+        (dict(max_tokens=-3), "max_tokens must be > 0"),
+        (dict(top_p=0.0), "top_p must be in (0, 1]"),
+        (dict(top_p=1.5), "top_p must be in (0, 1]"),
+        (dict(temperature=-1.0), "temperature must be >= 0"),
+    ],
+)
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("]", r"\]")):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts(llm):
+    with pytest.raises(RequestError, match="prompt is empty"):
+        llm.generate([[]])
+    with pytest.raises(RequestError, match="the context holds 256"):
+        llm.generate([[5] * 300])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[10**7]])
+    with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
+        llm.generate([[5], [6]], [SamplingParams()])
+    # a failing request in a batch leaves nothing behind
+    with pytest.raises(RequestError):
+        llm.generate([[5, 6, 7], []])
+    assert_kv_clean(llm)
+
+
+def test_bad_model_directories(tmp_path, tiny_model_dir):
+    with pytest.raises(ModelLoadError, match="not a directory"):
+        LLM(tmp_path / "nope")
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        LLM(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+        LLM(tmp_path)
+    src = tiny_model_dir("qwen2")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors weights"):
+        LLM(broken, num_pages=64)
+
+
+def test_engine_config_validation(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    with pytest.raises(ValueError, match="page_size"):
+        LLM(path, page_size=0)
+    with pytest.raises(ValueError, match="cache_type"):
+        LLM(path, cache_type="lru")
+    with pytest.raises(ValueError, match="memory_ratio"):
+        LLM(path, memory_ratio=1.5)
+
+
+def test_gpu_only_options_are_accepted_on_cpu(tiny_model_dir):
+    import torch
+
+    llm = LLM(
+        tiny_model_dir("qwen3"),
+        dtype=torch.float32,
+        cuda_graph_max_bs=16,
+        memory_ratio=0.01,
+        max_seq_len_override=128,
+    )
+    out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0]["token_ids"]) == 3
+
+
+@pytest.mark.slow
+def test_real_model_knows_paris():
+    llm = LLM(max_seq_len_override=512)
+    out = llm.generate(
+        [[{"role": "user", "content": "What is the capital of France?"}]],
+        SamplingParams(max_tokens=24),
+    )
+    assert "Paris" in out[0]["text"]
+    assert out[0]["finish_reason"] == "stop"
+    assert_kv_clean(llm)
