@@ -52,7 +52,7 @@ class RadixCache:
     def match_prefix(self, tokens: np.ndarray) -> MatchResult:
         tokens = self._aligned(tokens)
         self._clock += 1
-        node, pos, parts = self._walk(tokens)
+        node, _, parts = self._walk(tokens)
         value = np.concatenate(parts) if parts else _EMPTY
         return MatchResult(node, value)
 
