@@ -20,23 +20,26 @@ Depends on: {depends}
   - [ ] child one
   - [ ] child two
 - [x] Looked at it (manual)
+{tdd}
+## Progress Notes (2026-01-01)
+- [ ] not an item
+"""
 
+TDD = """
 ## TDD Subtasks
 1. Red
 - [ ] failing test first
 2. Green
 - [ ] passes now
-
-## Progress Notes (2026-01-01)
-- [ ] not an item
 """
 
 TESTS = """\
+import os
 import pytest
 
 IMPL = {impl}
 
-@pytest.mark.card("T-001", "child-one", "failing-test-first", "passes now")
+@pytest.mark.card("T-001", {one_items})
 def test_one():
     assert IMPL
 
@@ -60,7 +63,7 @@ class Repo:
         for lane in ("todo", "in-progress", "done", "backlog"):
             (self.path / "kanban" / lane).mkdir(parents=True, exist_ok=True)
         self.write("pyproject.toml", '[tool.pytest.ini_options]\ntestpaths = ["tests"]\n')
-        self.write(".gitignore", "__pycache__/\n.hypothesis/\n")
+        self.write(".gitignore", "__pycache__/\n.hypothesis/\n/stdout\n/stderr\n")
         self.git("init", "-q", "-b", "main")
         self.git("config", "user.email", "gate@example.invalid")
         self.git("config", "user.name", "gate")
@@ -72,17 +75,24 @@ class Repo:
         path.write_text(textwrap.dedent(text))
         return path
 
-    def card(self, lane: str = "in-progress", depends: str = "none") -> Path:
-        return self.write(f"kanban/{lane}/T-001-demo.md", CARD.format(status=lane, depends=depends))
+    def card(self, lane: str = "in-progress", depends: str = "none", tdd: bool = True) -> Path:
+        text = CARD.format(status=lane, depends=depends, tdd=TDD if tdd else "")
+        return self.write(f"kanban/{lane}/T-001-demo.md", text)
 
-    def tests(self, impl: bool = True, ops: float = 100.0) -> Path:
-        return self.write("tests/test_demo.py", TESTS.format(impl=impl, ops=ops))
+    def tests(self, impl: str = "True", ops: float = 100.0, tdd: bool = True) -> Path:
+        items = '"child-one", "failing-test-first", "passes now"' if tdd else '"child-one"'
+        text = TESTS.format(impl=impl, ops=ops, one_items=items)
+        return self.write("tests/test_demo.py", text)
 
     def git(self, *args: str) -> str:
         proc = subprocess.run(
             ["git", *args], cwd=self.path, capture_output=True, text=True, check=True
         )
         return proc.stdout.strip()
+
+    def status(self) -> str:
+        """`git status` without the gate's own evidence directory."""
+        return self.git("status", "--porcelain", "--", ".", ":(exclude)worklog/evidence")
 
     def commit(self, message: str = "wip") -> str:
         self.git("add", "-A")
@@ -102,7 +112,7 @@ class Repo:
         return sorted(base.iterdir()) if base.is_dir() else []
 
     def snapshot(self) -> dict[str, bytes]:
-        skip = {".git", "__pycache__", ".hypothesis"}
+        skip = {".git", "__pycache__", ".hypothesis", "stdout", "stderr"}  # last two: pytester
         return {
             p.relative_to(self.path).as_posix(): p.read_bytes()
             for p in sorted(self.path.rglob("*"))

@@ -163,16 +163,19 @@ def _leaf_verdict(
         return None
     failed = [t for t in tests if t["status"] == "fail"]
     held = [t for t in tests if t["status"] == "hold"]
+    held_reason = held[0]["reason"] if held else ""
+    if held and "missing evidence" not in held_reason:
+        held_reason += " (missing evidence)"
     if phase == "red":
         if held:
-            return "hold", held[0]["reason"] + " (missing evidence)"
+            return "hold", held_reason
         if failed:
             return "pass", f"red: {len(failed)}/{len(tests)} failing as expected"
         return "fail", f"not red: all {len(tests)} bound tests pass before the implementation"
     if failed:
         return "fail", failed[0]["reason"]
     if held:
-        return "hold", held[0]["reason"] + " (missing evidence)"
+        return "hold", held_reason
     return "pass", f"{len(tests)} passed"
 
 

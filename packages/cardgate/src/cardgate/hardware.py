@@ -29,12 +29,14 @@ def _forced() -> bool | None:
     return None
 
 
-@functools.cache
 def cuda_available() -> bool:
     """True when torch sees a CUDA device (imports torch on first call; no torch = no GPU)."""
     forced = _forced()
-    if forced is not None:
-        return forced
+    return _torch_cuda() if forced is None else forced
+
+
+@functools.cache
+def _torch_cuda() -> bool:
     try:
         import torch
     except Exception:

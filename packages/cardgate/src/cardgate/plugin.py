@@ -242,7 +242,7 @@ def _message(report: pytest.TestReport | pytest.CollectReport, root: Path) -> st
     if longrepr is None:
         return ""
     if isinstance(longrepr, tuple) and len(longrepr) == 3:
-        text = str(longrepr[2])
+        text = str(longrepr[2]).removeprefix("Skipped: ")
     else:
         crash = getattr(longrepr, "reprcrash", None)
         text = getattr(crash, "message", None) or str(longrepr)
