@@ -46,6 +46,7 @@ def test_full_loop_red_then_green_then_pass(repo: Repo, monkeypatch: pytest.Monk
 
     repo.git("commit", "-q", "--allow-empty", "-m", "green")
     green_commit = repo.git("rev-parse", "HEAD")
+    (repo.path / "kanban/done").rmdir()  # git keeps no empty lane folders
     result = repo.gate("-n", "2")
     assert result.ret == PASS, result.stdout.str()
     result.stdout.fnmatch_lines(["decision: PASS (exit 0)", "moved to: kanban/done/T-001-demo.md*"])

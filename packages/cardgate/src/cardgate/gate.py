@@ -486,8 +486,9 @@ def _write_evidence(
 
 
 def _close_card(root: Path, card: Card, result: GateOutcome) -> None:
-    path = root / card.path
-    text = path.read_text(encoding="utf-8")
+    """Tick, validate, set Status: done, then `git mv` to done/ (all staged, nothing committed)."""
+    source = root / card.path
+    text = source.read_text(encoding="utf-8")
     to_tick = [card.items[v.key].line for v in result.items if not card.items[v.key].checked]
     text = edit.tick(text, to_tick)
     text = edit.set_status(text, card.field_lines.get("status"), "done")
@@ -501,13 +502,12 @@ def _close_card(root: Path, card: Card, result: GateOutcome) -> None:
             f"Evidence: `{result.evidence_dir}/`",
         ],
     )
-    path.write_text(text, encoding="utf-8")
+    target = card.path
     if card.lane != "done":
-        target = f"{KANBAN_DIR}/done/{path.name}"
-        gitutil.move(root, card.path, target)
-        result.moved_to = target
-        result.card_paths = [card.path, target]
-    else:
-        gitutil.git(root, "add", card.path)
-        result.moved_to = card.path
-        result.card_paths = [card.path]
+        target = f"{KANBAN_DIR}/done/{source.name}"
+        (root / target).parent.mkdir(parents=True, exist_ok=True)
+        gitutil.git(root, "mv", card.path, target)
+    (root / target).write_text(text, encoding="utf-8")
+    gitutil.git(root, "add", target)
+    result.moved_to = target
+    result.card_paths = [card.path, target] if target != card.path else [target]

@@ -49,8 +49,3 @@ def is_strict_ancestor(root: Path, commit: str, of: str) -> bool:
         return False
     proc = git(root, "merge-base", "--is-ancestor", commit, of, check=False)
     return proc.returncode == 0
-
-
-def move(root: Path, src: str, dst: str) -> None:
-    git(root, "mv", src, dst)
-    git(root, "add", dst)
