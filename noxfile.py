@@ -47,7 +47,7 @@ def tests(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff check + ruff format --check."""
-    session.install("ruff>=0.6")
+    session.install("ruff==0.17.5")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 

@@ -84,8 +84,13 @@ def write_tokenizer(path: Path, vocab_size: int = 384) -> int:
     return tok.get_vocab_size()
 
 
-def write_tiny_model(arch: str, path: str | Path, seed: int = 0, **overrides: Any) -> Path:
-    """Write a tiny random model of `arch` (llama, qwen2, qwen3, mistral) to `path`."""
+def write_tiny_model(arch: str, path: str | Path, seed: int = 0,
+                     max_shard_size: str | None = None, **overrides: Any) -> Path:
+    """Write a tiny random model of `arch` (llama, qwen2, qwen3, mistral) to `path`.
+
+    `max_shard_size` (e.g. "40KB") writes sharded safetensors with an index file; other
+    keyword arguments override the transformers config (e.g. `rope_scaling`).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -95,5 +100,6 @@ def write_tiny_model(arch: str, path: str | Path, seed: int = 0, **overrides: An
     cfg = _config(arch, vocab, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.save_pretrained(str(path), safe_serialization=True)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), safe_serialization=True, **kw)
     return path
