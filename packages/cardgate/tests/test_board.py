@@ -6,6 +6,7 @@ import pytest
 from conftest import Repo
 
 from cardgate.board import load_board
+from cardgate.scan import bindings_in_source
 
 P = pytest.mark.card
 
@@ -77,3 +78,21 @@ def test_board_views(repo: Repo) -> None:
     assert row["last_gate"] is None
     markdown = repo.cardgate("board", "--markdown").stdout.str()
     assert "| Lane | Card |" in markdown and "| in-progress | T-001 |" in markdown
+
+
+@P("P0-000", "board-as-a-table-json-and-markdown")
+def test_static_binding_scan_follows_aliases() -> None:
+    source = (
+        "import pytest\nfrom pytest import mark\nC = pytest.mark.card\n"
+        "pytestmark = pytest.mark.card('A-001', 'one')\n"
+        "@C('A-001', 'two', 'three')\ndef test_a(): pass\n"
+        "@mark.card('A-002', 'four')\ndef test_b(): pass\n"
+        "@pytest.mark.card(CARD, 'dynamic')\ndef test_c(): pass\n"
+    )
+    assert bindings_in_source(source) == [
+        ("A-001", "one"),
+        ("A-001", "two"),
+        ("A-001", "three"),
+        ("A-002", "four"),
+    ]
+    assert bindings_in_source("def broken(:\n") == []

@@ -24,14 +24,27 @@ def _is_card_marker(func: ast.expr) -> bool:
 
 
 def bindings_in_source(source: str) -> list[tuple[str, str]]:
-    """(card_id, item ref) for every literal `mark.card("ID", "item", ...)` call."""
+    """(card_id, item ref) for every literal `mark.card("ID", "item", ...)` call.
+
+    Also follows simple aliases: `C = pytest.mark.card` then `@C("ID", "item")`.
+    """
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return []
+    aliases = {
+        target.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and _is_card_marker(node.value)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
     found: list[tuple[str, str]] = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and _is_card_marker(node.func):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if _is_card_marker(func) or (isinstance(func, ast.Name) and func.id in aliases):
             args = [a.value for a in node.args if isinstance(a, ast.Constant)]
             if args and all(isinstance(a, str) for a in args):
                 found.extend((args[0], ref) for ref in args[1:])
@@ -50,6 +63,6 @@ def scan_bindings(root: Path) -> list[tuple[str, str]]:
                 source = path.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError):
                 continue
-            if "card(" in source:
+            if "mark.card" in source:
                 found.extend(bindings_in_source(source))
     return found
