@@ -1,0 +1,312 @@
+"""The server's inter-process messages and their two wire encodings.
+
+Typed (default): every message is a msgpack array `[SCHEMA_VERSION, TAG, field, ...]` with the
+fields in declaration order; token-id payloads travel as raw little-endian int32/int64 bytes
+(one copy, no per-token msgpack ints). Nothing recursive runs on the hot path.
+
+Generic (`Codec(typed=False)`, `--transport generic`, `MINISGL_TRANSPORT=generic`): the earlier
+project's path, a recursive dataclass -> dict conversion (`{"__type__": name, ...}`) and back,
+kept so the two can be compared (`python -m minisgl.benchmark.transport`).
+
+`Codec.decode` accepts both encodings; a typed message of another schema version is refused
+with a clear error instead of being misread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+
+class SchemaError(ValueError):
+    """A message that this schema version cannot decode."""
+
+
+def _arr(data: Any, dtype) -> np.ndarray:
+    if isinstance(data, np.ndarray):
+        return data.astype(dtype, copy=False)
+    if isinstance(data, bytes | bytearray | memoryview):
+        return np.frombuffer(data, dtype=dtype)
+    return np.asarray(data, dtype=dtype)
+
+
+def _bytes(a: Any, dtype) -> bytes:
+    return np.ascontiguousarray(a, dtype=dtype).tobytes()
+
+
+@dataclass(slots=True)
+class WireParams:
+    """Sampling parameters as they travel (converted to `SamplingParams` by the scheduler)."""
+
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    def pack(self) -> list:
+        return [
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.max_tokens,
+            self.ignore_eos,
+            self.seed,
+            self.stop,
+            self.stop_token_ids,
+            self.skip_special_tokens,
+        ]
+
+    @classmethod
+    def unpack(cls, v: list) -> WireParams:
+        return cls(*v)
+
+    def to_sampling_params(self):
+        from minisgl.core import SamplingParams
+
+        # stop strings are handled by the detokenizer; the scheduler only sees token stops
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            seed=self.seed,
+            stop_token_ids=self.stop_token_ids,
+        )
+
+
+class Message:
+    TAG: ClassVar[int]
+    ARRAYS: ClassVar[dict[str, Any]] = {}  # field -> dtype sent as raw bytes on the typed path
+
+    def pack(self) -> list:
+        out = []
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            dt = self.ARRAYS.get(f.name)
+            if dt is not None:
+                v = _bytes(v, dt)
+            elif isinstance(v, WireParams):
+                v = v.pack()
+            out.append(v)
+        return out
+
+    @classmethod
+    def unpack(cls, items: list):
+        kwargs = {}
+        for f, v in zip(dataclasses.fields(cls), items, strict=True):  # type: ignore[arg-type]
+            dt = cls.ARRAYS.get(f.name)
+            if dt is not None:
+                v = _arr(v, dt)
+            elif f.name == "params":
+                v = WireParams.unpack(v)
+            kwargs[f.name] = v
+        return cls(**kwargs)
+
+
+# ----------------------------------------------------------------------------- messages
+@dataclass(slots=True)
+class TokenizeReq(Message):
+    """API server -> tokenizer: a prompt to tokenize (kind: text / ids / chat)."""
+
+    TAG: ClassVar[int] = 1
+    uid: int
+    kind: str  # "text" | "ids" | "chat"
+    prompt: Any  # str | list[int] | list[{"role","content"}]
+    params: WireParams
+
+
+@dataclass(slots=True)
+class AbortReq(Message):
+    """API server -> tokenizer -> scheduler: the client is gone; free everything."""
+
+    TAG: ClassVar[int] = 2
+    uid: int
+
+
+@dataclass(slots=True)
+class AddReq(Message):
+    """Tokenizer -> scheduler: a tokenized request."""
+
+    TAG: ClassVar[int] = 3
+    ARRAYS: ClassVar[dict[str, Any]] = {"input_ids": np.int32}
+    uid: int
+    input_ids: np.ndarray
+    params: WireParams
+
+
+@dataclass(slots=True)
+class FinishReq(Message):
+    """Detokenizer -> scheduler: a stop string was hit; finish the request with `reason`."""
+
+    TAG: ClassVar[int] = 4
+    uid: int
+    reason: str
+
+
+@dataclass(slots=True)
+class TokenOut(Message):
+    """Scheduler -> detokenizer: one step's sampled tokens (finished: reason or None)."""
+
+    TAG: ClassVar[int] = 5
+    ARRAYS: ClassVar[dict[str, Any]] = {"uids": np.int64, "tokens": np.int32}
+    uids: np.ndarray
+    tokens: np.ndarray
+    finished: list  # list[str | None], aligned with uids
+
+
+@dataclass(slots=True)
+class Reject(Message):
+    """A request failed (bad prompt, engine error, worker gone): HTTP status and message."""
+
+    TAG: ClassVar[int] = 6
+    uid: int
+    message: str
+    status: int = 400
+    code: str = "invalid_request"
+    param: str | None = None
+
+
+@dataclass(slots=True)
+class DetokOut(Message):
+    """Detokenizer -> API server: new text per request (aligned lists)."""
+
+    TAG: ClassVar[int] = 7
+    uids: list
+    texts: list
+    counts: list  # tokens generated since the last message
+    finished: list  # reason or None
+    prompt_tokens: list
+
+
+@dataclass(slots=True)
+class Ready(Message):
+    """Worker -> launcher: started (or failed to: error)."""
+
+    TAG: ClassVar[int] = 8
+    name: str
+    pid: int
+    info: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Stats(Message):
+    """Scheduler -> API server: queue / KV / counters snapshot for /metrics."""
+
+    TAG: ClassVar[int] = 9
+    data: dict
+
+
+@dataclass(slots=True)
+class Shutdown(Message):
+    TAG: ClassVar[int] = 10
+    reason: str = ""
+
+
+MESSAGES: dict[int, type[Message]] = {
+    c.TAG: c
+    for c in (
+        TokenizeReq,
+        AbortReq,
+        AddReq,
+        FinishReq,
+        TokenOut,
+        Reject,
+        DetokOut,
+        Ready,
+        Stats,
+        Shutdown,
+    )
+}
+BY_NAME: dict[str, type[Message]] = {c.__name__: c for c in MESSAGES.values()}
+_PARAMS_NAME = "WireParams"
+
+
+# ----------------------------------------------------------------------------- generic path
+def to_dict(obj: Any) -> Any:
+    """The generic path: recursive dataclass / array -> plain msgpack-able objects."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        d = {"__type__": type(obj).__name__}
+        for f in dataclasses.fields(obj):
+            d[f.name] = to_dict(getattr(obj, f.name))
+        return d
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, list | tuple):
+        return [to_dict(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def from_dict(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        name = obj.get("__type__")
+        if name is None:
+            return {k: from_dict(v) for k, v in obj.items()}
+        kwargs = {k: from_dict(v) for k, v in obj.items() if k != "__type__"}
+        if name == _PARAMS_NAME:
+            return WireParams(**kwargs)
+        cls = BY_NAME.get(name)
+        if cls is None:
+            raise SchemaError(f"unknown message type {name!r}")
+        for k, dt in cls.ARRAYS.items():
+            kwargs[k] = _arr(kwargs[k], dt)
+        return cls(**kwargs)
+    if isinstance(obj, list):
+        return [from_dict(x) for x in obj]
+    return obj
+
+
+# ----------------------------------------------------------------------------- codec
+class Codec:
+    """encode(msg) -> bytes; decode(bytes) -> msg. Typed unless typed=False."""
+
+    def __init__(self, typed: bool | None = None) -> None:
+        if typed is None:
+            typed = os.environ.get("MINISGL_TRANSPORT", "typed") != "generic"
+        self.typed = typed
+
+    @property
+    def name(self) -> str:
+        return "typed" if self.typed else "generic"
+
+    def encode(self, msg: Message) -> bytes:
+        if self.typed:
+            return msgpack.packb([SCHEMA_VERSION, msg.TAG, *msg.pack()], use_bin_type=True)
+        return msgpack.packb(to_dict(msg), use_bin_type=True)
+
+    @staticmethod
+    def decode(data: bytes) -> Message:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        if isinstance(raw, dict):
+            msg = from_dict(raw)
+            if not isinstance(msg, Message):
+                raise SchemaError("generic message without a known __type__")
+            return msg
+        if not isinstance(raw, list) or len(raw) < 2:
+            raise SchemaError("not a minisgl message")
+        version, tag = raw[0], raw[1]
+        if version != SCHEMA_VERSION:
+            raise SchemaError(
+                f"message schema version {version}, this build speaks {SCHEMA_VERSION}"
+            )
+        cls = MESSAGES.get(tag)
+        if cls is None:
+            raise SchemaError(f"unknown message tag {tag}")
+        return cls.unpack(raw[2:])

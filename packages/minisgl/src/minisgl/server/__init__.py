@@ -1,0 +1,1 @@
+"""The online server: launcher, OpenAI-compatible API server, scheduler worker."""

@@ -1,0 +1,129 @@
+"""Command-line flags of `python -m minisgl` (the earlier project's names)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class ServerArgs:
+    model_path: str | None = None
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 1919
+    dtype: str = "auto"
+    device: str = "auto"
+    page_size: int = 1
+    num_pages: int | None = None
+    memory_ratio: float | None = None
+    cache_type: str = "radix"
+    attention_backend: str = "torch_native"
+    max_running_requests: int = 256
+    max_queued_requests: int | None = None  # default: 4 x max_running_requests
+    max_prefill_length: int = 4096
+    max_seq_len_override: int | None = None
+    cuda_graph_max_bs: int | None = None
+    num_tokenizer: int = 1
+    transport: str = "typed"
+    startup_timeout: float = 300.0
+    shutdown_timeout: float = 5.0
+    log_level: str = "warning"
+
+    @property
+    def queue_limit(self) -> int:
+        """Requests the server holds at once (running + queued); past it: 429."""
+        queued = self.max_queued_requests
+        if queued is None:
+            queued = 4 * self.max_running_requests
+        return self.max_running_requests + queued
+
+    def llm_kwargs(self) -> dict:
+        return dict(
+            dtype=self.dtype,
+            device=self.device,
+            page_size=self.page_size,
+            num_pages=self.num_pages,
+            memory_ratio=self.memory_ratio,
+            cache_type=self.cache_type,
+            attention_backend=self.attention_backend,
+            max_running_requests=self.max_running_requests,
+            max_extend_tokens=self.max_prefill_length,
+            max_seq_len_override=self.max_seq_len_override,
+            cuda_graph_max_bs=self.cuda_graph_max_bs,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m minisgl", description="minisgl OpenAI-compatible server"
+    )
+    p.add_argument(
+        "--model-path",
+        "--model",
+        dest="model_path",
+        default=None,
+        help="HF model directory (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=1919)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--memory-ratio", type=float, default=None)
+    p.add_argument("--cache-type", default="radix", choices=["radix", "naive"])
+    p.add_argument("--attention-backend", default="torch_native")
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="requests waiting beyond --max-running-requests (default 4x); then 429",
+    )
+    p.add_argument(
+        "--max-prefill-length",
+        "--max-extend-tokens",
+        dest="max_prefill_length",
+        type=int,
+        default=4096,
+    )
+    p.add_argument("--max-seq-len-override", type=int, default=None)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    p.add_argument("--num-tokenizer", type=int, default=1)
+    p.add_argument(
+        "--transport",
+        default="typed",
+        choices=["typed", "generic"],
+        help="inter-process message encoding (generic = dataclass->dict, for comparison)",
+    )
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="seconds in-flight requests get to finish on SIGINT/SIGTERM",
+    )
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    ns = build_parser().parse_args(argv)
+    args = ServerArgs(**vars(ns))
+    errors = []
+    if args.num_tokenizer < 1:
+        errors.append("--num-tokenizer must be >= 1")
+    if args.max_running_requests < 1:
+        errors.append("--max-running-requests must be >= 1")
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        errors.append("--max-queued-requests must be >= 0")
+    if not 0 <= args.port < 65536:
+        errors.append("--port must be in [0, 65535]")
+    if errors:
+        build_parser().error("; ".join(errors))
+    return args

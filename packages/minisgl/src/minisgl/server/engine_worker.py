@@ -1,0 +1,236 @@
+"""The scheduler + engine process: owns an `LLM` and runs its step loop.
+
+Each turn: take every queued message (new requests, aborts, stop-string finishes), run one
+`LLM.step()` if there is work, send the sampled tokens to the detokenizer that owns each request
+(uid % num_tokenizer), and now and then a stats snapshot to the API server.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+import zmq
+
+from minisgl.message.schema import (
+    AbortReq,
+    AddReq,
+    Codec,
+    FinishReq,
+    Ready,
+    Reject,
+    Shutdown,
+    Stats,
+    TokenOut,
+)
+from minisgl.server import ipc
+
+STATS_BUSY_S = 0.1
+STATS_IDLE_S = 1.0
+
+
+def cpu_backend_stats() -> dict[str, Any] | None:
+    """The CPU backend path counters, if that module exists in this build."""
+    try:
+        from minisgl.scheduler import cpu_backend
+    except ImportError:
+        return None
+    fn = getattr(cpu_backend, "stats", None)
+    if fn is None:
+        return None
+    try:
+        return fn()
+    except Exception as e:  # counters must never take the server down
+        return {"error": repr(e)}
+
+
+class EngineLoop:
+    def __init__(self, llm, codec: Codec, to_tok: list, to_frontend) -> None:
+        self.llm = llm
+        self.sched = llm.scheduler
+        self.codec = codec
+        self.to_tok = to_tok
+        self.to_frontend = to_frontend
+        self.vocab = llm.engine.model_config.vocab_size
+        self.device = llm.engine.device
+        self.last_stats = 0.0
+        self.was_busy = False
+        self.integrity_ok = 1
+
+    def send_tok(self, uid: int, msg) -> None:
+        self.to_tok[uid % len(self.to_tok)].send(self.codec.encode(msg))
+
+    def reject(
+        self,
+        uid: int,
+        message: str,
+        status: int = 400,
+        code: str = "invalid_request",
+        param: str | None = None,
+    ) -> None:
+        self.send_tok(uid, Reject(uid, message, status, code, param))
+
+    # ------------------------------------------------------------------ messages
+    def handle(self, msg) -> bool:
+        """Returns False on Shutdown."""
+        if isinstance(msg, AddReq):
+            self.add(msg)
+        elif isinstance(msg, AbortReq):
+            self.sched.abort(msg.uid)
+        elif isinstance(msg, FinishReq):
+            self.sched.finish(msg.uid, msg.reason)
+        elif isinstance(msg, Shutdown):
+            return False
+        return True
+
+    def add(self, msg: AddReq) -> None:
+        from minisgl.sampler import make_generator
+        from minisgl.scheduler.scheduler import RequestError
+
+        ids = np.asarray(msg.input_ids, dtype=np.int32)
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):
+            bad = int(ids[(ids < 0) | (ids >= self.vocab)][0])
+            self.reject(
+                msg.uid,
+                f"token id {bad} is outside the vocabulary [0, {self.vocab})",
+                param="prompt",
+            )
+            return
+        try:
+            params = msg.params.to_sampling_params()
+        except (TypeError, ValueError) as e:
+            self.reject(msg.uid, str(e))
+            return
+        try:
+            gen = make_generator(params.seed, self.device)
+            self.sched.add_request(ids, params, rid=msg.uid, generator=gen)
+        except RequestError as e:
+            text = str(e)
+            code = (
+                "context_length_exceeded"
+                if "context" in text or "KV" in text
+                else "invalid_request"
+            )
+            self.reject(msg.uid, text, 400, code, "messages" if code != "invalid_request" else None)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> None:
+        try:
+            outs = self.llm.step()
+        except Exception as e:
+            traceback.print_exc()
+            for rid in list(self.sched.requests):
+                self.sched.abort(rid)
+                self.reject(rid, f"engine error: {e!r}", 500, "internal_error")
+            return
+        if not outs:
+            return
+        n = len(self.to_tok)
+        groups: list[list] = [[] for _ in range(n)]
+        for o in outs:
+            groups[o.rid % n].append(o)
+        for i, g in enumerate(groups):
+            if g:
+                msg = TokenOut(
+                    np.fromiter((o.rid for o in g), dtype=np.int64, count=len(g)),
+                    np.fromiter((o.token_id for o in g), dtype=np.int32, count=len(g)),
+                    [o.finish_reason for o in g],
+                )
+                self.to_tok[i].send(self.codec.encode(msg))
+
+    # ------------------------------------------------------------------ stats
+    def maybe_send_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        busy = self.sched.has_work()
+        idle_edge = self.was_busy and not busy
+        self.was_busy = busy
+        period = STATS_BUSY_S if busy else STATS_IDLE_S
+        if not (force or idle_edge or now - self.last_stats >= period):
+            return
+        self.last_stats = now
+        if not busy:
+            try:
+                self.sched.check_integrity()
+                self.integrity_ok = 1
+            except AssertionError:
+                traceback.print_exc()
+                self.integrity_ok = 0
+        self.to_frontend.send(self.codec.encode(Stats(self.snapshot())))
+
+    def snapshot(self) -> dict[str, Any]:
+        s = self.sched
+        kv = dict(s.kv_usage())
+        st = s.stats
+        page = s.page_size
+        data: dict[str, Any] = {
+            **kv,
+            "page_size": page,
+            "used_pages": kv["total_pages"] - kv["free_pages"],
+            "cached_pages": kv["cached_tokens"] // page,
+            "steps": st.steps,
+            "generated_tokens": st.generated_tokens,
+            "prompt_tokens": st.prompt_tokens,
+            "cached_prompt_tokens": st.cached_prompt_tokens,
+            "prefix_hit_rate": st.prefix_hit_rate,
+            "integrity_ok": self.integrity_ok,
+        }
+        cpu = cpu_backend_stats()
+        if cpu is not None:
+            data["cpu_backend"] = cpu
+        return data
+
+
+def run_engine_worker(
+    model_path: str, llm_kwargs: dict, ipc_dir: str, typed: bool, num_tokenizer: int
+) -> None:
+    name = ipc.SCHEDULER
+    alive = ipc.setup_worker_process()
+    ctx = zmq.Context()
+    codec = Codec(typed)
+    to_frontend = ipc.push(ctx, ipc_dir, ipc.FRONTEND)
+    try:
+        inbox = ipc.pull(ctx, ipc_dir, ipc.SCHEDULER)
+        to_tok = [ipc.push(ctx, ipc_dir, ipc.tokenizer_name(i)) for i in range(num_tokenizer)]
+        from minisgl.llm import LLM
+
+        llm = LLM(model_path, **llm_kwargs)
+    except ipc.WorkerExit:
+        ctx.destroy(linger=0)
+        return
+    except Exception as e:
+        traceback.print_exc()
+        to_frontend.send(codec.encode(Ready(name, os.getpid(), error=f"{type(e).__name__}: {e}")))
+        time.sleep(0.5)
+        ctx.destroy(linger=0)
+        raise SystemExit(1) from None
+    eng = llm.engine
+    info = {
+        "max_seq_len": int(eng.max_seq_len),
+        "vocab_size": int(eng.model_config.vocab_size),
+        "num_pages": int(eng.num_pages),
+        "page_size": int(llm.config.page_size),
+        "device": str(eng.device),
+        "dtype": str(eng.dtype).replace("torch.", ""),
+        "architecture": eng.model_config.architecture,
+    }
+    loop = EngineLoop(llm, codec, to_tok, to_frontend)
+    to_frontend.send(codec.encode(Ready(name, os.getpid(), info=info)))
+    loop.maybe_send_stats(force=True)
+    try:
+        running = True
+        while running and alive():
+            busy = loop.sched.has_work()
+            frames = ipc.drain(inbox, 0 if busy else 100)
+            for f in frames:
+                if not loop.handle(codec.decode(f)):
+                    running = False
+            if running and loop.sched.has_work():
+                loop.step()
+            loop.maybe_send_stats()
+    except ipc.WorkerExit:
+        pass
+    finally:
+        ctx.destroy(linger=0)

@@ -1,0 +1,76 @@
+"""ZMQ ipc sockets (in the launcher's private temp dir) and worker-process plumbing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import zmq
+
+FRONTEND = "frontend"  # API server PULL: outputs, stats, readiness
+SCHEDULER = "scheduler"  # scheduler PULL: requests, aborts, finishes
+
+
+def tokenizer_name(i: int) -> str:
+    return f"tokenizer{i}"
+
+
+def addr(ipc_dir: str, name: str) -> str:
+    return f"ipc://{os.path.join(ipc_dir, name)}"
+
+
+def pull(ctx: zmq.Context, ipc_dir: str, name: str) -> zmq.Socket:
+    s = ctx.socket(zmq.PULL)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVHWM, 0)
+    s.bind(addr(ipc_dir, name))
+    return s
+
+
+def push(ctx: zmq.Context, ipc_dir: str, name: str) -> zmq.Socket:
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, 0)
+    s.connect(addr(ipc_dir, name))
+    return s
+
+
+def drain(sock: zmq.Socket, first_timeout_ms: int, limit: int = 4096) -> list[bytes]:
+    """Wait up to `first_timeout_ms` for one frame, then take everything already queued."""
+    out: list[bytes] = []
+    if not sock.poll(first_timeout_ms, zmq.POLLIN):
+        return out
+    while len(out) < limit:
+        try:
+            out.append(sock.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            break
+    return out
+
+
+class WorkerExit(Exception):
+    pass
+
+
+def setup_worker_process() -> callable:
+    """In a worker: Ctrl+C is the launcher's business; SIGTERM asks for a clean exit.
+
+    Returns `alive()`: False once the launcher is gone (so a worker never outlives it).
+    """
+    parent = os.getppid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def on_term(signum, frame):
+        raise WorkerExit()
+
+    signal.signal(signal.SIGTERM, on_term)
+
+    def alive() -> bool:
+        return os.getppid() == parent
+
+    return alive
+
+
+def worker_log(name: str, msg: str) -> None:
+    print(f"[minisgl {name} pid={os.getpid()}] {msg}", file=sys.stderr, flush=True)

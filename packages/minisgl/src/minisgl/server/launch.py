@@ -1,0 +1,172 @@
+"""`python -m minisgl`: start the workers, wait until every one is ready, serve, clean up.
+
+Processes: this one (launcher + API server: FastAPI/uvicorn), `--num-tokenizer` tokenizer /
+detokenizer workers and one scheduler + engine worker, all started with multiprocessing
+`spawn`. They talk over ZMQ ipc sockets in a private temp dir that is removed on exit.
+
+A supervisor thread watches the workers: if one dies, `/health` turns 503 and every in-flight
+request ends with an error at once. SIGINT / SIGTERM: stop accepting, give in-flight requests
+`--shutdown-timeout` seconds, abort the rest, stop the workers (SIGTERM, then SIGKILL) and
+remove the ipc dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+from minisgl.server import ipc
+from minisgl.server.args import ServerArgs, parse_args
+
+
+def log(msg: str) -> None:
+    print(f"[minisgl launcher pid={os.getpid()}] {msg}", file=sys.stderr, flush=True)
+
+
+class Launcher:
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.procs: dict[str, mp.process.BaseProcess] = {}
+        self.ipc_dir: str | None = None
+        self.frontend = None
+        self.stopping = threading.Event()
+        self.phase = "startup"
+
+    # ------------------------------------------------------------------ signals
+    def _on_signal(self, signum, frame) -> None:
+        self.stopping.set()
+        if self.phase == "startup":
+            raise KeyboardInterrupt(f"signal {signum} during startup")
+
+    # ------------------------------------------------------------------ workers
+    def _start_workers(self, model_path: str) -> None:
+        from minisgl.server.engine_worker import run_engine_worker
+        from minisgl.tokenizer.worker import run_tokenizer_worker
+
+        args, ctx = self.args, mp.get_context("spawn")
+        typed = args.transport != "generic"
+        self.procs[ipc.SCHEDULER] = ctx.Process(
+            target=run_engine_worker,
+            args=(model_path, args.llm_kwargs(), self.ipc_dir, typed, args.num_tokenizer),
+            name="minisgl-scheduler",
+            daemon=True,
+        )
+        for i in range(args.num_tokenizer):
+            self.procs[ipc.tokenizer_name(i)] = ctx.Process(
+                target=run_tokenizer_worker,
+                args=(i, model_path, self.ipc_dir, typed),
+                name=f"minisgl-{ipc.tokenizer_name(i)}",
+                daemon=True,
+            )
+        for p in self.procs.values():
+            p.start()
+
+    def _dead_worker(self) -> str | None:
+        for name, p in self.procs.items():
+            if not p.is_alive():
+                return f"worker {name} (pid {p.pid}) exited with code {p.exitcode}"
+        return None
+
+    def _supervise(self) -> None:
+        while not self.stopping.wait(0.1):
+            dead = self._dead_worker()
+            if dead is not None:
+                log(f"{dead}; /health now fails and in-flight requests are ended")
+                self.frontend.mark_unhealthy(dead)
+                return
+
+    def _stop_workers(self) -> None:
+        for p in self.procs.values():
+            if p.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        for p in self.procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs.values():
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> int:
+        args = self.args
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        try:
+            model_path = args.model_path
+            if model_path is None:
+                from minisgl.default_model import default_model_path
+
+                model_path = str(default_model_path())
+            self.ipc_dir = tempfile.mkdtemp(
+                prefix="minisgl-", dir=os.environ.get("MINISGL_IPC_ROOT")
+            )
+            from minisgl.server.api_server import Frontend, create_app
+
+            self.frontend = fe = Frontend(args, model_path, self.ipc_dir)
+            t0 = time.perf_counter()
+            self._start_workers(model_path)
+            ready = fe.wait_ready(list(self.procs), args.startup_timeout, self._dead_worker)
+            fe.info = ready[ipc.SCHEDULER].info
+            log(
+                f"workers ready in {time.perf_counter() - t0:.1f}s: "
+                + ", ".join(f"{n}={r.pid}" for n, r in sorted(ready.items()))
+                + f"; model {model_path} ({fe.info})"
+            )
+            threading.Thread(target=self._supervise, name="minisgl-supervisor", daemon=True).start()
+            self.phase = "serving"
+            if self.stopping.is_set():
+                return 0
+            self._serve(create_app(fe))
+            return 0
+        except KeyboardInterrupt:
+            log("interrupted during startup")
+            return 130
+        except Exception as e:
+            log(f"failed: {type(e).__name__}: {e}")
+            return 1
+        finally:
+            self.phase = "stopping"
+            self.stopping.set()
+            if self.frontend is not None:
+                self.frontend.serving = False
+            self._stop_workers()
+            if self.frontend is not None:
+                self.frontend.close()
+            if self.ipc_dir is not None:
+                shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            log("stopped")
+
+    def _serve(self, app) -> None:
+        import uvicorn
+
+        fe = self.frontend
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame) -> None:  # stop accepting at once
+                fe.serving = False
+                super().handle_exit(sig, frame)
+
+        config = uvicorn.Config(
+            app,
+            host=self.args.host,
+            port=self.args.port,
+            log_level=self.args.log_level,
+            timeout_graceful_shutdown=max(1, round(self.args.shutdown_timeout)),
+            access_log=False,
+        )
+        server = Server(config)
+        log(f"serving on http://{self.args.host}:{self.args.port}")
+        server.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return Launcher(parse_args(argv)).run()

@@ -1,0 +1,311 @@
+"""OpenAI request validation: JSON body -> (prompt, WireParams, stream options) or APIError."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl.message.schema import WireParams
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "stream",
+    "stream_options",
+    "n",
+    "stop_token_ids",
+    "skip_special_tokens",
+}
+CHAT = COMMON | {"messages", "max_completion_tokens"}
+COMPLETION = COMMON | {"prompt"}
+
+# accepted only with these (default) values: anything else is a clear 400
+DEFAULT_ONLY: dict[str, tuple] = {
+    "presence_penalty": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+    "repetition_penalty": (1, 1.0, None),
+    "logprobs": (False, None, 0),
+    "top_logprobs": (None, 0),
+    "echo": (False, None),
+    "best_of": (1, None),
+    "logit_bias": (None,),
+    "suffix": (None,),
+    "tools": (None,),
+    "tool_choice": (None, "none"),
+    "functions": (None,),
+    "function_call": (None, "none"),
+    "response_format": (None,),
+    "min_tokens": (0, None),
+}
+IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "min_p"}
+
+
+@dataclass
+class Parsed:
+    kind: str  # text | ids | chat
+    prompt: Any
+    params: WireParams
+    stream: bool
+    include_usage: bool
+    model: str
+
+
+def _bad(msg: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, msg, param, code)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(body: dict, key: str, default: float, lo: float, hi: float, lo_open=False) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+        raise _bad(f"'{key}' must be a number, got {type(v).__name__}", key, "invalid_type")
+    if v < lo or v > hi or (lo_open and v == lo):
+        left = "(" if lo_open else "["
+        raise _bad(f"'{key}' must be in {left}{lo}, {hi}], got {v}", key)
+    return float(v)
+
+
+def _check_fields(body: dict, allowed: set[str]) -> None:
+    for k, v in body.items():
+        if k in allowed or k in IGNORED:
+            continue
+        if k in DEFAULT_ONLY:
+            ok = DEFAULT_ONLY[k]
+            if (
+                v in ok
+                or (k == "response_format" and v == {"type": "text"})
+                or (k in ("logit_bias", "tools") and not v)
+            ):
+                continue
+            raise _bad(
+                f"'{k}' is not supported by this server (got {v!r})", k, "unsupported_parameter"
+            )
+        raise _bad(f"unsupported parameter '{k}'", k, "unsupported_parameter")
+
+
+def parse_common(
+    body: Any, allowed: set[str], model_names: set[str], max_seq_len: int, default_max_tokens: int
+) -> tuple[WireParams, bool, bool, str]:
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object", None, "invalid_type")
+    _check_fields(body, allowed)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("'model' must be a string", "model", "invalid_type")
+    if model is not None and model not in model_names:
+        raise APIError(
+            404,
+            f"the model '{model}' does not exist; this server serves '{sorted(model_names)[0]}'",
+            "model",
+            "model_not_found",
+        )
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise _bad(
+            f"'n' must be 1: this server returns one choice per request (got {n!r})",
+            "n",
+            "unsupported_parameter",
+        )
+    max_tokens = body.get("max_completion_tokens")
+    key = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, key = body.get("max_tokens"), "max_tokens"
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    elif not _is_int(max_tokens):
+        raise _bad(
+            f"'{key}' must be an integer, got {type(max_tokens).__name__}", key, "invalid_type"
+        )
+    elif not 1 <= max_tokens <= max_seq_len:
+        raise _bad(
+            f"'{key}' must be in [1, {max_seq_len}] (the context length), got {max_tokens}", key
+        )
+    temperature = _num(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    top_k = body.get("top_k")
+    if top_k is None:
+        top_k = -1
+    elif not _is_int(top_k):
+        raise _bad("'top_k' must be an integer", "top_k", "invalid_type")
+    elif top_k < -1:
+        raise _bad(f"'top_k' must be -1 (off) or >= 0, got {top_k}", "top_k")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise _bad("'seed' must be an integer", "seed", "invalid_type")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise _bad("'seed' must be in [0, 2**63)", "seed")
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = list(stop)
+    else:
+        raise _bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
+    if any(s == "" for s in stops):
+        raise _bad("'stop' strings must not be empty", "stop")
+    if len(stops) > 16:
+        raise _bad("at most 16 'stop' strings are supported", "stop")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and not (
+        isinstance(stop_ids, list) and all(_is_int(t) for t in stop_ids)
+    ):
+        raise _bad("'stop_token_ids' must be a list of integers", "stop_token_ids", "invalid_type")
+    for key in ("ignore_eos", "stream", "skip_special_tokens"):
+        v = body.get(key)
+        if v is not None and not isinstance(v, bool):
+            raise _bad(f"'{key}' must be a boolean", key, "invalid_type")
+    stream = bool(body.get("stream"))
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise _bad("'stream_options' must be an object", "stream_options", "invalid_type")
+        if not stream:
+            raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        unknown = set(opts) - {"include_usage", "continuous_usage_stats"}
+        if unknown:
+            raise _bad(
+                f"unsupported stream_options {sorted(unknown)}",
+                "stream_options",
+                "unsupported_parameter",
+            )
+        iu = opts.get("include_usage", False)
+        if not isinstance(iu, bool):
+            raise _bad(
+                "'stream_options.include_usage' must be a boolean", "stream_options", "invalid_type"
+            )
+        include_usage = iu
+    params = WireParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        max_tokens=max_tokens,
+        ignore_eos=bool(body.get("ignore_eos", False)),
+        seed=seed,
+        stop=stops,
+        stop_token_ids=stop_ids,
+        skip_special_tokens=body.get("skip_special_tokens", True) is not False,
+    )
+    return params, stream, include_usage, model or ""
+
+
+def parse_chat(body: Any, model_names: set[str], max_seq_len: int) -> Parsed:
+    params, stream, iu, model = parse_common(body, CHAT, model_names, max_seq_len, max_seq_len)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad(
+            "'messages' must be a non-empty list",
+            "messages",
+            "invalid_type" if not isinstance(msgs, list) else "invalid_value",
+        )
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}] must be an object", f"messages[{i}]", "invalid_type")
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise _bad(
+                f"messages[{i}].role must be system, user, assistant or tool, got {role!r}",
+                f"messages[{i}].role",
+            )
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            parts = []
+            for p in content:
+                if not (
+                    isinstance(p, dict)
+                    and p.get("type") == "text"
+                    and isinstance(p.get("text"), str)
+                ):
+                    raise _bad(
+                        f"messages[{i}].content: only text parts are supported",
+                        f"messages[{i}].content",
+                        "unsupported_parameter",
+                    )
+                parts.append(p["text"])
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise _bad(
+                f"messages[{i}].content must be a string or a list of text parts",
+                f"messages[{i}].content",
+                "invalid_type",
+            )
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return Parsed("chat", out, params, stream, iu, model)
+
+
+def parse_completion(body: Any, model_names: set[str], max_seq_len: int) -> Parsed:
+    params, stream, iu, model = parse_common(body, COMPLETION, model_names, max_seq_len, 16)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return Parsed("text", prompt, params, stream, iu, model)
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return Parsed("ids", prompt, params, stream, iu, model)
+    if (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(p, str | list) for p in prompt)
+    ):
+        raise _bad(
+            "batched prompts are not supported: send one prompt per request",
+            "prompt",
+            "unsupported_parameter",
+        )
+    raise _bad(
+        "'prompt' must be a string or a non-empty list of token ids",
+        "prompt",
+        "invalid_type" if prompt is not None else "missing_required_parameter",
+    )

@@ -1,0 +1,1 @@
+"""Tokenizer / detokenizer worker of the server."""

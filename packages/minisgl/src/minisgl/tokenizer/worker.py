@@ -1,0 +1,182 @@
+"""Tokenizer / detokenizer worker process.
+
+Requests (from the API server) are tokenized in batches: everything queued when the worker
+wakes up goes through one call of the HF fast tokenizer. Tokens (from the scheduler) are
+detokenized incrementally, in batches, with stop strings checked here: a hit tells the
+scheduler to finish the request. Worker i serves the requests with uid % num_tokenizer == i.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import numpy as np
+import zmq
+
+from minisgl.message.schema import (
+    AbortReq,
+    AddReq,
+    Codec,
+    DetokOut,
+    FinishReq,
+    Ready,
+    Reject,
+    Shutdown,
+    TokenizeReq,
+    TokenOut,
+)
+from minisgl.server import ipc
+from minisgl.tokenizer.detokenize import DecodeState, Detokenizer
+
+
+def load_tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+class TokenizerWorker:
+    def __init__(self, tokenizer, codec: Codec) -> None:
+        self.tok = tokenizer
+        self.codec = codec
+        self.detok = Detokenizer(tokenizer)
+        self.states: dict[int, DecodeState] = {}
+
+    # ------------------------------------------------------------------ tokenize
+    def tokenize(self, reqs: list[TokenizeReq]) -> tuple[list[AddReq], list[Reject]]:
+        adds: list[AddReq] = []
+        rejects: list[Reject] = []
+        texts: list[str] = []
+        text_reqs: list[tuple[TokenizeReq, bool]] = []  # (req, add_special_tokens)
+        for r in reqs:
+            try:
+                if r.kind == "ids":
+                    adds.append(AddReq(r.uid, np.asarray(r.prompt, dtype=np.int32), r.params))
+                elif r.kind == "chat":
+                    rendered = self.tok.apply_chat_template(
+                        r.prompt, add_generation_prompt=True, tokenize=False
+                    )
+                    texts.append(rendered)
+                    text_reqs.append((r, False))
+                else:
+                    texts.append(r.prompt)
+                    text_reqs.append((r, True))
+            except Exception as e:
+                rejects.append(Reject(r.uid, f"cannot tokenize the prompt: {e}", 400))
+        if texts:
+            # one batched call per add_special_tokens value
+            for flag in (True, False):
+                idx = [i for i, (_, f) in enumerate(text_reqs) if f is flag]
+                if not idx:
+                    continue
+                enc = self.tok([texts[i] for i in idx], add_special_tokens=flag)["input_ids"]
+                for i, ids in zip(idx, enc, strict=True):
+                    r = text_reqs[i][0]
+                    adds.append(AddReq(r.uid, np.asarray(ids, dtype=np.int32), r.params))
+        for a in adds:
+            p = a.params
+            self.states[a.uid] = DecodeState(
+                stops=tuple(p.stop or ()),
+                skip_special_tokens=p.skip_special_tokens,
+                prompt_tokens=len(a.input_ids),
+            )
+        return adds, rejects
+
+    # ------------------------------------------------------------------ detokenize
+    def detokenize(self, outs: list[TokenOut]) -> tuple[DetokOut | None, list[FinishReq]]:
+        merged: dict[int, list] = {}  # uid -> [state, new ids, reason]
+        for o in outs:
+            for uid, tok, reason in zip(o.uids.tolist(), o.tokens.tolist(), o.finished):
+                st = self.states.get(uid)
+                if st is None or st.finished is not None:
+                    continue  # aborted or already stopped: late tokens are dropped
+                m = merged.get(uid)
+                if m is None:
+                    merged[uid] = m = [st, [], None]
+                if m[2] is None:
+                    m[1].append(tok)
+                    m[2] = reason
+        if not merged:
+            return None, []
+        uids = list(merged)
+        results = self.detok.update([tuple(merged[u]) for u in uids])
+        out = DetokOut([], [], [], [], [])
+        finishes: list[FinishReq] = []
+        for uid, (st, text, stop_hit) in zip(uids, results, strict=True):
+            if stop_hit:
+                finishes.append(FinishReq(uid, "stop"))
+            if not text and st.finished is None:
+                continue  # nothing printable yet (partial UTF-8 or held for a stop string)
+            out.uids.append(uid)
+            out.texts.append(text)
+            out.counts.append(st.unsent_tokens)
+            out.finished.append(st.finished)
+            out.prompt_tokens.append(st.prompt_tokens)
+            st.unsent_tokens = 0
+            if st.finished is not None:
+                del self.states[uid]
+        return (out if out.uids else None), finishes
+
+
+def run_tokenizer_worker(index: int, model_path: str, ipc_dir: str, typed: bool) -> None:
+    name = ipc.tokenizer_name(index)
+    alive = ipc.setup_worker_process()
+    ctx = zmq.Context()
+    codec = Codec(typed)
+    to_frontend = ipc.push(ctx, ipc_dir, ipc.FRONTEND)
+    try:
+        inbox = ipc.pull(ctx, ipc_dir, name)
+        to_sched = ipc.push(ctx, ipc_dir, ipc.SCHEDULER)
+        worker = TokenizerWorker(load_tokenizer(model_path), codec)
+    except Exception as e:
+        to_frontend.send(codec.encode(Ready(name, os.getpid(), error=repr(e))))
+        to_frontend.close(linger=1000)
+        raise
+    to_frontend.send(codec.encode(Ready(name, os.getpid())))
+    try:
+        while alive():
+            frames = ipc.drain(inbox, 500)
+            if not frames:
+                continue
+            msgs = [codec.decode(f) for f in frames]
+            tok_reqs = [m for m in msgs if isinstance(m, TokenizeReq)]
+            aborts = {m.uid for m in msgs if isinstance(m, AbortReq)}
+            outs = [m for m in msgs if isinstance(m, TokenOut)]
+            if any(isinstance(m, Shutdown) for m in msgs):
+                break
+            to_frontend_msgs: list = []
+            if tok_reqs:
+                try:
+                    adds, rejects = worker.tokenize([r for r in tok_reqs if r.uid not in aborts])
+                except Exception as e:  # a tokenizer bug must not kill the worker
+                    adds = []
+                    rejects = [
+                        Reject(r.uid, f"tokenizer error: {e!r}", 500, "internal_error")
+                        for r in tok_reqs
+                    ]
+                to_frontend_msgs.extend(rejects)
+                for a in adds:
+                    to_sched.send(codec.encode(a))
+            for uid in aborts:
+                worker.states.pop(uid, None)
+                to_sched.send(codec.encode(AbortReq(uid)))
+            for m in msgs:
+                if isinstance(m, Reject):  # from the scheduler: drop state, tell the client
+                    worker.states.pop(m.uid, None)
+                    to_frontend_msgs.append(m)
+            if outs:
+                detok, finishes = worker.detokenize(outs)
+                for f in finishes:
+                    to_sched.send(codec.encode(f))
+                if detok is not None:
+                    to_frontend_msgs.append(detok)
+            for m in to_frontend_msgs:
+                to_frontend.send(codec.encode(m))
+    except ipc.WorkerExit:
+        pass
+    except Exception:
+        traceback.print_exc()
+        raise
+    finally:
+        ctx.destroy(linger=0)
