@@ -39,6 +39,7 @@ from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import APIError, Parsed, parse_chat, parse_completion
 
 RETRY_AFTER_S = "1"
+DISCONNECT_CHECK_S = 0.1
 
 
 @dataclass(eq=False)
@@ -414,6 +415,7 @@ def create_app(fe: Frontend) -> FastAPI:
 
         async def events():
             item = first
+            last_check = time.monotonic()
             try:
                 if chat:
                     yield chunk("", None, role=True)
@@ -441,6 +443,11 @@ def create_app(fe: Frontend) -> FastAPI:
                                 }
                             )
                         break
+                    now = time.monotonic()
+                    if now - last_check > DISCONNECT_CHECK_S:  # tokens keep flowing: poll
+                        last_check = now
+                        if await request.is_disconnected():
+                            break
                     item = await next_item(request, st)
                 yield b"data: [DONE]\n\n"
             finally:

@@ -1,0 +1,138 @@
+"""Every bad input gets a 4xx with an OpenAI-style error body; the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+LONG_IDS = list(range(3, 303))  # 300 tokens > the 256-token context
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        yield c
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = "any", code=None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param != "any":
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+CASES = [
+    # (endpoint, body, status, param, code)
+    ("chat", {"messages": CHAT, "max_tokens": "10"}, 400, "max_tokens", "invalid_type"),
+    ("chat", {"messages": CHAT, "max_tokens": 0}, 400, "max_tokens", None),
+    ("chat", {"messages": CHAT, "max_tokens": -5}, 400, "max_tokens", None),
+    ("chat", {"messages": CHAT, "max_tokens": 10**6}, 400, "max_tokens", None),
+    ("chat", {"messages": CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens", None),
+    ("chat", {"messages": CHAT, "temperature": "hot"}, 400, "temperature", "invalid_type"),
+    ("chat", {"messages": CHAT, "temperature": 7}, 400, "temperature", None),
+    ("chat", {"messages": CHAT, "top_p": 0}, 400, "top_p", None),
+    ("chat", {"messages": CHAT, "top_k": 1.5}, 400, "top_k", "invalid_type"),
+    ("chat", {"messages": CHAT, "seed": "x"}, 400, "seed", "invalid_type"),
+    ("chat", {"messages": CHAT, "stop": 5}, 400, "stop", "invalid_type"),
+    ("chat", {"messages": CHAT, "stop": [""]}, 400, "stop", None),
+    ("chat", {"messages": CHAT, "stream": "yes"}, 400, "stream", "invalid_type"),
+    (
+        "chat",
+        {"messages": CHAT, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        None,
+    ),
+    ("chat", {"messages": CHAT, "n": 2}, 400, "n", "unsupported_parameter"),
+    ("chat", {"messages": CHAT, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
+    (
+        "chat",
+        {"messages": CHAT, "frequency_penalty": 0.5},
+        400,
+        "frequency_penalty",
+        "unsupported_parameter",
+    ),
+    ("chat", {"messages": CHAT, "foo": 1}, 400, "foo", "unsupported_parameter"),
+    ("chat", {"messages": "hi"}, 400, "messages", "invalid_type"),
+    ("chat", {"messages": []}, 400, "messages", None),
+    ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", None),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": 5}]},
+        400,
+        "messages[0].content",
+        "invalid_type",
+    ),
+    ("chat", {"messages": CHAT, "model": "gpt-4"}, 404, "model", "model_not_found"),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": "fox " * 400}]},
+        400,
+        "any",
+        "context_length_exceeded",
+    ),
+    ("completions", {"prompt": LONG_IDS}, 400, "any", "context_length_exceeded"),
+    ("completions", {"prompt": LONG_IDS, "stream": True}, 400, "any", "context_length_exceeded"),
+    ("completions", {"prompt": [1, 2, 10**6]}, 400, "prompt", None),
+    ("completions", {"prompt": [1, -2]}, 400, "prompt", None),
+    ("completions", {"prompt": {"text": "x"}}, 400, "prompt", "invalid_type"),
+    ("completions", {}, 400, "prompt", "missing_required_parameter"),
+    ("completions", {"prompt": ["a", "b"]}, 400, "prompt", "unsupported_parameter"),
+    ("completions", {"prompt": "hi", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ("completions", {"prompt": "hi", "best_of": 3}, 400, "best_of", "unsupported_parameter"),
+    ("completions", {"prompt": "hi", "n": 3}, 400, "n", "unsupported_parameter"),
+    ("completions", {"prompt": "hi", "model": "nope"}, 404, "model", "model_not_found"),
+]
+
+
+@pytest.mark.parametrize(
+    "endpoint,body,status,param,code", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)]
+)
+def test_bad_request(http, endpoint, body, status, param, code):
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    assert_error(http.post(path, json=body), status, param, code)
+
+
+def test_empty_prompt(http):
+    assert_error(http.post("/v1/completions", json={"prompt": ""}), 400)
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"str"', b"null"])
+def test_malformed_body(http, raw):
+    r = http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert_error(r, 400)
+
+
+def test_unknown_route_and_method(http):
+    assert_error(http.get("/v1/nothing"), 404)
+    assert_error(http.get("/v1/chat/completions"), 405)
+
+
+def test_openai_client_sees_typed_errors(server):
+    c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", timeout=30, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(
+            model="x" if False else c.models.list().data[0].id, messages=CHAT, n=2
+        )
+    assert "n" in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="nope", prompt="hi")
+
+
+def test_server_keeps_serving_after_bad_input(http):
+    for _ in range(3):
+        http.post("/v1/completions", content=b"{oops")
+        http.post("/v1/completions", json={"prompt": LONG_IDS})
+    r = http.post(
+        "/v1/completions",
+        json={"prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert http.get("/health").status_code == 200
