@@ -17,6 +17,7 @@ import numpy as np
 from minisgl.core import SamplingParams
 from minisgl.kvcache import create_prefix_cache
 from minisgl.kvcache.allocator import PageAllocator
+from minisgl.scheduler.cpu_backend import served_counter
 from minisgl.scheduler.plan import StepPlan, build_step_plan
 from minisgl.scheduler.request import Req, StepOutput
 from minisgl.scheduler.stats import SchedulerStats
@@ -31,6 +32,24 @@ def _pages(tokens: int, page_size: int) -> int:
 
 
 class Scheduler:
+    """The Python reference scheduler.
+
+    `Scheduler(...)` returns the backend chosen by `cpu_backend=` or `MINISGL_CPU_BACKEND`
+    (see `minisgl.scheduler.cpu_backend`): this class for `python`, a `RustScheduler` for
+    `rust_hotpath`, wrapped in a `ShadowScheduler` under `MINISGL_CPU_BACKEND_SHADOW=1`.
+    """
+
+    backend = "python"
+
+    def __new__(cls, *args, cpu_backend: str | None = None, **kwargs):
+        if cls is Scheduler:
+            from minisgl.scheduler.cpu_backend import create_scheduler
+
+            alt = create_scheduler(cpu_backend, kwargs)
+            if alt is not None:
+                return alt
+        return super().__new__(cls)
+
     def __init__(
         self,
         *,
@@ -41,6 +60,7 @@ class Scheduler:
         max_extend_tokens: int,
         cache_type: str,
         eos_token_ids: Sequence[int] = (),
+        cpu_backend: str | None = None,
     ) -> None:
         self.page_size = page_size
         self.max_seq_len = max_seq_len
@@ -54,6 +74,7 @@ class Scheduler:
         self.requests: dict[int, Req] = {}
         self.stats = SchedulerStats()
         self._rids = itertools.count()
+        self._served = served_counter("python")
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -109,6 +130,7 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def schedule(self) -> tuple[StepPlan, list[Req]] | None:
         t0 = time.perf_counter()
+        self._served["schedule"] += 1
         batch = self._schedule_prefill()
         plan = self._prefill_plan(batch) if batch else self._decode_plan()
         self.stats.schedule_s.append(time.perf_counter() - t0)
@@ -119,6 +141,7 @@ class Scheduler:
     ) -> list[StepOutput]:
         """Advance KV lengths, append sampled tokens, finish and release requests."""
         t0 = time.perf_counter()
+        self._served["commit"] += 1
         for req, n in zip(reqs, plan.extend_lens.tolist(), strict=True):
             req.kv_len += n
         outputs: list[StepOutput] = []

@@ -1,0 +1,143 @@
+"""CPU backend selection for the scheduler: `python` (the reference) or `rust_hotpath`.
+
+Environment:
+- `MINISGL_CPU_BACKEND=python|rust_hotpath` (default `python`).
+- `MINISGL_CPU_BACKEND_SHADOW=1`: run the other backend beside the primary on every decision
+  and write divergences as JSON lines to `MINISGL_CPU_BACKEND_SHADOW_REPORT` (at most
+  `MINISGL_CPU_BACKEND_SHADOW_MAX_DIFFS`, default 1000). Serving always uses the primary.
+
+If the extension is missing or raises while building the Rust scheduler, the Python
+scheduler serves instead: one log line, and the fallback is counted. If a Rust call raises
+mid-run while a Python shadow is present, that call and every later one are served by the
+Python shadow (its state is the reference). `stats()` returns the counters.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+from typing import Any
+
+from minisgl.utils.log import get_logger
+
+logger = get_logger(__name__)
+
+BACKENDS = ("python", "rust_hotpath")
+ENV_BACKEND = "MINISGL_CPU_BACKEND"
+ENV_SHADOW = "MINISGL_CPU_BACKEND_SHADOW"
+ENV_SHADOW_REPORT = "MINISGL_CPU_BACKEND_SHADOW_REPORT"
+ENV_SHADOW_MAX = "MINISGL_CPU_BACKEND_SHADOW_MAX_DIFFS"
+
+_lock = threading.Lock()
+_served: dict[str, Counter] = {b: Counter() for b in BACKENDS}
+_fallbacks: Counter = Counter()
+_shadow: Counter = Counter()
+_logged: set[str] = set()
+
+
+def served_counter(backend: str) -> Counter:
+    """The live counter of calls served by `backend` (schedule / commit ...)."""
+    return _served[backend]
+
+
+def count_shadow(key: str, n: int = 1) -> None:
+    _shadow[key] += n
+
+
+def record_fallback(reason: str, exc: BaseException | None = None) -> None:
+    with _lock:
+        _fallbacks[reason] += 1
+        first = reason not in _logged
+        _logged.add(reason)
+    if first:
+        logger.warning("minisgl cpu backend: falling back to python (%s): %r", reason, exc)
+
+
+def stats() -> dict[str, Any]:
+    """Counters of which backend served each call, fallbacks and shadow comparisons."""
+    return {
+        "requested": requested_backend(),
+        "extension_available": extension_available(),
+        "served": {b: dict(c) for b, c in _served.items()},
+        "fallbacks": sum(_fallbacks.values()),
+        "fallback_reasons": dict(_fallbacks),
+        "shadow": dict(_shadow),
+    }
+
+
+def reset_stats() -> None:
+    for c in (*_served.values(), _fallbacks, _shadow):
+        c.clear()
+    _logged.clear()
+
+
+def requested_backend(explicit: str | None = None) -> str:
+    name = (explicit or os.environ.get(ENV_BACKEND) or "python").strip().lower()
+    if name in ("rust", "rust-hotpath"):
+        name = "rust_hotpath"
+    if name not in BACKENDS:
+        raise ValueError(f"{ENV_BACKEND}={name!r}: expected one of {', '.join(BACKENDS)}")
+    return name
+
+
+def shadow_enabled() -> bool:
+    return os.environ.get(ENV_SHADOW, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def extension_available() -> bool:
+    try:
+        import minisgl_cpu  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _python_scheduler(kwargs: dict[str, Any]):
+    from minisgl.scheduler.scheduler import Scheduler
+
+    sched = object.__new__(Scheduler)
+    sched.__init__(**kwargs)
+    return sched
+
+
+def _rust_scheduler(kwargs: dict[str, Any]):
+    from minisgl.scheduler.rust_backend import RustScheduler
+
+    return RustScheduler(**kwargs)
+
+
+def create_scheduler(explicit: str | None, kwargs: dict[str, Any]):
+    """The scheduler for the selected backend, or None for the plain Python reference."""
+    backend = requested_backend(explicit)
+    shadow = shadow_enabled()
+    if backend == "python" and not shadow:
+        return None
+    primary = None
+    if backend == "rust_hotpath":
+        try:
+            primary = _rust_scheduler(kwargs)
+        except ImportError as e:
+            record_fallback("import", e)
+        except (ValueError, TypeError):
+            raise  # a bad argument is an error with either backend
+        except Exception as e:  # the extension raised: serve with the reference
+            record_fallback("init", e)
+    if primary is None:
+        if not shadow:
+            return None
+        primary = _python_scheduler(kwargs)
+    if not shadow:
+        return primary
+    try:
+        other = (
+            _python_scheduler(kwargs)
+            if getattr(primary, "backend", "python") != "python"
+            else _rust_scheduler(kwargs)
+        )
+    except Exception as e:
+        record_fallback("shadow_init", e)
+        return primary
+    from minisgl.scheduler.shadow import ShadowScheduler
+
+    return ShadowScheduler(primary, other)

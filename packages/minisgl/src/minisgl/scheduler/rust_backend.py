@@ -1,0 +1,441 @@
+"""The `rust_hotpath` CPU backend: the scheduler's CPU state lives in `minisgl_cpu` (Rust).
+
+One Python->Rust call per scheduler step (`SchedulerCore.schedule_step`, returning one flat
+int32 numpy array that the plan's fields are views of) and one per commit
+(`SchedulerCore.commit_step`). Python keeps only the request objects the sampler needs
+(params, generator) and mirrors the running / waiting order; per-request state (KV lengths,
+outputs) is read from Rust on demand, never copied per step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from minisgl.core import SamplingParams
+from minisgl.kvcache.allocator import OutOfPages
+from minisgl.kvcache.base import MatchResult
+from minisgl.scheduler import cpu_backend
+from minisgl.scheduler.plan import StepPlan
+from minisgl.scheduler.request import StepOutput
+from minisgl.scheduler.stats import SchedulerStats
+
+_REASONS: tuple[str | None, ...] = (None, "stop", "length")
+
+
+def _ext():
+    import minisgl_cpu
+
+    return minisgl_cpu
+
+
+def _pages(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+# ---------------------------------------------------------------------- radix cache adapter
+class RustRadixCache:
+    """`PrefixCache` over `minisgl_cpu.RadixCache` (one crossing per call)."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self._c = _ext().RadixCache(page_size)
+
+    def match_prefix(self, tokens: np.ndarray) -> MatchResult:
+        h, idx = self._c.match_prefix(np.ascontiguousarray(tokens, dtype=np.int32))
+        return MatchResult(h, idx)
+
+    def lock(self, node: Any) -> None:
+        if node is not None:
+            self._c.lock(node)
+
+    def unlock(self, node: Any) -> None:
+        if node is not None:
+            self._c.unlock(node)
+
+    def insert(self, tokens: np.ndarray, indices: np.ndarray) -> int:
+        return self._c.insert(
+            np.ascontiguousarray(tokens, dtype=np.int32),
+            np.ascontiguousarray(indices, dtype=np.int32),
+        )
+
+    def evict(self, num_tokens: int) -> np.ndarray:
+        return self._c.evict(int(num_tokens))
+
+    def node_id(self, node: Any) -> int:
+        return self._c.node_id(node)
+
+    def insert_batch(
+        self, tokens: np.ndarray, offsets: np.ndarray, indices: np.ndarray
+    ) -> np.ndarray:
+        return self._c.insert_batch(tokens, offsets, indices)
+
+    def match_batch(self, tokens: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        return self._c.match_batch(tokens, offsets)
+
+    @property
+    def evictable_size(self) -> int:
+        return self._c.evictable_size
+
+    @property
+    def protected_size(self) -> int:
+        return self._c.protected_size
+
+    def all_indices(self) -> np.ndarray:
+        return self._c.all_indices()
+
+    def check_integrity(self) -> None:
+        self._c.check_integrity()
+
+
+# ---------------------------------------------------------------------- scheduler
+class RustReq:
+    """A request of the Rust scheduler: params / generator in Python, state read from Rust."""
+
+    __slots__ = (
+        "_cached",
+        "_core",
+        "_final",
+        "finish_reason",
+        "generator",
+        "input_ids",
+        "max_total_len",
+        "params",
+        "rid",
+    )
+
+    def __init__(
+        self,
+        core,
+        rid: int,
+        ids: np.ndarray,
+        params: SamplingParams,
+        max_total_len: int,
+        generator: Any,
+    ) -> None:
+        self._core = core
+        self.rid = rid
+        self.input_ids = ids
+        self.params = params
+        self.max_total_len = max_total_len
+        self.generator = generator
+        self.finish_reason: str | None = None
+        self._final: list[int] | None = None  # generated tokens, once Rust forgot the request
+        self._cached = 0  # prefix-cache hit of the admission
+
+    def _info(self) -> tuple[int, int, int, int, int, int]:
+        info = self._core.request_info(self.rid)
+        return info if info is not None else (0, 0, 0, -1, 0, 0)
+
+    @property
+    def output_ids(self) -> list[int]:
+        if self._final is not None:
+            return self._final
+        out = self._core.output_ids(self.rid)
+        return [] if out is None else out.tolist()
+
+    @property
+    def kv_len(self) -> int:
+        return self._info()[0]
+
+    @property
+    def alloc_len(self) -> int:
+        return self._info()[1]
+
+    @property
+    def cache_len(self) -> int:
+        return self._info()[2]
+
+    @property
+    def slot(self) -> int:
+        return self._info()[3]
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._cached
+
+    @property
+    def fill_ids(self) -> np.ndarray:
+        return self.input_ids
+
+    @property
+    def prefill_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.kv_len < self.prefill_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def all_tokens(self) -> np.ndarray:
+        out = np.asarray(self.output_ids, dtype=np.int32)
+        return np.concatenate([self.input_ids, out]) if len(out) else self.input_ids
+
+    def _forget(self) -> None:
+        self._final = self.output_ids
+
+    def __repr__(self) -> str:
+        return f"RustReq(rid={self.rid}, finish_reason={self.finish_reason!r})"
+
+
+class StepOutputs(Sequence):
+    """The outputs of one commit, built lazily (no per-token Python objects on the hot path)."""
+
+    __slots__ = ("_codes", "_reqs", "_tokens")
+
+    def __init__(self, reqs: list[RustReq], tokens: list[int], codes: bytes) -> None:
+        self._reqs, self._tokens, self._codes = reqs, tokens, codes
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return list(self)[i]
+        return StepOutput(self._reqs[i].rid, self._tokens[i], _REASONS[self._codes[i]])
+
+    def __iter__(self) -> Iterator[StepOutput]:
+        for req, tok, code in zip(self._reqs, self._tokens, self._codes):
+            yield StepOutput(req.rid, tok, _REASONS[code])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence):
+            return list(self) == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
+class _CacheView:
+    def __init__(self, core, page_size: int) -> None:
+        self._core, self.page_size = core, page_size
+
+    @property
+    def evictable_size(self) -> int:
+        return self._core.evictable_size
+
+    @property
+    def protected_size(self) -> int:
+        return self._core.protected_size
+
+
+class _AllocView:
+    def __init__(self, core, num_pages: int, page_size: int, max_slots: int) -> None:
+        self._core, self.num_pages, self.page_size, self.max_slots = (
+            core,
+            num_pages,
+            page_size,
+            max_slots,
+        )
+
+    @property
+    def num_free_pages(self) -> int:
+        return self._core.num_free_pages
+
+    @property
+    def num_free_slots(self) -> int:
+        return self._core.num_free_slots
+
+    @property
+    def page_table(self) -> np.ndarray:
+        return self._core.page_table()  # a copy: the live table is in Rust
+
+
+class RustScheduler:
+    """Drop-in for `Scheduler` with the CPU state in Rust (see the module docstring)."""
+
+    backend = "rust_hotpath"
+
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_seq_len: int,
+        max_running_requests: int,
+        max_extend_tokens: int,
+        cache_type: str,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        if cache_type not in ("radix", "naive"):
+            raise ValueError(f"unknown cache_type {cache_type!r} (expected 'radix' or 'naive')")
+        self.page_size = page_size
+        self.max_seq_len = max_seq_len
+        self.max_running = max_running_requests
+        self.max_extend_tokens = max_extend_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.num_pages = num_pages
+        self.core = _ext().SchedulerCore(
+            num_pages=num_pages,
+            page_size=page_size,
+            max_seq_len=max_seq_len,
+            max_running_requests=max_running_requests,
+            max_extend_tokens=max_extend_tokens,
+            radix=cache_type == "radix",
+            eos_token_ids=sorted(int(t) for t in eos_token_ids),
+        )
+        self.alloc = _AllocView(self.core, num_pages, page_size, max_running_requests)
+        self.cache = _CacheView(self.core, page_size)
+        self.waiting: deque[RustReq] = deque()
+        self.running: list[RustReq] = []
+        self.requests: dict[int, RustReq] = {}
+        self.stats = SchedulerStats()
+        self._rids = itertools.count()
+        self._last: tuple[StepPlan, list[RustReq]] | None = None
+        self._served = cpu_backend.served_counter("rust_hotpath")
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        input_ids: Sequence[int] | np.ndarray,
+        params: SamplingParams,
+        rid: int | None = None,
+        generator=None,
+    ) -> int:
+        from minisgl.scheduler.scheduler import RequestError
+
+        ids = np.asarray(input_ids, dtype=np.int32).reshape(-1)
+        if len(ids) == 0:
+            raise RequestError("prompt is empty: at least one token is required")
+        if len(ids) >= self.max_seq_len:
+            raise RequestError(
+                f"prompt has {len(ids)} tokens, the context holds {self.max_seq_len} "
+                "(prompt plus at least one generated token)"
+            )
+        max_total = min(len(ids) + params.max_tokens, self.max_seq_len)
+        if _pages(max_total, self.page_size) > self.num_pages:
+            raise RequestError(
+                f"request needs {max_total} tokens of KV, the pool holds "
+                f"{self.num_pages * self.page_size}"
+            )
+        rid = next(self._rids) if rid is None else rid
+        if rid in self.requests:
+            raise RequestError(f"duplicate request id {rid}")
+        ids = np.ascontiguousarray(ids)
+        self.core.add_request(
+            rid,
+            ids,
+            max_total,
+            params.max_tokens,
+            params.ignore_eos,
+            list(params.stop_token_ids or ()),
+        )
+        req = RustReq(self.core, rid, ids, params, max_total, generator)
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return rid
+
+    def abort(self, rid: int) -> bool:
+        return self.finish(rid, "abort")
+
+    def finish(self, rid: int, reason: str) -> bool:
+        req = self.requests.get(rid)
+        if req is None:
+            return False
+        req.finish_reason = reason
+        req._forget()
+        if req in self.waiting:
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
+        self.core.finish(rid, abort=reason == "abort")
+        del self.requests[rid]
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> tuple[StepPlan, list[RustReq]] | None:
+        t0 = time.perf_counter()
+        self._served["schedule"] += 1
+        try:
+            res = self.core.schedule_step()
+        except RuntimeError as e:
+            msg = str(e)
+            if msg.startswith("OutOfPages: "):
+                raise OutOfPages(msg[len("OutOfPages: ") :]) from None
+            raise
+        if res is None:
+            self._last = None
+            self.stats.schedule_s.append(time.perf_counter() - t0)
+            return None
+        is_prefill, admitted, bs, t, nkv, ns, flat = res
+        running = self.running
+        for _ in range(admitted):
+            req = self.waiting.popleft()
+            req._cached = self.core.request_info(req.rid)[4]
+            running.append(req)
+        o1, o2, o3, o4 = bs, 2 * bs, 3 * bs, 4 * bs + 1
+        o5, o6, o7 = o4 + t, o4 + 2 * t, o4 + 3 * t
+        o8 = o7 + nkv
+        o9, o10 = o8 + ns, o8 + 2 * ns
+        if is_prefill:
+            reqs = [running[i] for i in flat[o10 : o10 + bs].tolist()]
+            p, c = self.core.counters()
+            self.stats.prompt_tokens, self.stats.cached_prompt_tokens = p, c
+        else:
+            reqs = list(running)
+        plan = StepPlan(
+            is_prefill,
+            flat[:o1],
+            flat[o4:o5],
+            flat[o5:o6],
+            flat[o6:o7],
+            flat[o1:o2],
+            flat[o2:o3],
+            flat[o3:o4],
+            flat[o7:o8],
+            flat[o8:o9],
+            flat[o9:o10],
+        )
+        self._last = (plan, reqs)
+        self.stats.schedule_s.append(time.perf_counter() - t0)
+        return plan, reqs
+
+    def commit(
+        self, reqs: list[RustReq], plan: StepPlan, next_tokens: Sequence[int]
+    ) -> StepOutputs:
+        t0 = time.perf_counter()
+        self._served["commit"] += 1
+        if self._last is None or self._last[0] is not plan:
+            raise RuntimeError("commit of a plan that is not the last scheduled step")
+        self._last = None
+        tokens = next_tokens if isinstance(next_tokens, list) else list(next_tokens)
+        codes, finished = self.core.commit_step(tokens)
+        sample_reqs = reqs if not plan.is_prefill else [reqs[r] for r in plan.sample_rows.tolist()]
+        for k, outs in finished:
+            req = sample_reqs[k]
+            req.finish_reason = _REASONS[codes[k]]
+            req._final = outs
+            self.running.remove(req)
+            del self.requests[req.rid]
+        outputs = StepOutputs(sample_reqs, tokens, codes)
+        self.stats.commit_s.append(time.perf_counter() - t0)
+        self.stats.steps += 1
+        self.stats.generated_tokens += len(tokens)
+        return outputs
+
+    # ------------------------------------------------------------------ integrity
+    def check_integrity(self) -> None:
+        self.core.check_integrity()
+        if len(self.running) != self.core.num_running or len(self.waiting) != self.core.num_waiting:
+            raise AssertionError("rust scheduler: Python mirror of running/waiting diverged")
+
+    def kv_usage(self) -> dict[str, int]:
+        return {
+            "total_pages": self.num_pages,
+            "free_pages": self.core.num_free_pages,
+            "cached_tokens": self.core.evictable_size + self.core.protected_size,
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+        }

@@ -1,0 +1,70 @@
+//! # minisgl-cpu-core
+//!
+//! The CPU hot path of minisgl in pure Rust (no Python): an arena-allocated radix prefix
+//! cache, the page allocator and page table, the prefill admission planner and the per-step
+//! batch metadata builder. The Python modules `minisgl.kvcache.radix`,
+//! `minisgl.kvcache.allocator`, `minisgl.scheduler.scheduler` and `minisgl.scheduler.plan`
+//! are the reference; every decision here is identical to theirs (checked by hypothesis
+//! stateful tests that drive both implementations side by side).
+//!
+//! ## Radix cache semantics ([`radix::RadixTree`])
+//! - Keys and values are page aligned; a child is addressed by its first page of tokens.
+//! - A logical clock advances by one per `match_prefix` / `insert`; every node on the visited
+//!   path gets `last_access = clock`.
+//! - `match_prefix` truncates the query to whole pages and splits a node when the match ends
+//!   inside it (at a page boundary): the new *prefix* node takes the next node id (ids start
+//!   at 1, the root is 0, ids are never reused), copies the lock count and `last_access` of
+//!   the old node, and the old node keeps its id and becomes the suffix child.
+//! - `insert` walks like `match_prefix` (splitting the same way), then adds the unmatched
+//!   tail as one new leaf (`last_access = clock`) and returns the length already present.
+//! - `lock` / `unlock` add / remove one reference on every node from the handle to the root;
+//!   size accounting moves a node's tokens between *evictable* (ref 0) and *protected*.
+//! - `evict(n)` removes unlocked leaves in `(last_access, id)` order; a parent that becomes an
+//!   unlocked leaf joins the candidates; it stops once at least `n` tokens are freed.
+//! - Nodes live in a `Vec` and link by `u32` index (a handle is an arena index); evicted
+//!   slots are recycled. The tree is `Send + Sync`.
+//!
+//! ## Allocator ([`alloc::PageAllocator`])
+//! Free pages form a stack initialised `[n-1, ..., 0]` so the lowest ids go out first;
+//! `alloc_pages` pops one page at a time; `free_locations` pushes the pages of a location
+//! run in reverse, so the first freed page is the next handed out. Slots work the same way.
+//! The page table is a row-major `[max_slots, ceil(max_seq_len / ps) * ps]` `i32` array.
+//!
+//! ## Scheduler ([`sched::SchedCore`])
+//! One `schedule_step` per step: chunked prompts continue first (running order) under the
+//! `max_extend_tokens` budget, then FIFO admission while budget and slots remain. Admission
+//! matches `prompt[:-1]` in the cache, locks it, and reserves the pages the request can ever
+//! need (`ceil(max_total_len / ps)` minus matched pages) against free + evictable pages minus
+//! the pages still reserved by running requests; the first refusal stops admission. Pages are
+//! then allocated (evicting LRU cache leaves when short). Without prefill work, a decode step
+//! feeds the last token of every running request. `commit_step` advances KV lengths, appends
+//! the sampled tokens, and applies the finish rules in order: stop token, EOS (unless
+//! `ignore_eos`), then length; a finished request inserts its page-aligned KV into the cache,
+//! frees duplicates and its tail, unlocks its prefix and frees its slot.
+//!
+//! ## Step plans ([`plan::build_step_plan`])
+//! Written into one caller-provided flat `i32` buffer; see [`plan`] for the layout.
+
+pub mod alloc;
+mod fxhash;
+pub mod plan;
+pub mod radix;
+pub mod sched;
+
+pub use alloc::{OutOfPages, PageAllocator};
+pub use plan::{build_step_plan, PlanBuf, PlanLayout};
+pub use radix::{NodeIdx, RadixError, RadixTree, ROOT};
+pub use sched::{
+    CoreStats, ReqParams, SchedConfig, SchedCore, SchedError, FINISH_LENGTH, FINISH_NONE,
+    FINISH_STOP,
+};
+
+#[cfg(test)]
+mod send_sync {
+    #[test]
+    fn core_is_send_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<crate::SchedCore>();
+        check::<crate::RadixTree>();
+    }
+}

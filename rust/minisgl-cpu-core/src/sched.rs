@@ -1,0 +1,700 @@
+//! The scheduler's CPU state behind one call per step, mirroring
+//! `minisgl.scheduler.scheduler.Scheduler` decision for decision: FIFO admission with full
+//! reservation (prompt + max_tokens pages), chunked prefill under `max_extend_tokens`,
+//! decode of every running request, commit (finish rules), release into the prefix cache.
+//!
+//! Request validation (empty prompt, too long...) stays in Python; this core trusts its input.
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::alloc::{OutOfPages, PageAllocator};
+use crate::plan::{build_step_plan, PlanBuf};
+use crate::radix::{NodeIdx, RadixTree, ROOT};
+
+/// Finish codes returned by [`SchedCore::commit_step`] (0 = still running).
+pub const FINISH_NONE: u8 = 0;
+pub const FINISH_STOP: u8 = 1;
+pub const FINISH_LENGTH: u8 = 2;
+
+fn pages(tokens: usize, ps: usize) -> usize {
+    tokens.div_ceil(ps)
+}
+
+#[derive(Debug, Clone)]
+pub struct SchedConfig {
+    pub num_pages: usize,
+    pub page_size: usize,
+    pub max_seq_len: usize,
+    pub max_running: usize,
+    pub max_extend_tokens: usize,
+    /// `true`: radix prefix cache; `false`: the naive cache (no sharing).
+    pub radix: bool,
+    pub eos_token_ids: Vec<i32>,
+}
+
+/// Per-request sampling limits the finish rules need.
+#[derive(Debug, Clone, Default)]
+pub struct ReqParams {
+    pub max_tokens: usize,
+    pub ignore_eos: bool,
+    pub stop_token_ids: Vec<i32>,
+}
+
+#[derive(Debug, Clone)]
+struct ReqState {
+    rid: i64,
+    /// prompt followed by the generated tokens
+    tokens: Vec<i32>,
+    prompt_len: usize,
+    max_total_len: usize,
+    params: ReqParams,
+    slot: i32,
+    kv_len: usize,
+    alloc_len: usize,
+    cache_len: usize,
+    cache_node: Option<NodeIdx>,
+    cached_tokens: usize,
+}
+
+impl ReqState {
+    fn num_out(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+    fn in_prefill(&self) -> bool {
+        self.kv_len < self.prompt_len
+    }
+}
+
+/// Counters the Python `SchedulerStats` mirrors.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CoreStats {
+    pub prompt_tokens: u64,
+    pub cached_prompt_tokens: u64,
+}
+
+/// Errors surfaced to the binding.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SchedError {
+    OutOfPages(String),
+    Duplicate(i64),
+    NoPlan,
+    BadTokens(usize, usize),
+    Internal(String),
+}
+
+impl std::fmt::Display for SchedError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SchedError::OutOfPages(s) => write!(f, "{s}"),
+            SchedError::Duplicate(r) => write!(f, "duplicate request id {r}"),
+            SchedError::NoPlan => write!(f, "commit without a scheduled step"),
+            SchedError::BadTokens(a, b) => write!(f, "commit got {a} tokens for {b} samples"),
+            SchedError::Internal(s) => write!(f, "{s}"),
+        }
+    }
+}
+
+impl std::error::Error for SchedError {}
+
+impl From<OutOfPages> for SchedError {
+    fn from(e: OutOfPages) -> Self {
+        SchedError::OutOfPages(e.0)
+    }
+}
+
+/// The whole scheduler CPU state: requests, radix cache, allocator, page table.
+#[derive(Debug, Clone)]
+pub struct SchedCore {
+    cfg: SchedConfig,
+    pub alloc: PageAllocator,
+    pub cache: Option<RadixTree>,
+    reqs: Vec<Option<ReqState>>,
+    free_req: Vec<usize>,
+    by_rid: HashMap<i64, usize>,
+    waiting: VecDeque<usize>,
+    running: Vec<usize>,
+    stats: CoreStats,
+    // last scheduled batch: (request index, tokens fed), sample rows
+    batch: Vec<(usize, usize)>,
+    sample_rows: Vec<usize>,
+    has_plan: bool,
+    finished_outputs: Vec<(usize, Vec<i32>)>,
+    // scratch (capacity reused across steps)
+    s_slots: Vec<i32>,
+    s_starts: Vec<i32>,
+    s_ext: Vec<i32>,
+    s_ids: Vec<i32>,
+    s_mask: Vec<bool>,
+    s_pos: Vec<i32>,
+    s_match: Vec<i32>,
+    s_evict: Vec<i32>,
+}
+
+impl SchedCore {
+    pub fn new(cfg: SchedConfig) -> Self {
+        let alloc = PageAllocator::new(
+            cfg.num_pages,
+            cfg.page_size,
+            cfg.max_running,
+            cfg.max_seq_len,
+        );
+        let cache = cfg.radix.then(|| RadixTree::new(cfg.page_size));
+        SchedCore {
+            cfg,
+            alloc,
+            cache,
+            reqs: Vec::new(),
+            free_req: Vec::new(),
+            by_rid: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            stats: CoreStats::default(),
+            batch: Vec::new(),
+            sample_rows: Vec::new(),
+            has_plan: false,
+            finished_outputs: Vec::new(),
+            s_slots: Vec::new(),
+            s_starts: Vec::new(),
+            s_ext: Vec::new(),
+            s_ids: Vec::new(),
+            s_mask: Vec::new(),
+            s_pos: Vec::new(),
+            s_match: Vec::new(),
+            s_evict: Vec::new(),
+        }
+    }
+
+    pub fn config(&self) -> &SchedConfig {
+        &self.cfg
+    }
+
+    pub fn stats(&self) -> CoreStats {
+        self.stats
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    pub fn evictable_size(&self) -> usize {
+        self.cache.as_ref().map_or(0, |c| c.evictable_size())
+    }
+
+    pub fn protected_size(&self) -> usize {
+        self.cache.as_ref().map_or(0, |c| c.protected_size())
+    }
+
+    /// Queue a request (already validated by the caller).
+    pub fn add_request(
+        &mut self,
+        rid: i64,
+        prompt: &[i32],
+        max_total_len: usize,
+        params: ReqParams,
+    ) -> Result<(), SchedError> {
+        if self.by_rid.contains_key(&rid) {
+            return Err(SchedError::Duplicate(rid));
+        }
+        let st = ReqState {
+            rid,
+            tokens: prompt.to_vec(),
+            prompt_len: prompt.len(),
+            max_total_len,
+            params,
+            slot: -1,
+            kv_len: 0,
+            alloc_len: 0,
+            cache_len: 0,
+            cache_node: None,
+            cached_tokens: 0,
+        };
+        let idx = if let Some(i) = self.free_req.pop() {
+            self.reqs[i] = Some(st);
+            i
+        } else {
+            self.reqs.push(Some(st));
+            self.reqs.len() - 1
+        };
+        self.by_rid.insert(rid, idx);
+        self.waiting.push_back(idx);
+        Ok(())
+    }
+
+    fn req(&self, i: usize) -> &ReqState {
+        self.reqs[i].as_ref().expect("live request")
+    }
+
+    fn req_mut(&mut self, i: usize) -> &mut ReqState {
+        self.reqs[i].as_mut().expect("live request")
+    }
+
+    /// `(kv_len, alloc_len, cache_len, slot, cached_tokens, num_outputs)` of a live request.
+    pub fn request_info(&self, rid: i64) -> Option<(usize, usize, usize, i32, usize, usize)> {
+        let r = self.req(*self.by_rid.get(&rid)?);
+        Some((
+            r.kv_len,
+            r.alloc_len,
+            r.cache_len,
+            r.slot,
+            r.cached_tokens,
+            r.num_out(),
+        ))
+    }
+
+    /// Generated tokens of a live request.
+    pub fn output_ids(&self, rid: i64) -> Option<&[i32]> {
+        let r = self.req(*self.by_rid.get(&rid)?);
+        Some(&r.tokens[r.prompt_len..])
+    }
+
+    /// Finish a live request now (`abort` releases only what the cache already owns).
+    pub fn finish(&mut self, rid: i64, abort: bool) -> Result<bool, SchedError> {
+        let Some(&idx) = self.by_rid.get(&rid) else {
+            return Ok(false);
+        };
+        if self.req(idx).slot >= 0 {
+            let p = self
+                .running
+                .iter()
+                .position(|&x| x == idx)
+                .expect("running");
+            self.running.remove(p);
+            self.release(idx, abort)?;
+        } else {
+            let p = self
+                .waiting
+                .iter()
+                .position(|&x| x == idx)
+                .expect("waiting");
+            self.waiting.remove(p);
+        }
+        self.drop_req(idx);
+        Ok(true)
+    }
+
+    fn drop_req(&mut self, idx: usize) {
+        let r = self.reqs[idx].take().expect("live request");
+        self.by_rid.remove(&r.rid);
+        self.free_req.push(idx);
+    }
+
+    /// One scheduling decision. Returns `Ok(None)` when there is nothing to run, else fills
+    /// `out` and returns the number of requests admitted from the waiting queue this step.
+    pub fn schedule_step(&mut self, out: &mut PlanBuf) -> Result<Option<usize>, SchedError> {
+        self.has_plan = false;
+        let admitted = self.schedule_prefill()?;
+        if !self.batch.is_empty() {
+            self.prefill_plan(out);
+        } else {
+            if self.running.is_empty() {
+                return Ok(None);
+            }
+            self.decode_plan(out)?;
+        }
+        self.has_plan = true;
+        Ok(Some(admitted))
+    }
+
+    fn reserved_pages(&self) -> usize {
+        let ps = self.cfg.page_size;
+        self.running
+            .iter()
+            .map(|&i| {
+                let r = self.req(i);
+                pages(r.max_total_len, ps) - r.alloc_len / ps
+            })
+            .sum()
+    }
+
+    fn schedule_prefill(&mut self) -> Result<usize, SchedError> {
+        let mut budget = self.cfg.max_extend_tokens as i64;
+        self.batch.clear();
+        for k in 0..self.running.len() {
+            let idx = self.running[k];
+            let r = self.req(idx);
+            if !r.in_prefill() {
+                continue;
+            }
+            if budget <= 0 {
+                break;
+            }
+            let n = ((r.prompt_len - r.kv_len) as i64).min(budget);
+            self.batch.push((idx, n as usize));
+            budget -= n;
+        }
+        let mut admitted = 0;
+        while !self.waiting.is_empty() && budget > 0 && self.running.len() < self.cfg.max_running {
+            let idx = self.waiting[0];
+            if !self.admit(idx)? {
+                break;
+            }
+            self.waiting.pop_front();
+            self.running.push(idx);
+            admitted += 1;
+            let r = self.req(idx);
+            let n = ((r.prompt_len - r.kv_len) as i64).min(budget);
+            self.batch.push((idx, n as usize));
+            budget -= n;
+        }
+        for k in 0..self.batch.len() {
+            let (idx, n) = self.batch[k];
+            let len = self.req(idx).kv_len + n;
+            self.ensure_capacity(idx, len)?;
+        }
+        Ok(admitted)
+    }
+
+    fn admit(&mut self, idx: usize) -> Result<bool, SchedError> {
+        let ps = self.cfg.page_size;
+        self.s_match.clear();
+        let node = {
+            let r = self.reqs[idx].as_ref().expect("live request");
+            let fill = &r.tokens[..r.prompt_len - 1];
+            match self.cache.as_mut() {
+                Some(c) => {
+                    let h = c.match_prefix(fill, &mut self.s_match);
+                    c.lock(h).map_err(|e| SchedError::Internal(e.to_string()))?;
+                    Some(h)
+                }
+                None => None,
+            }
+        };
+        let m = self.s_match.len();
+        let need = pages(self.req(idx).max_total_len, ps) as i64 - (m / ps) as i64;
+        let avail = self.alloc.num_free_pages() as i64 + (self.evictable_size() / ps) as i64
+            - self.reserved_pages() as i64;
+        if need > avail || self.alloc.num_free_slots() == 0 {
+            if let (Some(c), Some(h)) = (self.cache.as_mut(), node) {
+                c.unlock(h)
+                    .map_err(|e| SchedError::Internal(e.to_string()))?;
+            }
+            return Ok(false);
+        }
+        let slot = self.alloc.alloc_slot()?;
+        self.alloc.row_mut(slot)[..m].copy_from_slice(&self.s_match);
+        let r = self.reqs[idx].as_mut().expect("live request");
+        r.slot = slot as i32;
+        r.kv_len = m;
+        r.alloc_len = m;
+        r.cache_len = m;
+        r.cache_node = node;
+        if r.num_out() == 0 {
+            r.cached_tokens = m;
+            self.stats.prompt_tokens += r.prompt_len as u64;
+            self.stats.cached_prompt_tokens += m as u64;
+        }
+        Ok(true)
+    }
+
+    fn ensure_capacity(&mut self, idx: usize, length: usize) -> Result<(), SchedError> {
+        let ps = self.cfg.page_size;
+        let (slot, alloc_len) = {
+            let r = self.req(idx);
+            (r.slot as usize, r.alloc_len)
+        };
+        let need = pages(length, ps) as i64 - (alloc_len / ps) as i64;
+        if need <= 0 {
+            return Ok(());
+        }
+        let need = need as usize;
+        let short = need as i64 - self.alloc.num_free_pages() as i64;
+        if short > 0 {
+            if let Some(c) = self.cache.as_mut() {
+                self.s_evict.clear();
+                c.evict(short as usize * ps, &mut self.s_evict);
+                self.alloc.free_locations(&self.s_evict);
+            }
+        }
+        self.alloc.alloc_pages(slot, alloc_len, need)?;
+        self.req_mut(idx).alloc_len += need * ps;
+        Ok(())
+    }
+
+    fn clear_scratch(&mut self) {
+        self.s_slots.clear();
+        self.s_starts.clear();
+        self.s_ext.clear();
+        self.s_ids.clear();
+        self.s_mask.clear();
+        self.s_pos.clear();
+        self.sample_rows.clear();
+    }
+
+    fn prefill_plan(&mut self, out: &mut PlanBuf) {
+        self.clear_scratch();
+        for (row, &(idx, n)) in self.batch.iter().enumerate() {
+            let r = self.reqs[idx].as_ref().expect("live request");
+            self.s_slots.push(r.slot);
+            self.s_starts.push(r.kv_len as i32);
+            self.s_ext.push(n as i32);
+            self.s_ids
+                .extend_from_slice(&r.tokens[r.kv_len..r.kv_len + n]);
+            let sample = r.kv_len + n == r.prompt_len;
+            self.s_mask.push(sample);
+            if sample {
+                self.sample_rows.push(row);
+            }
+            let pos = self
+                .running
+                .iter()
+                .position(|&x| x == idx)
+                .expect("running");
+            self.s_pos.push(pos as i32);
+        }
+        self.build(true, out);
+    }
+
+    fn decode_plan(&mut self, out: &mut PlanBuf) -> Result<(), SchedError> {
+        for k in 0..self.running.len() {
+            let idx = self.running[k];
+            let len = self.req(idx).kv_len + 1;
+            self.ensure_capacity(idx, len)?;
+        }
+        self.clear_scratch();
+        self.batch.clear();
+        for (row, &idx) in self.running.iter().enumerate() {
+            let r = self.reqs[idx].as_ref().expect("live request");
+            self.s_slots.push(r.slot);
+            self.s_starts.push(r.kv_len as i32);
+            self.s_ext.push(1);
+            let last = *r.tokens.last().expect("non-empty");
+            self.s_ids.push(last);
+            self.s_mask.push(true);
+            self.s_pos.push(row as i32);
+            self.sample_rows.push(row);
+            self.batch.push((idx, 1));
+        }
+        self.build(false, out);
+        Ok(())
+    }
+
+    fn build(&self, is_prefill: bool, out: &mut PlanBuf) {
+        build_step_plan(
+            self.alloc.page_table(),
+            self.alloc.width,
+            &self.s_slots,
+            &self.s_starts,
+            &self.s_ext,
+            &self.s_ids,
+            &self.s_mask,
+            &self.s_pos,
+            is_prefill,
+            out,
+        );
+    }
+
+    /// Commit the last scheduled step: advance KV lengths, append the sampled tokens (one
+    /// per sample row), apply the finish rules, release finished requests. Writes one finish
+    /// code per sampled token into `codes` and the rid of each sample into `rids`.
+    pub fn commit_step(
+        &mut self,
+        tokens: &[i64],
+        codes: &mut Vec<u8>,
+        rids: &mut Vec<i64>,
+    ) -> Result<(), SchedError> {
+        if !self.has_plan {
+            return Err(SchedError::NoPlan);
+        }
+        if tokens.len() != self.sample_rows.len() {
+            return Err(SchedError::BadTokens(tokens.len(), self.sample_rows.len()));
+        }
+        self.has_plan = false;
+        for k in 0..self.batch.len() {
+            let (idx, n) = self.batch[k];
+            self.req_mut(idx).kv_len += n;
+        }
+        codes.clear();
+        rids.clear();
+        self.finished_outputs.clear();
+        for (k, &tok) in tokens.iter().enumerate() {
+            let idx = self.batch[self.sample_rows[k]].0;
+            let token = tok as i32;
+            let code = {
+                let eos = &self.cfg.eos_token_ids;
+                let r = self.reqs[idx].as_mut().expect("live request");
+                r.tokens.push(token);
+                rids.push(r.rid);
+                let p = &r.params;
+                if p.stop_token_ids.contains(&token) || (!p.ignore_eos && eos.contains(&token)) {
+                    FINISH_STOP
+                } else if r.num_out() >= p.max_tokens || r.tokens.len() >= r.max_total_len {
+                    FINISH_LENGTH
+                } else {
+                    FINISH_NONE
+                }
+            };
+            codes.push(code);
+            if code != FINISH_NONE {
+                let r = self.req(idx);
+                let outs = r.tokens[r.prompt_len..].to_vec();
+                self.finished_outputs.push((k, outs));
+                let p = self
+                    .running
+                    .iter()
+                    .position(|&x| x == idx)
+                    .expect("running");
+                self.running.remove(p);
+                self.release(idx, false)?;
+                self.drop_req(idx);
+            }
+        }
+        Ok(())
+    }
+
+    fn release(&mut self, idx: usize, abort: bool) -> Result<(), SchedError> {
+        let ps = self.cfg.page_size;
+        let (slot, aligned, cache_len, alloc_len, node) = {
+            let r = self.req(idx);
+            let aligned = if abort {
+                r.cache_len
+            } else {
+                r.kv_len / ps * ps
+            };
+            (
+                r.slot as usize,
+                aligned,
+                r.cache_len,
+                r.alloc_len,
+                r.cache_node,
+            )
+        };
+        let present = match self.cache.as_mut() {
+            Some(c) => {
+                let r = self.reqs[idx].as_ref().expect("live request");
+                let row = &self.alloc.page_table()
+                    [slot * self.alloc.width..slot * self.alloc.width + aligned];
+                c.insert(&r.tokens[..aligned], row)
+                    .map_err(|e| SchedError::Internal(e.to_string()))?
+            }
+            None => aligned,
+        };
+        self.alloc.free_row_range(slot, cache_len, present);
+        self.alloc
+            .free_row_range(slot, aligned.max(present), alloc_len);
+        if let (Some(c), Some(h)) = (self.cache.as_mut(), node) {
+            c.unlock(h)
+                .map_err(|e| SchedError::Internal(e.to_string()))?;
+        }
+        self.alloc.free_slot(slot);
+        let r = self.req_mut(idx);
+        r.slot = -1;
+        r.cache_node = None;
+        r.kv_len = 0;
+        r.alloc_len = 0;
+        r.cache_len = 0;
+        Ok(())
+    }
+
+    /// `(sample position, generated tokens)` of the requests the last commit finished.
+    pub fn take_finished_outputs(&mut self) -> Vec<(usize, Vec<i32>)> {
+        std::mem::take(&mut self.finished_outputs)
+    }
+
+    /// Every page is exactly one of: free, owned by the cache, owned by a live request.
+    pub fn check_integrity(&self) -> Result<(), String> {
+        let ps = self.cfg.page_size;
+        let mut owners = vec![0u32; self.alloc.num_pages];
+        let mut bump = |page: i32| -> Result<(), String> {
+            match owners.get_mut(page as usize) {
+                Some(o) => {
+                    *o += 1;
+                    Ok(())
+                }
+                None => Err(format!("KV integrity: page {page} out of range")),
+            }
+        };
+        for &p in self.alloc.free_pages() {
+            bump(p)?;
+        }
+        if let Some(c) = &self.cache {
+            for l in c.all_indices().iter().step_by(ps) {
+                bump(l / ps as i32)?;
+            }
+        }
+        for &idx in &self.running {
+            let r = self.req(idx);
+            let row = self.alloc.row(r.slot as usize);
+            for l in row[r.cache_len..r.alloc_len].iter().step_by(ps) {
+                bump(l / ps as i32)?;
+            }
+        }
+        let bad: Vec<usize> = (0..owners.len()).filter(|&p| owners[p] != 1).collect();
+        if let Some(&b) = bad.first() {
+            return Err(format!(
+                "KV integrity: {} pages with owner count != 1, e.g. page {} owned {} times",
+                bad.len(),
+                b,
+                owners[b]
+            ));
+        }
+        if let Some(c) = &self.cache {
+            c.check_integrity()?;
+        }
+        if self.running.len() + self.alloc.num_free_slots() != self.alloc.max_slots {
+            return Err("KV integrity: request slots leaked".into());
+        }
+        Ok(())
+    }
+
+    /// The root handle (for callers that mirror the Python `MatchResult.node`).
+    pub fn root() -> NodeIdx {
+        ROOT
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn core(radix: bool) -> SchedCore {
+        SchedCore::new(SchedConfig {
+            num_pages: 64,
+            page_size: 4,
+            max_seq_len: 64,
+            max_running: 4,
+            max_extend_tokens: 16,
+            radix,
+            eos_token_ids: vec![0],
+        })
+    }
+
+    #[test]
+    fn prefill_decode_finish_reuse() {
+        for radix in [true, false] {
+            let mut c = core(radix);
+            let p = ReqParams {
+                max_tokens: 3,
+                ignore_eos: false,
+                stop_token_ids: vec![],
+            };
+            let prompt: Vec<i32> = (1..=10).collect();
+            c.add_request(1, &prompt, 13, p.clone()).unwrap();
+            let mut buf = PlanBuf::default();
+            let (mut codes, mut rids) = (Vec::new(), Vec::new());
+            let mut steps = 0;
+            while c.has_work() {
+                let adm = c.schedule_step(&mut buf).unwrap();
+                assert!(adm.is_some());
+                let ns = buf.layout.num_sample;
+                c.commit_step(&vec![5; ns], &mut codes, &mut rids).unwrap();
+                c.check_integrity().unwrap();
+                steps += 1;
+            }
+            assert_eq!(steps, 3);
+            c.add_request(2, &prompt, 13, p).unwrap();
+            c.schedule_step(&mut buf).unwrap();
+            let info = c.request_info(2).unwrap();
+            assert_eq!(info.2, if radix { 8 } else { 0 });
+            c.finish(2, true).unwrap();
+            c.check_integrity().unwrap();
+        }
+    }
+}
