@@ -41,15 +41,21 @@ def test_missing_shard_is_reported(tmp_path):
     "rope_scaling",
     [
         {"rope_type": "linear", "factor": 2.0},
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 64},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
     ],
     ids=["linear", "llama3", "yarn"],
 )
 def test_rope_scaling_variants_match_hf(tmp_path, rope_scaling):
-    path = write_tiny_model("llama", tmp_path, seed=5, rope_scaling=rope_scaling,
-                            rope_theta=10000.0)
+    path = write_tiny_model(
+        "llama", tmp_path, seed=5, rope_scaling=rope_scaling, rope_theta=10000.0
+    )
     prompts = random_prompts(2, 60, 120, seed=13)
     llm = LLM(path, num_pages=1024)
     ours = [o["token_ids"] for o in llm.generate(prompts, GREEDY)]

@@ -84,8 +84,9 @@ def write_tokenizer(path: Path, vocab_size: int = 384) -> int:
     return tok.get_vocab_size()
 
 
-def write_tiny_model(arch: str, path: str | Path, seed: int = 0,
-                     max_shard_size: str | None = None, **overrides: Any) -> Path:
+def write_tiny_model(
+    arch: str, path: str | Path, seed: int = 0, max_shard_size: str | None = None, **overrides: Any
+) -> Path:
     """Write a tiny random model of `arch` (llama, qwen2, qwen3, mistral) to `path`.
 
     `max_shard_size` (e.g. "40KB") writes sharded safetensors with an index file; other
