@@ -1,0 +1,1 @@
+"""Benchmarks: the harness (`python -m minisgl.benchmark.harness`), token parity, micro benches."""

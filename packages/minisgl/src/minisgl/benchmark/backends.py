@@ -1,0 +1,50 @@
+"""Which CPU backends (`MINISGL_CPU_BACKEND`) can run here; a clear error instead of a silent
+fallback (the runtime falls back to Python when the Rust extension is missing)."""
+
+from __future__ import annotations
+
+import importlib
+
+ENV = "MINISGL_CPU_BACKEND"
+KNOWN = ("python", "rust_hotpath")
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested CPU backend cannot run here (not built, not in this checkout...)."""
+
+
+def check_cpu_backend(name: str) -> None:
+    """Raise `BackendUnavailable` unless `MINISGL_CPU_BACKEND=name` would really be used."""
+    if name == "python":
+        return
+    try:
+        mod = importlib.import_module("minisgl.scheduler.cpu_backend")
+    except ImportError as exc:
+        raise BackendUnavailable(
+            f"{ENV}={name} requested, but minisgl.scheduler.cpu_backend is not in this "
+            f"checkout ({exc}); the Rust CPU backend has not landed yet"
+        ) from None
+    names = getattr(mod, "BACKENDS", KNOWN)
+    if name not in names:
+        raise BackendUnavailable(f"{ENV}={name}: unknown (available: {', '.join(names)})")
+    available = getattr(mod, "extension_available", None)
+    if name == "rust_hotpath" and callable(available) and not available():
+        raise BackendUnavailable(
+            f"{ENV}={name}: the Rust extension `minisgl_cpu` is not importable (not built? "
+            "`maturin develop` in rust/minisgl-cpu-py); the runtime would silently serve "
+            "with the Python scheduler, so this run is refused"
+        )
+
+
+def scheduler_backend(llm) -> str:
+    """The backend the LLM's scheduler really runs with (`python` unless it says otherwise)."""
+    return str(getattr(llm.scheduler, "backend", "python"))
+
+
+def ensure_backend(llm, requested: str) -> None:
+    actual = scheduler_backend(llm)
+    if requested != "python" and actual != requested:
+        raise BackendUnavailable(
+            f"{ENV}={requested} requested but the scheduler runs {actual!r} "
+            "(the runtime fell back; see the log)"
+        )

@@ -1,0 +1,382 @@
+"""The benchmark harness.
+
+    python -m minisgl.benchmark.harness offline --out F.json --gate G.yaml \
+        [--profile seed-offline] [--model-path DIR] [--engine minisgl|hf] \
+        [--ab python,rust_hotpath] [--repeats N] [--plot F.png] [--set key=value ...]
+    python -m minisgl.benchmark.harness online --base-url http://127.0.0.1:1919 \
+        --out F.json --gate G.yaml [--profile seed-online] [--set key=value ...]
+
+`--set` overrides profile parameters (see `profiles.Profile`) and, with an `llm.` prefix, LLM
+constructor arguments (`--set llm.page_size=16`). Exit status: 0 ok, 1 a gate failed (or a
+gated metric is missing), 2 bad usage or an unavailable backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from minisgl.benchmark import common
+from minisgl.benchmark.backends import (
+    ENV,
+    BackendUnavailable,
+    check_cpu_backend,
+    ensure_backend,
+    scheduler_backend,
+)
+from minisgl.benchmark.profiles import (
+    PROFILES,
+    Profile,
+    build_workload,
+    get_profile,
+    parse_sets,
+    warmup_workload,
+)
+from minisgl.benchmark.report import Progress, latency_samples, plot, print_summary
+
+RATIO_KEYS = (
+    "output_tok_s",
+    "total_tok_s",
+    "request_s",
+    "ttft_ms.p50",
+    "ttft_ms.p99",
+    "tpot_ms.p50",
+    "itl_ms.p50",
+    "e2e_ms.p99",
+    "sched_step_cpu_ms.p50",
+    "sched_step_cpu_ms.p99",
+)
+
+
+# --------------------------------------------------------------------------- helpers
+def median_nested(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Key-wise median of numeric leaves across repeats (structure of the first run)."""
+    if not runs:
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in runs[0].items():
+        if isinstance(value, dict):
+            out[key] = median_nested([r.get(key) or {} for r in runs])
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            vals = [r.get(key) for r in runs]
+            out[key] = common.median(v for v in vals if isinstance(v, int | float))
+        else:
+            out[key] = value
+    return out
+
+
+def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
+    """b / a for RATIO_KEYS present in both (dotted paths)."""
+    fa, fb = common.flatten(a), common.flatten(b)
+    return {k: fb[k] / fa[k] for k in RATIO_KEYS if k in fa and k in fb and fa[k]}
+
+
+def split_sets(items: list[str] | None) -> tuple[dict[str, str], dict[str, Any]]:
+    sets = parse_sets(items)
+    profile_sets = {k: v for k, v in sets.items() if not k.startswith("llm.")}
+    llm_sets: dict[str, Any] = {}
+    for key, value in sets.items():
+        if key.startswith("llm."):
+            llm_sets[key[4:]] = _literal(value)
+    return profile_sets, llm_sets
+
+
+def _literal(value: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(value.lower(), value)
+
+
+def model_info(model_path: str | None) -> dict[str, Any]:
+    if model_path is None:
+        from minisgl.default_model import default_model_path
+
+        model_path = str(default_model_path())
+        name = "embedded:SmolLM2-135M-Instruct"
+    else:
+        name = Path(model_path).name
+    info: dict[str, Any] = {"name": name, "path": Path(model_path).name}
+    cfg_path = Path(model_path) / "config.json"
+    if cfg_path.exists():
+        cfg = json.loads(cfg_path.read_text())
+        info.update(
+            {
+                "architecture": (cfg.get("architectures") or ["?"])[0],
+                "hidden_size": cfg.get("hidden_size"),
+                "num_layers": cfg.get("num_hidden_layers"),
+                "vocab_size": cfg.get("vocab_size"),
+            }
+        )
+    info["resolved_path"] = str(model_path)
+    return info
+
+
+def base_record(kind: str, args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
+    return {
+        "schema_version": common.SCHEMA_VERSION,
+        "kind": kind,
+        "created": common.now_iso(),
+        "argv": sys.argv[1:],
+        "git": common.git_commit(),
+        "machine": common.machine_info(),
+        "backend_env": common.backend_env(),
+        "profile": profile.to_dict(),
+        "repeats": args.repeats,
+    }
+
+
+def finish(record: dict[str, Any], args: argparse.Namespace, plot_runs: dict[str, Any]) -> int:
+    """Gates, JSON, plot; returns the exit status."""
+    from minisgl.benchmark.gating import check_gates, gate_report, load_baseline_metrics
+
+    status = 0
+    if args.gate:
+        baseline = load_baseline_metrics(args.baseline) if args.baseline else None
+        ok, results, lines = check_gates(
+            args.gate,
+            record["gate_metrics"],
+            record["machine"]["hardware"],
+            baseline,
+            allow_missing=args.allow_missing,
+        )
+        record["gates"] = {
+            "files": args.gate,
+            "baseline": args.baseline,
+            "passed": ok,
+            "results": gate_report(results),
+        }
+        print("\nGates:")
+        for line in lines:
+            print("  " + line)
+        if not ok:
+            failed = [ln for ln in lines if not ln.startswith("PASS")]
+            print(f"GATE FAILED: {len(failed)} check(s) did not pass", file=sys.stderr)
+            for line in failed:
+                print("  " + line, file=sys.stderr)
+            status = 1
+    if args.plot and plot_runs:
+        plot(args.plot, f"{record['kind']} {record['profile']['name']}", plot_runs)
+        record["plot"] = args.plot
+    if args.out:
+        common.write_json(args.out, record)
+        print(f"wrote {args.out}")
+    return status
+
+
+# --------------------------------------------------------------------------- offline
+def run_offline(args: argparse.Namespace) -> int:
+    profile_sets, llm_sets = split_sets(args.set)
+    profile = get_profile(args.profile, profile_sets)
+    if args.ab:
+        return run_ab(args, profile)
+    from minisgl.benchmark.offline import load_hf, make_llm, run_hf, run_minisgl
+
+    llm_kwargs = dict(llm_sets)
+    if args.cuda_graph_max_bs is not None:
+        llm_kwargs.setdefault("cuda_graph_max_bs", args.cuda_graph_max_bs)
+    requested = os.environ.get(ENV, "python").strip() or "python"
+    check_cpu_backend(requested)
+    record = base_record("offline", args, profile)
+    record["engine"] = args.engine
+    record["model"] = model_info(args.model_path)
+    record["llm_kwargs"] = llm_kwargs
+    t0 = time.perf_counter()
+    llm = make_llm(args.model_path, profile, llm_kwargs)
+    record["init_s"] = time.perf_counter() - t0
+    ensure_backend(llm, requested)
+    record["cpu_backend"] = scheduler_backend(llm)
+    vocab = llm.engine.model_config.vocab_size
+    record["model"].update({"dtype": str(llm.engine.dtype), "device": str(llm.engine.device)})
+    record["engine_config"] = {
+        k: getattr(llm.config, k) for k in vars(llm.config) if not k.startswith("_")
+    }
+    items = build_workload(profile, vocab)
+    warm = warmup_workload(profile, vocab)
+    hf_model = None
+    if args.engine == "hf":
+        hf_model = load_hf(llm.config.model_path, dtype=str(llm.engine.dtype).split(".")[-1])
+        pad = llm.tokenizer.pad_token_id
+        pad = 0 if pad is None else int(pad)
+    runs: dict[str, list[dict[str, Any]]] = {"minisgl": []}
+    if hf_model is not None:
+        runs["hf"] = []
+    samples: dict[str, Any] = {}
+    honor = not args.ignore_arrivals
+    with Progress(not args.no_progress) as prog:
+        run_minisgl(llm, warm, honor_arrivals=False)
+        if hf_model is not None:
+            run_hf(hf_model, warm, profile.hf_batch_size, pad)
+        for rep in range(args.repeats):
+            out = run_minisgl(llm, items, prog.task(f"minisgl #{rep + 1}", len(items)), honor)
+            runs["minisgl"].append(out["metrics"])
+            samples["minisgl"] = latency_samples(items, out["token_times"])
+            if hf_model is not None:
+                adv = prog.task(f"hf #{rep + 1}", len(items))
+                out = run_hf(hf_model, items, profile.hf_batch_size, pad, adv)
+                runs["hf"].append(out["metrics"])
+                samples["hf"] = latency_samples(items, out["token_times"])
+    results = {
+        name: {"metrics": median_nested(reps), "repeats": reps, "samples": samples[name]}
+        for name, reps in runs.items()
+    }
+    record["results"] = results
+    gate_metrics = common.flatten(results["minisgl"]["metrics"])
+    ratio_tables: dict[str, dict[str, float]] = {}
+    if "hf" in results:
+        hf_m = results["hf"]["metrics"]
+        gate_metrics.update(common.flatten(hf_m, "hf."))
+        speed = ratios(hf_m, results["minisgl"]["metrics"])
+        record["speedup_vs_hf"] = speed
+        gate_metrics.update(common.flatten(speed, "speedup_vs_hf."))
+        ratio_tables["minisgl / hf"] = speed
+    record["gate_metrics"] = gate_metrics
+    try:
+        from minisgl.scheduler import cpu_backend
+
+        record["cpu_backend_stats"] = cpu_backend.stats()
+    except ImportError:
+        pass
+    print_summary(
+        f"offline {profile.name} ({record['model']['name']}, {args.repeats} repeat(s), median)",
+        {k: v["metrics"] for k, v in results.items()},
+        ratio_tables,
+    )
+    if "hf" in results:
+        s = record["speedup_vs_hf"].get("output_tok_s")
+        print(f"minisgl / HF output tok/s = {s:.2f}x" if s else "minisgl / HF: n/a")
+    return finish(record, args, results)
+
+
+def _arm_command(args: argparse.Namespace, profile: Profile, out: str) -> list[str]:
+    cmd = [sys.executable, "-m", "minisgl.benchmark.harness", "offline", "--out", out]
+    cmd += ["--profile", profile.name, "--repeats", "1", "--no-progress"]
+    if args.model_path:
+        cmd += ["--model-path", args.model_path]
+    if args.ignore_arrivals:
+        cmd += ["--ignore-arrivals"]
+    for item in args.set or []:
+        cmd += ["--set", item]
+    return cmd
+
+
+def run_ab(args: argparse.Namespace, profile: Profile) -> int:
+    arms = [a.strip() for a in args.ab.split(",") if a.strip()]
+    if len(arms) < 2:
+        raise SystemExit("--ab needs at least two backends, e.g. --ab python,rust_hotpath")
+    for arm in arms:
+        check_cpu_backend(arm)
+    record = base_record("offline-ab", args, profile)
+    record["model"] = model_info(args.model_path)
+    record["arms"] = arms
+    per_arm: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
+    samples: dict[str, Any] = {}
+    arm_env: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats):
+            order = arms if rep % 2 == 0 else arms[::-1]  # ABBA: cancels drift
+            for arm in order:
+                out = os.path.join(tmp, f"{arm}-{rep}.json")
+                env = {**os.environ, ENV: arm}
+                print(f"[ab] repeat {rep + 1}/{args.repeats}: {ENV}={arm}", flush=True)
+                proc = subprocess.run(_arm_command(args, profile, out), env=env, check=False)
+                if proc.returncode != 0:
+                    print(f"arm {arm} failed with exit status {proc.returncode}", file=sys.stderr)
+                    return 2
+                data = json.loads(Path(out).read_text())
+                res = data["results"]["minisgl"]
+                per_arm[arm].append(res["metrics"])
+                samples[arm] = res["samples"]
+                arm_env[arm] = data["backend_env"]
+    results = {
+        arm: {"metrics": median_nested(reps), "repeats": reps, "samples": samples[arm]}
+        for arm, reps in per_arm.items()
+    }
+    record["results"] = results
+    record["arm_env"] = arm_env
+    base = arms[0]
+    gate_metrics = common.flatten(results[base]["metrics"])
+    ratio_tables = {}
+    for arm in arms:
+        gate_metrics.update(common.flatten(results[arm]["metrics"], f"ab.{arm}."))
+    for arm in arms[1:]:
+        r = ratios(results[base]["metrics"], results[arm]["metrics"])
+        record.setdefault("ab_ratio", {})[arm] = r
+        ratio_tables[f"{arm} / {base}"] = r
+        prefix = "ab_ratio." if len(arms) == 2 else f"ab_ratio.{arm}."
+        gate_metrics.update(common.flatten(r, prefix))
+    record["gate_metrics"] = gate_metrics
+    print_summary(
+        f"A/B {profile.name}: {' vs '.join(arms)} ({args.repeats} interleaved repeat(s), median)",
+        {k: v["metrics"] for k, v in results.items()},
+        ratio_tables,
+    )
+    return finish(record, args, results)
+
+
+# --------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m minisgl.benchmark.harness")
+    sub = parser.add_subparsers(dest="mode", required=True)
+
+    def common_args(p: argparse.ArgumentParser, default_profile: str) -> None:
+        p.add_argument("--out", help="result JSON path")
+        p.add_argument("--gate", action="append", help="gates YAML (repeatable)")
+        p.add_argument("--baseline", help="result JSON for relative gates on the same metric")
+        p.add_argument("--allow-missing", action="store_true", help="missing metrics pass")
+        p.add_argument("--profile", default=default_profile, choices=sorted(PROFILES))
+        p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override")
+        p.add_argument("--repeats", type=int, default=1)
+        p.add_argument("--plot", help="PNG with latency CDFs and throughput bars")
+        p.add_argument("--no-progress", action="store_true")
+        p.add_argument("--model-path", default=None, help="model dir (default: embedded)")
+
+    off = sub.add_parser("offline", help="in-process LLM benchmark")
+    common_args(off, "seed-offline")
+    off.add_argument(
+        "--engine",
+        choices=["minisgl", "hf"],
+        default="minisgl",
+        help="hf: also run HF transformers generate on the same workload",
+    )
+    off.add_argument("--ab", help="comma-separated CPU backends, e.g. python,rust_hotpath")
+    off.add_argument("--ignore-arrivals", action="store_true", help="submit all at t=0")
+    off.add_argument("--cuda-graph-max-bs", type=int, default=None)
+
+    on = sub.add_parser("online", help="OpenAI-API benchmark against a running server")
+    common_args(on, "seed-online")
+    on.add_argument("--base-url", default="http://127.0.0.1:1919")
+    on.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
+    on.add_argument("--server-pid", type=int, default=None, help="pid for server CPU %%")
+    on.add_argument("--api-key", default="EMPTY")
+    on.add_argument("--timeout", type=float, default=600.0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.repeats < 1:
+        print("--repeats must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        if args.mode == "offline":
+            return run_offline(args)
+        from minisgl.benchmark.online import run_online
+
+        return run_online(args)
+    except (ValueError, BackendUnavailable) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""Offline runs of one workload: minisgl's `LLM` (step loop honouring arrival times) and the HF
+transformers `generate` baseline (batched, left-padded, KV cache on)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from minisgl.benchmark.common import CpuMeter, percentiles
+from minisgl.benchmark.profiles import Profile, WorkItem
+
+Progress = Callable[[int], None]  # called with the number of requests just finished
+
+
+def request_metrics(
+    items: Sequence[WorkItem],
+    token_times: Sequence[Sequence[float]],
+    out_tokens: Sequence[int],
+    duration_s: float,
+) -> dict[str, Any]:
+    """Throughput and latency metrics from per-request token timestamps (seconds from start).
+
+    TTFT = first token - arrival; e2e = last token - arrival; TPOT = (e2e - TTFT) / (n - 1);
+    ITL = every gap between consecutive tokens of one request.
+    """
+    ttft, tpot, e2e, itl = [], [], [], []
+    for item, times in zip(items, token_times, strict=True):
+        if not times:
+            continue
+        ttft.append(times[0] - item.arrival_s)
+        e2e.append(times[-1] - item.arrival_s)
+        if len(times) > 1:
+            tpot.append((times[-1] - times[0]) / (len(times) - 1))
+            itl.extend(b - a for a, b in itertools.pairwise(times))
+    n_out = int(sum(out_tokens))
+    n_in = int(sum(len(i.prompt_ids) for i in items))
+    dur = max(duration_s, 1e-9)
+    return {
+        "num_requests": len(items),
+        "completed": sum(1 for t in token_times if t),
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+        "duration_s": duration_s,
+        "output_tok_s": n_out / dur,
+        "total_tok_s": (n_in + n_out) / dur,
+        "request_s": len(items) / dur,
+        "ttft_ms": percentiles(ttft, 1e3),
+        "tpot_ms": percentiles(tpot, 1e3),
+        "itl_ms": percentiles(itl, 1e3),
+        "e2e_ms": percentiles(e2e, 1e3),
+    }
+
+
+def make_llm(model_path: str | None, profile: Profile, llm_kwargs: dict[str, Any]):
+    from minisgl.llm import LLM
+
+    kw: dict[str, Any] = {
+        "max_running_requests": profile.max_running_requests,
+        "max_extend_tokens": profile.max_extend_tokens,
+    }
+    kw.update(llm_kwargs)
+    return LLM(model_path, **kw)
+
+
+def _flush_prefix_cache(llm) -> None:
+    """Drop everything the prefix cache holds, so repeats do not hit the previous repeat's KV."""
+    sched = llm.scheduler
+    size = sched.cache.evictable_size
+    if size:
+        sched.alloc.free_locations(sched.cache.evict(size))
+
+
+def run_minisgl(
+    llm,
+    items: Sequence[WorkItem],
+    progress: Progress | None = None,
+    honor_arrivals: bool = True,
+) -> dict[str, Any]:
+    """Feed `items` into the scheduler at their arrival times and step until all finish."""
+    from minisgl.core import SamplingParams
+    from minisgl.sampler import make_generator
+
+    _flush_prefix_cache(llm)
+    sched = llm.scheduler
+    stats = sched.stats
+    s0, c0 = len(stats.schedule_s), len(stats.commit_s)
+    p0, cp0 = stats.prompt_tokens, stats.cached_prompt_tokens
+    order = sorted(range(len(items)), key=lambda i: items[i].arrival_s)
+    token_times: list[list[float]] = [[] for _ in items]
+    out_tokens = [0] * len(items)
+    index: dict[int, int] = {}
+    peak_used = peak_running = peak_waiting = 0
+    total_pages = max(sched.kv_usage()["total_pages"], 1)
+    pos, done = 0, 0
+    meter = CpuMeter()
+    with meter:
+        t0 = time.perf_counter()
+        while done < len(items):
+            now = time.perf_counter() - t0
+            while pos < len(order) and (not honor_arrivals or items[order[pos]].arrival_s <= now):
+                item = items[order[pos]]
+                params = SamplingParams(
+                    temperature=0.0, max_tokens=item.max_tokens, ignore_eos=True
+                )
+                gen = make_generator(params.seed, llm.engine.device)
+                rid = sched.add_request(item.prompt_ids, params, generator=gen)
+                index[rid] = order[pos]
+                pos += 1
+            if not sched.has_work():
+                time.sleep(max(0.0, min(items[order[pos]].arrival_s - now, 0.05)))
+                continue
+            outs = llm.step()
+            t = time.perf_counter() - t0
+            usage = sched.kv_usage()
+            peak_used = max(peak_used, usage["total_pages"] - usage["free_pages"])
+            peak_running = max(peak_running, usage["running"])
+            peak_waiting = max(peak_waiting, usage["waiting"])
+            finished = 0
+            for out in outs:
+                i = index.get(out.rid)
+                if i is None:
+                    continue
+                token_times[i].append(t)
+                out_tokens[i] += 1
+                if out.finish_reason is not None:
+                    finished += 1
+            done += finished
+            if finished and progress:
+                progress(finished)
+        duration = time.perf_counter() - t0
+    sched_s = stats.schedule_s[s0:]
+    commit_s = stats.commit_s[c0:]
+    steps = [a + b for a, b in zip(sched_s, commit_s, strict=False)]
+    prompt_tokens = stats.prompt_tokens - p0
+    cached = stats.cached_prompt_tokens - cp0
+    metrics = request_metrics(items, token_times, out_tokens, duration)
+    metrics.update(
+        {
+            "steps": len(steps),
+            "sched_step_cpu_ms": percentiles(steps, 1e3),
+            "schedule_cpu_ms": percentiles(sched_s, 1e3),
+            "commit_cpu_ms": percentiles(commit_s, 1e3),
+            "sched_cpu_share_pct": 100.0 * sum(steps) / max(duration, 1e-9),
+            "peak_kv_usage": peak_used / total_pages,
+            "peak_kv_pages": peak_used,
+            "kv_total_pages": total_pages,
+            "peak_running": peak_running,
+            "peak_waiting": peak_waiting,
+            "prefix_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
+            "cpu": meter.result,
+        }
+    )
+    return {"metrics": metrics, "token_times": token_times}
+
+
+def run_hf(
+    model,
+    items: Sequence[WorkItem],
+    batch_size: int,
+    pad_token_id: int,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """HF `generate`, greedy, in batches of `batch_size` (left padding, KV cache on).
+
+    Arrival times are ignored (all requests are offline); a logits processor stamps every
+    decoding step so TTFT / ITL come from the same clock as minisgl's.
+    """
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Stamp(LogitsProcessor):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    device = next(model.parameters()).device
+    token_times: list[list[float]] = [[] for _ in items]
+    out_tokens = [0] * len(items)
+    meter = CpuMeter()
+    with meter, torch.inference_mode():
+        t0 = time.perf_counter()
+        for start in range(0, len(items), batch_size):
+            batch = list(items[start : start + batch_size])
+            width = max(len(i.prompt_ids) for i in batch)
+            ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, item in enumerate(batch):
+                n = len(item.prompt_ids)
+                ids[row, width - n :] = torch.tensor(item.prompt_ids)
+                mask[row, width - n :] = 1
+            new = max(i.max_tokens for i in batch)
+            stamp = Stamp()
+            model.generate(
+                ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=pad_token_id,
+                logits_processor=LogitsProcessorList([stamp]),
+            )
+            end = time.perf_counter()
+            # the processor runs right after the forward that yields token k (argmax follows)
+            stamps = stamp.times or [end]
+            for k, item in enumerate(batch):
+                n = min(item.max_tokens, len(stamps))
+                token_times[start + k] = [s - t0 for s in stamps[:n]]
+                out_tokens[start + k] = n
+            if progress:
+                progress(len(batch))
+        duration = time.perf_counter() - t0
+    metrics = request_metrics(items, token_times, out_tokens, duration)
+    metrics["hf_batch_size"] = batch_size
+    metrics["cpu"] = meter.result
+    return {"metrics": metrics, "token_times": token_times}
+
+
+def load_hf(model_path: str, dtype: str = "float32"):
+    from minisgl.testing.hf_reference import load_hf_model
+
+    return load_hf_model(model_path, dtype=dtype)
