@@ -145,7 +145,7 @@ def test_rust_exception_falls_back_to_python_shadow(monkeypatch, tmp_path):
 
 @needs_ext
 def test_llm_generation_under_shadow(monkeypatch, tmp_path, tiny_model_dir):
-    from conftest import random_prompts
+    from minisgl.testing.scenarios import random_prompts
 
     from minisgl import LLM
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import assert_kv_clean, random_prompts
 
 from minisgl import LLM, SamplingParams
 from minisgl.config import ModelLoadError
 from minisgl.scheduler.scheduler import RequestError
+from minisgl.testing.scenarios import assert_kv_clean, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -17,6 +17,7 @@ def llm(tiny_model_dir) -> LLM:
     return LLM(tiny_model_dir("llama"), num_pages=2048, max_seq_len_override=256)
 
 
+@pytest.mark.card("P0-010", "seeded-sampling-is-reproducible")
 def test_seeded_sampling_is_reproducible(llm):
     prompt = random_prompts(1, 10, 10, seed=7)
     p = dict(temperature=1.0, top_k=50, top_p=0.9, max_tokens=24, ignore_eos=True)
@@ -31,6 +32,7 @@ def test_seeded_sampling_is_reproducible(llm):
     assert_kv_clean(llm)
 
 
+@pytest.mark.card("P0-010", "seeded-sampling-is-reproducible")
 def test_top_k_one_is_greedy(llm):
     prompt = random_prompts(1, 12, 12, seed=8)
     greedy = llm.generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True))
@@ -40,6 +42,7 @@ def test_top_k_one_is_greedy(llm):
     assert greedy[0]["token_ids"] == topk1[0]["token_ids"]
 
 
+@pytest.mark.card("P0-010", "stop-token-ids-stop-strings-and-max-tokens")
 def test_stop_token_ids_and_max_tokens(llm):
     prompt = random_prompts(1, 12, 12, seed=9)
     free = llm.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True))[0]
@@ -54,6 +57,7 @@ def test_stop_token_ids_and_max_tokens(llm):
     assert_kv_clean(llm)
 
 
+@pytest.mark.card("P0-010", "stop-token-ids-stop-strings-and-max-tokens")
 def test_stop_string_truncates_text(llm):
     prompt = random_prompts(1, 12, 12, seed=10)
     free = llm.generate(prompt, SamplingParams(max_tokens=20, ignore_eos=True))[0]
@@ -67,6 +71,9 @@ def test_stop_string_truncates_text(llm):
     assert_kv_clean(llm)
 
 
+@pytest.mark.card(
+    "P0-010", "abort-frees-every-page", "kv-pages-all-free-or-cached-after-every-scenario"
+)
 def test_abort_frees_everything(llm):
     sched = llm.scheduler
     for ids in random_prompts(4, 20, 40, seed=11):
@@ -90,6 +97,7 @@ def test_string_and_chat_prompts(llm):
     assert chat_ids[0] == llm.tokenizer.convert_tokens_to_ids("<|im_start|>")
 
 
+@pytest.mark.card("P0-010", "offline-api-rejects-bad-input-with-clear-errors")
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -105,6 +113,7 @@ def test_bad_sampling_params(kwargs, message):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.card("P0-010", "offline-api-rejects-bad-input-with-clear-errors")
 def test_bad_prompts(llm):
     with pytest.raises(RequestError, match="prompt is empty"):
         llm.generate([[]])
@@ -120,6 +129,7 @@ def test_bad_prompts(llm):
     assert_kv_clean(llm)
 
 
+@pytest.mark.card("P0-010", "missing-weights-and-unknown-architectures-are-clear-errors")
 def test_bad_model_directories(tmp_path, tiny_model_dir):
     with pytest.raises(ModelLoadError, match="not a directory"):
         LLM(tmp_path / "nope")
@@ -138,6 +148,7 @@ def test_bad_model_directories(tmp_path, tiny_model_dir):
         LLM(broken, num_pages=64)
 
 
+@pytest.mark.card("P0-010", "offline-api-rejects-bad-input-with-clear-errors")
 def test_engine_config_validation(tiny_model_dir):
     path = tiny_model_dir("llama")
     with pytest.raises(ValueError, match="page_size"):
@@ -162,6 +173,7 @@ def test_gpu_only_options_are_accepted_on_cpu(tiny_model_dir):
     assert len(out[0]["token_ids"]) == 3
 
 
+@pytest.mark.card("P0-010", "embedded-smollm2-answers-paris")
 @pytest.mark.slow
 def test_real_model_knows_paris():
     llm = LLM(max_seq_len_override=512)

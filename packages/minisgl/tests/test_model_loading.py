@@ -6,15 +6,16 @@ import json
 
 import pytest
 import torch
-from conftest import assert_kv_clean, random_prompts
 
 from minisgl import LLM, SamplingParams
 from minisgl.testing.hf_reference import hf_greedy, load_hf_model
+from minisgl.testing.scenarios import assert_kv_clean, random_prompts
 from minisgl.testing.tiny_models import write_tiny_model
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
 
+@pytest.mark.card("P0-010", "sharded-checkpoints-rope-scaling-variants-and-half-precision")
 def test_sharded_checkpoint_loads_and_matches_hf(tmp_path):
     path = write_tiny_model("qwen2", tmp_path, seed=3, max_shard_size="60KB")
     index = json.loads((path / "model.safetensors.index.json").read_text())
@@ -27,6 +28,7 @@ def test_sharded_checkpoint_loads_and_matches_hf(tmp_path):
     assert_kv_clean(llm)
 
 
+@pytest.mark.card("P0-010", "missing-weights-and-unknown-architectures-are-clear-errors")
 def test_missing_shard_is_reported(tmp_path):
     from minisgl.config import ModelLoadError
 
@@ -37,6 +39,7 @@ def test_missing_shard_is_reported(tmp_path):
         LLM(path, num_pages=64)
 
 
+@pytest.mark.card("P0-010", "sharded-checkpoints-rope-scaling-variants-and-half-precision")
 @pytest.mark.parametrize(
     "rope_scaling",
     [
@@ -62,6 +65,7 @@ def test_rope_scaling_variants_match_hf(tmp_path, rope_scaling):
     assert ours == hf_greedy(load_hf_model(path), prompts, 10)
 
 
+@pytest.mark.card("P0-010", "missing-weights-and-unknown-architectures-are-clear-errors")
 def test_missing_tensor_is_named(tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -75,6 +79,7 @@ def test_missing_tensor_is_named(tmp_path):
         LLM(path, num_pages=64)
 
 
+@pytest.mark.card("P0-010", "sharded-checkpoints-rope-scaling-variants-and-half-precision")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs_close_to_fp32(tiny_model_dir, dtype):
     path = tiny_model_dir("qwen3")

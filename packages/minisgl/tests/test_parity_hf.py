@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from conftest import assert_kv_clean, random_prompts
 
 from minisgl import LLM, SamplingParams
 from minisgl.testing.hf_reference import hf_greedy, load_hf_model
+from minisgl.testing.scenarios import assert_kv_clean, random_prompts
 
 NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
@@ -29,6 +29,13 @@ def make_llm(path, **kw) -> LLM:
     return LLM(path, **kw)
 
 
+@pytest.mark.card(
+    "P0-010",
+    "llama-qwen2-qwen3-and-mistral-match-hf-greedy-decoding",
+    "continuous-batching-of-mixed-prompt-lengths",
+    "greedy-decoding-token-identical-to-hf-at-page-size-1-and-16",
+    "kv-pages-all-free-or-cached-after-every-scenario",
+)
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_single_and_mixed_batch(arch, page_size, tiny_model_dir, hf_cache):
     path = tiny_model_dir(arch)
@@ -43,6 +50,12 @@ def test_single_and_mixed_batch(arch, page_size, tiny_model_dir, hf_cache):
     assert_kv_clean(llm)
 
 
+@pytest.mark.card(
+    "P0-010",
+    "chunked-prefill-of-long-prompts",
+    "greedy-decoding-token-identical-to-hf-at-page-size-1-and-16",
+    "kv-pages-all-free-or-cached-after-every-scenario",
+)
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_chunked_prefill(arch, page_size, tiny_model_dir, hf_cache):
     path = tiny_model_dir(arch)
@@ -55,6 +68,12 @@ def test_chunked_prefill(arch, page_size, tiny_model_dir, hf_cache):
     assert_kv_clean(llm)
 
 
+@pytest.mark.card(
+    "P0-010",
+    "shared-prefixes-hit-the-cache-and-stay-exact",
+    "greedy-decoding-token-identical-to-hf-at-page-size-1-and-16",
+    "kv-pages-all-free-or-cached-after-every-scenario",
+)
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_shared_prefix_hits_radix_cache(arch, page_size, tiny_model_dir, hf_cache):
     path = tiny_model_dir(arch)
@@ -73,6 +92,7 @@ def test_shared_prefix_hits_radix_cache(arch, page_size, tiny_model_dir, hf_cach
     assert_kv_clean(llm)
 
 
+@pytest.mark.card("P0-010", "tight-memory-evicts-the-cache-and-stays-exact")
 def test_tight_memory_evicts_and_stays_exact(tiny_model_dir, hf_cache):
     path = tiny_model_dir("llama")
     prompts = random_prompts(8, 30, 60, seed=5)

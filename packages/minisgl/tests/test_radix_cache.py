@@ -14,6 +14,7 @@ def arr(*xs: int) -> np.ndarray:
     return np.array(xs, dtype=np.int32)
 
 
+@pytest.mark.card("P0-010", "split-page-boundary-match-lru-eviction-and-locks")
 def test_insert_match_and_split():
     c = RadixCache(page_size=1)
     assert c.insert(arr(1, 2, 3, 4), arr(10, 11, 12, 13)) == 0
@@ -26,6 +27,7 @@ def test_insert_match_and_split():
     c.check_integrity()
 
 
+@pytest.mark.card("P0-010", "split-page-boundary-match-lru-eviction-and-locks")
 def test_match_stops_at_page_boundary():
     c = RadixCache(page_size=4)
     c.insert(arr(*range(8)), arr(*range(100, 108)))
@@ -38,6 +40,7 @@ def test_match_stops_at_page_boundary():
     c.check_integrity()
 
 
+@pytest.mark.card("P0-010", "split-page-boundary-match-lru-eviction-and-locks")
 def test_eviction_is_lru_over_leaves_and_skips_locked():
     c = RadixCache(page_size=1)
     c.insert(arr(1, 1), arr(0, 1))  # oldest
@@ -55,6 +58,7 @@ def test_eviction_is_lru_over_leaves_and_skips_locked():
     c.check_integrity()
 
 
+@pytest.mark.card("P0-010", "split-page-boundary-match-lru-eviction-and-locks")
 def test_parent_becomes_evictable_after_children():
     c = RadixCache(page_size=1)
     c.insert(arr(1, 2, 3), arr(0, 1, 2))
@@ -64,6 +68,7 @@ def test_parent_becomes_evictable_after_children():
     assert c.evictable_size == 0 and c.match_prefix(arr(1, 2)).length == 0
 
 
+@pytest.mark.card("P0-010", "split-page-boundary-match-lru-eviction-and-locks")
 def test_unlock_unlocked_raises():
     c = RadixCache(page_size=1)
     c.insert(arr(1), arr(0))
@@ -103,6 +108,7 @@ ops = st.lists(
 )
 
 
+@pytest.mark.card("P0-010", "random-operation-sequences-agree-with-a-model")
 @settings(max_examples=150, deadline=None)
 @given(ps=st.sampled_from([1, 2, 4]), seq=ops)
 def test_random_operations_match_model(ps, seq):
