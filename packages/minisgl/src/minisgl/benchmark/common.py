@@ -174,9 +174,11 @@ class CpuMeter:
         import psutil
 
         self._procs = {"self": psutil.Process()}
-        for pid in pids:
+        for pid in pids:  # a server pid counts with all its children (scheduler, tokenizers)
             with contextlib.suppress(psutil.Error):
-                self._procs[f"pid{pid}"] = psutil.Process(pid)
+                proc = psutil.Process(pid)
+                for p in [proc, *proc.children(recursive=True)]:
+                    self._procs[f"pid{p.pid}"] = p
         self._start: dict[str, float] = {}
         self._t0 = 0.0
 
@@ -201,11 +203,16 @@ class CpuMeter:
 
         wall = max(time.perf_counter() - self._t0, 1e-9)
         self.result: dict[str, Any] = {"wall_s": wall}
+        server = 0.0
         for key, proc in self._procs.items():
             start, end = self._start.get(key), self._cpu(proc)
             if start is not None and end is not None:
                 name = "client" if key == "self" else key
                 self.result[f"{name}_cpu_pct"] = 100.0 * (end - start) / wall
+                if key != "self":
+                    server += self.result[f"{name}_cpu_pct"]
+        if len(self._procs) > 1:
+            self.result["server_cpu_pct"] = server
         self.result["system_cpu_pct"] = psutil.cpu_percent(None)
         with contextlib.suppress(OSError):
             self.result["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]

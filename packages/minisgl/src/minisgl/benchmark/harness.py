@@ -356,7 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     common_args(on, "seed-online")
     on.add_argument("--base-url", default="http://127.0.0.1:1919")
     on.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
-    on.add_argument("--server-pid", type=int, default=None, help="pid for server CPU %%")
+    on.add_argument(
+        "--server-pid",
+        type=int,
+        default=None,
+        help="server (launcher) pid: CPU %% of it and its children",
+    )
     on.add_argument("--api-key", default="EMPTY")
     on.add_argument("--timeout", type=float, default=600.0)
     return parser

@@ -1,0 +1,185 @@
+"""Online benchmark: streaming chat completions against an OpenAI-compatible server.
+
+Prompts are the profile's seeded random token prompts decoded to text with the model's
+tokenizer (shared prefixes become the system message). Each request streams; the client
+stamps every content chunk, which yields TTFT, TPOT, ITL and end-to-end latency per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from minisgl.benchmark import common
+from minisgl.benchmark.offline import request_metrics
+from minisgl.benchmark.profiles import Profile, WorkItem, build_workload, get_profile
+from minisgl.benchmark.report import Progress, latency_samples, print_summary
+
+
+def _tokenizer(model_path: str | None, served_name: str):
+    from transformers import AutoTokenizer
+
+    for candidate in (model_path, served_name):
+        if candidate and Path(candidate, "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(candidate), candidate
+    from minisgl.default_model import default_model_path
+
+    path = str(default_model_path())
+    return AutoTokenizer.from_pretrained(path), path
+
+
+def messages_for(item: WorkItem, profile: Profile, tok) -> list[dict[str, str]]:
+    ids = item.prompt_ids
+    msgs = []
+    if item.prefix_id >= 0:
+        msgs.append({"role": "system", "content": tok.decode(ids[: profile.prefix_len])})
+        ids = ids[profile.prefix_len :]
+    msgs.append({"role": "user", "content": tok.decode(ids)})
+    return msgs
+
+
+async def _one(client, model: str, item: WorkItem, messages, t0: float, sem, advance):
+    async with sem:
+        now = time.perf_counter() - t0
+        if item.arrival_s > now:
+            await asyncio.sleep(item.arrival_s - now)
+        times: list[float] = []
+        usage = None
+        error = None
+        try:
+            stream = await client.chat.completions.create(
+                model=model,
+                messages=messages,
+                max_tokens=item.max_tokens,
+                temperature=0.0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                for choice in chunk.choices or []:
+                    if choice.delta and choice.delta.content:
+                        times.append(time.perf_counter() - t0)
+        except Exception as exc:
+            error = repr(exc)
+        advance(1)
+        return times, usage, error
+
+
+async def _run(args, profile: Profile, items, prog) -> dict[str, Any]:
+    from openai import AsyncOpenAI
+
+    base = args.base_url.rstrip("/")
+    client = AsyncOpenAI(base_url=f"{base}/v1", api_key=args.api_key, timeout=args.timeout)
+    async with client:
+        model = args.model or (await client.models.list()).data[0].id
+        tok, tok_path = _tokenizer(args.model_path, model)
+        msgs = [messages_for(it, profile, tok) for it in items]
+        sem = asyncio.Semaphore(profile.concurrency or len(items))
+        # warmup: a few requests outside the measurement
+        warm = min(profile.warmup_requests, len(items))
+        if warm:
+            await asyncio.gather(
+                *[
+                    _one(
+                        client,
+                        model,
+                        WorkItem(-1, [], 4),
+                        msgs[i],
+                        time.perf_counter(),
+                        sem,
+                        lambda n: None,
+                    )
+                    for i in range(warm)
+                ]
+            )
+        advance = prog.task(f"online {profile.name}", len(items))
+        meter = common.CpuMeter([args.server_pid] if args.server_pid else [])
+        with meter:
+            t0 = time.perf_counter()
+            outs = await asyncio.gather(
+                *[
+                    _one(client, model, it, m, t0, sem, advance)
+                    for it, m in zip(items, msgs, strict=True)
+                ]
+            )
+            duration = time.perf_counter() - t0
+    token_times, out_tokens, errors = [], [], []
+    in_tokens = 0
+    for times, usage, error in outs:
+        token_times.append(times)
+        out_tokens.append(usage.completion_tokens if usage else len(times))
+        in_tokens += usage.prompt_tokens if usage else 0
+        if error:
+            errors.append(error)
+    metrics = request_metrics(items, token_times, out_tokens, duration)
+    if in_tokens:  # what the server counted (chat template included)
+        metrics["input_tokens"] = in_tokens
+        metrics["total_tok_s"] = (in_tokens + metrics["output_tokens"]) / max(duration, 1e-9)
+    metrics["cpu"] = dict(meter.result)
+    metrics["errors"] = len(errors)
+    return {
+        "metrics": metrics,
+        "token_times": token_times,
+        "model": model,
+        "tokenizer": Path(tok_path).name,
+        "error_samples": errors[:5],
+    }
+
+
+def run_online(args) -> int:
+    from minisgl.benchmark.harness import base_record, finish, median_nested, split_sets
+
+    profile_sets, llm_sets = split_sets(args.set)
+    if llm_sets:
+        raise ValueError("llm.* overrides apply to the server's launch flags, not to online runs")
+    profile = get_profile(args.profile, profile_sets)
+    record = base_record("online", args, profile)
+    record["base_url"] = args.base_url
+    reps: list[dict[str, Any]] = []
+    last: dict[str, Any] = {}
+    last_items: list[WorkItem] = []
+    with Progress(not args.no_progress) as prog:
+        for _ in range(args.repeats):
+            last = asyncio.run(_run_with_items(args, profile, prog))
+            last_items = last.pop("items")
+            reps.append(last["metrics"])
+    metrics = median_nested(reps)
+    record["model"] = {"name": last["model"], "tokenizer": last["tokenizer"]}
+    record["results"] = {
+        "online": {
+            "metrics": metrics,
+            "repeats": reps,
+            "samples": latency_samples(last_items, last["token_times"]),
+        }
+    }
+    record["error_samples"] = last["error_samples"]
+    record["gate_metrics"] = common.flatten(metrics)
+    print_summary(
+        f"online {profile.name} ({last['model']}, {args.repeats} repeat(s), median)",
+        {"online": metrics},
+        None,
+    )
+    status = finish(record, args, record["results"])
+    if metrics.get("errors"):
+        print(f"error: {metrics['errors']} request(s) failed, e.g. {last['error_samples'][0]}")
+        status = status or 1
+    return status
+
+
+async def _run_with_items(args, profile: Profile, prog) -> dict[str, Any]:
+    from openai import AsyncOpenAI
+
+    base = args.base_url.rstrip("/")
+    async with AsyncOpenAI(base_url=f"{base}/v1", api_key=args.api_key) as client:
+        model = args.model or (await client.models.list()).data[0].id
+    tok, _ = _tokenizer(args.model_path, model)
+    items = build_workload(profile, len(tok))
+    args.model = model
+    out = await _run(args, profile, items, prog)
+    out["items"] = items
+    return out
