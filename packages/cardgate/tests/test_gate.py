@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import Repo
+from cardgate_repo import Repo
 
 from cardgate.evidence import create_record_dir, write_new
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import Repo
+from cardgate_repo import Repo
 
 P = pytest.mark.card
 

@@ -62,24 +62,24 @@ class TorchNativeBackend(AttentionBackend):
     ) -> torch.Tensor:
         self.pool.store(layer, meta.out_loc, k, v)
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
-        gqa = self.num_heads // self.num_kv_heads
+        kvh, gqa = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        d = q.shape[-1]
+        # GQA without repeating K/V: the `gqa` query heads sharing a KV head are folded into
+        # the query-length dimension (head h uses KV head h // gqa, as in HF's repeat_kv).
         if meta.is_prefill:
             out = torch.empty_like(q)
             for q0, n_q, kv_idx, mask in meta.segments:
-                qs = q[q0 : q0 + n_q].transpose(0, 1)  # [H, q, D]
+                qs = q[q0 : q0 + n_q].transpose(0, 1).reshape(kvh, gqa * n_q, d)
                 ks = k_cache[kv_idx].transpose(0, 1)  # [KVH, kv, D]
                 vs = v_cache[kv_idx].transpose(0, 1)
-                if gqa > 1:
-                    ks = ks.repeat_interleave(gqa, dim=0)
-                    vs = vs.repeat_interleave(gqa, dim=0)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
-                out[q0 : q0 + n_q] = o.transpose(0, 1)
+                m = mask.repeat(gqa, 1) if gqa > 1 else mask
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=m)
+                out[q0 : q0 + n_q] = o.view(kvh * gqa, n_q, d).transpose(0, 1)
             return out.reshape(q.shape[0], -1)
         assert meta.kv_index is not None
+        bs = q.shape[0]
         ks = k_cache[meta.kv_index].transpose(1, 2)  # [bs, KVH, L, D]
         vs = v_cache[meta.kv_index].transpose(1, 2)
-        if gqa > 1:
-            ks = ks.repeat_interleave(gqa, dim=1)
-            vs = vs.repeat_interleave(gqa, dim=1)
-        o = F.scaled_dot_product_attention(q[:, :, None, :], ks, vs, attn_mask=meta.kv_mask)
-        return o.reshape(q.shape[0], -1)
+        qs = q.view(bs, kvh, gqa, d)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.kv_mask)
+        return o.reshape(bs, -1)
