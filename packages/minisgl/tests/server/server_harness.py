@@ -82,13 +82,18 @@ class ServerHandle:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
 
-    def survivors(self) -> list[psutil.Process]:
-        alive = []
-        for p in self.children:
-            with contextlib.suppress(psutil.Error):
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(p)
-        return alive
+    def survivors(self, grace: float = 5.0) -> list[psutil.Process]:
+        """Children still running `grace` seconds after the launcher exited."""
+        deadline = time.monotonic() + grace
+        while True:
+            alive = []
+            for p in self.children:
+                with contextlib.suppress(psutil.Error):
+                    if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                        alive.append(p)
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.1)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,114 @@
+"""Graceful shutdown (SIGINT / SIGTERM), a dying worker, other launch options, the shell."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+from server_harness import running_server
+
+from minisgl import SamplingParams
+
+
+def start_stream(base_url: str, max_tokens: int = 250) -> tuple[threading.Thread, dict]:
+    """A long streaming request in a thread; `result` gets its chunks / finish / error."""
+    result: dict = {"chunks": 0, "finish": None, "error": None, "started": threading.Event()}
+
+    def run():
+        body = {
+            "prompt": "long story",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        try:
+            with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    c = json.loads(line[6:])
+                    if "error" in c:
+                        result["error"] = c["error"]
+                        break
+                    result["chunks"] += 1
+                    result["started"].set()
+                    result["finish"] = c["choices"][0]["finish_reason"] or result["finish"]
+        except httpx.HTTPError as e:
+            result["error"] = repr(e)
+        finally:
+            result["started"].set()
+            result["done"] = time.monotonic()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, result
+
+
+def test_options_then_sigint_with_request_in_flight(tiny_model_dir, tmp_path, llm_ref):
+    """2 tokenizer workers, the generic transport, naive cache, page size 4; then Ctrl+C."""
+    flags = ["--num-tokenizer", "2", "--transport", "generic", "--cache-type", "naive",
+             "--page-size", "4"]  # fmt: skip
+    with running_server(tiny_model_dir("llama"), *flags, log_dir=tmp_path) as s:
+        assert set(s.worker_pids()) == {"scheduler", "tokenizer0", "tokenizer1"}
+        prompts = ["The quick brown fox", "Paris is", "A radix tree", "Batching helps"]
+        want = llm_ref.generate(prompts, SamplingParams(max_tokens=12))
+        for p, w in zip(prompts, want, strict=True):  # uids alternate between tokenizers
+            r = httpx.post(
+                s.base_url + "/v1/completions",
+                timeout=60,
+                json={"prompt": p, "max_tokens": 12, "temperature": 0},
+            )
+            assert r.json()["choices"][0]["text"] == w["text"]
+        t, res = start_stream(s.base_url)
+        assert res["started"].wait(60)
+        t0 = time.monotonic()
+        code = s.stop(signal.SIGINT)
+        t.join(30)
+        assert code == 0, s.log()
+        # the in-flight request finished or was ended, within the grace period (+ margin)
+        assert res["finish"] == "length" or res["error"], res
+        assert res["done"] - t0 < 15
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(s.base_url + "/health", timeout=2)
+
+
+def test_dead_worker_fails_health_and_inflight_requests(tiny_model_dir, tmp_path):
+    with running_server(tiny_model_dir("llama"), log_dir=tmp_path) as s:
+        pid = s.worker_pids()["scheduler"]
+        t, res = start_stream(s.base_url)
+        assert res["started"].wait(60)
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        t.join(15)
+        assert not t.is_alive(), "in-flight request hung after the scheduler died"
+        assert res["error"], res
+        assert res["done"] - t0 < 5
+        h = httpx.get(s.base_url + "/health", timeout=5)
+        assert h.status_code == 503 and "scheduler" in h.json()["reason"]
+        r = httpx.post(s.base_url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+        assert "retry-after" in r.headers
+        m = httpx.get(s.base_url + "/metrics", timeout=5).text
+        assert "minisgl_healthy 0" in m
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+
+
+def test_shell_chat_over_stdin(server):
+    script = "Hello there\nAnd again\n/reset\nFresh start\n/exit\nnever sent\n"
+    p = subprocess.run(
+        [sys.executable, "-m", "minisgl.shell", "--base-url", server.base_url,
+         "--max-tokens", "8"],
+        input=script, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert out.count("assistant> ") == 3
+    assert "(history cleared)" in out and out.rstrip().endswith("bye")
