@@ -209,6 +209,8 @@ class CpuMeter:
             if start is not None and end is not None:
                 name = "client" if key == "self" else key
                 self.result[f"{name}_cpu_pct"] = 100.0 * (end - start) / wall
+                if key == "self":
+                    self.result["client_cpu_s"] = end - start
                 if key != "self":
                     server += self.result[f"{name}_cpu_pct"]
         if len(self._procs) > 1:

@@ -43,6 +43,7 @@ from minisgl.benchmark.report import Progress, latency_samples, plot, print_summ
 
 RATIO_KEYS = (
     "output_tok_s",
+    "output_tok_per_cpu_s",
     "total_tok_s",
     "request_s",
     "ttft_ms.p50",
@@ -76,6 +77,24 @@ def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
     """b / a for RATIO_KEYS present in both (dotted paths)."""
     fa, fb = common.flatten(a), common.flatten(b)
     return {k: fb[k] / fa[k] for k in RATIO_KEYS if k in fa and k in fb and fa[k]}
+
+
+PAIRED_KEYS = ("output_tok_s", "output_tok_per_cpu_s")
+
+
+def paired_ratios(a_reps: list[dict[str, Any]], b_reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median over repeats of b/a measured side by side (robust to slow drifts in load)."""
+    out: dict[str, Any] = {}
+    for key in PAIRED_KEYS:
+        rs = [
+            b[key] / a[key]
+            for a, b in zip(a_reps, b_reps, strict=False)
+            if a.get(key) and b.get(key)
+        ]
+        if rs:
+            out[key] = common.median(rs)
+            out[f"{key}_per_repeat"] = rs
+    return out
 
 
 def split_sets(items: list[str] | None) -> tuple[dict[str, str], dict[str, Any]]:
@@ -237,8 +256,14 @@ def run_offline(args: argparse.Namespace) -> int:
         gate_metrics.update(common.flatten(hf_m, "hf."))
         speed = ratios(hf_m, results["minisgl"]["metrics"])
         record["speedup_vs_hf"] = speed
+        paired = paired_ratios(runs["hf"], runs["minisgl"])
+        record["speedup_vs_hf_paired"] = paired
         gate_metrics.update(common.flatten(speed, "speedup_vs_hf."))
-        ratio_tables["minisgl / hf"] = speed
+        gate_metrics.update(common.flatten(paired, "speedup_vs_hf_paired."))
+        ratio_tables["minisgl / hf (ratio of medians)"] = speed
+        ratio_tables["minisgl / hf (median of paired repeats)"] = {
+            k: v for k, v in paired.items() if not k.endswith("_per_repeat")
+        }
     record["gate_metrics"] = gate_metrics
     try:
         from minisgl.scheduler import cpu_backend
@@ -252,8 +277,11 @@ def run_offline(args: argparse.Namespace) -> int:
         ratio_tables,
     )
     if "hf" in results:
-        s = record["speedup_vs_hf"].get("output_tok_s")
-        print(f"minisgl / HF output tok/s = {s:.2f}x" if s else "minisgl / HF: n/a")
+        s = record["speedup_vs_hf_paired"].get("output_tok_s")
+        c = record["speedup_vs_hf_paired"].get("output_tok_per_cpu_s")
+        if s:
+            print(f"minisgl / HF output tok/s = {s:.2f}x (median of paired repeats)", end="")
+            print(f"; per CPU-second {c:.2f}x" if c else "")
     return finish(record, args, results)
 
 
@@ -262,6 +290,8 @@ def _arm_command(args: argparse.Namespace, profile: Profile, out: str) -> list[s
     cmd += ["--profile", profile.name, "--repeats", "1", "--no-progress"]
     if args.model_path:
         cmd += ["--model-path", args.model_path]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
     if args.ignore_arrivals:
         cmd += ["--ignore-arrivals"]
     for item in args.set or []:
@@ -310,10 +340,16 @@ def run_ab(args: argparse.Namespace, profile: Profile) -> int:
         gate_metrics.update(common.flatten(results[arm]["metrics"], f"ab.{arm}."))
     for arm in arms[1:]:
         r = ratios(results[base]["metrics"], results[arm]["metrics"])
+        paired = paired_ratios(per_arm[base], per_arm[arm])
         record.setdefault("ab_ratio", {})[arm] = r
+        record.setdefault("ab_ratio_paired", {})[arm] = paired
         ratio_tables[f"{arm} / {base}"] = r
-        prefix = "ab_ratio." if len(arms) == 2 else f"ab_ratio.{arm}."
-        gate_metrics.update(common.flatten(r, prefix))
+        ratio_tables[f"{arm} / {base} (median of paired repeats)"] = {
+            k: v for k, v in paired.items() if not k.endswith("_per_repeat")
+        }
+        prefix = "" if len(arms) == 2 else f"{arm}."
+        gate_metrics.update(common.flatten(r, f"ab_ratio.{prefix}"))
+        gate_metrics.update(common.flatten(paired, f"ab_ratio_paired.{prefix}"))
     record["gate_metrics"] = gate_metrics
     print_summary(
         f"A/B {profile.name}: {' vs '.join(arms)} ({args.repeats} interleaved repeat(s), median)",
@@ -339,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--plot", help="PNG with latency CDFs and throughput bars")
         p.add_argument("--no-progress", action="store_true")
         p.add_argument("--model-path", default=None, help="model dir (default: embedded)")
+        p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
 
     off = sub.add_parser("offline", help="in-process LLM benchmark")
     common_args(off, "seed-offline")
@@ -372,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         print("--repeats must be >= 1", file=sys.stderr)
         return 2
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         if args.mode == "offline":
             return run_offline(args)

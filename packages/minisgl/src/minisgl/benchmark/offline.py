@@ -53,6 +53,13 @@ def request_metrics(
     }
 
 
+def add_cpu_efficiency(metrics: dict[str, Any]) -> None:
+    """Output tokens per CPU-second of this process: robust when other jobs share the cores."""
+    cpu_s = (metrics.get("cpu") or {}).get("client_cpu_s")
+    if cpu_s:
+        metrics["output_tok_per_cpu_s"] = metrics["output_tokens"] / cpu_s
+
+
 def make_llm(model_path: str | None, profile: Profile, llm_kwargs: dict[str, Any]):
     from minisgl.llm import LLM
 
@@ -152,6 +159,7 @@ def run_minisgl(
             "cpu": meter.result,
         }
     )
+    add_cpu_efficiency(metrics)
     return {"metrics": metrics, "token_times": token_times}
 
 
@@ -218,6 +226,7 @@ def run_hf(
     metrics = request_metrics(items, token_times, out_tokens, duration)
     metrics["hf_batch_size"] = batch_size
     metrics["cpu"] = meter.result
+    add_cpu_efficiency(metrics)
     return {"metrics": metrics, "token_times": token_times}
 
 
