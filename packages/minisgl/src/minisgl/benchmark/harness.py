@@ -136,8 +136,7 @@ def model_info(model_path: str | None) -> dict[str, Any]:
                 "vocab_size": cfg.get("vocab_size"),
             }
         )
-    info["resolved_path"] = str(model_path)
-    return info
+    return info  # no absolute paths: results are committed (privacy guardrail)
 
 
 def base_record(kind: str, args: argparse.Namespace, profile: Profile) -> dict[str, Any]:

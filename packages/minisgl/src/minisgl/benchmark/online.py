@@ -149,7 +149,7 @@ def run_online(args) -> int:
             last_items = last.pop("items")
             reps.append(last["metrics"])
     metrics = median_nested(reps)
-    record["model"] = {"name": last["model"], "tokenizer": last["tokenizer"]}
+    record["model"] = {"name": Path(last["model"]).name, "tokenizer": last["tokenizer"]}
     record["results"] = {
         "online": {
             "metrics": metrics,
@@ -160,7 +160,7 @@ def run_online(args) -> int:
     record["error_samples"] = last["error_samples"]
     record["gate_metrics"] = common.flatten(metrics)
     print_summary(
-        f"online {profile.name} ({last['model']}, {args.repeats} repeat(s), median)",
+        f"online {profile.name} ({Path(last['model']).name}, {args.repeats} repeat(s), median)",
         {"online": metrics},
         None,
     )
