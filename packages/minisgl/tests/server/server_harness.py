@@ -99,19 +99,31 @@ class ServerHandle:
 @contextlib.contextmanager
 def running_server(model_dir, *extra: str, log_dir: Path, env: dict | None = None):
     """Start `python -m minisgl`, wait for /health, yield; then SIGTERM and check cleanup."""
-    port = free_port()
     ipc_root = tempfile.mkdtemp(prefix="msgl-t", dir="/tmp")  # short: ipc paths <= 107 bytes
-    log_path = log_dir / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "minisgl", "--model-path", str(model_dir), "--host",
-           "127.0.0.1", "--port", str(port), *SERVER_FLAGS, *extra]  # fmt: skip
     full_env = {**os.environ, "MINISGL_IPC_ROOT": ipc_root, **(env or {})}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
-        )
-    server = ServerHandle(proc, port, ipc_root, log_path)
+    for attempt in range(3):  # the launcher binds first: a port taken meanwhile fails at once
+        port = free_port()
+        log_path = log_dir / f"server-{port}.log"
+        cmd = [sys.executable, "-m", "minisgl", "--model-path", str(model_dir), "--host",
+               "127.0.0.1", "--port", str(port), *SERVER_FLAGS, *extra]  # fmt: skip
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+            )
+        server = ServerHandle(proc, port, ipc_root, log_path)
+        try:
+            server.wait_ready()
+            break
+        except RuntimeError:
+            if attempt == 2 or "cannot bind" not in server.log():
+                server.kill_everything()
+                shutil.rmtree(ipc_root, ignore_errors=True)
+                raise
+        except BaseException:
+            server.kill_everything()
+            shutil.rmtree(ipc_root, ignore_errors=True)
+            raise
     try:
-        server.wait_ready()
         yield server
     finally:
         code = server.stop()

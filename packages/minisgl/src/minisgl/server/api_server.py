@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl.message.schema import (
@@ -42,6 +42,10 @@ RETRY_AFTER_S = "1"
 DISCONNECT_CHECK_S = 0.1
 
 
+class ClientGone(Exception):
+    """The HTTP client disconnected: the request is aborted."""
+
+
 @dataclass(eq=False)
 class ReqState:
     uid: int
@@ -52,6 +56,7 @@ class ReqState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finished: bool = False
+    checked: float = field(default_factory=time.monotonic)  # last client-disconnect check
 
 
 class Frontend:
@@ -336,12 +341,17 @@ def create_app(fe: Frontend) -> FastAPI:
         return await serve(request, parsed, chat=False)
 
     async def next_item(request: Request, st: ReqState) -> tuple:
+        """The request's next output; raises ClientGone once the client disconnected."""
         while True:
-            try:
-                return await asyncio.wait_for(st.queue.get(), 0.5)
-            except TimeoutError:
+            now = time.monotonic()
+            if now - st.checked > DISCONNECT_CHECK_S:  # also while tokens keep flowing
+                st.checked = now
                 if await request.is_disconnected():
-                    raise asyncio.CancelledError() from None
+                    raise ClientGone()
+            try:
+                return await asyncio.wait_for(st.queue.get(), DISCONNECT_CHECK_S)
+            except TimeoutError:
+                pass
 
     async def serve(request: Request, parsed: Parsed, chat: bool):
         st = fe.submit(parsed)
@@ -350,6 +360,9 @@ def create_app(fe: Frontend) -> FastAPI:
         model = fe.model_name
         try:
             first = await next_item(request, st)
+        except ClientGone:
+            fe.abort(st)
+            return Response(status_code=499)  # nobody reads it
         except BaseException:
             fe.abort(st)
             raise
@@ -366,6 +379,9 @@ def create_app(fe: Frontend) -> FastAPI:
                         fe.complete(st, "error")
                         return error_response(reject_to_error(payload))
                     text.append(payload)
+            except ClientGone:
+                fe.abort(st)
+                return Response(status_code=499)
             except BaseException:
                 fe.abort(st)
                 raise
@@ -415,7 +431,6 @@ def create_app(fe: Frontend) -> FastAPI:
 
         async def events():
             item = first
-            last_check = time.monotonic()
             try:
                 if chat:
                     yield chunk("", None, role=True)
@@ -443,13 +458,10 @@ def create_app(fe: Frontend) -> FastAPI:
                                 }
                             )
                         break
-                    now = time.monotonic()
-                    if now - last_check > DISCONNECT_CHECK_S:  # tokens keep flowing: poll
-                        last_check = now
-                        if await request.is_disconnected():
-                            break
                     item = await next_item(request, st)
                 yield b"data: [DONE]\n\n"
+            except ClientGone:
+                return
             finally:
                 if not st.finished:
                     fe.abort(st)

@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -36,6 +37,7 @@ class Launcher:
         self.procs: dict[str, mp.process.BaseProcess] = {}
         self.ipc_dir: str | None = None
         self.frontend = None
+        self.sock: socket.socket | None = None
         self.stopping = threading.Event()
         self.phase = "startup"
 
@@ -106,6 +108,7 @@ class Launcher:
                 from minisgl.default_model import default_model_path
 
                 model_path = str(default_model_path())
+            self.sock = self._bind()  # before loading anything: a taken port fails at once
             self.ipc_dir = tempfile.mkdtemp(
                 prefix="minisgl-", dir=os.environ.get("MINISGL_IPC_ROOT")
             )
@@ -141,9 +144,23 @@ class Launcher:
             self._stop_workers()
             if self.frontend is not None:
                 self.frontend.close()
+            if self.sock is not None:
+                self.sock.close()
             if self.ipc_dir is not None:
                 shutil.rmtree(self.ipc_dir, ignore_errors=True)
             log("stopped")
+
+    def _bind(self) -> socket.socket:
+        host, port = self.args.host, self.args.port
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))  # uvicorn listens on it once the workers are ready
+        except OSError as e:
+            sock.close()
+            raise RuntimeError(f"cannot bind {host}:{port}: {e}") from None
+        return sock
 
     def _serve(self, app) -> None:
         import uvicorn
@@ -165,7 +182,7 @@ class Launcher:
         )
         server = Server(config)
         log(f"serving on http://{self.args.host}:{self.args.port}")
-        server.run()
+        server.run(sockets=[self.sock])
 
 
 def main(argv: list[str] | None = None) -> int:
