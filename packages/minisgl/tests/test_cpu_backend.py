@@ -44,6 +44,7 @@ def drive(s, n_req: int = 12, seed: int = 0) -> list[tuple]:
     return outs
 
 
+@pytest.mark.card("P0-004", "python-is-the-default-and-an-unknown-backend-is-an-error")
 def test_default_is_python():
     s = Scheduler(**KW)
     assert type(s) is Scheduler and s.backend == "python"
@@ -52,12 +53,18 @@ def test_default_is_python():
     assert st["requested"] == "python" and st["served"]["python"]["schedule"] > 0
 
 
+@pytest.mark.card("P0-004", "python-is-the-default-and-an-unknown-backend-is-an-error")
 def test_unknown_backend_is_an_error(monkeypatch):
     monkeypatch.setenv(cpu_backend.ENV_BACKEND, "fortran")
     with pytest.raises(ValueError, match="MINISGL_CPU_BACKEND"):
         Scheduler(**KW)
 
 
+@pytest.mark.card(
+    "P0-004",
+    "minisgl-cpu-backend-rust-hotpath-serves-every-step-from-rust-and-counts-it",
+    "rust-scheduler-behind-the-python-scheduler-interface",
+)
 @needs_ext
 def test_env_selects_rust_and_counts(monkeypatch):
     monkeypatch.setenv(cpu_backend.ENV_BACKEND, "rust_hotpath")
@@ -70,6 +77,7 @@ def test_env_selects_rust_and_counts(monkeypatch):
     assert st["fallbacks"] == 0
 
 
+@pytest.mark.card("P0-004", "a-missing-or-failing-extension-falls-back-to-python-and-is-counted")
 def test_missing_extension_falls_back_once(monkeypatch, caplog):
     monkeypatch.setenv(cpu_backend.ENV_BACKEND, "rust_hotpath")
     monkeypatch.setitem(sys.modules, "minisgl_cpu", None)  # import raises ImportError
@@ -82,6 +90,11 @@ def test_missing_extension_falls_back_once(monkeypatch, caplog):
     assert sum("falling back" in r.message for r in caplog.records) <= 1
 
 
+@pytest.mark.card(
+    "P0-005",
+    "shadow-runner-compares-rust-and-python-decisions-per-step-with-either-primary",
+    "shadow-report-summarizes-a-report-and-a-missing-file-is-an-error-unless-allowed",
+)
 @needs_ext
 @pytest.mark.parametrize("primary", ["python", "rust_hotpath"])
 def test_shadow_agrees(monkeypatch, tmp_path, primary):
@@ -100,6 +113,12 @@ def test_shadow_agrees(monkeypatch, tmp_path, primary):
     assert shadow_report.main(["--input", str(report)]) == 2
 
 
+@pytest.mark.card(
+    "P0-005",
+    "divergences-written-as-json-lines-with-kind-step-and-both-backends-capped-by-minisgl-cpu-backend-shadow-max-diffs",
+    "the-primary-keeps-serving-when-the-shadow-diverges-or-the-primary-raises",
+    "shadow-report-summarizes-a-report-and-a-missing-file-is-an-error-unless-allowed",
+)
 @needs_ext
 def test_shadow_reports_divergence(monkeypatch, tmp_path, capsys):
     report = tmp_path / "shadow.jsonl"
@@ -118,6 +137,10 @@ def test_shadow_reports_divergence(monkeypatch, tmp_path, capsys):
     assert "5 divergences" in text and "schedule" in text
 
 
+@pytest.mark.card("P0-004", "a-missing-or-failing-extension-falls-back-to-python-and-is-counted")
+@pytest.mark.card(
+    "P0-005", "the-primary-keeps-serving-when-the-shadow-diverges-or-the-primary-raises"
+)
 @needs_ext
 def test_rust_exception_falls_back_to_python_shadow(monkeypatch, tmp_path):
     monkeypatch.setenv(cpu_backend.ENV_BACKEND, "rust_hotpath")
@@ -143,11 +166,15 @@ def test_rust_exception_falls_back_to_python_shadow(monkeypatch, tmp_path):
     s.check_integrity()
 
 
+@pytest.mark.card(
+    "P0-005",
+    "shadow-runner-compares-rust-and-python-decisions-per-step-with-either-primary",
+    "0-divergences-generating-the-parity-corpus-and-shared-prefix-prompts-under-shadow",
+)
 @needs_ext
 def test_llm_generation_under_shadow(monkeypatch, tmp_path, tiny_model_dir):
-    from minisgl.testing.scenarios import random_prompts
-
     from minisgl import LLM
+    from minisgl.testing.scenarios import random_prompts
 
     report = tmp_path / "shadow.jsonl"
     monkeypatch.setenv(cpu_backend.ENV_BACKEND, "rust_hotpath")
@@ -160,4 +187,32 @@ def test_llm_generation_under_shadow(monkeypatch, tmp_path, tiny_model_dir):
     assert all(len(r["token_ids"]) == 6 for r in got)
     st = cpu_backend.stats()
     assert st["shadow"]["decisions"] > 0 and st["shadow"].get("diffs", 0) == 0
+    assert not report.exists()
+
+
+@needs_ext
+@pytest.mark.card(
+    "P0-005", "0-divergences-generating-the-parity-corpus-and-shared-prefix-prompts-under-shadow"
+)
+@pytest.mark.parametrize("primary", ["python", "rust_hotpath"])
+def test_parity_corpus_under_shadow(monkeypatch, tmp_path, tiny_model_dir, primary):
+    from minisgl import LLM
+    from minisgl.benchmark import token_parity
+
+    model = tiny_model_dir("llama")
+    flags = ["--token-prompt-count", "6", "--min-input-len", "8", "--max-input-len", "48"]
+    args = token_parity.build_parser().parse_args([*flags, "--model-path", str(model)])
+    sets, _ = token_parity.build_sets(args)  # the P0-002 corpus: text and seeded token prompts
+    prompts = [p for ps in sets.values() for p in ps]
+    report = tmp_path / "shadow.jsonl"
+    monkeypatch.setenv(cpu_backend.ENV_BACKEND, primary)
+    monkeypatch.setenv(cpu_backend.ENV_SHADOW, "1")
+    monkeypatch.setenv(cpu_backend.ENV_SHADOW_REPORT, str(report))
+    llm = LLM(model, num_pages=256, page_size=4, max_extend_tokens=64, max_running_requests=4)
+    assert llm.scheduler.backend.startswith(primary + "+shadow:")
+    got = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [len(r["token_ids"]) for r in got] == [8] * len(prompts)
+    st = cpu_backend.stats()
+    assert st["shadow"]["decisions"] > 2 * len(prompts) and st["shadow"].get("diffs", 0) == 0
+    assert st["fallbacks"] == 0
     assert not report.exists()

@@ -80,7 +80,17 @@ class RadixMachine(RuleBasedStateMachine):
         self.rs.check_integrity()
 
 
-TestRadixEquivalence = RadixMachine.TestCase
+TestRadixEquivalence = pytest.mark.card(
+    "P0-003",
+    "page-aligned-match-and-insert",
+    "lru-eviction-of-unlocked-leaves",
+    "lock-and-unlock-reference-counting",
+    "random-operation-sequences-agree-with-the-python-reference",
+)(
+    pytest.mark.card("P0-004", "rust-radix-cache-behind-the-python-prefixcache-interface")(
+        RadixMachine.TestCase
+    )
+)
 TestRadixEquivalence.settings = SETTINGS
 
 
@@ -154,10 +164,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.rs.check_integrity()
 
 
-TestSchedulerEquivalence = SchedulerMachine.TestCase
+TestSchedulerEquivalence = pytest.mark.card(
+    "P0-003",
+    "admission-and-step-plans-identical-to-the-python-scheduler",
+    "random-operation-sequences-agree-with-the-python-reference",
+)(
+    pytest.mark.card("P0-004", "rust-scheduler-behind-the-python-scheduler-interface")(
+        SchedulerMachine.TestCase
+    )
+)
 TestSchedulerEquivalence.settings = SETTINGS
 
 
+@pytest.mark.card("P0-003", "admission-and-step-plans-identical-to-the-python-scheduler")
 @settings(max_examples=80, deadline=None)
 @given(data=st.data(), bs=st.integers(0, 5), prefill=st.booleans())
 def test_build_plan_matches_python(data, bs, prefill):
@@ -181,6 +200,7 @@ def test_build_plan_matches_python(data, bs, prefill):
         o += n
 
 
+@pytest.mark.card("P0-003", "batched-radix-calls-agree-with-per-sequence-calls")
 def test_radix_batch_calls_match_single_calls():
     rng = np.random.default_rng(0)
     seqs = [rng.integers(1, 5, size=rng.integers(1, 40)).astype(np.int32) for _ in range(50)]
@@ -194,3 +214,50 @@ def test_radix_batch_calls_match_single_calls():
     assert b.match_batch(flat, offs).tolist() == [a.match_prefix(s).length for s in seqs]
     a.check_integrity()
     b.check_integrity()
+
+
+class _CountingCore:
+    """Stands in for the extension object of a `RustScheduler` and counts every crossing."""
+
+    def __init__(self, core) -> None:
+        self._core = core
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._core, name)
+        if not callable(attr):
+            self.calls.append(name)
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls.append(name)
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.card("P0-004", "one-call-into-rust-per-decode-schedule-and-per-commit")
+@pytest.mark.parametrize("batch", [1, 32])
+def test_decode_step_crosses_once_per_schedule_and_commit(batch):
+    s = RustScheduler(num_pages=batch * 64, page_size=4, max_seq_len=128,
+                      max_running_requests=batch, max_extend_tokens=512, cache_type="radix",
+                      eos_token_ids=[0])  # fmt: skip
+    rng = np.random.default_rng(0)
+    for _ in range(batch):
+        s.add_request(rng.integers(1, 50, size=20).tolist(), SamplingParams(max_tokens=30))
+    while True:  # prefill everything
+        plan, reqs = s.schedule()
+        s.commit(reqs, plan, [7] * len(plan.sample_rows))
+        if not plan.is_prefill:
+            break
+    counting = _CountingCore(s.core)
+    s.core = counting
+    for i in range(10):
+        plan, reqs = s.schedule()
+        assert not plan.is_prefill and len(plan.sample_rows) == batch
+        assert counting.calls == ["schedule_step"], counting.calls
+        counting.calls.clear()
+        outs = s.commit(reqs, plan, [8 + i] * batch)
+        assert [o.token_id for o in outs] == [8 + i] * batch
+        assert counting.calls == ["commit_step"], counting.calls
+        counting.calls.clear()

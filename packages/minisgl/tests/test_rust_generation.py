@@ -26,6 +26,11 @@ from minisgl import LLM
 from minisgl.scheduler import cpu_backend
 from minisgl.scheduler.rust_backend import RustScheduler
 
+# every test collected here (the imported P0-010 scenarios) is evidence for P0-004 as well
+pytestmark = pytest.mark.card(
+    "P0-004", "greedy-generation-and-the-offline-api-scenarios-exact-with-the-rust-backend"
+)
+
 
 @pytest.fixture(autouse=True)
 def _rust_backend(monkeypatch):
