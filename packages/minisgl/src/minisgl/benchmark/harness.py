@@ -14,6 +14,7 @@ gated metric is missing), 2 bad usage or an unavailable backend.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -219,6 +220,7 @@ def run_offline(args: argparse.Namespace) -> int:
         k: getattr(llm.config, k) for k in vars(llm.config) if not k.startswith("_")
     }
     items = build_workload(profile, vocab)
+    hf_items = [dataclasses.replace(i, arrival_s=0.0) for i in items]  # HF runs all at t=0
     warm = warmup_workload(profile, vocab)
     hf_model = None
     if args.engine == "hf":
@@ -240,9 +242,9 @@ def run_offline(args: argparse.Namespace) -> int:
             samples["minisgl"] = latency_samples(items, out["token_times"])
             if hf_model is not None:
                 adv = prog.task(f"hf #{rep + 1}", len(items))
-                out = run_hf(hf_model, items, profile.hf_batch_size, pad, adv)
+                out = run_hf(hf_model, hf_items, profile.hf_batch_size, pad, adv)
                 runs["hf"].append(out["metrics"])
-                samples["hf"] = latency_samples(items, out["token_times"])
+                samples["hf"] = latency_samples(hf_items, out["token_times"])
     results = {
         name: {"metrics": median_nested(reps), "repeats": reps, "samples": samples[name]}
         for name, reps in runs.items()
