@@ -219,6 +219,7 @@ def run_offline(args: argparse.Namespace) -> int:
     record["engine_config"] = {
         k: getattr(llm.config, k) for k in vars(llm.config) if not k.startswith("_")
     }
+    record["engine_config"]["model_path"] = Path(llm.config.model_path).name  # no abs. paths
     items = build_workload(profile, vocab)
     hf_items = [dataclasses.replace(i, arrival_s=0.0) for i in items]  # HF runs all at t=0
     warm = warmup_workload(profile, vocab)
