@@ -71,12 +71,24 @@ def make_llm(model_path: str | None, profile: Profile, llm_kwargs: dict[str, Any
     return LLM(model_path, **kw)
 
 
-def _flush_prefix_cache(llm) -> None:
-    """Drop everything the prefix cache holds, so repeats do not hit the previous repeat's KV."""
+def _flush_prefix_cache(llm) -> bool:
+    """Drop everything the prefix cache holds, so repeats do not hit the previous repeat's KV.
+
+    False when the scheduler backend offers no way to do it (the Rust backend keeps its pages
+    inside the extension); the A/B mode runs every arm in a fresh process, so it never needs it.
+    """
     sched = llm.scheduler
+    flush = getattr(sched, "flush_cache", None)
+    if callable(flush):
+        flush()
+        return True
+    free = getattr(sched.alloc, "free_locations", None)
+    if free is None:
+        return False
     size = sched.cache.evictable_size
     if size:
-        sched.alloc.free_locations(sched.cache.evict(size))
+        free(sched.cache.evict(size))
+    return True
 
 
 def run_minisgl(
@@ -89,7 +101,7 @@ def run_minisgl(
     from minisgl.core import SamplingParams
     from minisgl.sampler import make_generator
 
-    _flush_prefix_cache(llm)
+    flushed = _flush_prefix_cache(llm)
     sched = llm.scheduler
     stats = sched.stats
     s0, c0 = len(stats.schedule_s), len(stats.commit_s)
@@ -156,6 +168,7 @@ def run_minisgl(
             "peak_running": peak_running,
             "peak_waiting": peak_waiting,
             "prefix_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
+            "prefix_cache_flushed": flushed,
             "cpu": meter.result,
         }
     )
