@@ -11,13 +11,16 @@ from minisgl.attention import register_backend
 from minisgl.attention.base import AttentionBackend
 from minisgl.scheduler.plan import StepPlan
 
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
 
 @dataclass
 class _Meta:
     out_loc: torch.Tensor
     is_prefill: bool
-    # prefill: one entry per request (q rows, kv locations, boolean mask [q, kv])
-    segments: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+    # prefill: one entry per request (q rows, kv locations, boolean mask [q, kv]); the mask is
+    # None for a fresh causal prompt (nothing cached, no sliding window): see `forward`
+    segments: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
     # decode: padded KV locations [bs, Lmax] and mask [bs, 1, 1, Lmax]
     kv_index: torch.Tensor | None = None
     kv_mask: torch.Tensor | None = None
@@ -35,6 +38,11 @@ class TorchNativeBackend(AttentionBackend):
             segments = []
             q0, kv0 = 0, 0
             for n_q, n_kv in zip(ext, seq_lens, strict=True):
+                if n_q == n_kv and self.sliding_window is None and _SDPA_GQA:
+                    segments.append((q0, n_q, kv_indices[kv0 : kv0 + n_kv], None))
+                    q0 += n_q
+                    kv0 += n_kv
+                    continue
                 q_pos = torch.arange(n_kv - n_q, n_kv, device=dev)[:, None]
                 kv_pos = torch.arange(n_kv, device=dev)[None, :]
                 mask = kv_pos <= q_pos
@@ -69,6 +77,16 @@ class TorchNativeBackend(AttentionBackend):
         if meta.is_prefill:
             out = torch.empty_like(q)
             for q0, n_q, kv_idx, mask in meta.segments:
+                if mask is None:  # fresh prompt: its own K/V, plain causal attention
+                    o = F.scaled_dot_product_attention(
+                        q[q0 : q0 + n_q].transpose(0, 1),
+                        k[q0 : q0 + n_q].transpose(0, 1),
+                        v[q0 : q0 + n_q].transpose(0, 1),
+                        is_causal=True,
+                        enable_gqa=gqa > 1,
+                    )
+                    out[q0 : q0 + n_q] = o.transpose(0, 1)
+                    continue
                 qs = q[q0 : q0 + n_q].transpose(0, 1).reshape(kvh, gqa * n_q, d)
                 ks = k_cache.index_select(0, kv_idx).transpose(0, 1)  # [KVH, kv, D]
                 vs = v_cache.index_select(0, kv_idx).transpose(0, 1)
