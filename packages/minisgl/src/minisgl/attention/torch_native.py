@@ -88,19 +88,23 @@ class TorchNativeBackend(AttentionBackend):
                     out[q0 : q0 + n_q] = o.transpose(0, 1)
                     continue
                 qs = q[q0 : q0 + n_q].transpose(0, 1).reshape(kvh, gqa * n_q, d)
-                ks = k_cache.index_select(0, kv_idx).transpose(0, 1)  # [KVH, kv, D]
-                vs = v_cache.index_select(0, kv_idx).transpose(0, 1)
+                ks = _gather(k_cache, kv_idx).transpose(0, 1)  # [KVH, kv, D]
+                vs = _gather(v_cache, kv_idx).transpose(0, 1)
                 m = mask.repeat(gqa, 1) if gqa > 1 else mask
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=m)
                 out[q0 : q0 + n_q] = o.view(kvh * gqa, n_q, d).transpose(0, 1)
             return out.reshape(q.shape[0], -1)
         assert meta.kv_index is not None
         bs = q.shape[0]
-        # index_select on dim 0 is several times faster on CPU than advanced indexing
-        flat = meta.kv_index.reshape(-1)
-        shape = (*meta.kv_index.shape, *k_cache.shape[1:])
-        ks = k_cache.index_select(0, flat).view(shape).transpose(1, 2)  # [bs, KVH, L, D]
-        vs = v_cache.index_select(0, flat).view(shape).transpose(1, 2)
+        ks = _gather(k_cache, meta.kv_index).transpose(1, 2)  # [bs, KVH, L, D]
+        vs = _gather(v_cache, meta.kv_index).transpose(1, 2)
         qs = q.view(bs, kvh, gqa, d)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.kv_mask)
         return o.reshape(bs, -1)
+
+
+def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """cache[index] for a [N, KVH, D] pool: an embedding lookup over flattened rows, several
+    times faster on CPU than advanced indexing or a 3-D index_select (same values)."""
+    rows = F.embedding(index, cache.view(cache.shape[0], -1))
+    return rows.view(*index.shape, *cache.shape[1:])
