@@ -286,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend_env": common.backend_env(),
         "model": Path(resolve_model(args.model_path)).name,
         "parity_passed": passed,
+        "mismatches": sum(s["mismatch_count"] for s in result_sets.values()),
         "sides": {
             "a": {**side_a, "elapsed_s": res_a["elapsed_s"], "env": res_a.get("env")},
             "b": {**side_b, "elapsed_s": res_b["elapsed_s"], "env": res_b.get("env")},
