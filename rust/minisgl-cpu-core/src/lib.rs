@@ -42,6 +42,22 @@
 //! `ignore_eos`), then length; a finished request inserts its page-aligned KV into the cache,
 //! frees duplicates and its tail, unlocks its prefix and frees its slot.
 //!
+//! ### Caching unfinished requests
+//! On a prefill step with the radix cache, `commit_step` first advances every batch request's
+//! `kv_len`, then, for every batch request in batch order and before any finish rule runs,
+//! hands its computed prefix to the cache. With `aligned = kv_len / ps * ps > cache_len`:
+//! 1. `present = insert(tokens[..aligned], row[..aligned])` (one clock tick);
+//! 2. `node = match_prefix(tokens[..aligned])` (one clock tick; ends exactly at `aligned`);
+//! 3. if `present > cache_len`, `row[cache_len..present]` duplicated KV another request
+//!    inserted meanwhile: the cache's locations are written into the row and the duplicate
+//!    pages are freed (`free_locations` of the old row entries);
+//! 4. `lock(node)`, then `unlock(old cache_node)`;
+//! 5. `cache_node = node`, `cache_len = aligned`.
+//!
+//! A request thus always owns exactly `row[cache_len..alloc_len]`; release and abort work as
+//! before (an aborted request's cached prefix stays in the cache, unlocked). Decode steps
+//! cache nothing until release; the naive cache is unchanged.
+//!
 //! ## Step plans ([`plan::build_step_plan`])
 //! Written into one caller-provided flat `i32` buffer; see [`plan`] for the layout.
 

@@ -1,7 +1,8 @@
 //! The scheduler's CPU state behind one call per step, mirroring
 //! `minisgl.scheduler.scheduler.Scheduler` decision for decision: FIFO admission with full
 //! reservation (prompt + max_tokens pages), chunked prefill under `max_extend_tokens`,
-//! decode of every running request, commit (finish rules), release into the prefix cache.
+//! decode of every running request, commit (caching of prefilled prefixes, finish rules),
+//! release into the prefix cache. See the crate docs for the order of operations.
 //!
 //! Request validation (empty prompt, too long...) stays in Python; this core trusts its input.
 
@@ -118,6 +119,8 @@ pub struct SchedCore {
     batch: Vec<(usize, usize)>,
     sample_rows: Vec<usize>,
     has_plan: bool,
+    /// whether the last scheduled step was a prefill step
+    plan_prefill: bool,
     finished_outputs: Vec<(usize, Vec<i32>)>,
     // scratch (capacity reused across steps)
     s_slots: Vec<i32>,
@@ -152,6 +155,7 @@ impl SchedCore {
             batch: Vec::new(),
             sample_rows: Vec::new(),
             has_plan: false,
+            plan_prefill: false,
             finished_outputs: Vec::new(),
             s_slots: Vec::new(),
             s_starts: Vec::new(),
@@ -449,6 +453,7 @@ impl SchedCore {
                 .expect("running");
             self.s_pos.push(pos as i32);
         }
+        self.plan_prefill = true;
         self.build(true, out);
     }
 
@@ -472,6 +477,7 @@ impl SchedCore {
             self.sample_rows.push(row);
             self.batch.push((idx, 1));
         }
+        self.plan_prefill = false;
         self.build(false, out);
         Ok(())
     }
@@ -511,6 +517,12 @@ impl SchedCore {
             let (idx, n) = self.batch[k];
             self.req_mut(idx).kv_len += n;
         }
+        if self.plan_prefill && self.cache.is_some() {
+            for k in 0..self.batch.len() {
+                let idx = self.batch[k].0;
+                self.cache_prefix(idx)?;
+            }
+        }
         codes.clear();
         rids.clear();
         self.finished_outputs.clear();
@@ -546,6 +558,62 @@ impl SchedCore {
                 self.drop_req(idx);
             }
         }
+        Ok(())
+    }
+
+    /// Cache an unfinished request: hand its computed page-aligned prefix to the radix cache
+    /// (the Python `Scheduler._cache_prefix`, step for step). With
+    /// `aligned = kv_len / ps * ps > cache_len`: `present = insert(tokens[..aligned],
+    /// row[..aligned])`; `node = match_prefix(tokens[..aligned])`; if `present > cache_len`,
+    /// copy the cache's locations into `row[cache_len..present]` and free the request's
+    /// duplicate pages (in their original order); `lock(node)`, then `unlock(old node)`;
+    /// `cache_node = node`, `cache_len = aligned`.
+    fn cache_prefix(&mut self, idx: usize) -> Result<(), SchedError> {
+        let ps = self.cfg.page_size;
+        let Some(c) = self.cache.as_mut() else {
+            return Ok(());
+        };
+        let r = self.reqs[idx].as_ref().expect("live request");
+        let aligned = r.kv_len / ps * ps;
+        let cache_len = r.cache_len;
+        if aligned <= cache_len {
+            return Ok(());
+        }
+        let slot = r.slot as usize;
+        let old = r.cache_node;
+        let base = slot * self.alloc.width;
+        let present = c
+            .insert(
+                &r.tokens[..aligned],
+                &self.alloc.page_table()[base..base + aligned],
+            )
+            .map_err(|e| SchedError::Internal(e.to_string()))?;
+        self.s_match.clear();
+        let node = c.match_prefix(&r.tokens[..aligned], &mut self.s_match);
+        if self.s_match.len() != aligned || present < cache_len {
+            return Err(SchedError::Internal(format!(
+                "cache_prefix: matched {} of {aligned} tokens, present {present} < cache_len \
+                 {cache_len}",
+                self.s_match.len()
+            )));
+        }
+        if present > cache_len {
+            self.s_evict.clear();
+            self.s_evict
+                .extend_from_slice(&self.alloc.row(slot)[cache_len..present]);
+            self.alloc.row_mut(slot)[cache_len..present]
+                .copy_from_slice(&self.s_match[cache_len..present]);
+            self.alloc.free_locations(&self.s_evict);
+        }
+        c.lock(node)
+            .map_err(|e| SchedError::Internal(e.to_string()))?;
+        if let Some(h) = old {
+            c.unlock(h)
+                .map_err(|e| SchedError::Internal(e.to_string()))?;
+        }
+        let r = self.req_mut(idx);
+        r.cache_node = Some(node);
+        r.cache_len = aligned;
         Ok(())
     }
 
@@ -696,5 +764,86 @@ mod tests {
             c.finish(2, true).unwrap();
             c.check_integrity().unwrap();
         }
+    }
+
+    /// B, admitted while A (same 12-token prefix) is still prefilling / decoding, hits the
+    /// prefix A cached after its chunks; a concurrent duplicate is swapped for the cache's KV.
+    #[test]
+    fn unfinished_requests_are_cached() {
+        let mut c = SchedCore::new(SchedConfig {
+            num_pages: 64,
+            page_size: 4,
+            max_seq_len: 64,
+            max_running: 4,
+            max_extend_tokens: 8,
+            radix: true,
+            eos_token_ids: vec![0],
+        });
+        let p = ReqParams {
+            max_tokens: 5,
+            ignore_eos: true,
+            stop_token_ids: vec![],
+        };
+        let shared: Vec<i32> = (1..=12).collect();
+        let mut a = shared.clone();
+        a.extend([20, 21]);
+        let mut b = shared.clone();
+        b.extend([30, 31, 32]);
+        let mut buf = PlanBuf::default();
+        let (mut codes, mut rids) = (Vec::new(), Vec::new());
+        let mut step = |c: &mut SchedCore| {
+            c.schedule_step(&mut buf).unwrap().unwrap();
+            let ns = buf.layout.num_sample;
+            c.commit_step(&vec![7; ns], &mut codes, &mut rids).unwrap();
+            c.check_integrity().unwrap();
+        };
+        c.add_request(1, &a, 19, p.clone()).unwrap();
+        step(&mut c); // A: 8 tokens, cached
+        assert_eq!(c.request_info(1).unwrap().2, 8);
+        assert_eq!(c.protected_size(), 8);
+        step(&mut c); // A: the remaining 6 tokens, 12 cached
+        assert_eq!(c.request_info(1).unwrap().2, 12);
+        c.add_request(2, &b, 20, p.clone()).unwrap();
+        step(&mut c); // B admitted with a hit on A's 12 cached tokens
+        assert_eq!(c.request_info(2).unwrap().4, 12);
+        assert_eq!(c.stats().cached_prompt_tokens, 12);
+        while c.has_work() {
+            step(&mut c);
+        }
+        assert_eq!(c.protected_size(), 0);
+        let cached = c.evictable_size();
+        assert_eq!(c.alloc.num_free_pages() * 4 + cached, 64 * 4);
+
+        // two requests with the same prompt prefilled in the same step: the second one's
+        // pages duplicate the first one's and are freed when it caches its prefix
+        let mut c = SchedCore::new(SchedConfig {
+            num_pages: 64,
+            page_size: 1,
+            max_seq_len: 64,
+            max_running: 4,
+            max_extend_tokens: 64,
+            radix: true,
+            eos_token_ids: vec![0],
+        });
+        let prompt: Vec<i32> = (40..50).collect();
+        c.add_request(1, &prompt, 15, p.clone()).unwrap();
+        c.add_request(2, &prompt, 15, p).unwrap();
+        let free0 = c.alloc.num_free_pages();
+        let mut step = |c: &mut SchedCore| {
+            c.schedule_step(&mut buf).unwrap().unwrap();
+            let ns = buf.layout.num_sample;
+            c.commit_step(&vec![7; ns], &mut codes, &mut rids).unwrap();
+            c.check_integrity().unwrap();
+        };
+        step(&mut c);
+        assert_eq!(c.request_info(1).unwrap().2, 10);
+        assert_eq!(c.request_info(2).unwrap().2, 10);
+        assert_eq!(c.protected_size(), 10);
+        assert_eq!(c.alloc.num_free_pages(), free0 - 10);
+        assert_eq!(c.alloc.row(0)[..10], c.alloc.row(1)[..10]);
+        while c.has_work() {
+            step(&mut c);
+        }
+        c.check_integrity().unwrap();
     }
 }

@@ -98,4 +98,69 @@ proptest! {
         prop_assert_eq!(c.protected_size(), 0);
         prop_assert_eq!(c.alloc.num_free_pages() * ps + cached, c.alloc.num_pages * ps);
     }
+
+    /// Unfinished requests are cached after every prefill chunk: while a request runs, its
+    /// `cache_len` is its page-aligned computed prefix (prefill) and never shrinks, and a
+    /// request admitted after an earlier one with the same prompt stem finished its prefill
+    /// hits at least the stem's whole pages.
+    #[test]
+    fn unfinished_prefixes_are_cached(
+        ps in prop_oneof![Just(1usize), Just(2), Just(4)],
+        max_extend in 1usize..24,
+        stem in prop::collection::vec(1i32..5, 4..24),
+        tails in prop::collection::vec(prop::collection::vec(5i32..9, 1..8), 2..5),
+    ) {
+        let mut c = SchedCore::new(SchedConfig {
+            num_pages: 512 / ps,
+            page_size: ps,
+            max_seq_len: 64,
+            max_running: 8,
+            max_extend_tokens: max_extend,
+            radix: true,
+            eos_token_ids: vec![0],
+        });
+        let mut buf = PlanBuf::default();
+        let (mut codes, mut rids) = (Vec::new(), Vec::new());
+        let params = ReqParams { max_tokens: 20, ignore_eos: true, ..Default::default() };
+        let mut last_cache: std::collections::HashMap<i64, usize> = Default::default();
+        for (rid, tail) in tails.iter().enumerate() {
+            let mut prompt = stem.clone();
+            prompt.extend(tail);
+            let max_total = (prompt.len() + 20).min(64);
+            c.add_request(rid as i64, &prompt, max_total, params.clone()).unwrap();
+            // run until this request finished its prefill (earlier ones keep decoding)
+            loop {
+                c.schedule_step(&mut buf).unwrap().unwrap();
+                let toks = vec![7i64; buf.layout.num_sample];
+                c.commit_step(&toks, &mut codes, &mut rids).unwrap();
+                c.check_integrity().unwrap();
+                for r in 0..=rid as i64 {
+                    if let Some((kv, _, cl, _, _, nout)) = c.request_info(r) {
+                        if nout == 0 {
+                            prop_assert_eq!(cl, kv / ps * ps);
+                        }
+                        prop_assert!(cl >= *last_cache.get(&r).unwrap_or(&0));
+                        last_cache.insert(r, cl);
+                    }
+                }
+                match c.request_info(rid as i64) {
+                    Some((_, _, _, _, hit, nout)) if nout > 0 => {
+                        if rid > 0 {
+                            prop_assert!(hit >= (stem.len() / ps * ps).min((prompt.len() - 1) / ps * ps));
+                        }
+                        break;
+                    }
+                    Some(_) => {}
+                    None => break,
+                }
+            }
+        }
+        while c.has_work() {
+            c.schedule_step(&mut buf).unwrap().unwrap();
+            let toks = vec![7i64; buf.layout.num_sample];
+            c.commit_step(&toks, &mut codes, &mut rids).unwrap();
+            c.check_integrity().unwrap();
+        }
+        prop_assert_eq!(c.protected_size(), 0);
+    }
 }

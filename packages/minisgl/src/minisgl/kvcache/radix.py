@@ -12,6 +12,10 @@ Semantics (documented here once; `rust/minisgl-cpu-core` mirrors them):
 - `lock` / `unlock` add / remove one reference on every node from the handle to the root.
 - `evict` removes unlocked leaves in order of (last_access, node id), a parent becoming an
   unlocked leaf joins the candidates, until at least the requested tokens are freed.
+- The scheduler caches unfinished requests: after each prefill chunk it calls
+  `insert(prefix)` then `match_prefix(prefix)` (two clock ticks, in that order), locks the
+  returned node and only then unlocks the request's previous node (see
+  `Scheduler._cache_prefix`); a finished request is inserted once more on release.
 """
 
 from __future__ import annotations

@@ -3,6 +3,12 @@
 Each step is either a prefill step (admit / continue prompts under `max_extend_tokens`) or a
 decode step (one token for every running request). Admission reserves, for every admitted
 request, the pages it can still need (prompt + max_tokens), so decode never runs out of KV.
+
+Unfinished requests are cached as soon as they are prefilled ("cache unfinished request"):
+`commit` of a prefill step inserts every batch request's page-aligned computed prefix into the
+radix cache (see `Scheduler._cache_prefix` for the exact order of operations, which the Rust
+core mirrors), so a request admitted while an earlier one with the same prefix is still
+running reuses its KV. A request always owns exactly `[cache_len, alloc_len)` of its row.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from minisgl.core import SamplingParams
-from minisgl.kvcache import create_prefix_cache
+from minisgl.kvcache import RadixCache, create_prefix_cache
 from minisgl.kvcache.allocator import PageAllocator
 from minisgl.scheduler.cpu_backend import served_counter
 from minisgl.scheduler.plan import StepPlan, build_step_plan
@@ -139,11 +145,20 @@ class Scheduler:
     def commit(
         self, reqs: list[Req], plan: StepPlan, next_tokens: Sequence[int]
     ) -> list[StepOutput]:
-        """Advance KV lengths, append sampled tokens, finish and release requests."""
+        """Advance KV lengths, cache prefilled prefixes, append sampled tokens, finish and
+        release requests.
+
+        Order: (1) `kv_len += extend_len` for every batch request; (2) on a prefill step with
+        the radix cache, `_cache_prefix` for every batch request in batch order; (3) per sample
+        row in order: append the token, apply the finish rules, release a finished request.
+        """
         t0 = time.perf_counter()
         self._served["commit"] += 1
         for req, n in zip(reqs, plan.extend_lens.tolist(), strict=True):
             req.kv_len += n
+        if plan.is_prefill and isinstance(self.cache, RadixCache):
+            for req in reqs:
+                self._cache_prefix(req)
         outputs: list[StepOutput] = []
         for row, token in zip(plan.sample_rows.tolist(), next_tokens, strict=True):
             req = reqs[row]
@@ -260,6 +275,45 @@ class Scheduler:
             self.alloc.page_table, slots, starts, ones, ids, np.ones(n, dtype=bool), False
         )
         return plan, list(reqs)
+
+    # ------------------------------------------------------------------ caching
+    def _cache_prefix(self, req: Req) -> None:
+        """Hand the computed page-aligned prefix of a running request to the radix cache.
+
+        With `aligned = kv_len // page_size * page_size`, nothing happens unless
+        `aligned > cache_len`. Otherwise, in this exact order (it fixes the logical clock, the
+        node ids and the allocator's free stack, which the Rust core reproduces):
+        1. `present = cache.insert(fill_ids[:aligned], row[:aligned])` (one clock tick; the
+           cache takes `row[present:aligned]`);
+        2. `match = cache.match_prefix(fill_ids[:aligned])` (one clock tick; ends at `aligned`,
+           never splits since the insert already ended a node there);
+        3. if `present > cache_len`: `row[cache_len:present]` were duplicates of KV another
+           request inserted meanwhile: remember them, write `match.indices[cache_len:present]`
+           into the row, then `free_locations(duplicates)`;
+        4. `cache.lock(match.node)`, then `cache.unlock(old cache_node)` (lock first, so the
+           shared path never drops to ref 0);
+        5. `cache_node = match.node`, `cache_len = aligned`.
+        `present >= cache_len` always holds: `[0, cache_len)` is locked in the cache.
+        """
+        ps = self.page_size
+        aligned = req.kv_len // ps * ps
+        if aligned <= req.cache_len:
+            return
+        fill = req.fill_ids
+        assert fill is not None
+        row = self.alloc.page_table[req.slot]
+        tokens = fill[:aligned]
+        present = self.cache.insert(tokens, row[:aligned].copy())
+        match = self.cache.match_prefix(tokens)
+        assert match.length == aligned and present >= req.cache_len
+        if present > req.cache_len:
+            dup = row[req.cache_len : present].copy()
+            row[req.cache_len : present] = match.indices[req.cache_len : present]
+            self.alloc.free_locations(dup)
+        self.cache.lock(match.node)
+        self.cache.unlock(req.cache_node)
+        req.cache_node = match.node
+        req.cache_len = aligned
 
     # ------------------------------------------------------------------ release
     def _release(self, req: Req) -> None:
