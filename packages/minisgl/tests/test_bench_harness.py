@@ -30,6 +30,9 @@ SMALL = [
 ]
 
 
+@pytest.mark.card(
+    "P0-001", "workload-profiles-are-deterministic-from-the-seed-and-have-their-documented-shapes"
+)
 @pytest.mark.parametrize("name", sorted(PROFILES))
 def test_profiles_are_deterministic_from_seed(name):
     p = get_profile(name, {"num_requests": "24"})
@@ -47,6 +50,9 @@ def test_profiles_are_deterministic_from_seed(name):
     assert len(warmup_workload(p, 384)) >= 1
 
 
+@pytest.mark.card(
+    "P0-001", "workload-profiles-are-deterministic-from-the-seed-and-have-their-documented-shapes"
+)
 def test_profile_shapes():
     assert get_profile("seed-offline").num_requests == 16
     assert get_profile("many-short").num_requests == 512
@@ -61,6 +67,9 @@ def test_profile_shapes():
     assert len(set(times)) > 10  # the rest are Poisson
 
 
+@pytest.mark.card(
+    "P0-001", "profile-overrides-are-typed-and-unknown-parameters-or-backends-are-usage-errors"
+)
 def test_overrides_coerce_and_reject_unknown():
     p = get_profile(
         "many-short", parse_sets(["num_requests=8", "ignore_eos=false", "request_rate=2.5"])
@@ -74,6 +83,7 @@ def test_overrides_coerce_and_reject_unknown():
         parse_sets(["oops"])
 
 
+@pytest.mark.card("P0-001", "latencies-reported-as-p50-p95-p99-percentiles")
 def test_percentiles():
     p = percentiles([1, 2, 3, 4], 1000)
     assert p["p50"] == 2500 and p["max"] == 4000
@@ -105,6 +115,15 @@ def offline_run(tiny_model_dir, tmp_path_factory):
     return out, json.loads(out.read_text())
 
 
+@pytest.mark.card(
+    "P0-001",
+    "results-json-records-schema-version-machine-git-commit-backend-env-model-and-profile",
+    "hf-transformers-baseline-measured-in-the-same-run-with-the-speedup-in-the-gate-metrics",
+    "latencies-reported-as-p50-p95-p99-percentiles",
+    "scheduler-step-cpu-time-schedule-commit-reported-as-sched-step-cpu-ms-p50-p95-p99",
+    "cpu-utilization-of-the-server-and-client-processes-recorded",
+    "baseline-report-with-output-tok-s-ttft-p50-p95-p99-and-scheduler-step-latency-p50-p95-p99",
+)
 def test_offline_json_schema(offline_run):
     _, data = offline_run
     assert data["schema_version"] == SCHEMA_VERSION and data["kind"] == "offline"
@@ -135,6 +154,11 @@ def _gate(tmp_path, text):
     return str(path)
 
 
+@pytest.mark.card(
+    "P0-001",
+    "gates-files-evaluated-by-cardgate-s-evaluator-a-miss-fails-naming-the-threshold",
+    "scheduler-step-cpu-time-schedule-commit-reported-as-sched-step-cpu-ms-p50-p95-p99",
+)
 def test_gates_pass_and_fail(offline_run, tmp_path, capsys, monkeypatch):
     out, data = offline_run
     from minisgl.benchmark import gating
@@ -161,6 +185,9 @@ def test_gates_pass_and_fail(offline_run, tmp_path, capsys, monkeypatch):
     assert not ok and "2 x output_tok_s" in lines[0]
 
 
+@pytest.mark.card(
+    "P0-001", "gates-files-evaluated-by-cardgate-s-evaluator-a-miss-fails-naming-the-threshold"
+)
 def test_cli_gate_failure_exits_nonzero(tiny_model_dir, tmp_path, capsys):
     gate = _gate(
         tmp_path,
@@ -190,6 +217,9 @@ def test_cli_gate_failure_exits_nonzero(tiny_model_dir, tmp_path, capsys):
     assert {r["status"] for r in data["gates"]["results"]} == {"pass", "fail"}
 
 
+@pytest.mark.card(
+    "P0-001", "profile-overrides-are-typed-and-unknown-parameters-or-backends-are-usage-errors"
+)
 def test_cli_rejects_bad_usage(tiny_model_dir, capsys):
     assert harness.main(["offline", "--set", "bogus=1", "--no-progress"]) == 2
     assert "unknown profile parameter" in capsys.readouterr().err

@@ -23,6 +23,12 @@ def bench_server(tiny_model_dir, tmp_path_factory):
         yield s
 
 
+@pytest.mark.card(
+    "P0-001",
+    "online-run-against-a-real-server-measures-ttft-tpot-itl-and-e2e-latency",
+    "gates-files-evaluated-by-cardgate-s-evaluator-a-miss-fails-naming-the-threshold",
+    "cpu-utilization-of-the-server-and-client-processes-recorded",
+)
 def test_online_run_and_gates(bench_server, tiny_model_dir, tmp_path, capsys):
     gate = tmp_path / "g.yaml"
     gate.write_text(

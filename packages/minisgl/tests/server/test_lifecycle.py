@@ -52,6 +52,9 @@ def start_stream(base_url: str, max_tokens: int = 250) -> tuple[threading.Thread
     return t, result
 
 
+@pytest.mark.card(
+    "P0-006", "a-server-started-with-transport-generic-answers-like-offline-generation"
+)
 def test_options_then_sigint_with_request_in_flight(tiny_model_dir, tmp_path, llm_ref):
     """2 tokenizer workers, the generic transport, naive cache, page size 4; then Ctrl+C."""
     flags = ["--num-tokenizer", "2", "--transport", "generic", "--cache-type", "naive",

@@ -71,6 +71,10 @@ def test_chat_matches_llm_generate(client, model, llm_ref):
     assert r.usage.completion_tokens == len(want["token_ids"])
 
 
+@pytest.mark.card(
+    "P0-006",
+    "streamed-outputs-over-the-typed-transport-arrive-in-order-and-equal-offline-generation",
+)
 def test_chat_stream_with_usage(client, model, llm_ref):
     stream = client.chat.completions.create(
         model=model,
@@ -93,6 +97,10 @@ def test_chat_stream_with_usage(client, model, llm_ref):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+@pytest.mark.card(
+    "P0-006",
+    "streamed-outputs-over-the-typed-transport-arrive-in-order-and-equal-offline-generation",
+)
 def test_completion_stream_raw_sse(server, model, llm_ref):
     """Object names, a final chunk with the finish reason, then `data: [DONE]`."""
     body = {
@@ -161,6 +169,10 @@ def test_seeded_sampling_reproducible(client, model):
     assert a == b
 
 
+@pytest.mark.card(
+    "P0-006",
+    "streamed-outputs-over-the-typed-transport-arrive-in-order-and-equal-offline-generation",
+)
 def test_async_client_stream_and_not(server, model, llm_ref):
     want_chat = ref(llm_ref, CHAT, 16)
     want_text = ref(llm_ref, PROMPT, 16)
@@ -190,6 +202,9 @@ def test_async_client_stream_and_not(server, model, llm_ref):
     assert text == text_s == want_text["text"]
 
 
+@pytest.mark.card(
+    "P0-001", "server-metrics-exposes-queue-kv-prefix-cache-ttft-tpot-and-e2e-latency"
+)
 def test_metrics_exposition(server, client, model):
     client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0)
     text = httpx.get(server.base_url + "/metrics", timeout=10).text

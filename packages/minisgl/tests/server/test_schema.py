@@ -68,11 +68,13 @@ def same(a, b) -> bool:
     return True
 
 
+@pytest.mark.card("P0-006", "every-message-round-trips-through-the-typed-and-the-generic-encoding")
 def test_every_message_has_a_sample():
     assert {type(m) for m in SAMPLES} == set(MESSAGES.values())
     assert len({c.TAG for c in MESSAGES.values()}) == len(MESSAGES)
 
 
+@pytest.mark.card("P0-006", "every-message-round-trips-through-the-typed-and-the-generic-encoding")
 @pytest.mark.parametrize("typed", [True, False], ids=["typed", "generic"])
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
 def test_round_trip(msg, typed):
@@ -81,6 +83,9 @@ def test_round_trip(msg, typed):
     assert same(msg, back), (msg, back)
 
 
+@pytest.mark.card(
+    "P0-006", "typed-messages-are-versioned-flat-arrays-and-a-wrong-version-or-tag-is-a-clear-error"
+)
 def test_typed_is_versioned_and_flat():
     data = Codec(True).encode(AbortReq(4))
     raw = msgpack.unpackb(data)
@@ -94,12 +99,14 @@ def test_typed_is_versioned_and_flat():
         Codec.decode(msgpack.packb({"__type__": "Nope"}))
 
 
+@pytest.mark.card("P0-006", "token-id-payloads-travel-as-raw-bytes")
 def test_typed_token_payload_is_raw_bytes():
     ids = np.arange(1000, dtype=np.int32)
     raw = msgpack.unpackb(Codec(True).encode(AddReq(1, ids, WireParams())))
     assert isinstance(raw[3], bytes) and len(raw[3]) == 4000
 
 
+@pytest.mark.card("P0-006", "minisgl-transport-generic-selects-the-generic-codec")
 def test_generic_flag_from_env(monkeypatch):
     monkeypatch.setenv("MINISGL_TRANSPORT", "generic")
     assert Codec().name == "generic"
@@ -107,12 +114,16 @@ def test_generic_flag_from_env(monkeypatch):
     assert Codec().name == "typed"
 
 
+@pytest.mark.card("P0-006", "wire-sampling-parameters-convert-to-the-scheduler-s-samplingparams")
 def test_wire_params_to_sampling_params():
     sp = PARAMS.to_sampling_params()
     assert sp.max_tokens == 7 and sp.top_k == 40 and sp.stop_token_ids == (5, 6)
     assert sp.stop_strings == ()  # stop strings are the detokenizer's job
 
 
+@pytest.mark.card(
+    "P0-006", "transport-microbenchmark-writes-a-json-report-of-typed-and-generic-round-trips"
+)
 def test_transport_benchmark_runs(tmp_path, capsys):
     out = tmp_path / "t.json"
     assert (
