@@ -103,7 +103,9 @@ def bench_radix(seqs: list[np.ndarray], page_size: int, repeats: int) -> list[di
                 rec("match_hit", impl, _time(lambda c=c: [c.match_prefix(s) for s in seqs]))
                 rec("match_partial", impl, _time(lambda c=c: [c.match_prefix(s) for s in partial]))
             chunk = -(-c.evictable_size // evict_chunks)
-            rec("evict", impl, _time(lambda c=c, k=chunk: [c.evict(k) for _ in range(evict_chunks)]))
+            rec(
+                "evict", impl, _time(lambda c=c, k=chunk: [c.evict(k) for _ in range(evict_chunks)])
+            )
             assert c.evictable_size == 0
     rows = []
     for op, by in res.items():
