@@ -129,6 +129,9 @@ class LLM:
         texts: list[str | None] = [None] * len(rids)
         t0 = time.perf_counter()
         while any(r is None for r in reasons):
+            if not sched.has_work():  # never spin: a request vanished without finishing
+                lost = [rids[i] for i, r in enumerate(reasons) if r is None]
+                raise RuntimeError(f"requests {lost} left the scheduler without finishing")
             for out in self.step():
                 i = index.get(out.rid)
                 if i is None:
