@@ -14,7 +14,7 @@ nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["lint", "tests"]
 
-PYTHON = "3.11"
+PYTHON = None  # the interpreter that runs nox (any Python >= 3.11)
 RUNTIME = ("-e", "packages/minisgl[dev,serve,bench]", "-e", "packages/cardgate")
 
 
