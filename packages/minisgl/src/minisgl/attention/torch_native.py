@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from minisgl.attention import register_backend
 from minisgl.attention.base import AttentionBackend
+from minisgl.attention.decode_workspace import DecodeWorkspace
 from minisgl.scheduler.plan import StepPlan
 
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -24,10 +25,19 @@ class _Meta:
     # decode: padded KV locations [bs, Lmax] and mask [bs, 1, 1, Lmax]
     kv_index: torch.Tensor | None = None
     kv_mask: torch.Tensor | None = None
+    # decode workspace: "append" / "rebuild" (see decode_workspace.py) or None (gather only)
+    ws_mode: str | None = None
+    ws_pos: torch.Tensor | None = None  # append: the position each request's new token takes
 
 
 @register_backend("torch_native")
 class TorchNativeBackend(AttentionBackend):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        pool = self.pool
+        self.workspace = DecodeWorkspace(len(pool.k), self.num_kv_heads, self.head_dim,
+                                         pool.k[0].dtype, self.device)  # fmt: skip
+
     def prepare(self, plan: StepPlan) -> _Meta:
         dev = self.device
         out_loc = torch.from_numpy(plan.out_loc).to(dev, torch.int64)
@@ -35,6 +45,7 @@ class TorchNativeBackend(AttentionBackend):
         seq_lens = plan.seq_lens.tolist()
         ext = plan.extend_lens.tolist()
         if plan.is_prefill:
+            self.workspace.invalidate()
             segments = []
             q0, kv0 = 0, 0
             for n_q, n_kv in zip(ext, seq_lens, strict=True):
@@ -53,17 +64,20 @@ class TorchNativeBackend(AttentionBackend):
                 kv0 += n_kv
             return _Meta(out_loc, True, segments)
         lens = torch.from_numpy(plan.seq_lens).to(dev, torch.int64)
-        indptr = torch.from_numpy(plan.kv_indptr[:-1]).to(dev, torch.int64)
         lmax = max(seq_lens)
         ar = torch.arange(lmax, device=dev)[None, :]
         valid = ar < lens[:, None]
         if self.sliding_window is not None:
             valid &= ar >= lens[:, None] - self.sliding_window
+        mode = self.workspace.mode(plan.slots, plan.seq_lens)
+        if mode == "append":
+            return _Meta(out_loc, False, [], None, valid[:, None, None, :], mode, lens - 1)
+        indptr = torch.from_numpy(plan.kv_indptr[:-1]).to(dev, torch.int64)
         # padding reads the request's last (written) location, so masked values stay finite
         last = indptr + lens - 1
         gather = torch.where(valid, indptr[:, None] + ar, last[:, None])
         kv_index = kv_indices[gather]
-        return _Meta(out_loc, False, [], kv_index, valid[:, None, None, :])
+        return _Meta(out_loc, False, [], kv_index, valid[:, None, None, :], mode)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: _Meta
@@ -94,10 +108,21 @@ class TorchNativeBackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=m)
                 out[q0 : q0 + n_q] = o.view(kvh * gqa, n_q, d).transpose(0, 1)
             return out.reshape(q.shape[0], -1)
-        assert meta.kv_index is not None
         bs = q.shape[0]
-        ks = _gather(k_cache, meta.kv_index).transpose(1, 2)  # [bs, KVH, L, D]
-        vs = _gather(v_cache, meta.kv_index).transpose(1, 2)
+        lmax = meta.kv_mask.shape[-1]
+        ws = self.workspace
+        if meta.ws_mode == "append":
+            rows = torch.arange(bs, device=q.device)
+            ws.k[layer][rows, :, meta.ws_pos] = k
+            ws.v[layer][rows, :, meta.ws_pos] = v
+            ks, vs = ws.k[layer][:, :, :lmax], ws.v[layer][:, :, :lmax]
+        else:
+            assert meta.kv_index is not None
+            ks = _gather(k_cache, meta.kv_index).transpose(1, 2)  # [bs, KVH, L, D]
+            vs = _gather(v_cache, meta.kv_index).transpose(1, 2)
+            if meta.ws_mode == "rebuild":
+                ws.k[layer][:, :, :lmax] = ks
+                ws.v[layer][:, :, :lmax] = vs
         qs = q.view(bs, kvh, gqa, d)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.kv_mask)
         return o.reshape(bs, -1)

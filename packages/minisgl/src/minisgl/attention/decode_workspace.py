@@ -1,0 +1,71 @@
+"""Dense per-batch K/V for consecutive decode steps of the same batch (torch-native backend).
+
+Paged KV has to be gathered into a dense [bs, KVH, L, D] block before attention. When the
+batch of a decode step is the previous decode step's batch, one token longer each, the block of
+the previous step plus the new token is exactly what the gather would produce: the workspace
+keeps those blocks per layer and appends, instead of gathering the whole KV every step. The
+pool stays the source of truth; any other step (a prefill, a finished or new request) rebuilds
+the workspace from it, and a batch whose blocks exceed the byte budget is not kept at all.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+DEFAULT_BUDGET_MB = 512
+_GROW = 128  # extra positions allocated on a rebuild, so appends rarely rebuild
+
+
+class DecodeWorkspace:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        mb = int(os.environ.get("MINISGL_DECODE_WORKSPACE_MB", DEFAULT_BUDGET_MB))
+        self.budget = mb << 20
+        self.num_layers, self.kvh, self.d = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.elt = torch.empty(0, dtype=dtype).element_size()
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.slots: np.ndarray | None = None
+        self.lens: np.ndarray | None = None
+        self.rebuilds = self.appends = 0
+
+    def invalidate(self) -> None:
+        self.slots = self.lens = None
+
+    def mode(self, slots: np.ndarray, seq_lens: np.ndarray) -> str | None:
+        """`append`, `rebuild` (then filled by the layers) or None (over budget: gather)."""
+        lmax = int(seq_lens.max())
+        if (
+            self.slots is not None
+            and np.array_equal(slots, self.slots)
+            and np.array_equal(seq_lens, self.lens + 1)
+            and lmax <= self.k[0].shape[2]
+        ):
+            self.lens = seq_lens.copy()
+            self.appends += 1
+            return "append"
+        cap = lmax + _GROW
+        bs = len(slots)
+        need = 2 * self.num_layers * bs * self.kvh * cap * self.d * self.elt
+        if need > self.budget:
+            self.invalidate()
+            self.k, self.v = [], []
+            return None
+        if not self.k or self.k[0].shape[0] != bs or self.k[0].shape[2] < lmax:
+            shape = (bs, self.kvh, cap, self.d)  # zeros: positions never written stay finite
+            self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                      for _ in range(self.num_layers)]  # fmt: skip
+            self.v = [torch.zeros_like(t) for t in self.k]
+        self.slots, self.lens = slots.copy(), seq_lens.copy()
+        self.rebuilds += 1
+        return "rebuild"
