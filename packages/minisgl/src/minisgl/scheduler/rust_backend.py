@@ -34,10 +34,6 @@ def _ext():
     return minisgl_cpu
 
 
-def _pages(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
-
-
 # ---------------------------------------------------------------------- radix cache adapter
 class RustRadixCache:
     """`PrefixCache` over `minisgl_cpu.RadixCache` (one crossing per call)."""
@@ -301,22 +297,11 @@ class RustScheduler:
         rid: int | None = None,
         generator=None,
     ) -> int:
-        from minisgl.scheduler.scheduler import RequestError
+        from minisgl.scheduler.scheduler import RequestError, validate_request
 
-        ids = np.asarray(input_ids, dtype=np.int32).reshape(-1)
-        if len(ids) == 0:
-            raise RequestError("prompt is empty: at least one token is required")
-        if len(ids) >= self.max_seq_len:
-            raise RequestError(
-                f"prompt has {len(ids)} tokens, the context holds {self.max_seq_len} "
-                "(prompt plus at least one generated token)"
-            )
-        max_total = min(len(ids) + params.max_tokens, self.max_seq_len)
-        if _pages(max_total, self.page_size) > self.num_pages:
-            raise RequestError(
-                f"request needs {max_total} tokens of KV, the pool holds "
-                f"{self.num_pages * self.page_size}"
-            )
+        ids, max_total = validate_request(
+            input_ids, params, self.max_seq_len, self.num_pages, self.page_size
+        )
         rid = next(self._rids) if rid is None else rid
         if rid in self.requests:
             raise RequestError(f"duplicate request id {rid}")

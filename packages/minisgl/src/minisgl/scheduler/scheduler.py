@@ -37,6 +37,31 @@ def _pages(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+def validate_request(
+    input_ids: Sequence[int] | np.ndarray,
+    params: SamplingParams,
+    max_seq_len: int,
+    num_pages: int,
+    page_size: int,
+) -> tuple[np.ndarray, int]:
+    """The prompt as int32 and its total length cap, or a RequestError saying why it can never
+    be served (shared by every scheduler backend)."""
+    ids = np.asarray(input_ids, dtype=np.int32).reshape(-1)
+    if len(ids) == 0:
+        raise RequestError("prompt is empty: at least one token is required")
+    if len(ids) >= max_seq_len:
+        raise RequestError(
+            f"prompt has {len(ids)} tokens, the context holds {max_seq_len} "
+            "(prompt plus at least one generated token)"
+        )
+    max_total = min(len(ids) + params.max_tokens, max_seq_len)
+    if _pages(max_total, page_size) > num_pages:
+        raise RequestError(
+            f"request needs {max_total} tokens of KV, the pool holds {num_pages * page_size}"
+        )
+    return ids, max_total
+
+
 class Scheduler:
     """The Python reference scheduler.
 
@@ -90,20 +115,9 @@ class Scheduler:
         rid: int | None = None,
         generator=None,
     ) -> int:
-        ids = np.asarray(input_ids, dtype=np.int32).reshape(-1)
-        if len(ids) == 0:
-            raise RequestError("prompt is empty: at least one token is required")
-        if len(ids) >= self.max_seq_len:
-            raise RequestError(
-                f"prompt has {len(ids)} tokens, the context holds {self.max_seq_len} "
-                "(prompt plus at least one generated token)"
-            )
-        max_total = min(len(ids) + params.max_tokens, self.max_seq_len)
-        if _pages(max_total, self.page_size) > self.alloc.num_pages:
-            raise RequestError(
-                f"request needs {max_total} tokens of KV, the pool holds "
-                f"{self.alloc.num_pages * self.page_size}"
-            )
+        ids, max_total = validate_request(
+            input_ids, params, self.max_seq_len, self.alloc.num_pages, self.page_size
+        )
         rid = next(self._rids) if rid is None else rid
         if rid in self.requests:
             raise RequestError(f"duplicate request id {rid}")
