@@ -93,28 +93,26 @@ def test_64_concurrent_streams(server):
 def test_overload_gets_429_then_recovers(server):
     wait_kv_clean(server)
 
-    async def main():
-        limits = httpx.Limits(max_connections=200)
+    async def main() -> list[httpx.Response]:
+        # three times what may be in flight (running + queued), all at once: however fast the
+        # requests finish, the ones past the bound are refused, never queued without limit
+        limits = httpx.Limits(max_connections=4 * LIMIT)
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120, limits=limits) as c:
             body = {"prompt": "hold", "max_tokens": 240, "ignore_eos": True, "stream": True}
-            holders = [
-                asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(LIMIT)
-            ]
-            deadline = time.monotonic() + 60
-            while (await c.get("/health")).json()["in_flight"] < LIMIT:
-                assert time.monotonic() < deadline, "requests never got in flight"
-                await asyncio.sleep(0.05)
-            extra = await c.post("/v1/completions", json={"prompt": "one more", "max_tokens": 2})
-            for t in holders:
-                t.cancel()
-            await asyncio.gather(*holders, return_exceptions=True)
-            return extra
+            return await asyncio.gather(
+                *(c.post("/v1/completions", json=body) for _ in range(3 * LIMIT))
+            )
 
-    extra = asyncio.run(asyncio.wait_for(main(), 120))
-    assert extra.status_code == 429
+    replies = asyncio.run(asyncio.wait_for(main(), 120))
+    codes = [r.status_code for r in replies]
+    assert set(codes) <= {200, 429}, codes
+    assert codes.count(200) >= LIMIT  # everything within the bound was served
+    refused = [r for r in replies if r.status_code == 429]
+    assert refused, "no request was refused past the queue bound"
+    extra = refused[0]
     assert extra.headers["retry-after"] == "1"
     assert extra.json()["error"]["type"] == "rate_limit_error"
-    text = wait_kv_clean(server)  # cancelled holders were aborted and their pages freed
+    text = wait_kv_clean(server)  # every served request finished and returned its pages
     assert metric(text, "minisgl_requests_total", '{outcome="rejected_overload"}') >= 1
     r = httpx.post(
         server.base_url + "/v1/completions",
