@@ -147,25 +147,38 @@ def test_client_disconnect_aborts_and_frees_kv(server):
 
 
 def test_nonstream_disconnect_aborts(server):
-    """A non-streaming client that leaves while its request runs: aborted, nothing leaks."""
+    """A non-streaming client that leaves while its request waits: aborted, nothing leaks."""
     wait_kv_clean(server)
-    body = {"prompt": "gone", "max_tokens": 250, "ignore_eos": True}
+    n_hold, hold_tokens = 2 * MAX_RUNNING, 250
 
     async def main() -> tuple[str, str]:
         before = metrics(server)
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as c:
-            task = asyncio.create_task(c.post("/v1/completions", json=body))
-            deadline = time.monotonic() + 30
-            while metric(metrics(server), "minisgl_num_running_requests") < 1:
-                assert time.monotonic() < deadline, "the request never started running"
-                assert not task.done(), "the request finished before it was seen running"
-                await asyncio.sleep(0.005)
-            task.cancel()  # the client leaves: its connection closes mid-request
+        limits = httpx.Limits(max_connections=4 * MAX_RUNNING)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120, limits=limits) as c:
+
+            async def in_flight_at_least(n: int) -> None:
+                deadline = time.monotonic() + 30
+                while (await c.get("/health")).json()["in_flight"] < n:
+                    assert time.monotonic() < deadline, f"never {n} requests in flight"
+                    await asyncio.sleep(0.002)
+
+            # holders fill every running slot and a queue behind them: thousands of tokens of
+            # work ahead of the request, so it is still waiting when its client leaves
+            hold = {"prompt": "hold", "max_tokens": hold_tokens, "ignore_eos": True}
+            holders = [asyncio.create_task(c.post("/v1/completions", json=hold))
+                       for _ in range(n_hold)]  # fmt: skip
+            await in_flight_at_least(n_hold)
+            gone = {"prompt": "gone", "max_tokens": 250, "ignore_eos": True}
+            task = asyncio.create_task(c.post("/v1/completions", json=gone))
+            await in_flight_at_least(n_hold + 1)
+            task.cancel()  # the client leaves: its connection closes
             with pytest.raises(asyncio.CancelledError):
                 await task
-        return before, wait_kv_clean(server, timeout=15)
+            replies = await asyncio.gather(*holders)
+            assert all(r.status_code == 200 for r in replies)
+        return before, wait_kv_clean(server, timeout=30)
 
-    before, after = asyncio.run(asyncio.wait_for(main(), 60))
+    before, after = asyncio.run(asyncio.wait_for(main(), 120))
     aborted = '{outcome="aborted"}'
     assert (
         metric(after, "minisgl_requests_total", aborted)
@@ -175,4 +188,4 @@ def test_nonstream_disconnect_aborts(server):
     generated = metric(after, "minisgl_generated_tokens_total") - metric(
         before, "minisgl_generated_tokens_total"
     )
-    assert generated < 250, "the scheduler kept generating for a client that left"
+    assert generated - n_hold * hold_tokens < 250, "the request that was left was completed"
