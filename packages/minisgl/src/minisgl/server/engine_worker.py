@@ -31,6 +31,10 @@ from minisgl.server import ipc
 STATS_BUSY_S = 0.1
 STATS_IDLE_S = 1.0
 
+# `MINISGL_FAULT_STEP_DELAY_MS`: sleep before every engine step (tests of disconnects and
+# timeouts that must not depend on how fast the machine generates). Never set in production.
+FAULT_STEP_DELAY_S = float(os.environ.get("MINISGL_FAULT_STEP_DELAY_MS", "0")) / 1000.0
+
 
 def cpu_backend_stats() -> dict[str, Any] | None:
     """The CPU backend path counters, if that module exists in this build."""
@@ -118,6 +122,8 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
+        if FAULT_STEP_DELAY_S:  # fault injection: a slow engine, for deterministic tests
+            time.sleep(FAULT_STEP_DELAY_S)
         try:
             outs = self.llm.step()
         except Exception as e:
