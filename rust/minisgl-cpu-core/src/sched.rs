@@ -259,18 +259,23 @@ impl SchedCore {
         Some(&r.tokens[r.prompt_len..])
     }
 
+    /// Take an admitted request out of the running list (keeping the others' order).
+    fn remove_running(&mut self, idx: usize) {
+        let p = self
+            .running
+            .iter()
+            .position(|&x| x == idx)
+            .expect("running");
+        self.running.remove(p);
+    }
+
     /// Finish a live request now (`abort` releases only what the cache already owns).
     pub fn finish(&mut self, rid: i64, abort: bool) -> Result<bool, SchedError> {
         let Some(&idx) = self.by_rid.get(&rid) else {
             return Ok(false);
         };
         if self.req(idx).slot >= 0 {
-            let p = self
-                .running
-                .iter()
-                .position(|&x| x == idx)
-                .expect("running");
-            self.running.remove(p);
+            self.remove_running(idx);
             self.release(idx, abort)?;
         } else {
             let p = self
@@ -548,12 +553,7 @@ impl SchedCore {
                 let r = self.req(idx);
                 let outs = r.tokens[r.prompt_len..].to_vec();
                 self.finished_outputs.push((k, outs));
-                let p = self
-                    .running
-                    .iter()
-                    .position(|&x| x == idx)
-                    .expect("running");
-                self.running.remove(p);
+                self.remove_running(idx);
                 self.release(idx, false)?;
                 self.drop_req(idx);
             }
