@@ -7,6 +7,7 @@ All sessions use the uv backend and reuse their virtualenvs, so torch is install
 from __future__ import annotations
 
 import os
+import shutil
 
 import nox
 
@@ -73,11 +74,48 @@ def board(session: nox.Session) -> None:
     session.run("python", "-m", "cardgate", "board", *session.posargs)
 
 
+DOCS_DEPS = (
+    "mkdocs>=1.6",
+    "mkdocs-material>=9.5",
+    "matplotlib>=3.8",
+    "pytest>=8",
+    "playwright>=1.40",  # drives the system Chromium; never downloads a browser
+)
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+
+
+def find_chromium(session: nox.Session) -> str:
+    """A Chromium binary: $MINISGL_CHROMIUM, one on PATH, or Debian's `chromium` installed."""
+    found = os.environ.get("MINISGL_CHROMIUM") or next(
+        filter(None, map(shutil.which, BROWSERS)), None
+    )
+    if found:
+        return found
+    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    session.log("no chromium on PATH: installing Debian's chromium with apt-get")
+    session.run(*sudo, "apt-get", "update", "-qq", external=True)
+    session.run(*sudo, "apt-get", "install", "-y", "-qq", "chromium", external=True)
+    found = next(filter(None, map(shutil.which, BROWSERS)), None)
+    if not found:
+        session.error("chromium is not installed and apt-get could not install it")
+    return found
+
+
 @nox.session(python=PYTHON)
 def docs(session: nox.Session) -> None:
-    """Build the mkdocs worklog site into site/ (`-- serve` to preview)."""
-    session.install("mkdocs>=1.6")
-    session.run("mkdocs", *(session.posargs or ["build", "--strict"]))
+    """Build the worklog site into site/ (--strict) and check it in headless Chromium.
+
+    `nox -s docs -- serve` previews it instead (live reload on docs/, kanban/, worklog/).
+    """
+    session.install(*DOCS_DEPS, "-e", "packages/cardgate")
+    session.env["NO_MKDOCS_2_WARNING"] = "1"
+    if session.posargs[:1] == ["serve"]:
+        session.run("mkdocs", "serve", *session.posargs[1:])
+        return
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site", *session.posargs)
+    session.env["MINISGL_CHROMIUM"] = find_chromium(session)
+    session.env["MINISGL_SITE_DIR"] = os.path.abspath("site")
+    session.run("pytest", "tools/site/tests", "-q", "-p", "no:cacheprovider")
 
 
 @nox.session(venv_backend="none")

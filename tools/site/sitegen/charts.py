@@ -1,0 +1,144 @@
+"""Charts drawn at build time with matplotlib (Agg), returned as PNG bytes."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import Any
+
+from sitegen.data import Baseline, HistoryPoint
+
+PALETTE = ("#3f51b5", "#e91e63", "#009688", "#ff9800", "#795548", "#607d8b", "#9c27b0")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    # no timestamps in the PNG metadata: the same data gives the same bytes
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight", metadata={"Software": None})
+    _pyplot().close(fig)
+    return buf.getvalue()
+
+
+def history_chart(metric: str, machine_class: str, points: Sequence[HistoryPoint]) -> bytes:
+    """One metric on one machine class across commits: a line per series, dashed thresholds."""
+    plt = _pyplot()
+    stops = sorted({(p.utc, p.commit) for p in points})
+    position = {stop: i for i, stop in enumerate(stops)}
+    fig, ax = plt.subplots(figsize=(7.5, 3.2))
+    series = sorted({p.series for p in points})
+    for index, name in enumerate(series):
+        mine = sorted((p for p in points if p.series == name), key=lambda p: (p.utc, p.commit))
+        color = PALETTE[index % len(PALETTE)]
+        xs = [position[(p.utc, p.commit)] for p in mine]
+        ax.plot(xs, [p.value for p in mine], marker="o", color=color, label=name)
+        limits = [(x, p.threshold) for x, p in zip(xs, mine, strict=True) if p.threshold]
+        if limits:
+            ax.plot(
+                [x for x, _ in limits],
+                [t for _, t in limits],
+                linestyle="--",
+                marker="_",
+                markersize=14,
+                color=color,
+                label=f"{name} threshold",
+            )
+    values = [p.value for p in points] + [p.threshold for p in points if p.threshold]
+    positive = [v for v in values if v and v > 0]
+    if positive and len(positive) == len(values) and max(positive) / min(positive) > 50:
+        ax.set_yscale("log")
+    ax.set_xticks(range(len(stops)))
+    ax.set_xticklabels([f"{c[:7]}\n{u[:10]}" for u, c in stops], fontsize=7)
+    ax.set_xlim(-0.5, max(len(stops) - 0.5, 0.5))
+    ax.set_title(f"{metric} · {machine_class}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    return _png(fig)
+
+
+def _bars(title: str, labels: list[str], groups: dict[str, list[float]], ylabel: str) -> bytes:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 3.2))
+    width = 0.8 / max(len(groups), 1)
+    for index, (name, values) in enumerate(groups.items()):
+        xs = [i + (index - (len(groups) - 1) / 2) * width for i in range(len(labels))]
+        ax.bar(xs, values, width=width, label=name, color=PALETTE[index % len(PALETTE)])
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=7, rotation=20, ha="right")
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    if len(groups) > 1:
+        ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def _engine_metrics(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    results = data.get("results")
+    if not isinstance(results, dict):
+        return {}
+    return {
+        str(name): r["metrics"]
+        for name, r in results.items()
+        if isinstance(r, dict) and isinstance(r.get("metrics"), dict)
+    }
+
+
+def _pct(metrics: dict[str, Any], name: str, q: str = "p50") -> float:
+    value = metrics.get(name)
+    if isinstance(value, dict):
+        value = value.get(q)
+    return float(value) if isinstance(value, int | float) else 0.0
+
+
+def baseline_chart(baseline: Baseline) -> bytes | None:
+    """A chart for a baseline that has no recorded plot (None when nothing is plottable)."""
+    data = baseline.data
+    engines = _engine_metrics(data)
+    if engines:
+        labels = list(engines)
+        return _bars(
+            f"{baseline.name}: output tok/s",
+            labels,
+            {"output tok/s": [_pct(engines[e], "output_tok_s") for e in labels]},
+            "tok/s",
+        )
+    results = data.get("results")
+    if isinstance(results, list) and results and all(isinstance(r, dict) for r in results):
+        labels = [f"{r.get('workload', '?')} ps{r.get('page_size', '?')}" for r in results]
+        groups = {
+            key: [float(r.get(key) or 0.0) for r in results]
+            for key in ("ratio", "ratio_batch")
+            if any(isinstance(r.get(key), int | float) for r in results)
+        }
+        if groups:
+            return _bars(f"{baseline.name}: rust / python speedup", labels, groups, "x")
+    if isinstance(results, dict) and all(isinstance(r, dict) for r in results.values()):
+        labels = [k for k, r in results.items() if isinstance(r.get("speedup"), int | float)]
+        if labels:
+            return _bars(
+                f"{baseline.name}: typed / generic speedup",
+                labels,
+                {"speedup": [float(results[k]["speedup"]) for k in labels]},
+                "x",
+            )
+    sets = data.get("sets")
+    if isinstance(sets, dict):
+        labels = list(sets)
+        matched = [float(s.get("prompts", 0)) - float(s.get("mismatch_count", 0)) for s in sets.values()]
+        mismatched = [float(s.get("mismatch_count", 0)) for s in sets.values()]
+        return _bars(
+            f"{baseline.name}: token parity",
+            labels,
+            {"identical": matched, "mismatched": mismatched},
+            "prompts",
+        )
+    return None
