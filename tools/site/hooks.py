@@ -16,7 +16,7 @@ from mkdocs.structure.files import File, Files
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sitegen.pages import Generated, generate_site  # noqa: E402
+from sitegen.pages import Generated, generate_site
 
 _generated: Generated | None = None
 

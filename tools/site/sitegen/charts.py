@@ -133,7 +133,9 @@ def baseline_chart(baseline: Baseline) -> bytes | None:
     sets = data.get("sets")
     if isinstance(sets, dict):
         labels = list(sets)
-        matched = [float(s.get("prompts", 0)) - float(s.get("mismatch_count", 0)) for s in sets.values()]
+        matched = [
+            float(s.get("prompts", 0)) - float(s.get("mismatch_count", 0)) for s in sets.values()
+        ]
         mismatched = [float(s.get("mismatch_count", 0)) for s in sets.values()]
         return _bars(
             f"{baseline.name}: token parity",

@@ -161,7 +161,9 @@ def _machine_text(manifest: dict[str, Any]) -> str:
 def _utc_from_name(name: str) -> str:
     stamp = name.split("-", 1)[0]
     if len(stamp) >= 15 and stamp[8] == "T":
-        return f"{stamp[0:4]}-{stamp[4:6]}-{stamp[6:8]}T{stamp[9:11]}:{stamp[11:13]}:{stamp[13:15]}Z"
+        return (
+            f"{stamp[0:4]}-{stamp[4:6]}-{stamp[6:8]}T{stamp[9:11]}:{stamp[11:13]}:{stamp[13:15]}Z"
+        )
     return ""
 
 
@@ -329,7 +331,9 @@ def item_tests(card: Card, runs: list[Run], static: dict[str, list[str]]) -> dic
     for ref, ids in static.items():
         item = card.lookup(ref)
         if item is not None:
-            tests.setdefault(item.key, []).extend(t for t in ids if t not in tests.get(item.key, []))
+            tests.setdefault(item.key, []).extend(
+                t for t in ids if t not in tests.get(item.key, [])
+            )
     if runs:
         for entry in runs[-1].items:
             key = str(entry.get("key", ""))

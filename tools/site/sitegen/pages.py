@@ -159,7 +159,9 @@ def board_markdown(site: Site) -> str:
         f" · **{len(site.runs())}** gate runs recorded",
     ]
     if unverified:
-        out.append(f' · <span class="kb-flag">⚠ {len(unverified)} done without verified evidence</span>')
+        out.append(
+            f' · <span class="kb-flag">⚠ {len(unverified)} done without verified evidence</span>'
+        )
     out.append("\n</div>\n")
     out.append(
         "Generated from `kanban/` and `worklog/evidence/` when the site was built. Each card: "
@@ -204,7 +206,16 @@ def cards_index(site: Site) -> str:
             ]
         )
     return "# Cards\n\nEvery card of `kanban/`, in lane order.\n\n" + table(
-        ["Card", "Title", "Lane", "Prio", "Depends on", "Bound / unbound / manual", "Last gate", "Verified"],
+        [
+            "Card",
+            "Title",
+            "Lane",
+            "Prio",
+            "Depends on",
+            "Bound / unbound / manual",
+            "Last gate",
+            "Verified",
+        ],
         rows,
     )
 
@@ -238,7 +249,9 @@ def _item_rows(view: CardView) -> list[list[Any]]:
             bound = "**unbound**"
         where = item.section + (f" · {item.phase}" if item.phase else "")
         indent = "&emsp;" * depth
-        rows.append([f"{ITEM_ICON.get(status, '?')} {status}", f"{indent}{item.text}", where, bound])
+        rows.append(
+            [f"{ITEM_ICON.get(status, '?')} {status}", f"{indent}{item.text}", where, bound]
+        )
     return rows
 
 
@@ -428,7 +441,9 @@ def baseline_table(baseline: Baseline) -> str:
             if value is None:
                 arm, inner = next(iter(paired.items()))
                 value = inner.get("output_tok_s") if isinstance(inner, dict) else None
-            out += f"\nPaired ratio of output tok/s (median of per-repeat ratios): **{fmt(value)}x**\n"
+            out += (
+                f"\nPaired ratio of output tok/s (median of per-repeat ratios): **{fmt(value)}x**\n"
+            )
         return out
     if isinstance(results, list) and results and all(isinstance(r, dict) for r in results):
         keys = list(dict.fromkeys(k for r in results for k in r))
@@ -438,14 +453,18 @@ def baseline_table(baseline: Baseline) -> str:
         for name, r in results.items():
             for side, values in r.items():
                 if isinstance(values, dict):
-                    rows.append([name, side, *[values.get(k) for k in ("bytes", "roundtrip_us", "iters")]])
+                    rows.append(
+                        [name, side, *[values.get(k) for k in ("bytes", "roundtrip_us", "iters")]]
+                    )
                 else:
                     rows.append([name, side, values, "", ""])
         return table(["message", "side", "bytes", "round trip us", "iters"], rows)
     sets = data.get("sets")
     if isinstance(sets, dict):
         sides = data.get("sides") if isinstance(data.get("sides"), dict) else {}
-        labels = " vs ".join(str(s.get("label", k)) for k, s in sides.items() if isinstance(s, dict))
+        labels = " vs ".join(
+            str(s.get("label", k)) for k, s in sides.items() if isinstance(s, dict)
+        )
         rows = [[name, s.get("prompts"), s.get("mismatch_count")] for name, s in sets.items()]
         return (
             f"Sides: {labels or '-'} · parity passed: **{fmt(data.get('parity_passed'))}**\n\n"
@@ -494,7 +513,13 @@ def baseline_section(baseline: Baseline, plot_path: str | None) -> str:
             table(
                 ["metric", "check", "value", "threshold", "status"],
                 [
-                    [f"`{g.get('metric')}`", g.get("check"), g.get("value"), g.get("threshold"), g.get("status")]
+                    [
+                        f"`{g.get('metric')}`",
+                        g.get("check"),
+                        g.get("value"),
+                        g.get("threshold"),
+                        g.get("status"),
+                    ]
                     for g in gates["results"]
                     if isinstance(g, dict)
                 ],
@@ -523,7 +548,9 @@ def history_markdown(site: Site, groups: dict[tuple[str, str], list]) -> str:
         keys = sorted(k for k in groups if k[1] == machine_class)
         for kind, title in (("baseline", "Benchmark workloads"), ("gate", "Gated card metrics")):
             mine = [
-                k for k in keys if any((p.threshold is None) == (kind == "baseline") for p in groups[k])
+                k
+                for k in keys
+                if any((p.threshold is None) == (kind == "baseline") for p in groups[k])
             ]
             if not mine:
                 continue
@@ -589,7 +616,9 @@ def generate(site: Site) -> Generated:
                 plot = f"charts/baseline-{baseline.name}.png"
                 files[plot] = drawn
         sections.append(baseline_section(baseline, plot))
-    contents = "\n".join(f"- [{b.name}](#{b.name.lower()}) · {workload(b.data)}" for b in site.baselines)
+    contents = "\n".join(
+        f"- [{b.name}](#{b.name.lower()}) · {workload(b.data)}" for b in site.baselines
+    )
     files[BASELINES_PAGE] = (
         "# Benchmark baselines\n\n"
         f"Every recorded baseline of `worklog/baselines/` ({len(site.baselines)} files), each "
@@ -597,9 +626,13 @@ def generate(site: Site) -> Generated:
         f"commits: [History]({Path(HISTORY_PAGE).name}).\n\n"
         + contents
         + "\n\n"
-        + ('??? abstract "Where we stand (worklog/baselines/README.md)"\n'
-           + "\n".join("    " + ln for ln in _demote(intro).splitlines())
-           + "\n\n" if intro else "")
+        + (
+            '??? abstract "Where we stand (worklog/baselines/README.md)"\n'
+            + "\n".join("    " + ln for ln in _demote(intro).splitlines())
+            + "\n\n"
+            if intro
+            else ""
+        )
         + "\n".join(sections)
     )
     files[HISTORY_PAGE] = history_markdown(site, groups)
