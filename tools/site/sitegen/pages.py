@@ -85,7 +85,7 @@ def short(commit: str) -> str:
 
 
 def day(utc: str) -> str:
-    return utc[:16].replace("T", " ") if utc else "-"
+    return utc[:19].replace("T", " ") if utc else "-"
 
 
 # --- board -----------------------------------------------------------------------------------
@@ -357,7 +357,9 @@ def card_markdown(site: Site, view: CardView, charts_for: dict[str, list[str]]) 
     metrics = charts_for.get(card.id, [])
     if metrics:
         out.append("## Gated metrics across runs\n")
-        out += [f"![{path}]({rel(page, path)})\n" for path in metrics]
+        out.append('<div class="chart-grid" markdown>\n')
+        out += [f"![{path}]({rel(page, path)})\n" for path in sorted(metrics)]
+        out.append("</div>\n")
     out.append("## Card text\n")
     out.append(_card_text(view))
     return "\n".join(out)
