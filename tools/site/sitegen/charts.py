@@ -23,7 +23,7 @@ def _pyplot():
 def _png(fig) -> bytes:
     buf = io.BytesIO()
     # no timestamps in the PNG metadata: the same data gives the same bytes
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight", metadata={"Software": None})
+    fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})
     _pyplot().close(fig)
     return buf.getvalue()
 
@@ -33,7 +33,7 @@ def history_chart(metric: str, machine_class: str, points: Sequence[HistoryPoint
     plt = _pyplot()
     stops = sorted({(p.utc, p.commit) for p in points})
     position = {stop: i for i, stop in enumerate(stops)}
-    fig, ax = plt.subplots(figsize=(7.5, 3.2))
+    fig, ax = plt.subplots(figsize=(7.5, 3.2), layout="constrained")
     series = sorted({p.series for p in points})
     for index, name in enumerate(series):
         mine = sorted((p for p in points if p.series == name), key=lambda p: (p.utc, p.commit))
@@ -66,7 +66,7 @@ def history_chart(metric: str, machine_class: str, points: Sequence[HistoryPoint
 
 def _bars(title: str, labels: list[str], groups: dict[str, list[float]], ylabel: str) -> bytes:
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 3.2))
+    fig, ax = plt.subplots(figsize=(7.5, 3.2), layout="constrained")
     width = 0.8 / max(len(groups), 1)
     for index, (name, values) in enumerate(groups.items()):
         xs = [i + (index - (len(groups) - 1) / 2) * width for i in range(len(labels))]
