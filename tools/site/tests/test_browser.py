@@ -125,6 +125,11 @@ def test_board_renders_every_card_in_its_lane(browser, base_url, site, shots):
     boxes = [page.locator(f'.kb-column[data-lane="{lane}"]').bounding_box() for lane in lanes]
     assert len({round(b["y"]) for b in boxes}) == 1
     assert [b["x"] for b in boxes] == sorted(b["x"] for b in boxes)
+    # a tile's link leads to its card page
+    first = site.cards[0]
+    page.locator(f'.kb-card[data-card="{first.id}"] a[href="cards/{first.id}.html"]').click()
+    page.wait_for_url(f"**/cards/{first.id}.html")
+    assert page.locator("article h1").inner_text().startswith(f"{first.id}: ")
     assert errors == []
     page.close()
 
