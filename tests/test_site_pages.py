@@ -184,8 +184,19 @@ def small_repo(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def rows_without_verification(root):
+    """A board JSON from a cardgate that reports no `verified` / `flags` / `last_gate`."""
+    board = cardgate.board.load_board(root)
+    cards = [
+        {"id": c.id, "lane": lane, "items": 2, "bound": 0, "unbound": 1, "manual": 1}
+        for lane, lane_cards in board.lanes.items()
+        for c in lane_cards
+    ]
+    return {"cards": cards, "errors": []}
+
+
 def test_done_cards_are_flagged_unverified_when_cardgate_does_not_say(small_repo, monkeypatch):
-    monkeypatch.delattr(cardgate.board, "board_json", raising=False)
+    monkeypatch.setattr(cardgate.board, "board_json", rows_without_verification, raising=False)
     gen = generate_site(small_repo)
     board = gen.files["board.md"]
     assert "⚠ 2 done without verified evidence" in board

@@ -18,7 +18,6 @@ from typing import Any
 
 from cardgate.board import LANES, load_board
 from cardgate.card import Card, Item
-from cardgate.render import board_rows
 
 EVIDENCE_DIR = Path("worklog") / "evidence"
 BASELINE_DIR = Path("worklog") / "baselines"
@@ -202,7 +201,11 @@ def load_runs(root: Path, card_id: str) -> list[Run]:
                 path=directory.relative_to(root).as_posix(),
                 phase=str(summary.get("phase") or manifest.get("phase") or "?"),
                 outcome=str(summary.get("outcome", "?")),
-                utc=str(manifest.get("started_utc") or _utc_from_name(directory.name)),
+                utc=str(
+                    summary.get("started_utc")
+                    or manifest.get("started_utc")
+                    or _utc_from_name(directory.name)
+                ),
                 commit=str(summary.get("commit") or manifest.get("commit") or ""),
                 hardware=str(manifest.get("hardware") or "cpu"),
                 gpu=str(gpu_name) if gpu_name else None,
@@ -219,26 +222,30 @@ def load_runs(root: Path, card_id: str) -> list[Run]:
 
 def _board_dict(root: Path) -> dict[str, Any]:
     """cardgate's board JSON as a dict: the richer `board_json(root)` when cardgate has it."""
-    try:
-        from cardgate.board import board_json  # type: ignore[attr-defined]
-    except ImportError:
-        board = load_board(root)
-        return {
-            "cards": board_rows(board, root),
-            "errors": [str(e) for e in board.errors],
-        }
-    return board_json(root)
+    import cardgate.board
+
+    board_json = getattr(cardgate.board, "board_json", None)
+    if board_json is not None:
+        return board_json(root)
+    from cardgate.render import board_rows  # cardgate before `board_json`
+
+    board = load_board(root)
+    return {"cards": board_rows(board, root), "errors": [str(e) for e in board.errors]}
 
 
 def _last_gate(row: dict[str, Any], runs: list[Run]) -> LastGate | None:
     raw = row.get("last_gate")
     if isinstance(raw, dict):
+        # the matching run fills what the record did not say (old records have no times)
+        run = next(
+            (r for r in runs if r.path == raw.get("evidence_dir")), runs[-1] if runs else None
+        )
         return LastGate(
-            outcome=str(raw.get("outcome", "?")),
-            utc=str(raw.get("utc", "")),
-            commit=str(raw.get("commit", "")),
-            evidence_dir=str(raw.get("evidence_dir", "")),
-            phase=str(raw.get("phase", "?")),
+            outcome=str(raw.get("outcome") or "?"),
+            utc=str(raw.get("utc") or (run.utc if run else "")),
+            commit=str(raw.get("commit") or (run.commit if run else "")),
+            evidence_dir=str(raw.get("evidence_dir") or ""),
+            phase=str(raw.get("phase") or "?"),
         )
     if not runs:
         return None
