@@ -26,8 +26,9 @@ def workload(data: dict[str, Any]) -> str:
     """A short name of what a baseline measured: kind, model, profile, request count."""
     kind = str(data.get("kind") or data.get("benchmark") or "custom")
     model = data.get("model")
-    model_name = str(model.get("name", "?")) if isinstance(model, dict) else "?"
-    model_name = model_name.removeprefix("embedded:")
+    if not isinstance(model, dict):
+        return kind
+    model_name = str(model.get("name", "?")).removeprefix("embedded:")
     profile = data.get("profile")
     if isinstance(profile, dict):
         n = profile.get("num_requests")

@@ -58,8 +58,10 @@ def rel(src: str, dst: str) -> str:
 def fmt(value: Any) -> str:
     if isinstance(value, bool) or value is None:
         return "-" if value is None else ("yes" if value else "no")
-    if isinstance(value, int | float):
-        v = float(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        v = value
         if v != v:  # NaN
             return "nan"
         if abs(v) >= 1000:
@@ -646,7 +648,10 @@ def generate(site: Site) -> Generated:
 
 
 def _demote(text: str) -> str:
-    return "\n".join(("###" + ln if ln.startswith("#") else ln) for ln in text.splitlines())
+    """Headings as bold lines: the text sits in a collapsed block, out of the page's TOC."""
+    return "\n".join(
+        (f"**{ln.lstrip('#').strip()}**" if ln.startswith("#") else ln) for ln in text.splitlines()
+    )
 
 
 def generate_site(root: Path | str) -> Generated:
