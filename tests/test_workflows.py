@@ -63,6 +63,19 @@ def test_every_workflow_is_least_privilege_bounded_and_cancellable(name):
                 assert step.get("with", {}).get("persist-credentials") is False, (name, job_name)
 
 
+@pytest.mark.parametrize("name", ["ci.yml", "gpu.yml"])
+def test_docs_only_changes_are_skipped_and_nothing_else(name):
+    triggers = load(name)["on"]
+    for event in ("push", "pull_request"):
+        ignored = triggers[event]["paths-ignore"]
+        assert set(ignored) >= DOCS_PATHS
+        for path in ignored:
+            assert not path.startswith(
+                ("packages", "rust", "kanban", "tests", "tools", "noxfile", "*")
+            ), path
+            assert path != "worklog/**", "evidence and gates are inputs of the card tests"
+
+
 def test_gpu_jobs_run_on_self_hosted_gpu_runners_never_for_forks():
     wf = load("gpu.yml")
     triggers = wf["on"]
