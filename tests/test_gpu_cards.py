@@ -60,3 +60,14 @@ def test_gate_fails_when_a_card_does_not_pass(tmp_path):
     done = run(tmp_path, "--gate", "T-404")  # no such card: cardgate refuses (usage error)
     assert done.returncode == 1
     assert "T-404 error" in done.stdout
+
+
+def test_tree_changes_ignore_evidence_and_see_everything_else(tmp_path):
+    sys.path.insert(0, str(SCRIPT.parent))
+    from gpu_cards import tree_changes
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    write_card(tmp_path, "todo", "T-001")
+    (tmp_path / "worklog" / "evidence" / "T-001" / "run").mkdir(parents=True)
+    (tmp_path / "worklog" / "evidence" / "T-001" / "run" / "summary.json").write_text("{}")
+    assert tree_changes(tmp_path) == ["kanban/todo/T-001-x.md"]

@@ -47,13 +47,33 @@ def cards_needing_gpu(root: Path) -> list[str]:
     ]
 
 
+def tree_changes(root: Path) -> list[str]:
+    """What the gate would call a dirty tree: changes outside worklog/evidence/."""
+    done = subprocess.run(
+        ["git", "status", "--porcelain=v1", "--untracked-files=all", "--", ".",
+         ":(exclude)worklog/evidence"],
+        cwd=root, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    return [line[3:] for line in done.stdout.splitlines() if line.strip()]
+
+
 def gate(root: Path, card_ids: list[str]) -> int:
-    """Gate every card (each records its evidence); 1 when any did not pass."""
+    """Gate every card (each records its evidence); 1 when any did not pass.
+
+    A passing gate stages its card's move to done/, which leaves the tree dirty for the next
+    card: the cards after it are reported as not run (gate them in another run) instead of
+    being recorded as holds.
+    """
     if not card_ids:
         print("gpu: no card needs GPU evidence")
         return 0
     outcomes = {}
-    for card_id in card_ids:
+    for index, card_id in enumerate(card_ids):
+        changed = tree_changes(root) if index else []
+        if changed:
+            print(f"gpu: {card_id} not gated: the previous gate changed {', '.join(changed)}")
+            outcomes[card_id] = "not run"
+            continue
         done = subprocess.run(
             [sys.executable, "-m", "cardgate", "gate", card_id, "--root", str(root)], check=False
         )
