@@ -4,13 +4,38 @@
 the engine's inputs (positions, input mapping, KV write mapping, KV read mapping, output
 locations). It is pure: arrays in, arrays out, so a Rust implementation can replace exactly
 this with one call per step.
+
+A plan also travels as one flat int32 buffer (`FlatStep`): the Rust core writes it, and the
+future out-of-process service sends it. Its layout is defined once here (`PLAN_SEGMENTS`);
+`minisgl_cpu.plan_segments` exports the Rust core's layout by name and a test asserts the two
+are equal.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
+
+Dim = Literal["bs", "num_tokens", "num_kv", "num_sample"]
+
+# (name, dimension, extra): the segment holds `layout.<dimension> + extra` int32 values.
+PLAN_SEGMENTS: tuple[tuple[str, Dim, int], ...] = (
+    ("slots", "bs", 0),  # page-table row of each request
+    ("extend_lens", "bs", 0),  # tokens fed per request
+    ("seq_lens", "bs", 0),  # KV length of each request after this step
+    ("kv_indptr", "bs", 1),  # offsets into kv_indices
+    ("input_ids", "num_tokens", 0),  # tokens fed this step
+    ("positions", "num_tokens", 0),  # absolute position of each fed token
+    ("out_loc", "num_tokens", 0),  # KV write mapping: pool location of each fed token
+    ("kv_indices", "num_kv", 0),  # KV read mapping (token-level locations)
+    ("logits_indices", "num_sample", 0),  # row in T whose logits are sampled
+    ("sample_rows", "num_sample", 0),  # which requests of the batch sample a token
+    ("batch_pos", "bs", 0),  # prefill only: position in the running list of each request
+)
+# the segments a `StepPlan` carries (`batch_pos` is the scheduler's own bookkeeping)
+PLAN_FIELDS: tuple[str, ...] = tuple(name for name, _, _ in PLAN_SEGMENTS if name != "batch_pos")
 
 
 @dataclass(frozen=True)
@@ -34,6 +59,77 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    """Sizes of a flat plan buffer (`minisgl_cpu_core::plan::PlanLayout`)."""
+
+    bs: int
+    num_tokens: int
+    num_kv: int
+    num_sample: int
+
+    def segments(self) -> tuple[tuple[str, int, int], ...]:
+        """`(name, offset, length)` of each segment, in buffer order."""
+        out: list[tuple[str, int, int]] = []
+        off = 0
+        for name, dim, extra in PLAN_SEGMENTS:
+            n = getattr(self, dim) + extra
+            out.append((name, off, n))
+            off += n
+        return tuple(out)
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, dim) + extra for _, dim, extra in PLAN_SEGMENTS)
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> PlanLayout:
+        return cls(
+            plan.batch_size, plan.num_tokens, int(plan.kv_indices.shape[0]),
+            int(plan.sample_rows.shape[0]),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FlatStep:
+    """One step plan as a single int32 buffer laid out as `PLAN_SEGMENTS` (the wire form)."""
+
+    is_prefill: bool
+    layout: PlanLayout
+    data: np.ndarray  # [layout.total] int32
+
+    def __post_init__(self) -> None:
+        if self.data.dtype != np.int32 or self.data.shape != (self.layout.total,):
+            raise ValueError(
+                f"flat plan: expected int32[{self.layout.total}] for {self.layout}, "
+                f"got {self.data.dtype}{list(self.data.shape)}"
+            )
+
+    def segment(self, name: str) -> np.ndarray:
+        for seg, off, n in self.layout.segments():
+            if seg == name:
+                return self.data[off : off + n]
+        raise KeyError(name)
+
+    def plan(self) -> StepPlan:
+        """The `StepPlan` whose arrays are views of `data` (no copy)."""
+        d = self.data
+        views = {name: d[off : off + n] for name, off, n in self.layout.segments()}
+        del views["batch_pos"]
+        return StepPlan(is_prefill=self.is_prefill, **views)
+
+    @classmethod
+    def of(cls, plan: StepPlan, batch_pos: np.ndarray | None = None) -> FlatStep:
+        """Flatten `plan` (`batch_pos` defaults to `0..bs`)."""
+        layout = PlanLayout.of(plan)
+        if batch_pos is None:
+            batch_pos = np.arange(layout.bs, dtype=np.int32)
+        parts = {**{f: getattr(plan, f) for f in PLAN_FIELDS}, "batch_pos": batch_pos}
+        data = np.concatenate([np.asarray(parts[name], dtype=np.int32) for name, _, _ in
+                               PLAN_SEGMENTS])  # fmt: skip
+        return cls(plan.is_prefill, layout, data)
 
 
 def build_step_plan(
