@@ -18,6 +18,7 @@ from minisgl.scheduler.factory import make_scheduler
 from minisgl.scheduler.plan import PLAN_FIELDS, PlanLayout, build_step_plan
 from minisgl.scheduler.rust_backend import RustRadixCache, RustScheduler
 from minisgl.scheduler.scheduler import Scheduler
+
 SETTINGS = settings(max_examples=150, stateful_step_count=50, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 

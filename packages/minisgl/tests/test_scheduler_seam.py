@@ -5,6 +5,8 @@ among the `minisgl.scheduler` modules."""
 from __future__ import annotations
 
 import ast
+import dataclasses
+import itertools
 import os
 import subprocess
 import sys
@@ -18,8 +20,14 @@ from minisgl.core import SamplingParams
 from minisgl.scheduler import cpu_backend, factory, rust_backend
 from minisgl.scheduler.backend import ScheduledReq, SchedulerBackend, SchedulerConfig
 from minisgl.scheduler.factory import available_backends, make_scheduler, register_backend
-from minisgl.scheduler.plan import PLAN_FIELDS, PLAN_SEGMENTS, FlatStep, PlanLayout
-from minisgl.scheduler.plan import build_step_plan
+from minisgl.scheduler.plan import (
+    PLAN_FIELDS,
+    PLAN_SEGMENTS,
+    FlatStep,
+    PlanLayout,
+    StepPlan,
+    build_step_plan,
+)
 from minisgl.scheduler.request import RequestError, validate_request
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.shadow import ShadowScheduler
@@ -192,9 +200,10 @@ def test_flat_step_round_trip(bs):
 def test_python_layout_is_defined_once():
     names = [n for n, _, _ in PLAN_SEGMENTS]
     assert len(set(names)) == len(names) and names[-1] == "batch_pos"
-    assert PLAN_FIELDS == tuple(names[:-1])
+    assert tuple(names[:-1]) == PLAN_FIELDS
+    assert tuple(f.name for f in dataclasses.fields(StepPlan))[1:] == PLAN_FIELDS
     segs = PlanLayout(3, 5, 7, 2).segments()
-    assert all(a[1] + a[2] == b[1] for a, b in zip(segs, segs[1:]))
+    assert all(a[1] + a[2] == b[1] for a, b in itertools.pairwise(segs))
     assert segs[-1][1] + segs[-1][2] == PlanLayout(3, 5, 7, 2).total == 4 * 3 + 1 + 15 + 7 + 4 + 3
 
 

@@ -14,40 +14,43 @@ are equal.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
+DIMS = ("bs", "num_tokens", "num_kv", "num_sample")
 Dim = Literal["bs", "num_tokens", "num_kv", "num_sample"]
 
 # (name, dimension, extra): the segment holds `layout.<dimension> + extra` int32 values.
 PLAN_SEGMENTS: tuple[tuple[str, Dim, int], ...] = (
-    ("slots", "bs", 0),  # page-table row of each request
-    ("extend_lens", "bs", 0),  # tokens fed per request
-    ("seq_lens", "bs", 0),  # KV length of each request after this step
-    ("kv_indptr", "bs", 1),  # offsets into kv_indices
-    ("input_ids", "num_tokens", 0),  # tokens fed this step
-    ("positions", "num_tokens", 0),  # absolute position of each fed token
-    ("out_loc", "num_tokens", 0),  # KV write mapping: pool location of each fed token
-    ("kv_indices", "num_kv", 0),  # KV read mapping (token-level locations)
-    ("logits_indices", "num_sample", 0),  # row in T whose logits are sampled
-    ("sample_rows", "num_sample", 0),  # which requests of the batch sample a token
-    ("batch_pos", "bs", 0),  # prefill only: position in the running list of each request
+    ("slots", "bs", 0),
+    ("extend_lens", "bs", 0),
+    ("seq_lens", "bs", 0),
+    ("kv_indptr", "bs", 1),
+    ("input_ids", "num_tokens", 0),
+    ("positions", "num_tokens", 0),
+    ("out_loc", "num_tokens", 0),
+    ("kv_indices", "num_kv", 0),
+    ("logits_indices", "num_sample", 0),
+    ("sample_rows", "num_sample", 0),
+    ("batch_pos", "bs", 0),  # prefill: position in the running list of each batch request
 )
-# the segments a `StepPlan` carries (`batch_pos` is the scheduler's own bookkeeping)
-PLAN_FIELDS: tuple[str, ...] = tuple(name for name, _, _ in PLAN_SEGMENTS if name != "batch_pos")
+# the segments a `StepPlan` carries, in its field order (`batch_pos` is the scheduler's own)
+PLAN_FIELDS: tuple[str, ...] = tuple(name for name, _, _ in PLAN_SEGMENTS[:-1])
+_SIZES = tuple((DIMS.index(dim), extra) for _, dim, extra in PLAN_SEGMENTS)
+_INT32 = np.dtype(np.int32)
 
 
 @dataclass(frozen=True)
 class StepPlan:
     is_prefill: bool
     slots: np.ndarray  # [bs] page-table row of each request
-    input_ids: np.ndarray  # [T] tokens fed this step
-    positions: np.ndarray  # [T] absolute position of each fed token
-    out_loc: np.ndarray  # [T] KV write mapping: pool location of each fed token
     extend_lens: np.ndarray  # [bs] tokens fed per request
     seq_lens: np.ndarray  # [bs] KV length of each request after this step
     kv_indptr: np.ndarray  # [bs + 1] offsets into kv_indices
+    input_ids: np.ndarray  # [T] tokens fed this step
+    positions: np.ndarray  # [T] absolute position of each fed token
+    out_loc: np.ndarray  # [T] KV write mapping: pool location of each fed token
     kv_indices: np.ndarray  # [sum(seq_lens)] KV read mapping (token-level locations)
     logits_indices: np.ndarray  # [n_sample] row in T whose logits are sampled
     sample_rows: np.ndarray  # [n_sample] which requests of the batch sample a token
@@ -61,8 +64,7 @@ class StepPlan:
         return int(self.input_ids.shape[0])
 
 
-@dataclass(frozen=True)
-class PlanLayout:
+class PlanLayout(NamedTuple):
     """Sizes of a flat plan buffer (`minisgl_cpu_core::plan::PlanLayout`)."""
 
     bs: int
@@ -74,15 +76,15 @@ class PlanLayout:
         """`(name, offset, length)` of each segment, in buffer order."""
         out: list[tuple[str, int, int]] = []
         off = 0
-        for name, dim, extra in PLAN_SEGMENTS:
-            n = getattr(self, dim) + extra
+        for (name, _, _), (dim, extra) in zip(PLAN_SEGMENTS, _SIZES, strict=True):
+            n = self[dim] + extra
             out.append((name, off, n))
             off += n
         return tuple(out)
 
     @property
     def total(self) -> int:
-        return sum(getattr(self, dim) + extra for _, dim, extra in PLAN_SEGMENTS)
+        return sum(self[dim] + extra for dim, extra in _SIZES)
 
     @classmethod
     def of(cls, plan: StepPlan) -> PlanLayout:
@@ -90,6 +92,23 @@ class PlanLayout:
             plan.batch_size, plan.num_tokens, int(plan.kv_indices.shape[0]),
             int(plan.sample_rows.shape[0]),
         )  # fmt: skip
+
+
+def split_flat(sizes: tuple[int, int, int, int], data: np.ndarray) -> list[np.ndarray]:
+    """The segments of a flat plan buffer of `sizes` (a `PlanLayout`), as views, in
+    `PLAN_SEGMENTS` order (the hot path of every Rust step: keep it lean)."""
+    out: list[np.ndarray] = []
+    off = 0
+    for dim, extra in _SIZES:
+        end = off + sizes[dim] + extra
+        out.append(data[off:end])
+        off = end
+    if data.shape != (off,) or data.dtype != _INT32:
+        raise ValueError(
+            f"flat plan: expected int32[{off}] for {PlanLayout(*sizes)}, "
+            f"got {data.dtype}{list(data.shape)}"
+        )
+    return out
 
 
 @dataclass(frozen=True)
@@ -101,11 +120,7 @@ class FlatStep:
     data: np.ndarray  # [layout.total] int32
 
     def __post_init__(self) -> None:
-        if self.data.dtype != np.int32 or self.data.shape != (self.layout.total,):
-            raise ValueError(
-                f"flat plan: expected int32[{self.layout.total}] for {self.layout}, "
-                f"got {self.data.dtype}{list(self.data.shape)}"
-            )
+        split_flat(self.layout, self.data)  # raises on a buffer of another size or type
 
     def segment(self, name: str) -> np.ndarray:
         for seg, off, n in self.layout.segments():
@@ -113,12 +128,13 @@ class FlatStep:
                 return self.data[off : off + n]
         raise KeyError(name)
 
+    def split(self) -> tuple[StepPlan, np.ndarray]:
+        """The `StepPlan` (views of `data`, no copy) and the `batch_pos` segment."""
+        *fields, batch_pos = split_flat(self.layout, self.data)
+        return StepPlan(self.is_prefill, *fields), batch_pos
+
     def plan(self) -> StepPlan:
-        """The `StepPlan` whose arrays are views of `data` (no copy)."""
-        d = self.data
-        views = {name: d[off : off + n] for name, off, n in self.layout.segments()}
-        del views["batch_pos"]
-        return StepPlan(is_prefill=self.is_prefill, **views)
+        return self.split()[0]
 
     @classmethod
     def of(cls, plan: StepPlan, batch_pos: np.ndarray | None = None) -> FlatStep:
@@ -126,9 +142,8 @@ class FlatStep:
         layout = PlanLayout.of(plan)
         if batch_pos is None:
             batch_pos = np.arange(layout.bs, dtype=np.int32)
-        parts = {**{f: getattr(plan, f) for f in PLAN_FIELDS}, "batch_pos": batch_pos}
-        data = np.concatenate([np.asarray(parts[name], dtype=np.int32) for name, _, _ in
-                               PLAN_SEGMENTS])  # fmt: skip
+        parts = [getattr(plan, f) for f in PLAN_FIELDS] + [batch_pos]
+        data = np.concatenate([np.asarray(a, dtype=np.int32) for a in parts])
         return cls(plan.is_prefill, layout, data)
 
 

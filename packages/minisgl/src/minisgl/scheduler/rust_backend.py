@@ -25,7 +25,7 @@ from minisgl.kvcache.allocator import OutOfPages
 from minisgl.kvcache.base import MatchResult
 from minisgl.scheduler import cpu_backend
 from minisgl.scheduler.backend import ScheduledStep
-from minisgl.scheduler.plan import FlatStep, PlanLayout, StepPlan
+from minisgl.scheduler.plan import PlanLayout, StepPlan, split_flat
 from minisgl.scheduler.request import FINISH_REASONS, RequestError, StepOutput, validate_request
 from minisgl.scheduler.stats import KvUsage, SchedulerStats
 
@@ -47,6 +47,7 @@ def check_plan_layout(ext: Any) -> None:
             f"minisgl_cpu {getattr(ext, '__version__', '?')} lays step plans out as {got}, "
             f"this package expects {probe.segments()}: rebuild the extension"
         )
+
 
 # ---------------------------------------------------------------------- radix cache adapter
 class RustRadixCache:
@@ -374,14 +375,14 @@ class RustScheduler:
             req = self.waiting.popleft()
             req._cached = self.core.request_info(req.rid)[4]
             running.append(req)
-        step = FlatStep(is_prefill, PlanLayout(bs, t, nkv, ns), flat)
+        *fields, batch_pos = split_flat((bs, t, nkv, ns), flat)
         if is_prefill:
-            reqs = [running[i] for i in step.segment("batch_pos").tolist()]
+            reqs = [running[i] for i in batch_pos.tolist()]
             p, c = self.core.counters()
             self.stats.prompt_tokens, self.stats.cached_prompt_tokens = p, c
         else:
             reqs = list(running)
-        self._last = ScheduledStep(step.plan(), reqs)
+        self._last = ScheduledStep(StepPlan(is_prefill, *fields), reqs)
         self.stats.schedule_s.append(time.perf_counter() - t0)
         return self._last
 
