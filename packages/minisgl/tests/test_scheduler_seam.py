@@ -28,7 +28,7 @@ from minisgl.scheduler.plan import (
     StepPlan,
     build_step_plan,
 )
-from minisgl.scheduler.request import RequestError, validate_request
+from minisgl.scheduler.request import FINISH_REASONS, RequestError, validate_request
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.shadow import ShadowScheduler
 
@@ -215,6 +215,14 @@ def test_rust_exported_layout_equals_python(sizes):
     assert list(minisgl_cpu.PLAN_SEGMENT_NAMES) == [n for n, _, _ in PLAN_SEGMENTS]
     rust = tuple(tuple(s) for s in minisgl_cpu.plan_segments(*sizes))
     assert rust == PlanLayout(*sizes).segments()
+
+
+@needs_ext
+def test_rust_finish_codes_index_finish_reasons():
+    import minisgl_cpu
+
+    codes = (minisgl_cpu.FINISH_NONE, minisgl_cpu.FINISH_STOP, minisgl_cpu.FINISH_LENGTH)
+    assert [FINISH_REASONS[c] for c in codes] == [None, "stop", "length"]
 
 
 @needs_ext

@@ -8,7 +8,7 @@
 
 use minisgl_cpu_core::{
     build_step_plan, PlanBuf, PlanLayout, RadixError, RadixTree, ReqParams, SchedConfig, SchedCore,
-    SchedError, SEGMENT_NAMES,
+    SchedError, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, SEGMENT_NAMES,
 };
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::{PyAssertionError, PyKeyError, PyRuntimeError, PyValueError};
@@ -408,6 +408,10 @@ fn minisgl_cpu(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(build_plan, m)?)?;
     m.add_function(wrap_pyfunction!(plan_segments, m)?)?;
     m.add("PLAN_SEGMENT_NAMES", SEGMENT_NAMES.to_vec())?;
+    // finish codes of `commit_step` (`minisgl.scheduler.request.FINISH_REASONS` indexes them)
+    m.add("FINISH_NONE", FINISH_NONE)?;
+    m.add("FINISH_STOP", FINISH_STOP)?;
+    m.add("FINISH_LENGTH", FINISH_LENGTH)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
