@@ -11,6 +11,8 @@ import pytest
 from minisgl.benchmark import shadow_report
 from minisgl.core import SamplingParams
 from minisgl.scheduler import cpu_backend
+from minisgl.scheduler.backend import SchedulerBackend, SchedulerConfig
+from minisgl.scheduler.factory import make_scheduler
 from minisgl.scheduler.scheduler import Scheduler
 
 KW = dict(num_pages=64, page_size=4, max_seq_len=96, max_running_requests=4,
@@ -25,6 +27,10 @@ def _clean_env(monkeypatch):
               cpu_backend.ENV_SHADOW_MAX):  # fmt: skip
         monkeypatch.delenv(k, raising=False)
     cpu_backend.reset_stats()
+
+
+def make(backend: str | None = None) -> SchedulerBackend:
+    return make_scheduler(SchedulerConfig(**KW), backend)
 
 
 def drive(s, n_req: int = 12, seed: int = 0) -> list[tuple]:
@@ -46,7 +52,7 @@ def drive(s, n_req: int = 12, seed: int = 0) -> list[tuple]:
 
 @pytest.mark.card("P0-004", "python-is-the-default-and-an-unknown-backend-is-an-error")
 def test_default_is_python():
-    s = Scheduler(**KW)
+    s = make()
     assert type(s) is Scheduler and s.backend == "python"
     drive(s)
     st = cpu_backend.stats()
@@ -57,7 +63,7 @@ def test_default_is_python():
 def test_unknown_backend_is_an_error(monkeypatch):
     monkeypatch.setenv(cpu_backend.ENV_BACKEND, "fortran")
     with pytest.raises(ValueError, match="MINISGL_CPU_BACKEND"):
-        Scheduler(**KW)
+        make()
 
 
 @pytest.mark.card(
@@ -68,9 +74,9 @@ def test_unknown_backend_is_an_error(monkeypatch):
 @needs_ext
 def test_env_selects_rust_and_counts(monkeypatch):
     monkeypatch.setenv(cpu_backend.ENV_BACKEND, "rust_hotpath")
-    s = Scheduler(**KW)
+    s = make()
     assert s.backend == "rust_hotpath"
-    assert drive(s) == drive(Scheduler(**KW, cpu_backend="python"))
+    assert drive(s) == drive(make("python"))
     st = cpu_backend.stats()
     assert st["served"]["rust_hotpath"]["schedule"] > 0
     assert st["served"]["rust_hotpath"]["commit"] > 0
@@ -81,7 +87,7 @@ def test_env_selects_rust_and_counts(monkeypatch):
 def test_missing_extension_falls_back_once(monkeypatch, caplog):
     monkeypatch.setenv(cpu_backend.ENV_BACKEND, "rust_hotpath")
     monkeypatch.setitem(sys.modules, "minisgl_cpu", None)  # import raises ImportError
-    a, b = Scheduler(**KW), Scheduler(**KW)
+    a, b = make(), make()
     assert type(a) is Scheduler and type(b) is Scheduler
     drive(a)
     st = cpu_backend.stats()
@@ -102,10 +108,10 @@ def test_shadow_agrees(monkeypatch, tmp_path, primary):
     monkeypatch.setenv(cpu_backend.ENV_BACKEND, primary)
     monkeypatch.setenv(cpu_backend.ENV_SHADOW, "1")
     monkeypatch.setenv(cpu_backend.ENV_SHADOW_REPORT, str(report))
-    s = Scheduler(**KW)
+    s = make()
     assert s.backend.startswith(primary + "+shadow:")
     out = drive(s, n_req=20)
-    assert out == drive(Scheduler(**KW, cpu_backend="python"), n_req=20)
+    assert out == drive(make("python"), n_req=20)
     st = cpu_backend.stats()
     assert st["shadow"]["decisions"] > 40 and st["shadow"].get("diffs", 0) == 0
     assert not report.exists()
@@ -126,7 +132,7 @@ def test_shadow_reports_divergence(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv(cpu_backend.ENV_SHADOW, "1")
     monkeypatch.setenv(cpu_backend.ENV_SHADOW_REPORT, str(report))
     monkeypatch.setenv(cpu_backend.ENV_SHADOW_MAX, "5")
-    s = Scheduler(**KW)
+    s = make()
     s.shadow.max_extend_tokens = 5  # make the reference chunk differently
     drive(s, n_req=6)  # the primary (rust) still serves
     lines = [json.loads(x) for x in report.read_text().splitlines()]
@@ -146,7 +152,7 @@ def test_rust_exception_falls_back_to_python_shadow(monkeypatch, tmp_path):
     monkeypatch.setenv(cpu_backend.ENV_BACKEND, "rust_hotpath")
     monkeypatch.setenv(cpu_backend.ENV_SHADOW, "1")
     monkeypatch.setenv(cpu_backend.ENV_SHADOW_REPORT, str(tmp_path / "r.jsonl"))
-    s = Scheduler(**KW)
+    s = make()
     s.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=3))
     plan, reqs = s.schedule()
     s.commit(reqs, plan, [9])

@@ -8,7 +8,7 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.config import ModelLoadError
-from minisgl.scheduler.scheduler import RequestError
+from minisgl.scheduler.request import RequestError
 from minisgl.testing.scenarios import assert_kv_clean, random_prompts
 
 

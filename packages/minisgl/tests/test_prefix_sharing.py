@@ -7,7 +7,8 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.scheduler import cpu_backend
-from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.backend import SchedulerConfig
+from minisgl.scheduler.factory import make_scheduler
 from minisgl.testing.hf_reference import hf_greedy, load_hf_model
 from minisgl.testing.scenarios import assert_kv_clean, random_prompts
 from minisgl.testing.tiny_models import write_tiny_model
@@ -64,8 +65,9 @@ def test_concurrent_duplicates_are_deduplicated(tiny_llama, backend, monkeypatch
     the cache's copy when it caches its prefix, so the pool holds the prompt once."""
     path, hf = tiny_llama
     prompt = random_prompts(1, 40, 40, seed=13)[0]
-    sched = Scheduler(num_pages=1024, page_size=1, max_seq_len=256, max_running_requests=8,
-                      max_extend_tokens=4096, cache_type="radix", cpu_backend=backend)  # fmt: skip
+    cfg = SchedulerConfig(num_pages=1024, page_size=1, max_seq_len=256, max_running_requests=8,
+                          max_extend_tokens=4096, cache_type="radix")  # fmt: skip
+    sched = make_scheduler(cfg, backend)
     assert sched.backend == backend
     for _ in range(3):
         sched.add_request(prompt, GREEDY)

@@ -13,12 +13,12 @@ pytest.importorskip("minisgl_cpu")
 
 from minisgl.core import SamplingParams
 from minisgl.kvcache import RadixCache
-from minisgl.scheduler.plan import build_step_plan
+from minisgl.scheduler.backend import SchedulerConfig
+from minisgl.scheduler.factory import make_scheduler
+from minisgl.scheduler.plan import PLAN_FIELDS, PlanLayout, build_step_plan
 from minisgl.scheduler.rust_backend import RustRadixCache, RustScheduler
 from minisgl.scheduler.scheduler import Scheduler
 
-PLAN_FIELDS = ("slots", "input_ids", "positions", "out_loc", "extend_lens", "seq_lens",
-               "kv_indptr", "kv_indices", "logits_indices", "sample_rows")  # fmt: skip
 SETTINGS = settings(max_examples=150, stateful_step_count=50, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 
@@ -105,12 +105,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         cache_type=st.sampled_from(["radix", "radix", "naive"]),
     )
     def setup(self, page_size, num_pages, max_running, max_extend, cache_type):
-        kw = dict(num_pages=num_pages // page_size, page_size=page_size,
-                  max_seq_len=64, max_running_requests=max_running,
-                  max_extend_tokens=max_extend, cache_type=cache_type, eos_token_ids=[0])  # fmt: skip
-        self.py = Scheduler(**kw, cpu_backend="python")
-        self.rs = Scheduler(**kw, cpu_backend="rust_hotpath")
-        assert isinstance(self.rs, RustScheduler)
+        cfg = SchedulerConfig(num_pages=num_pages // page_size, page_size=page_size,
+                              max_seq_len=64, max_running_requests=max_running,
+                              max_extend_tokens=max_extend, cache_type=cache_type,
+                              eos_token_ids=(0,))  # fmt: skip
+        self.py = make_scheduler(cfg, "python", shadow=False)
+        self.rs = make_scheduler(cfg, "rust_hotpath", shadow=False)
+        assert type(self.py) is Scheduler and isinstance(self.rs, RustScheduler)
         self.stems = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 8, 8, 7, 7]]
 
     @rule(stem=st.integers(0, 2), cut=st.integers(0, 8), tail=st.lists(st.integers(1, 6),
@@ -192,12 +193,11 @@ def test_build_plan_matches_python(data, bs, prefill):
     ref = build_step_plan(pt, slots, starts, ext, ids, mask, prefill)
     (b, t, kv, ns), flat = minisgl_cpu.build_plan(pt.reshape(-1), width, slots, starts, ext,
                                                   ids, mask, prefill)  # fmt: skip
-    o = 0
-    for name, n in [("slots", b), ("extend_lens", b), ("seq_lens", b), ("kv_indptr", b + 1),
-                    ("input_ids", t), ("positions", t), ("out_loc", t), ("kv_indices", kv),
-                    ("logits_indices", ns), ("sample_rows", ns)]:  # fmt: skip
-        assert flat[o : o + n].tolist() == getattr(ref, name).tolist(), name
-        o += n
+    layout = PlanLayout(b, t, kv, ns)
+    assert layout == PlanLayout.of(ref) and len(flat) == layout.total
+    for name, o, n in layout.segments():
+        want = slots if name == "batch_pos" else getattr(ref, name)  # build_plan passes slots
+        assert flat[o : o + n].tolist() == want.tolist(), name
 
 
 @pytest.mark.card("P0-003", "batched-radix-calls-agree-with-per-sequence-calls")

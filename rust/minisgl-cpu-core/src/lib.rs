@@ -68,7 +68,7 @@ pub mod radix;
 pub mod sched;
 
 pub use alloc::{OutOfPages, PageAllocator};
-pub use plan::{build_step_plan, PlanBuf, PlanLayout};
+pub use plan::{build_step_plan, PlanBuf, PlanLayout, NUM_SEGMENTS, SEGMENT_NAMES};
 pub use radix::{NodeIdx, RadixError, RadixTree, ROOT};
 pub use sched::{
     CoreStats, ReqParams, SchedConfig, SchedCore, SchedError, FINISH_LENGTH, FINISH_NONE,

@@ -6,6 +6,9 @@
 //!  positions[T] | out_loc[T] | kv_indices[sum(seq_lens)] | logits_indices[ns] |
 //!  sample_rows[ns] | batch_pos[bs]`.
 //! A binding hands the whole buffer over once (no copy) and slices views out of it.
+//! The layout is exported by name ([`PlanLayout::segments`], `minisgl_cpu.plan_segments`);
+//! Python defines the same layout once (`minisgl.scheduler.plan.PLAN_SEGMENTS`) and a test
+//! asserts the two are equal.
 
 /// Sizes of the segments of a flat plan buffer.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -16,35 +19,43 @@ pub struct PlanLayout {
     pub num_sample: usize,
 }
 
+/// Number of segments of a flat plan buffer.
+pub const NUM_SEGMENTS: usize = 11;
+
+/// Segment names, in buffer order.
+pub const SEGMENT_NAMES: [&str; NUM_SEGMENTS] = [
+    "slots",
+    "extend_lens",
+    "seq_lens",
+    "kv_indptr",
+    "input_ids",
+    "positions",
+    "out_loc",
+    "kv_indices",
+    "logits_indices",
+    "sample_rows",
+    "batch_pos",
+];
+
 impl PlanLayout {
-    /// `(name, offset, len)` of each segment, in buffer order.
-    pub fn segments(&self) -> [(&'static str, usize, usize); 11] {
+    fn lens(&self) -> [usize; NUM_SEGMENTS] {
         let (bs, t, kv, ns) = (self.bs, self.num_tokens, self.num_kv, self.num_sample);
-        let lens = [bs, bs, bs, bs + 1, t, t, t, kv, ns, ns, bs];
-        let names = [
-            "slots",
-            "extend_lens",
-            "seq_lens",
-            "kv_indptr",
-            "input_ids",
-            "positions",
-            "out_loc",
-            "kv_indices",
-            "logits_indices",
-            "sample_rows",
-            "batch_pos",
-        ];
-        let mut out = [("", 0, 0); 11];
+        [bs, bs, bs, bs + 1, t, t, t, kv, ns, ns, bs]
+    }
+
+    /// `(name, offset, len)` of each segment, in buffer order.
+    pub fn segments(&self) -> [(&'static str, usize, usize); NUM_SEGMENTS] {
+        let mut out = [("", 0, 0); NUM_SEGMENTS];
         let mut off = 0;
-        for i in 0..11 {
-            out[i] = (names[i], off, lens[i]);
-            off += lens[i];
+        for (i, (name, len)) in SEGMENT_NAMES.iter().zip(self.lens()).enumerate() {
+            out[i] = (*name, off, len);
+            off += len;
         }
         out
     }
 
     pub fn total(&self) -> usize {
-        4 * self.bs + 1 + 3 * self.num_tokens + self.num_kv + 2 * self.num_sample + self.bs
+        self.lens().iter().sum()
     }
 }
 
@@ -147,6 +158,24 @@ pub fn build_step_plan(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn segments_tile_the_buffer() {
+        let l = PlanLayout {
+            bs: 3,
+            num_tokens: 5,
+            num_kv: 7,
+            num_sample: 2,
+        };
+        let segs = l.segments();
+        assert_eq!(segs[0], ("slots", 0, 3));
+        assert_eq!(segs[3], ("kv_indptr", 9, 4));
+        assert_eq!(segs[10], ("batch_pos", l.total() - 3, 3));
+        for w in segs.windows(2) {
+            assert_eq!(w[0].1 + w[0].2, w[1].1);
+        }
+        assert_eq!(l.total(), 4 * 3 + 1 + 3 * 5 + 7 + 2 * 2 + 3);
+    }
 
     #[test]
     fn small_plan() {

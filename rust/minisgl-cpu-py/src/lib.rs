@@ -7,7 +7,8 @@
 //! released.
 
 use minisgl_cpu_core::{
-    build_step_plan, PlanBuf, RadixError, RadixTree, ReqParams, SchedConfig, SchedCore, SchedError,
+    build_step_plan, PlanBuf, PlanLayout, RadixError, RadixTree, ReqParams, SchedConfig, SchedCore,
+    SchedError, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, SEGMENT_NAMES,
 };
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::{PyAssertionError, PyKeyError, PyRuntimeError, PyValueError};
@@ -381,11 +382,36 @@ fn build_plan<'py>(
     ))
 }
 
+/// The flat plan layout, by name: `(name, offset, len)` of each segment of the buffer that
+/// `schedule_step` / `build_plan` return for these sizes (`minisgl_cpu_core::plan`).
+#[pyfunction]
+fn plan_segments(
+    bs: usize,
+    num_tokens: usize,
+    num_kv: usize,
+    num_sample: usize,
+) -> Vec<(&'static str, usize, usize)> {
+    PlanLayout {
+        bs,
+        num_tokens,
+        num_kv,
+        num_sample,
+    }
+    .segments()
+    .to_vec()
+}
+
 #[pymodule]
 fn minisgl_cpu(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RadixCache>()?;
     m.add_class::<SchedulerCore>()?;
     m.add_function(wrap_pyfunction!(build_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_segments, m)?)?;
+    m.add("PLAN_SEGMENT_NAMES", SEGMENT_NAMES.to_vec())?;
+    // finish codes of `commit_step` (`minisgl.scheduler.request.FINISH_REASONS` indexes them)
+    m.add("FINISH_NONE", FINISH_NONE)?;
+    m.add("FINISH_STOP", FINISH_STOP)?;
+    m.add("FINISH_LENGTH", FINISH_LENGTH)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -11,7 +11,9 @@ from minisgl.config import EngineConfig
 from minisgl.core import SamplingParams
 from minisgl.engine.engine import Engine
 from minisgl.sampler import make_generator, sample
-from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.backend import SchedulerBackend, SchedulerConfig
+from minisgl.scheduler.factory import make_scheduler
+from minisgl.scheduler.request import StepOutput
 from minisgl.utils.log import get_logger
 
 logger = get_logger(__name__)
@@ -65,14 +67,16 @@ class LLM:
         eos = set(self.engine.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.scheduler = Scheduler(
-            num_pages=self.engine.num_pages,
-            page_size=page_size,
-            max_seq_len=self.engine.max_seq_len,
-            max_running_requests=max_running_requests,
-            max_extend_tokens=max_extend_tokens,
-            cache_type=cache_type,
-            eos_token_ids=eos,
+        self.scheduler: SchedulerBackend = make_scheduler(
+            SchedulerConfig(
+                num_pages=self.engine.num_pages,
+                page_size=page_size,
+                max_seq_len=self.engine.max_seq_len,
+                max_running_requests=max_running_requests,
+                max_extend_tokens=max_extend_tokens,
+                cache_type=cache_type,
+                eos_token_ids=tuple(eos),
+            )
         )
         self.last_run: dict[str, float] = {}
 
@@ -161,7 +165,7 @@ class LLM:
             )
         return results
 
-    def step(self):
+    def step(self) -> Sequence[StepOutput]:
         """One scheduler step: plan, forward, sample, commit."""
         planned = self.scheduler.schedule()
         if planned is None:

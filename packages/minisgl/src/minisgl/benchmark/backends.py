@@ -18,17 +18,17 @@ def check_cpu_backend(name: str) -> None:
     if name == "python":
         return
     try:
-        mod = importlib.import_module("minisgl.scheduler.cpu_backend")
+        factory = importlib.import_module("minisgl.scheduler.factory")
+        cpu_backend = importlib.import_module("minisgl.scheduler.cpu_backend")
     except ImportError as exc:
         raise BackendUnavailable(
-            f"{ENV}={name} requested, but minisgl.scheduler.cpu_backend is not in this "
+            f"{ENV}={name} requested, but minisgl.scheduler.factory is not in this "
             f"checkout ({exc}); the Rust CPU backend has not landed yet"
         ) from None
-    names = getattr(mod, "BACKENDS", KNOWN)
+    names = factory.available_backends()
     if name not in names:
         raise BackendUnavailable(f"{ENV}={name}: unknown (available: {', '.join(names)})")
-    available = getattr(mod, "extension_available", None)
-    if name == "rust_hotpath" and callable(available) and not available():
+    if name == "rust_hotpath" and not cpu_backend.extension_available():
         raise BackendUnavailable(
             f"{ENV}={name}: the Rust extension `minisgl_cpu` is not importable (not built? "
             "`maturin develop` in rust/minisgl-cpu-py); the runtime would silently serve "

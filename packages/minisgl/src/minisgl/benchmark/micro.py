@@ -130,9 +130,10 @@ def bench_radix(seqs: list[np.ndarray], page_size: int, repeats: int) -> list[di
 
 # ---------------------------------------------------------------------- scheduler
 def _scheduler(backend: str, **kw):
-    from minisgl.scheduler.scheduler import Scheduler
+    from minisgl.scheduler.backend import SchedulerConfig
+    from minisgl.scheduler.factory import make_scheduler
 
-    return Scheduler(cpu_backend=backend, **kw)
+    return make_scheduler(SchedulerConfig(**kw), backend)
 
 
 def bench_admission(seqs: list[np.ndarray], page_size: int, repeats: int) -> dict:

@@ -82,7 +82,7 @@ def _flush_prefix_cache(llm) -> bool:
     if callable(flush):
         flush()
         return True
-    free = getattr(sched.alloc, "free_locations", None)
+    free = getattr(getattr(sched, "alloc", None), "free_locations", None)
     if free is None:
         return False
     size = sched.cache.evictable_size

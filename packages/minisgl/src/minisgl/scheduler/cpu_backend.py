@@ -1,7 +1,7 @@
-"""CPU backend selection for the scheduler: `python` (the reference) or `rust_hotpath`.
+"""CPU backend environment and path counters (a leaf module: no other scheduler imports).
 
-Environment:
-- `MINISGL_CPU_BACKEND=python|rust_hotpath` (default `python`).
+Environment (read by `minisgl.scheduler.factory.make_scheduler`):
+- `MINISGL_CPU_BACKEND=python|rust_hotpath|<registered name>` (default `python`).
 - `MINISGL_CPU_BACKEND_SHADOW=1`: run the other backend beside the primary on every decision
   and write divergences as JSON lines to `MINISGL_CPU_BACKEND_SHADOW_REPORT` (at most
   `MINISGL_CPU_BACKEND_SHADOW_MAX_DIFFS`, default 1000). Serving always uses the primary.
@@ -16,21 +16,22 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import Any
 
 from minisgl.utils.log import get_logger
 
 logger = get_logger(__name__)
 
-BACKENDS = ("python", "rust_hotpath")
+BACKENDS = ("python", "rust_hotpath")  # built in; `factory.available_backends()` lists all
+ALIASES = {"rust": "rust_hotpath", "rust-hotpath": "rust_hotpath"}
 ENV_BACKEND = "MINISGL_CPU_BACKEND"
 ENV_SHADOW = "MINISGL_CPU_BACKEND_SHADOW"
 ENV_SHADOW_REPORT = "MINISGL_CPU_BACKEND_SHADOW_REPORT"
 ENV_SHADOW_MAX = "MINISGL_CPU_BACKEND_SHADOW_MAX_DIFFS"
 
 _lock = threading.Lock()
-_served: dict[str, Counter] = {b: Counter() for b in BACKENDS}
+_served: defaultdict[str, Counter] = defaultdict(Counter, {b: Counter() for b in BACKENDS})
 _fallbacks: Counter = Counter()
 _shadow: Counter = Counter()
 _logged: set[str] = set()
@@ -73,12 +74,10 @@ def reset_stats() -> None:
 
 
 def requested_backend(explicit: str | None = None) -> str:
+    """The backend name asked for (`explicit`, else `MINISGL_CPU_BACKEND`, else `python`),
+    normalized; the factory checks it against its registry."""
     name = (explicit or os.environ.get(ENV_BACKEND) or "python").strip().lower()
-    if name in ("rust", "rust-hotpath"):
-        name = "rust_hotpath"
-    if name not in BACKENDS:
-        raise ValueError(f"{ENV_BACKEND}={name!r}: expected one of {', '.join(BACKENDS)}")
-    return name
+    return ALIASES.get(name, name)
 
 
 def shadow_enabled() -> bool:
@@ -91,53 +90,3 @@ def extension_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def _python_scheduler(kwargs: dict[str, Any]):
-    from minisgl.scheduler.scheduler import Scheduler
-
-    sched = object.__new__(Scheduler)
-    sched.__init__(**kwargs)
-    return sched
-
-
-def _rust_scheduler(kwargs: dict[str, Any]):
-    from minisgl.scheduler.rust_backend import RustScheduler
-
-    return RustScheduler(**kwargs)
-
-
-def create_scheduler(explicit: str | None, kwargs: dict[str, Any]):
-    """The scheduler for the selected backend, or None for the plain Python reference."""
-    backend = requested_backend(explicit)
-    shadow = shadow_enabled()
-    if backend == "python" and not shadow:
-        return None
-    primary = None
-    if backend == "rust_hotpath":
-        try:
-            primary = _rust_scheduler(kwargs)
-        except ImportError as e:
-            record_fallback("import", e)
-        except (ValueError, TypeError):
-            raise  # a bad argument is an error with either backend
-        except Exception as e:  # the extension raised: serve with the reference
-            record_fallback("init", e)
-    if primary is None:
-        if not shadow:
-            return None
-        primary = _python_scheduler(kwargs)
-    if not shadow:
-        return primary
-    try:
-        other = (
-            _python_scheduler(kwargs)
-            if getattr(primary, "backend", "python") != "python"
-            else _rust_scheduler(kwargs)
-        )
-    except Exception as e:
-        record_fallback("shadow_init", e)
-        return primary
-    from minisgl.scheduler.shadow import ShadowScheduler
-
-    return ShadowScheduler(primary, other)

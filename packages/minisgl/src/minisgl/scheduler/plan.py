@@ -4,25 +4,53 @@
 the engine's inputs (positions, input mapping, KV write mapping, KV read mapping, output
 locations). It is pure: arrays in, arrays out, so a Rust implementation can replace exactly
 this with one call per step.
+
+A plan also travels as one flat int32 buffer (`FlatStep`): the Rust core writes it, and the
+future out-of-process service sends it. Its layout is defined once here (`PLAN_SEGMENTS`);
+`minisgl_cpu.plan_segments` exports the Rust core's layout by name and a test asserts the two
+are equal.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import numpy as np
+
+DIMS = ("bs", "num_tokens", "num_kv", "num_sample")
+Dim = Literal["bs", "num_tokens", "num_kv", "num_sample"]
+
+# (name, dimension, extra): the segment holds `layout.<dimension> + extra` int32 values.
+PLAN_SEGMENTS: tuple[tuple[str, Dim, int], ...] = (
+    ("slots", "bs", 0),
+    ("extend_lens", "bs", 0),
+    ("seq_lens", "bs", 0),
+    ("kv_indptr", "bs", 1),
+    ("input_ids", "num_tokens", 0),
+    ("positions", "num_tokens", 0),
+    ("out_loc", "num_tokens", 0),
+    ("kv_indices", "num_kv", 0),
+    ("logits_indices", "num_sample", 0),
+    ("sample_rows", "num_sample", 0),
+    ("batch_pos", "bs", 0),  # prefill: position in the running list of each batch request
+)
+# the segments a `StepPlan` carries, in its field order (`batch_pos` is the scheduler's own)
+PLAN_FIELDS: tuple[str, ...] = tuple(name for name, _, _ in PLAN_SEGMENTS[:-1])
+_SIZES = tuple((DIMS.index(dim), extra) for _, dim, extra in PLAN_SEGMENTS)
+_INT32 = np.dtype(np.int32)
 
 
 @dataclass(frozen=True)
 class StepPlan:
     is_prefill: bool
     slots: np.ndarray  # [bs] page-table row of each request
-    input_ids: np.ndarray  # [T] tokens fed this step
-    positions: np.ndarray  # [T] absolute position of each fed token
-    out_loc: np.ndarray  # [T] KV write mapping: pool location of each fed token
     extend_lens: np.ndarray  # [bs] tokens fed per request
     seq_lens: np.ndarray  # [bs] KV length of each request after this step
     kv_indptr: np.ndarray  # [bs + 1] offsets into kv_indices
+    input_ids: np.ndarray  # [T] tokens fed this step
+    positions: np.ndarray  # [T] absolute position of each fed token
+    out_loc: np.ndarray  # [T] KV write mapping: pool location of each fed token
     kv_indices: np.ndarray  # [sum(seq_lens)] KV read mapping (token-level locations)
     logits_indices: np.ndarray  # [n_sample] row in T whose logits are sampled
     sample_rows: np.ndarray  # [n_sample] which requests of the batch sample a token
@@ -34,6 +62,89 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+class PlanLayout(NamedTuple):
+    """Sizes of a flat plan buffer (`minisgl_cpu_core::plan::PlanLayout`)."""
+
+    bs: int
+    num_tokens: int
+    num_kv: int
+    num_sample: int
+
+    def segments(self) -> tuple[tuple[str, int, int], ...]:
+        """`(name, offset, length)` of each segment, in buffer order."""
+        out: list[tuple[str, int, int]] = []
+        off = 0
+        for (name, _, _), (dim, extra) in zip(PLAN_SEGMENTS, _SIZES, strict=True):
+            n = self[dim] + extra
+            out.append((name, off, n))
+            off += n
+        return tuple(out)
+
+    @property
+    def total(self) -> int:
+        return sum(self[dim] + extra for dim, extra in _SIZES)
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> PlanLayout:
+        return cls(
+            plan.batch_size, plan.num_tokens, int(plan.kv_indices.shape[0]),
+            int(plan.sample_rows.shape[0]),
+        )  # fmt: skip
+
+
+def split_flat(sizes: tuple[int, int, int, int], data: np.ndarray) -> list[np.ndarray]:
+    """The segments of a flat plan buffer of `sizes` (a `PlanLayout`), as views, in
+    `PLAN_SEGMENTS` order (the hot path of every Rust step: keep it lean)."""
+    out: list[np.ndarray] = []
+    off = 0
+    for dim, extra in _SIZES:
+        end = off + sizes[dim] + extra
+        out.append(data[off:end])
+        off = end
+    if data.shape != (off,) or data.dtype != _INT32:
+        raise ValueError(
+            f"flat plan: expected int32[{off}] for {PlanLayout(*sizes)}, "
+            f"got {data.dtype}{list(data.shape)}"
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class FlatStep:
+    """One step plan as a single int32 buffer laid out as `PLAN_SEGMENTS` (the wire form)."""
+
+    is_prefill: bool
+    layout: PlanLayout
+    data: np.ndarray  # [layout.total] int32
+
+    def __post_init__(self) -> None:
+        split_flat(self.layout, self.data)  # raises on a buffer of another size or type
+
+    def segment(self, name: str) -> np.ndarray:
+        for seg, off, n in self.layout.segments():
+            if seg == name:
+                return self.data[off : off + n]
+        raise KeyError(name)
+
+    def split(self) -> tuple[StepPlan, np.ndarray]:
+        """The `StepPlan` (views of `data`, no copy) and the `batch_pos` segment."""
+        *fields, batch_pos = split_flat(self.layout, self.data)
+        return StepPlan(self.is_prefill, *fields), batch_pos
+
+    def plan(self) -> StepPlan:
+        return self.split()[0]
+
+    @classmethod
+    def of(cls, plan: StepPlan, batch_pos: np.ndarray | None = None) -> FlatStep:
+        """Flatten `plan` (`batch_pos` defaults to `0..bs`)."""
+        layout = PlanLayout.of(plan)
+        if batch_pos is None:
+            batch_pos = np.arange(layout.bs, dtype=np.int32)
+        parts = [getattr(plan, f) for f in PLAN_FIELDS] + [batch_pos]
+        data = np.concatenate([np.asarray(a, dtype=np.int32) for a in parts])
+        return cls(plan.is_prefill, layout, data)
 
 
 def build_step_plan(

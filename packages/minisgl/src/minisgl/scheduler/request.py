@@ -1,13 +1,52 @@
-"""A request's scheduling state (what the scheduler owns; never the tokenizer's)."""
+"""A request's scheduling state (what the scheduler owns; never the tokenizer's), the checks
+every backend applies to a new request, and the per-token step output."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from minisgl.core import SamplingParams
+
+# finish codes shared with the Rust core (`commit_step` returns one code per sample row)
+FINISH_REASONS: tuple[str | None, ...] = (None, "stop", "length")
+
+
+class RequestError(ValueError):
+    """The request can never be served as asked (empty prompt, longer than the context...)."""
+
+
+def pages(tokens: int, page_size: int) -> int:
+    """Pages needed to hold `tokens` tokens."""
+    return -(-tokens // page_size)
+
+
+def validate_request(
+    input_ids: Sequence[int] | np.ndarray,
+    params: SamplingParams,
+    max_seq_len: int,
+    num_pages: int,
+    page_size: int,
+) -> tuple[np.ndarray, int]:
+    """The prompt as int32 and its total length cap, or a RequestError saying why it can never
+    be served (shared by every scheduler backend)."""
+    ids = np.asarray(input_ids, dtype=np.int32).reshape(-1)
+    if len(ids) == 0:
+        raise RequestError("prompt is empty: at least one token is required")
+    if len(ids) >= max_seq_len:
+        raise RequestError(
+            f"prompt has {len(ids)} tokens, the context holds {max_seq_len} "
+            "(prompt plus at least one generated token)"
+        )
+    max_total = min(len(ids) + params.max_tokens, max_seq_len)
+    if pages(max_total, page_size) > num_pages:
+        raise RequestError(
+            f"request needs {max_total} tokens of KV, the pool holds {num_pages * page_size}"
+        )
+    return ids, max_total
 
 
 @dataclass(eq=False)

@@ -2,9 +2,12 @@
 
 One Python->Rust call per scheduler step (`SchedulerCore.schedule_step`, returning one flat
 int32 numpy array that the plan's fields are views of) and one per commit
-(`SchedulerCore.commit_step`). Python keeps only the request objects the sampler needs
-(params, generator) and mirrors the running / waiting order; per-request state (KV lengths,
-outputs) is read from Rust on demand, never copied per step.
+(`SchedulerCore.commit_step`): the step-level interface of `backend.SchedulerBackend`, in
+process. The flat buffer's layout is `plan.PLAN_SEGMENTS`; the extension's own layout
+(`minisgl_cpu.plan_segments`) is checked against it when a scheduler is built. Python keeps
+only the request objects the sampler needs (params, generator) and mirrors the running /
+waiting order; per-request state (KV lengths, outputs) is read from Rust on demand, never
+copied per step.
 """
 
 from __future__ import annotations
@@ -21,17 +24,29 @@ from minisgl.core import SamplingParams
 from minisgl.kvcache.allocator import OutOfPages
 from minisgl.kvcache.base import MatchResult
 from minisgl.scheduler import cpu_backend
-from minisgl.scheduler.plan import StepPlan
-from minisgl.scheduler.request import StepOutput
-from minisgl.scheduler.stats import SchedulerStats
+from minisgl.scheduler.backend import ScheduledStep
+from minisgl.scheduler.plan import PlanLayout, StepPlan, split_flat
+from minisgl.scheduler.request import FINISH_REASONS, RequestError, StepOutput, validate_request
+from minisgl.scheduler.stats import KvUsage, SchedulerStats
 
-_REASONS: tuple[str | None, ...] = (None, "stop", "length")
 
-
-def _ext():
+def _ext() -> Any:
     import minisgl_cpu
 
     return minisgl_cpu
+
+
+def check_plan_layout(ext: Any) -> None:
+    """Raise RuntimeError unless the extension lays a flat plan out as `PLAN_SEGMENTS` (an
+    extension built from other sources than this package)."""
+    fn = getattr(ext, "plan_segments", None)
+    probe = PlanLayout(bs=3, num_tokens=5, num_kv=7, num_sample=2)
+    got = None if fn is None else tuple(tuple(s) for s in fn(3, 5, 7, 2))
+    if got != probe.segments():
+        raise RuntimeError(
+            f"minisgl_cpu {getattr(ext, '__version__', '?')} lays step plans out as {got}, "
+            f"this package expects {probe.segments()}: rebuild the extension"
+        )
 
 
 # ---------------------------------------------------------------------- radix cache adapter
@@ -196,11 +211,11 @@ class StepOutputs(Sequence):
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
             return list(self)[i]
-        return StepOutput(self._reqs[i].rid, self._tokens[i], _REASONS[self._codes[i]])
+        return StepOutput(self._reqs[i].rid, self._tokens[i], FINISH_REASONS[self._codes[i]])
 
     def __iter__(self) -> Iterator[StepOutput]:
         for req, tok, code in zip(self._reqs, self._tokens, self._codes):
-            yield StepOutput(req.rid, tok, _REASONS[code])
+            yield StepOutput(req.rid, tok, FINISH_REASONS[code])
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Sequence):
@@ -270,7 +285,9 @@ class RustScheduler:
         self.max_extend_tokens = max_extend_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.num_pages = num_pages
-        self.core = _ext().SchedulerCore(
+        ext = _ext()
+        check_plan_layout(ext)  # once per scheduler: microseconds
+        self.core = ext.SchedulerCore(
             num_pages=num_pages,
             page_size=page_size,
             max_seq_len=max_seq_len,
@@ -286,7 +303,7 @@ class RustScheduler:
         self.requests: dict[int, RustReq] = {}
         self.stats = SchedulerStats()
         self._rids = itertools.count()
-        self._last: tuple[StepPlan, list[RustReq]] | None = None
+        self._last: ScheduledStep | None = None
         self._served = cpu_backend.served_counter("rust_hotpath")
 
     # ------------------------------------------------------------------ requests
@@ -295,10 +312,8 @@ class RustScheduler:
         input_ids: Sequence[int] | np.ndarray,
         params: SamplingParams,
         rid: int | None = None,
-        generator=None,
+        generator: Any = None,
     ) -> int:
-        from minisgl.scheduler.scheduler import RequestError, validate_request
-
         ids, max_total = validate_request(
             input_ids, params, self.max_seq_len, self.num_pages, self.page_size
         )
@@ -340,7 +355,7 @@ class RustScheduler:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ one step
-    def schedule(self) -> tuple[StepPlan, list[RustReq]] | None:
+    def schedule(self) -> ScheduledStep | None:
         t0 = time.perf_counter()
         self._served["schedule"] += 1
         try:
@@ -360,39 +375,23 @@ class RustScheduler:
             req = self.waiting.popleft()
             req._cached = self.core.request_info(req.rid)[4]
             running.append(req)
-        o1, o2, o3, o4 = bs, 2 * bs, 3 * bs, 4 * bs + 1
-        o5, o6, o7 = o4 + t, o4 + 2 * t, o4 + 3 * t
-        o8 = o7 + nkv
-        o9, o10 = o8 + ns, o8 + 2 * ns
+        *fields, batch_pos = split_flat((bs, t, nkv, ns), flat)
         if is_prefill:
-            reqs = [running[i] for i in flat[o10 : o10 + bs].tolist()]
+            reqs = [running[i] for i in batch_pos.tolist()]
             p, c = self.core.counters()
             self.stats.prompt_tokens, self.stats.cached_prompt_tokens = p, c
         else:
             reqs = list(running)
-        plan = StepPlan(
-            is_prefill,
-            flat[:o1],
-            flat[o4:o5],
-            flat[o5:o6],
-            flat[o6:o7],
-            flat[o1:o2],
-            flat[o2:o3],
-            flat[o3:o4],
-            flat[o7:o8],
-            flat[o8:o9],
-            flat[o9:o10],
-        )
-        self._last = (plan, reqs)
+        self._last = ScheduledStep(StepPlan(is_prefill, *fields), reqs)
         self.stats.schedule_s.append(time.perf_counter() - t0)
-        return plan, reqs
+        return self._last
 
     def commit(
-        self, reqs: list[RustReq], plan: StepPlan, next_tokens: Sequence[int]
+        self, reqs: Sequence[RustReq], plan: StepPlan, next_tokens: Sequence[int]
     ) -> StepOutputs:
         t0 = time.perf_counter()
         self._served["commit"] += 1
-        if self._last is None or self._last[0] is not plan:
+        if self._last is None or self._last.plan is not plan:
             raise RuntimeError("commit of a plan that is not the last scheduled step")
         self._last = None
         tokens = next_tokens if isinstance(next_tokens, list) else list(next_tokens)
@@ -400,7 +399,7 @@ class RustScheduler:
         sample_reqs = reqs if not plan.is_prefill else [reqs[r] for r in plan.sample_rows.tolist()]
         for k, outs in finished:
             req = sample_reqs[k]
-            req.finish_reason = _REASONS[codes[k]]
+            req.finish_reason = FINISH_REASONS[codes[k]]
             req._final = outs
             self.running.remove(req)
             del self.requests[req.rid]
@@ -416,7 +415,7 @@ class RustScheduler:
         if len(self.running) != self.core.num_running or len(self.waiting) != self.core.num_waiting:
             raise AssertionError("rust scheduler: Python mirror of running/waiting diverged")
 
-    def kv_usage(self) -> dict[str, int]:
+    def kv_usage(self) -> KvUsage:
         return {
             "total_pages": self.num_pages,
             "free_pages": self.core.num_free_pages,

@@ -17,69 +17,24 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from minisgl.core import SamplingParams
 from minisgl.kvcache import RadixCache, create_prefix_cache
 from minisgl.kvcache.allocator import PageAllocator
+from minisgl.scheduler.backend import ScheduledStep
 from minisgl.scheduler.cpu_backend import served_counter
 from minisgl.scheduler.plan import StepPlan, build_step_plan
-from minisgl.scheduler.request import Req, StepOutput
-from minisgl.scheduler.stats import SchedulerStats
-
-
-class RequestError(ValueError):
-    """The request can never be served as asked (empty prompt, longer than the context...)."""
-
-
-def _pages(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
-
-
-def validate_request(
-    input_ids: Sequence[int] | np.ndarray,
-    params: SamplingParams,
-    max_seq_len: int,
-    num_pages: int,
-    page_size: int,
-) -> tuple[np.ndarray, int]:
-    """The prompt as int32 and its total length cap, or a RequestError saying why it can never
-    be served (shared by every scheduler backend)."""
-    ids = np.asarray(input_ids, dtype=np.int32).reshape(-1)
-    if len(ids) == 0:
-        raise RequestError("prompt is empty: at least one token is required")
-    if len(ids) >= max_seq_len:
-        raise RequestError(
-            f"prompt has {len(ids)} tokens, the context holds {max_seq_len} "
-            "(prompt plus at least one generated token)"
-        )
-    max_total = min(len(ids) + params.max_tokens, max_seq_len)
-    if _pages(max_total, page_size) > num_pages:
-        raise RequestError(
-            f"request needs {max_total} tokens of KV, the pool holds {num_pages * page_size}"
-        )
-    return ids, max_total
+from minisgl.scheduler.request import Req, RequestError, StepOutput, pages, validate_request
+from minisgl.scheduler.stats import KvUsage, SchedulerStats
 
 
 class Scheduler:
-    """The Python reference scheduler.
-
-    `Scheduler(...)` returns the backend chosen by `cpu_backend=` or `MINISGL_CPU_BACKEND`
-    (see `minisgl.scheduler.cpu_backend`): this class for `python`, a `RustScheduler` for
-    `rust_hotpath`, wrapped in a `ShadowScheduler` under `MINISGL_CPU_BACKEND_SHADOW=1`.
-    """
+    """The Python reference scheduler (the `python` backend; a `SchedulerBackend`)."""
 
     backend = "python"
-
-    def __new__(cls, *args, cpu_backend: str | None = None, **kwargs):
-        if cls is Scheduler:
-            from minisgl.scheduler.cpu_backend import create_scheduler
-
-            alt = create_scheduler(cpu_backend, kwargs)
-            if alt is not None:
-                return alt
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -91,7 +46,6 @@ class Scheduler:
         max_extend_tokens: int,
         cache_type: str,
         eos_token_ids: Sequence[int] = (),
-        cpu_backend: str | None = None,
     ) -> None:
         self.page_size = page_size
         self.max_seq_len = max_seq_len
@@ -113,7 +67,7 @@ class Scheduler:
         input_ids: Sequence[int] | np.ndarray,
         params: SamplingParams,
         rid: int | None = None,
-        generator=None,
+        generator: Any = None,
     ) -> int:
         ids, max_total = validate_request(
             input_ids, params, self.max_seq_len, self.alloc.num_pages, self.page_size
@@ -148,7 +102,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ one step
-    def schedule(self) -> tuple[StepPlan, list[Req]] | None:
+    def schedule(self) -> ScheduledStep | None:
         t0 = time.perf_counter()
         self._served["schedule"] += 1
         batch = self._schedule_prefill()
@@ -157,7 +111,7 @@ class Scheduler:
         return plan
 
     def commit(
-        self, reqs: list[Req], plan: StepPlan, next_tokens: Sequence[int]
+        self, reqs: Sequence[Req], plan: StepPlan, next_tokens: Sequence[int]
     ) -> list[StepOutput]:
         """Advance KV lengths, cache prefilled prefixes, append sampled tokens, finish and
         release requests.
@@ -206,7 +160,7 @@ class Scheduler:
     def _reserved_pages(self) -> int:
         """Pages admitted requests may still allocate (up to their max_total_len)."""
         ps = self.page_size
-        return sum(_pages(r.max_total_len, ps) - r.alloc_len // ps for r in self.running)
+        return sum(pages(r.max_total_len, ps) - r.alloc_len // ps for r in self.running)
 
     def _schedule_prefill(self) -> list[tuple[Req, int]]:
         budget = self.max_extend_tokens
@@ -236,7 +190,7 @@ class Scheduler:
         assert fill is not None
         match = self.cache.match_prefix(fill[: len(fill) - 1])
         self.cache.lock(match.node)
-        need = _pages(req.max_total_len, ps) - match.length // ps
+        need = pages(req.max_total_len, ps) - match.length // ps
         avail = self.alloc.num_free_pages + self.cache.evictable_size // ps - self._reserved_pages()
         if need > avail or self.alloc.num_free_slots == 0:
             self.cache.unlock(match.node)
@@ -254,7 +208,7 @@ class Scheduler:
 
     def _ensure_capacity(self, req: Req, length: int) -> None:
         ps = self.page_size
-        need = _pages(length, ps) - req.alloc_len // ps
+        need = pages(length, ps) - req.alloc_len // ps
         if need <= 0:
             return
         short = need - self.alloc.num_free_pages
@@ -264,7 +218,7 @@ class Scheduler:
         req.alloc_len += need * ps
 
     # ------------------------------------------------------------------ plans
-    def _prefill_plan(self, batch: list[tuple[Req, int]]) -> tuple[StepPlan, list[Req]]:
+    def _prefill_plan(self, batch: list[tuple[Req, int]]) -> ScheduledStep:
         reqs = [r for r, _ in batch]
         starts = np.array([r.kv_len for r in reqs], dtype=np.int32)
         lens = np.array([n for _, n in batch], dtype=np.int32)
@@ -272,9 +226,9 @@ class Scheduler:
         sample = starts + lens == np.array([r.prefill_len for r in reqs])
         slots = np.array([r.slot for r in reqs], dtype=np.int32)
         plan = build_step_plan(self.alloc.page_table, slots, starts, lens, ids, sample, True)
-        return plan, reqs
+        return ScheduledStep(plan, reqs)
 
-    def _decode_plan(self) -> tuple[StepPlan, list[Req]] | None:
+    def _decode_plan(self) -> ScheduledStep | None:
         reqs = self.running
         if not reqs:
             return None
@@ -288,7 +242,7 @@ class Scheduler:
         plan = build_step_plan(
             self.alloc.page_table, slots, starts, ones, ids, np.ones(n, dtype=bool), False
         )
-        return plan, list(reqs)
+        return ScheduledStep(plan, list(reqs))
 
     # ------------------------------------------------------------------ caching
     def _cache_prefix(self, req: Req) -> None:
@@ -365,7 +319,7 @@ class Scheduler:
         if len(self.running) + self.alloc.num_free_slots != self.alloc.max_slots:
             raise AssertionError("KV integrity: request slots leaked")
 
-    def kv_usage(self) -> dict[str, int]:
+    def kv_usage(self) -> KvUsage:
         return {
             "total_pages": self.alloc.num_pages,
             "free_pages": self.alloc.num_free_pages,

@@ -1,5 +1,8 @@
 """Shadow mode: the other CPU backend runs beside the primary on every decision.
 
+`ShadowScheduler` is itself a `SchedulerBackend` that composes two backends through that
+protocol only (`factory.make_scheduler` builds it under `MINISGL_CPU_BACKEND_SHADOW=1`).
+
 Every `add_request`, `schedule`, `commit` and `finish` is replayed on the shadow with the
 same inputs (the primary's sampled tokens); differences are written as JSON lines to
 `MINISGL_CPU_BACKEND_SHADOW_REPORT` (at most `MINISGL_CPU_BACKEND_SHADOW_MAX_DIFFS`). The
@@ -13,16 +16,17 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from minisgl.core import SamplingParams
 from minisgl.scheduler import cpu_backend
-
-_PLAN_FIELDS = (
-    "slots", "input_ids", "positions", "out_loc", "extend_lens", "seq_lens", "kv_indptr",
-    "kv_indices", "logits_indices", "sample_rows",
-)  # fmt: skip
+from minisgl.scheduler.backend import ScheduledReq, ScheduledStep, SchedulerBackend
+from minisgl.scheduler.plan import PLAN_FIELDS, StepPlan
+from minisgl.scheduler.request import StepOutput
+from minisgl.scheduler.stats import KvUsage, SchedulerStats
 
 
 def _short(x: Any, n: int = 16) -> Any:
@@ -34,24 +38,44 @@ def _short(x: Any, n: int = 16) -> Any:
 
 
 class ShadowScheduler:
-    def __init__(self, primary, shadow) -> None:
+    """Serves with `primary`, replays every call on `shadow` and reports differences."""
+
+    def __init__(self, primary: SchedulerBackend, shadow: SchedulerBackend) -> None:
         self.primary = primary
         self.shadow = shadow
         self.report_path = os.environ.get(cpu_backend.ENV_SHADOW_REPORT) or None
         self.max_diffs = int(os.environ.get(cpu_backend.ENV_SHADOW_MAX, "1000"))
         self.step = 0
         self.diffs = 0
-        self._pending: tuple[Any, Any] | None = None
+        # (the shadow's step or None, the primary's step) of the last schedule
+        self._pending: tuple[ScheduledStep | None, ScheduledStep | None] | None = None
         self._shadow_ok = True
         self._lock = threading.Lock()
 
-    # the primary's attributes (stats, running, waiting, requests, alloc, cache ...)
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.primary, name)
-
+    # ------------------------------------------------------------------ the primary's state
     @property
     def backend(self) -> str:
         return f"{self.primary.backend}+shadow:{self.shadow.backend}"
+
+    @property
+    def page_size(self) -> int:
+        return self.primary.page_size
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self.primary.stats
+
+    @property
+    def requests(self) -> Mapping[int, ScheduledReq]:
+        return self.primary.requests
+
+    @property
+    def running(self) -> Sequence[ScheduledReq]:
+        return self.primary.running
+
+    @property
+    def waiting(self) -> Sequence[ScheduledReq]:
+        return self.primary.waiting
 
     # ------------------------------------------------------------------ reporting
     def _diff(self, kind: str, **detail: Any) -> None:
@@ -72,7 +96,9 @@ class ShadowScheduler:
             f.write(json.dumps(rec, default=str) + "\n")
         cpu_backend.count_shadow("written")
 
-    def _shadow_call(self, kind: str, fn, *args, **kwargs) -> tuple[bool, Any]:
+    def _shadow_call(
+        self, kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> tuple[bool, Any]:
         if not self._shadow_ok:
             return False, None
         try:
@@ -91,7 +117,13 @@ class ShadowScheduler:
         return True
 
     # ------------------------------------------------------------------ decisions
-    def add_request(self, input_ids, params, rid: int | None = None, generator=None) -> int:
+    def add_request(
+        self,
+        input_ids: Sequence[int] | np.ndarray,
+        params: SamplingParams,
+        rid: int | None = None,
+        generator: Any = None,
+    ) -> int:
         cpu_backend.count_shadow("decisions")
         try:
             rid = self.primary.add_request(input_ids, params, rid=rid, generator=generator)
@@ -126,7 +158,7 @@ class ShadowScheduler:
     def has_work(self) -> bool:
         return self.primary.has_work()
 
-    def schedule(self):
+    def schedule(self) -> ScheduledStep | None:
         cpu_backend.count_shadow("decisions")
         self.step += 1
         try:
@@ -147,7 +179,7 @@ class ShadowScheduler:
         (pp, preqs), (sp, sreqs) = p, s
         if pp.is_prefill != sp.is_prefill:
             self._diff("schedule", field="is_prefill", primary=pp.is_prefill, shadow=sp.is_prefill)
-        for name in _PLAN_FIELDS:
+        for name in PLAN_FIELDS:
             a, b = getattr(pp, name), getattr(sp, name)
             if a.shape != b.shape or not np.array_equal(a, b):
                 self._diff("schedule", field=name, primary=a, shadow=b)
@@ -156,7 +188,9 @@ class ShadowScheduler:
             self._diff("schedule", field="rids", primary=prids, shadow=srids)
         return p
 
-    def commit(self, reqs, plan, next_tokens):
+    def commit(
+        self, reqs: Sequence[Any], plan: StepPlan, next_tokens: Sequence[int]
+    ) -> Sequence[StepOutput]:
         cpu_backend.count_shadow("decisions")
         tokens = list(next_tokens)
         pending, self._pending = self._pending, None
@@ -185,5 +219,5 @@ class ShadowScheduler:
         if self._shadow_ok:
             self._shadow_call("integrity", self.shadow.check_integrity)
 
-    def kv_usage(self) -> dict[str, int]:
+    def kv_usage(self) -> KvUsage:
         return self.primary.kv_usage()

@@ -1,6 +1,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypedDict
+
+
+class KvUsage(TypedDict):
+    """`SchedulerBackend.kv_usage()`: KV pool and queue occupancy (read by tests and /metrics)."""
+
+    total_pages: int
+    free_pages: int
+    cached_tokens: int
+    running: int
+    waiting: int
 
 
 @dataclass

@@ -92,7 +92,7 @@ class EngineLoop:
 
     def add(self, msg: AddReq) -> None:
         from minisgl.sampler import make_generator
-        from minisgl.scheduler.scheduler import RequestError
+        from minisgl.scheduler.request import RequestError
 
         ids = np.asarray(msg.input_ids, dtype=np.int32)
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):
