@@ -100,7 +100,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     if config.getoption("cardgate_testpaths"):
         extra: list[str] = []
-        for pattern in config.getini("testpaths"):
+        for pattern in config.getini("testpaths") or ["."]:
             extra.extend(sorted(glob.glob(str(config.rootpath / pattern))) or [])
         config.args = [*config.args, *(a for a in extra if a not in config.args)]
     if report_opt and not _is_worker(config):

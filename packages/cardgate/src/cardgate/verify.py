@@ -7,7 +7,8 @@ is now, at a commit this repository knows. Anything else is a flag.
 A red record counts for a Red item when the gate wrote it for this card, its commit is a strict
 ancestor of HEAD (resolved with git), the tree was clean, it names bound tests of the item that
 failed in the call phase by assertion, and files other than tests, cards and evidence changed
-between that commit and HEAD.
+between that commit and HEAD (tests, `conftest.py`, `kanban/`, `worklog/`, `docs/` and markdown
+files do not count as implementation).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from cardgate import evidence, gitutil
 from cardgate.card import Card
 
 NOT_IMPLEMENTATION = re.compile(
-    r"(^|/)(tests?|testing)/|(^|/)test_[^/]*\.py$|_test\.py$|(^|/)conftest\.py$|^kanban/|^worklog/"
+    r"(^|/)(tests?|testing)/|(^|/)test_[^/]*\.py$|_test\.py$|(^|/)conftest\.py$"
+    r"|^kanban/|^worklog/|^docs/|\.md$"
 )
 
 
