@@ -63,11 +63,35 @@ def demo(session: nox.Session) -> None:
     session.run("python", "-m", "minisgl.demo", *session.posargs)
 
 
+def _exit_with(session: nox.Session, args: list[str]) -> None:
+    """Run a cardgate command and leave nox with its exit code (0 pass, 1 fail, 2 hold, 3 usage).
+
+    nox turns every failure into exit 1, so the command runs with all four codes accepted,
+    writes its final `cardgate: decision=<...> exit=<n>` line to a file, and a non-zero code
+    leaves this process with `SystemExit(n)` (nox lets SystemExit through).
+    """
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory(prefix="cardgate-nox-") as tmp:
+        decision = Path(tmp) / "decision"
+        session.run(
+            *args[:4], "--decision-file", str(decision), *args[4:], success_codes=[0, 1, 2, 3]
+        )
+        line = decision.read_text().strip() if decision.exists() else ""
+    code = int(line.rsplit("exit=", 1)[1]) if "exit=" in line else 3
+    if code:
+        raise SystemExit(code)
+
+
 @nox.session(python=PYTHON)
 def card(session: nox.Session) -> None:
-    """Gate one kanban card: `nox -s card -- P0-000 [--phase red|green] [--dry-run]`."""
+    """Gate one kanban card: `nox -s card -- P0-000 [--phase red|green] [--dry-run] [--commit]`.
+
+    Exits with the gate's code: 0 pass, 1 fail, 2 hold, 3 usage or lint error.
+    """
     install_runtime(session)
-    session.run("python", "-m", "cardgate", "gate", *session.posargs)
+    _exit_with(session, ["python", "-m", "cardgate", "gate", *session.posargs])
 
 
 @nox.session(python=PYTHON)

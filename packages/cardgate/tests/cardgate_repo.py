@@ -22,7 +22,7 @@ Depends on: {depends}
 - [x] Looked at it (manual)
 {tdd}
 ## Progress Notes (2026-01-01)
-- [ ] not an item
+- not an item
 """
 
 TDD = """
@@ -62,7 +62,10 @@ class Repo:
         self.path = pytester.path
         for lane in ("todo", "in-progress", "done", "backlog"):
             (self.path / "kanban" / lane).mkdir(parents=True, exist_ok=True)
-        self.write("pyproject.toml", '[tool.pytest.ini_options]\ntestpaths = ["tests"]\n')
+        self.write(
+            "pyproject.toml",
+            '[tool.pytest.ini_options]\ntestpaths = ["tests"]\npythonpath = ["src"]\n',
+        )
         self.write(".gitignore", "__pycache__/\n.hypothesis/\n/stdout\n/stderr\n")
         self.git("init", "-q", "-b", "main")
         self.git("config", "user.email", "gate@example.invalid")

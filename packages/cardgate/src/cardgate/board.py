@@ -2,18 +2,27 @@
 
 Board lint (on top of each card's parse errors): a file outside the four lanes, duplicate card
 ids across lanes, a `Status:` that disagrees with the lane folder, a `Depends on:` naming no
-card (or the card itself), and dependency cycles.
+card (or the card itself), dependency cycles, a `Gates:` path that does not exist and a gates
+file under another name than the default (`worklog/gates/<ID>.yml`).
+
+`board_json(root)` is the board as data (also `python -m cardgate board --json`): per card its
+lane, items, bindings, `verified` (done cards backed by a gate record for their current text;
+null outside done/), `flags` and `last_gate`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cardgate.card import STATUSES, Card, CardError, parse_card
+from cardgate.scan import scan_bindings
+from cardgate.verify import verify_card
 
 LANES: tuple[str, ...] = STATUSES
 KANBAN_DIR = "kanban"
+GATES_DIR = "worklog/gates"
 
 
 @dataclass
@@ -95,8 +104,30 @@ def load_board(root: Path | str) -> Board:
             )
     board.cards = seen
     _lint_dependencies(board)
+    _lint_gates_files(board)
     board.errors = sorted(set(board.errors))
     return board
+
+
+def _lint_gates_files(board: Board) -> None:
+    gates_dir = board.root / GATES_DIR
+    for card in board.cards.values():
+        line = card.field_lines.get("gates", 1)
+        for path in card.gates:
+            if not (board.root / path).is_file():
+                board.errors.append(CardError(card.path, line, f"Gates: {path!r} does not exist"))
+        if card.gates or not gates_dir.is_dir():
+            continue
+        for other in sorted(gates_dir.glob(f"{card.id}.*")):
+            if other.name != f"{card.id}.yaml":
+                board.errors.append(
+                    CardError(
+                        card.path,
+                        line,
+                        f"{GATES_DIR}/{other.name} is not read (the default is "
+                        f"{GATES_DIR}/{card.id}.yaml): rename it or name it in 'Gates:'",
+                    )
+                )
 
 
 def _lint_dependencies(board: Board) -> None:
@@ -128,3 +159,39 @@ def _lint_dependencies(board: Board) -> None:
     for card_id in board.cards:
         if card_id not in state:
             visit(card_id, [card_id])
+
+
+def board_rows(board: Board) -> list[dict[str, Any]]:
+    refs = scan_bindings(board.root)
+    rows = []
+    for lane in LANES:
+        for card in board.lanes[lane]:
+            bound_keys = {i.key for cid, ref in refs if cid == card.id and (i := card.lookup(ref))}
+            leaves = card.leaves()
+            manual = [i for i in leaves if i.manual]
+            bound = [i for i in leaves if not i.manual and i.key in bound_keys]
+            check = verify_card(board.root, card)
+            rows.append(
+                {
+                    "id": card.id,
+                    "title": card.title,
+                    "lane": lane,
+                    "priority": card.priority,
+                    "depends_on": card.depends_on,
+                    "items": len(leaves),
+                    "bound": len(bound),
+                    "manual": len(manual),
+                    "unbound": len(leaves) - len(bound) - len(manual),
+                    "verified": check.verified,
+                    "flags": list(check.flags),
+                    "last_gate": check.last_gate.to_dict() if check.last_gate else None,
+                    "path": card.path,
+                }
+            )
+    return rows
+
+
+def board_json(root: Path | str) -> dict[str, Any]:
+    """The board as JSON-ready data: `{"cards": [...], "errors": [...]}` (see module doc)."""
+    board = load_board(root)
+    return {"cards": board_rows(board), "errors": [str(e) for e in board.errors]}

@@ -9,8 +9,9 @@ Card format::
     Priority: P0
     Status: in-progress
     Depends on: P0-002, P0-001
-    Tests: packages/x/tests            (optional: pytest paths the gate collects)
+    Tests: packages/x/tests            (optional: extra pytest paths the gate collects)
     Gates: worklog/gates/P0-003.yaml   (optional: default worklog/gates/<ID>.yaml)
+    Timeout: 120                       (optional: seconds per test, default none)
 
     ## Checklist
     - [ ] Parent item:
@@ -22,12 +23,15 @@ Card format::
     - [ ] Failing tests first.
 
 Items live in the sections `Checklist`, `TDD Subtasks` and `Acceptance Criteria`; other
-sections are kept (`Card.sections`) and never parsed for items. Each item's key is the slug of
+sections are kept (`Card.sections`) and never parsed for items, and a checkbox line there (or in
+the header) is a lint error, as are near-miss item section names (`## Check list`), unknown
+header fields and TDD phase headings that name no phase. Each item's key is the slug of
 its text without the `(manual)` marker, unique within the card.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 import unicodedata
 from collections.abc import Callable
@@ -35,7 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ITEM_SECTIONS = frozenset({"checklist", "tdd subtasks", "acceptance criteria"})
+ITEM_SECTION_TITLES = ("Checklist", "TDD Subtasks", "Acceptance Criteria")
 PHASES = frozenset({"red", "green", "refactor"})
+FIELDS = ("priority", "status", "depends on", "tests", "gates", "timeout")
 STATUSES = ("todo", "in-progress", "done", "backlog")
 CARD_ID_RE = re.compile(r"^[A-Z][A-Z0-9]*-\d+$")
 
@@ -50,6 +56,10 @@ _PHASE_RE = re.compile(r"^[ \t]*\d+[.)][ \t]+(?P<label>\S.*)$")
 _MANUAL_RE = re.compile(r"\(manual\)", re.IGNORECASE)
 _FENCE_RE = re.compile(r"^[ \t]*(```|~~~)")
 _DATE_SUFFIX_RE = re.compile(r"\s*\(.*\)\s*$")
+_ANY_CHECKBOX_RE = re.compile(r"^[ \t]*(?:[-*+]|\d+[.)])[ \t]*\[[ xX]?\]")
+_PHASE_PREFIX_RE = re.compile(
+    r"^(?:(?:phase|step)\s*)?\d*\s*[:.)\-\u2013\u2014]*\s*", re.IGNORECASE
+)
 
 _ErrorFn = Callable[[int, str], None]
 
@@ -105,6 +115,15 @@ class Card:
     def status(self) -> str | None:
         raw = self.fields.get("status")
         return normalize_status(raw) if raw is not None else None
+
+    @property
+    def timeout(self) -> float | None:
+        raw = self.fields.get("timeout")
+        try:
+            value = float(raw) if raw else None
+        except ValueError:
+            return None
+        return value if value is not None and value > 0 else None
 
     @property
     def tests(self) -> list[str]:
@@ -166,6 +185,31 @@ def _section_name(raw: str) -> str:
     return _DATE_SUFFIX_RE.sub("", raw).strip().lower()
 
 
+def _letters(text: str) -> str:
+    return re.sub(r"[^a-z]", "", text.lower())
+
+
+def near_item_section(name: str) -> str | None:
+    """The item section title `name` was probably meant to be (`Check list` -> `Checklist`)."""
+    letters = _letters(name)
+    for title in ITEM_SECTION_TITLES:
+        target = _letters(title)
+        if letters == target or difflib.SequenceMatcher(None, letters, target).ratio() >= 0.8:
+            return title
+    if letters in {"acceptance", "criteria", "tdd", "subtasks", "todo", "tasks", "checks"}:
+        return "Checklist" if letters in {"todo", "tasks", "checks"} else None
+    return None
+
+
+def phase_of(label: str) -> str | None:
+    """`1. **Red**`, `Phase 1: Red`, `🔴 Red (failing first)` -> "red"; None if no phase."""
+    plain = "".join(ch for ch in label if ch.isascii())
+    plain = re.sub(r"[*_`~]", "", plain).strip()
+    plain = _PHASE_PREFIX_RE.sub("", plain, count=1).strip()
+    word = re.split(r"[^A-Za-z]+", plain, maxsplit=1)[0].lower() if plain else ""
+    return word if word in PHASES else None
+
+
 def parse_card(text: str, path: str | Path = "<card>") -> ParseResult:
     """Parse card text. Never raises: problems come back as `CardError`s with line numbers."""
     where = str(path)
@@ -205,25 +249,46 @@ def parse_card(text: str, path: str | Path = "<card>") -> ParseResult:
             continue
         section_match = _SECTION_RE.match(line)
         if section_match is not None and not line.startswith("###"):
-            section = _section_name(section_match.group("name"))
+            raw_name = section_match.group("name")
+            section = _section_name(raw_name)
             card.sections.append(section)
             phase = None
             stack.clear()
-            continue
-        if section is None:
-            _parse_field(card, line, lineno, error)
-            continue
-        if section not in ITEM_SECTIONS:
+            if section not in ITEM_SECTIONS and (near := near_item_section(section)):
+                error(
+                    lineno,
+                    f"section '## {raw_name}' is not an item section: did you mean "
+                    f"'## {near}'? (items are read only under "
+                    f"{', '.join('## ' + t for t in ITEM_SECTION_TITLES)})",
+                )
             continue
         sub = _SUBHEADING_RE.match(line)
+        if section is None or section not in ITEM_SECTIONS:
+            if sub is not None and (near := near_item_section(_section_name(sub.group("name")))):
+                error(lineno, f"'{line.strip()}' is not a section: write '## {near}'")
+            elif _ANY_CHECKBOX_RE.match(line):
+                where_ = "the header" if section is None else f"section '{section}'"
+                error(
+                    lineno,
+                    f"checkbox line in {where_}, outside an item section "
+                    f"({', '.join(ITEM_SECTION_TITLES)}): it would never be gated",
+                )
+            elif section is None:
+                _parse_field(card, line, lineno, error)
+            continue
         phase_match = _PHASE_RE.match(line)
         if sub is not None or (phase_match is not None and section == "tdd subtasks"):
             label = sub.group("name") if sub is not None else phase_match.group("label")  # type: ignore[union-attr]
-            word = label.strip().split(" ", 1)[0].strip(":.").lower() if label.strip() else ""
-            phase = word if word in PHASES else None
+            phase = phase_of(label)
             stack.clear()
             if phase_match is not None and _BAD_CHECKBOX_RE.match(line):
                 error(lineno, f"unparseable checkbox line: {line.strip()!r}")
+            elif phase is None and section == "tdd subtasks":
+                error(
+                    lineno,
+                    f"unrecognised TDD phase heading {line.strip()!r}: "
+                    "expected Red, Green or Refactor (e.g. '1. Red')",
+                )
             continue
         _parse_item_line(card, line, lineno, section, phase, stack, error)
     if in_fence:
@@ -244,6 +309,13 @@ def _parse_field(card: Card, line: str, lineno: int, error: _ErrorFn) -> None:
         return
     card.fields[key] = value
     card.field_lines[key] = lineno
+    if key not in FIELDS:
+        close = difflib.get_close_matches(key, FIELDS, n=1, cutoff=0.5)
+        hint = f": did you mean '{close[0].capitalize()}:'?" if close else ""
+        known = ", ".join(f.capitalize() for f in FIELDS)
+        error(lineno, f"unknown header field {match.group('key')!r}{hint} (known: {known})")
+    if key == "timeout" and card.timeout is None:
+        error(lineno, f"Timeout {value!r}: expected a positive number of seconds")
     if key == "status" and normalize_status(value) not in STATUSES:
         error(lineno, f"unknown Status {value!r}: expected one of {', '.join(STATUSES)}")
     if key == "depends on":

@@ -7,28 +7,66 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
-from cardgate.board import load_board
-from cardgate.gate import EXIT_CODES, GateOptions, GateUsageError, run_gate
-from cardgate.render import board_json, board_table, gate_summary
+from cardgate.board import board_json, load_board
+from cardgate.gate import GateOptions, run_gate
+from cardgate.outcome import Decision, GateUsageError, Phase
+from cardgate.render import board_table, gate_summary
+
+EXIT_HELP = """\
+exit codes: 0 pass, 1 fail, 2 hold (missing evidence), 3 usage or lint error (also a bad
+command line). The last line printed is always `cardgate: decision=<pass|fail|hold|usage>
+exit=<n>` (on stderr with --json, where stdout holds only the JSON).
+Arguments after `--` go to pytest (gate only), e.g. `cardgate gate P0-000 -- -x`; tests bound
+to the card that they keep from running make their items hold."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        print(_final(Decision.USAGE), file=sys.stderr)
+        raise SystemExit(Decision.USAGE.exit_code)
+
+
+def _final(decision: Decision) -> str:
+    return f"cardgate: decision={decision.value} exit={decision.exit_code}"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cardgate", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    gate = sub.add_parser("gate", help="run a card's tests, record evidence, move it on pass")
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = _Parser(prog="cardgate", description=__doc__, epilog=EXIT_HELP, formatter_class=fmt)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    gate = sub.add_parser(
+        "gate",
+        help="run a card's tests, record evidence, move it on pass",
+        description="Run a card's bound tests, record evidence, move the card to done/ on pass.",
+        epilog=EXIT_HELP,
+        formatter_class=fmt,
+    )
     gate.add_argument("card_id", metavar="ID")
-    gate.add_argument("--phase", choices=("red", "green"), default="green")
+    gate.add_argument("--phase", choices=[p.value for p in Phase], default=Phase.GREEN.value)
     gate.add_argument("--dry-run", action="store_true", help="decide, but write nothing")
+    gate.add_argument(
+        "--commit",
+        action="store_true",
+        help="on pass, commit the card move together with its evidence folder",
+    )
     gate.add_argument("--root", type=Path, default=Path("."), help="repository root")
     gate.add_argument("-n", "--numprocesses", dest="workers", help="pytest-xdist workers")
-    gate.add_argument("--json", action="store_true", help="print the decision as JSON")
-    parser.epilog = "Arguments after '--' go to pytest (gate only)."
+    gate.add_argument(
+        "--timeout", type=float, help="seconds per test phase (default: the card's Timeout:)"
+    )
+    gate.add_argument("--json", action="store_true", help="print only the decision as JSON")
+    gate.add_argument(
+        "--decision-file", type=Path, help="also write the final decision line to this file"
+    )
     board = sub.add_parser("board", help="the lanes as a table")
     board.add_argument("--root", type=Path, default=Path("."))
-    fmt = board.add_mutually_exclusive_group()
-    fmt.add_argument("--json", action="store_true")
-    fmt.add_argument("--markdown", action="store_true")
+    out = board.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true")
+    out.add_argument("--markdown", action="store_true")
     lint = sub.add_parser("lint", help="lint every card (exit 3 on errors)")
     lint.add_argument("--root", type=Path, default=Path("."))
     return parser
@@ -43,34 +81,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if extra and args.command != "gate":
         print("cardgate: error: extra pytest args only go to 'gate'", file=sys.stderr)
-        return EXIT_CODES["error"]
+        return Decision.USAGE.exit_code
     if args.command == "board":
-        board = load_board(args.root)
         if args.json:
-            print(board_json(board, args.root.resolve()))
+            print(json.dumps(board_json(args.root.resolve()), indent=2))
         else:
-            print(board_table(board, args.root.resolve(), markdown=args.markdown))
+            print(board_table(load_board(args.root.resolve()), markdown=args.markdown))
         return 0
     if args.command == "lint":
         board = load_board(args.root)
         for error in board.errors:
             print(error)
         print(f"{len(board.cards)} cards, {len(board.errors)} lint errors")
-        return EXIT_CODES["error"] if board.errors else 0
+        return Decision.USAGE.exit_code if board.errors else 0
+    return _gate(args, extra)
+
+
+def _gate(args: argparse.Namespace, extra: list[str]) -> int:
     opts = GateOptions(
         card_id=args.card_id,
         root=args.root,
-        phase=args.phase,
+        phase=Phase(args.phase),
         dry_run=args.dry_run,
+        commit=args.commit,
         workers=args.workers,
-        pytest_args=extra,
+        timeout=args.timeout,
+        pytest_args=tuple(extra),
+        python=sys.executable,
     )
+    out = sys.stderr if args.json else sys.stdout
+
+    def say(line: str) -> None:
+        print(line, file=out, flush=True)
+
     try:
-        result = run_gate(opts)
+        report = run_gate(opts, say, stream=out)
     except GateUsageError as exc:
         print(f"cardgate: error: {exc}", file=sys.stderr)
-        return EXIT_CODES["error"]
-    print(gate_summary(result))
+        return _finish(args, Decision.USAGE, out)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    return result.exit_code
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        say(gate_summary(report))
+    return _finish(args, report.decision, out)
+
+
+def _finish(args: argparse.Namespace, decision: Decision, out: object) -> int:
+    line = _final(decision)
+    print(line, file=out, flush=True)  # type: ignore[call-overload]
+    if args.decision_file is not None:
+        args.decision_file.write_text(line + "\n", encoding="utf-8")
+    return decision.exit_code

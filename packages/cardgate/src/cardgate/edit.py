@@ -38,3 +38,17 @@ def append_validation(text: str, date: str, lines: Iterable[str]) -> str:
     body = text.rstrip("\n")
     bullets = "\n".join(f"- {line}" for line in lines)
     return f"{body}\n\n## Validation ({date})\n{bullets}\n"
+
+
+_VALIDATION_RE = re.compile(r"^## Validation \(", re.MULTILINE)
+
+
+def replace_validation(text: str, date: str, lines: Iterable[str]) -> str:
+    """`append_validation`, replacing a trailing gate-written `## Validation` section (re-gate)."""
+    matches = list(_VALIDATION_RE.finditer(text))
+    if matches:
+        tail = text[matches[-1].start() :]
+        rest = tail.split("\n", 1)[1] if "\n" in tail else ""
+        if "\n## " not in "\n" + rest and "Gate: pass" in rest:
+            text = text[: matches[-1].start()]
+    return append_validation(text, date, lines)

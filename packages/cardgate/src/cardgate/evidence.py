@@ -3,11 +3,17 @@
 A record directory holds `manifest.json`, `report.jsonl`, `metrics.json` and, written last,
 `summary.json` (the decision). Directories are claimed with an exclusive `mkdir` and files are
 written to a temporary name and hard-linked into place, so nothing is ever overwritten; a
-directory without `summary.json` is an interrupted run and is ignored.
+directory without `summary.json` is an interrupted run and is ignored. Files are world-readable
+(0644), directories 0755.
+
+`summary.json` carries `digest`: the sha256 of the other files and of the summary itself (a
+record the gate wrote; a hand-written or hand-edited record does not verify). It is a checksum
+against mistakes and hand edits, not a signature against a forger with the source code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -19,6 +25,9 @@ from typing import Any
 
 EVIDENCE_ROOT = Path("worklog") / "evidence"
 SUMMARY = "summary.json"
+DIGEST_FILES = ("manifest.json", "report.jsonl", "metrics.json")
+FILE_MODE = 0o644
+DIR_MODE = 0o755
 
 
 def utc_stamp(now: datetime | None = None) -> str:
@@ -33,6 +42,7 @@ def write_new(path: Path, data: bytes) -> None:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, FILE_MODE)
         os.link(tmp, path)
     finally:
         os.unlink(tmp)
@@ -47,25 +57,71 @@ def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:
     write_new(path, lines.encode())
 
 
-def create_record_dir(root: Path, card_id: str, short_sha: str, phase: str) -> Path:
+def create_record_dir(
+    root: Path, card_id: str, short_sha: str, phase: str, started: datetime | None = None
+) -> Path:
     """Claim a fresh evidence directory (a `-2`, `-3`... suffix when the name is taken)."""
     base = root / EVIDENCE_ROOT / card_id
-    base.mkdir(parents=True, exist_ok=True)
-    name = f"{utc_stamp()}-{short_sha}-{phase}"
+    for parent in (base.parent.parent, base.parent, base):
+        if not parent.is_dir():
+            parent.mkdir(parents=True, exist_ok=True)
+            os.chmod(parent, DIR_MODE)
+    name = f"{utc_stamp(started)}-{short_sha}-{phase}"
     for attempt in range(1, 1000):
         candidate = base / (name if attempt == 1 else f"{name}-{attempt}")
         try:
             candidate.mkdir()
         except FileExistsError:
             continue
+        os.chmod(candidate, DIR_MODE)
         return candidate
     raise FileExistsError(f"no free evidence directory name under {base}")
 
 
-@dataclass
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def record_digest(directory: Path, summary: dict[str, Any]) -> str:
+    """sha256 over the record's files and its summary (without the digest field)."""
+    body = {k: v for k, v in summary.items() if k != "digest"}
+    files = {n: _sha256(directory / n) for n in DIGEST_FILES if (directory / n).is_file()}
+    payload = json.dumps(
+        {"kind": "cardgate-record-v1", "files": files, "summary": body}, sort_keys=True
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def write_summary(directory: Path, summary: dict[str, Any]) -> None:
+    """Write `summary.json` last, with its digest."""
+    write_json(directory / SUMMARY, {**summary, "digest": record_digest(directory, summary)})
+
+
+@dataclass(frozen=True)
 class Record:
     path: Path
     summary: dict[str, Any]
+
+    @property
+    def intact(self) -> bool:
+        """The summary carries a digest that matches the record's files (the gate wrote it)."""
+        digest = self.summary.get("digest")
+        return isinstance(digest, str) and digest == record_digest(self.path, self.summary)
+
+    @property
+    def card(self) -> str:
+        return str(self.summary.get("card_id", "?"))
+
+    @property
+    def commit(self) -> str:
+        return str(self.summary.get("commit") or "")
+
+    def report_lines(self) -> list[dict[str, Any]]:
+        try:
+            text = (self.path / "report.jsonl").read_text(encoding="utf-8")
+            return [json.loads(line) for line in text.splitlines() if line.strip()]
+        except (OSError, ValueError):
+            return []
 
     @property
     def outcome(self) -> str:

@@ -44,8 +44,27 @@ def dirty_files(root: Path) -> list[str]:
 
 
 def is_strict_ancestor(root: Path, commit: str, of: str) -> bool:
-    """True when `commit` is an ancestor of `of` and not `of` itself."""
-    if not commit or commit == of:
+    """True when `commit` resolves to a real ancestor of `of` and is not `of` itself."""
+    full, head_ = resolve(root, commit), resolve(root, of)
+    if full is None or head_ is None or full == head_:
         return False
-    proc = git(root, "merge-base", "--is-ancestor", commit, of, check=False)
+    proc = git(root, "merge-base", "--is-ancestor", full, head_, check=False)
     return proc.returncode == 0
+
+
+def resolve(root: Path, rev: str) -> str | None:
+    """The full sha of a commit `rev` names (None when it names no commit of this repo)."""
+    if not rev or rev.startswith("-"):
+        return None
+    proc = git(root, "rev-parse", "--verify", "-q", f"{rev}^{{commit}}", check=False)
+    return proc.stdout.strip() or None if proc.returncode == 0 else None
+
+
+def changed_files(root: Path, old: str, new: str) -> list[str]:
+    proc = git(root, "diff", "--name-only", old, new, "--", check=False)
+    return [line for line in proc.stdout.splitlines() if line.strip()]
+
+
+def git_dir(root: Path) -> Path | None:
+    proc = git(root, "rev-parse", "--absolute-git-dir", check=False)
+    return Path(proc.stdout.strip()) if proc.returncode == 0 and proc.stdout.strip() else None

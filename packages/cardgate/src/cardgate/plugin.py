@@ -8,14 +8,22 @@
 - `metric(name, value, unit=..., higher_is_better=...)` records a benchmark metric (tests
   marked `bench`); `parity(path)` asserts a parity JSON and records its mismatch count.
 - `gpu` tests are skipped without a CUDA device (torch imported lazily; no torch = no GPU).
+- `--cardgate-timeout S` fails any test phase running longer than S seconds (SIGALRM).
+- `--cardgate-testpaths` adds the ini `testpaths` to explicit path arguments (the gate's
+  collection pass sees the whole suite even when a card names `Tests:` paths).
+- Every report records the tests bound to the card before `-k`/`-m`/`--deselect` act, and,
+  for a failed phase, whether it failed by assertion (`failure: "assertion"`) or otherwise.
 - Card files under `<root>/kanban/<lane>/*.md` are collected as lint items.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import math
 import os
+import signal
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +35,12 @@ from cardgate import hardware
 from cardgate.board import KANBAN_DIR, Board, load_board, rel
 from cardgate.evidence import write_json
 from cardgate.parity import ParityResult, assert_parity_json
+from cardgate.verify import verify_card
 
 BINDING_PROP = "cardgate_items"
 METRIC_PROP = "cardgate_metric"
-REPORT_VERSION = 1
+FAILURE_PROP = "cardgate_failure"
+REPORT_VERSION = 2
 
 
 @dataclass
@@ -41,6 +51,8 @@ class CardgateState:
     report_path: Path | None
     board: Board | None = None
     selected: int = 0
+    timeout: float | None = None
+    bound: dict[str, list[str]] | None = None
 
     def get_board(self) -> Board:
         if self.board is None:
@@ -61,6 +73,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption("--cardgate-report", metavar="PATH", help="write a JSON report to PATH")
     group.addoption("--cardgate-root", metavar="DIR", help="repository root (default: rootdir)")
+    group.addoption(
+        "--cardgate-timeout", metavar="S", type=float, help="fail a test phase after S seconds"
+    )
+    group.addoption(
+        "--cardgate-testpaths",
+        action="store_true",
+        help="also collect the ini testpaths when paths are given",
+    )
     parser.addini("cardgate_lint", type="bool", default=True, help="collect kanban cards as lint")
 
 
@@ -76,7 +96,13 @@ def pytest_configure(config: pytest.Config) -> None:
         card=config.getoption("cardgate_card"),
         items={k.strip() for k in items_opt.split(",") if k.strip()} if items_opt else None,
         report_path=Path(report_opt) if report_opt else None,
+        timeout=config.getoption("cardgate_timeout"),
     )
+    if config.getoption("cardgate_testpaths"):
+        extra: list[str] = []
+        for pattern in config.getini("testpaths") or ["."]:
+            extra.extend(sorted(glob.glob(str(config.rootpath / pattern))) or [])
+        config.args = [*config.args, *(a for a in extra if a not in config.args)]
     if report_opt and not _is_worker(config):
         config.pluginmanager.register(Recorder(config, Path(report_opt)), "cardgate-recorder")
 
@@ -160,10 +186,17 @@ def _expand_items(board: Board, card_id: str, keys: set[str]) -> set[str]:
     return out
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep the card's tests; runs before `-k`, `-m` and `--deselect` so `bound` is complete."""
     state = config.stash[STATE]
     if state.card is None:
         return
+    state.bound = {}
+    for item in items:
+        keys = [b.split("::", 1)[1] for b in _bindings(item) if b.split("::", 1)[0] == state.card]
+        if keys:
+            state.bound[item.nodeid] = keys
     wanted_items = (
         _expand_items(state.get_board(), state.card, state.items) if state.items else None
     )
@@ -181,13 +214,60 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     state.selected = len(keep)
 
 
-# --- gpu marker ----------------------------------------------------------------------------
+# --- gpu marker, timeouts, failure kind -------------------------------------------------
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
+class PhaseTimeout(Exception):
+    """A test phase ran longer than `--cardgate-timeout` (or the card's `Timeout:`)."""
+
+
+@contextlib.contextmanager
+def _alarm(seconds: float | None, what: str) -> Iterator[None]:
+    if not seconds or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise PhaseTimeout(f"timeout: {what} ran longer than {seconds:g}s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
     if item.get_closest_marker("gpu") is not None and not hardware.cuda_available():
         pytest.skip("gpu: no CUDA device (missing evidence)")
+    with _alarm(item.config.stash[STATE].timeout, f"{item.nodeid} setup"):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    with _alarm(item.config.stash[STATE].timeout, item.nodeid):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
+    with _alarm(item.config.stash[STATE].timeout, f"{item.nodeid} teardown"):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.failed and call.excinfo is not None:
+        kind = "assertion" if call.excinfo.errisinstance(AssertionError) else "error"
+        report.user_properties = [*report.user_properties, (FAILURE_PROP, kind)]
+    return report
 
 
 # --- fixtures ------------------------------------------------------------------------------
@@ -207,6 +287,8 @@ class MetricRecorder:
         number = float(value)
         if not math.isfinite(number):
             raise ValueError(f"metric {name!r} is not finite: {value!r}")
+        if any(k == METRIC_PROP and v["name"] == name for k, v in self._node.user_properties):
+            raise ValueError(f"metric {name!r} recorded twice by {self._node.nodeid}")
         record = {"name": name, "value": number, "unit": unit, "higher_is_better": higher_is_better}
         self._node.user_properties.append((METRIC_PROP, record))
         return number
@@ -263,11 +345,14 @@ class Recorder:
         root = self.config.stash[STATE].root
         bound: list[str] = []
         metrics: list[dict[str, Any]] = []
+        failure: str | None = None
         for name, value in report.user_properties:
             if name == BINDING_PROP:
                 bound = list(value)
             elif name == METRIC_PROP and report.when == "teardown":
                 metrics.append(dict(value))
+            elif name == FAILURE_PROP:
+                failure = str(value)
         self.tests.append(
             {
                 "nodeid": report.nodeid,
@@ -277,6 +362,7 @@ class Recorder:
                 "items": bound,
                 "metrics": metrics,
                 "wasxfail": hasattr(report, "wasxfail"),
+                "failure": failure,
                 "message": "" if report.passed else _message(report, root),
             }
         )
@@ -298,6 +384,7 @@ class Recorder:
             "items_filter": sorted(state.items) if state.items else None,
             "exitstatus": int(exitstatus),
             "selected": state.selected,
+            "bound": state.bound,
             "tests": self.tests,
             "collection_errors": self.collection_errors,
             "hardware": hardware.hardware_key(gpu),
@@ -338,9 +425,12 @@ class CardLintItem(pytest.Item):
         state = self.config.stash[STATE]
         board = state.get_board()
         where = rel(self.path, state.root)
-        errors = board.errors_for(where)
-        if errors:
-            raise CardLintError("\n".join(str(e) for e in errors))
+        problems = [str(e) for e in board.errors_for(where)]
+        card = next((c for c in board.cards.values() if c.path == where), None)
+        if card is not None:
+            problems += [f"{where}:1: {flag}" for flag in verify_card(state.root, card).flags]
+        if problems:
+            raise CardLintError("\n".join(problems))
 
     def repr_failure(
         self,

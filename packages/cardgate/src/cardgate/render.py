@@ -1,85 +1,61 @@
-"""Terminal, JSON and markdown views: the gate summary and the board table."""
+"""Terminal views: the gate summary and the board table."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
-from cardgate import evidence
-from cardgate.board import LANES, Board
-from cardgate.card import Card
-from cardgate.gate import GateOutcome
-from cardgate.scan import scan_bindings
-
-_LABEL = {"pass": "PASS", "hold": "HOLD", "fail": "FAIL"}
+from cardgate.board import Board, board_rows
+from cardgate.outcome import GateReport, Phase, Verdict
 
 
-def gate_summary(result: GateOutcome) -> str:
-    lines = [f"== cardgate {result.card_id} ({result.phase}) =="]
+def gate_summary(report: GateReport) -> str:
+    o = report.outcome
+    lines = [f"== cardgate {o.card_id} ({o.phase.value}) =="]
     lines.append("items:")
-    for v in result.items:
+    for v in o.items:
         indent = "  " * v.depth
         phase = f"[{v.phase}] " if v.phase else ""
-        lines.append(f"  {_LABEL[v.status]}  {indent}{phase}{v.key}: {v.reason}")
+        lines.append(f"  {v.status.label}  {indent}{phase}{v.key}: {v.reason}")
+        lines.append(f"        {indent}text: {v.text}")
+        if v.tests:
+            lines.append(f"        {indent}tests: {', '.join(v.tests)}")
+        if v.hint:
+            lines.append(f"        {indent}bind a test: {v.hint}")
+    totals = {s: sum(1 for v in o.items if v.status is s) for s in Verdict}
+    lines.append(
+        f"totals: {len(o.items)} items: {totals[Verdict.PASS]} pass, "
+        f"{totals[Verdict.HOLD]} hold, {totals[Verdict.FAIL]} fail"
+    )
+    lines.append(
+        "note: a ticked box counts only for (manual) items; other items need passing bound tests."
+    )
+    if any(v.phase == "red" for v in o.items) and o.phase is Phase.GREEN:
+        lines.append("note: Red items also need a red record (--phase red at an earlier commit).")
     lines.append("checks:")
-    for c in result.checks:
-        lines.append(f"  {_LABEL[c.status]}  {c.name}: {c.reason}")
-    skipped = [g for g in result.gates if not g.applicable]
+    for c in o.checks:
+        lines.append(f"  {c.status.label}  {c.name}: {c.reason}")
+    skipped = [g for g in o.thresholds if not g.applicable]
     if skipped:
         lines.append(f"  ({len(skipped)} gate checks not for this hardware)")
-    if result.phase == "red" and result.red_failures:
+    if o.phase is Phase.RED and o.red_failures:
         lines.append("red record:")
-        for key, nodes in result.red_failures.items():
-            lines.append(f"  {key}: {', '.join(nodes)}")
-    lines.append(f"decision: {_LABEL[result.outcome]} (exit {result.exit_code})")
-    lines.append(f"evidence: {result.evidence_dir or '(dry run: nothing written)'}")
-    if result.moved_to:
-        lines.append(f"moved to: {result.moved_to} (staged). Commit it:")
-        lines.append(
-            f'  git commit -m "{result.card_id}: done (cardgate pass, {result.evidence_dir})" '
-            f"-- {' '.join(result.card_paths)}"
-        )
+        for red in o.red_failures:
+            lines.append(f"  {red.key}: {', '.join(red.nodeids)}")
+    rec = report.recorded
+    lines.append(f"decision: {o.verdict.label} (exit {report.exit_code})")
+    lines.append(f"evidence: {rec.evidence_dir or '(dry run: nothing written)'}")
+    if rec.moved_to:
+        lines.append(f"moved to: {rec.moved_to}")
+        if rec.committed:
+            lines.append(f"committed: {rec.committed} (card move and evidence)")
+        else:
+            lines.append("staged with its evidence. Commit both:")
+            paths = " ".join([*rec.card_paths, rec.evidence_dir or ""])
+            lines.append(
+                f'  git commit -m "{o.card_id}: done (cardgate pass, {rec.evidence_dir})" '
+                f"-- {paths}"
+            )
     return "\n".join(lines)
-
-
-def board_rows(board: Board, root: Path) -> list[dict[str, Any]]:
-    bound_refs = scan_bindings(root)
-    rows = []
-    for lane in LANES:
-        for card in board.lanes[lane]:
-            rows.append(_row(card, lane, root, bound_refs))
-    return rows
-
-
-def _row(card: Card, lane: str, root: Path, refs: list[tuple[str, str]]) -> dict[str, Any]:
-    bound_keys = {item.key for cid, ref in refs if cid == card.id and (item := card.lookup(ref))}
-    leaves = card.leaves()
-    manual = [i for i in leaves if i.manual]
-    bound = [i for i in leaves if not i.manual and i.key in bound_keys]
-    last = evidence.last_record(root, card.id)
-    return {
-        "id": card.id,
-        "title": card.title,
-        "lane": lane,
-        "priority": card.priority,
-        "depends_on": card.depends_on,
-        "items": len(leaves),
-        "bound": len(bound),
-        "manual": len(manual),
-        "unbound": len(leaves) - len(bound) - len(manual),
-        "last_gate": f"{last.outcome} ({last.phase})" if last else None,
-        "last_evidence": last.path.relative_to(root).as_posix() if last else None,
-        "path": card.path,
-    }
-
-
-def board_json(board: Board, root: Path) -> str:
-    data = {
-        "cards": board_rows(board, root),
-        "errors": [str(e) for e in board.errors],
-    }
-    return json.dumps(data, indent=2)
 
 
 _COLUMNS = [
@@ -90,6 +66,7 @@ _COLUMNS = [
     ("bound", "Bound"),
     ("unbound", "Unbound"),
     ("manual", "Manual"),
+    ("verified", "Verified"),
     ("last_gate", "Last gate"),
     ("title", "Title"),
 ]
@@ -98,11 +75,16 @@ _COLUMNS = [
 def _cell(value: Any) -> str:
     if isinstance(value, list):
         return ", ".join(value) or "-"
+    if isinstance(value, dict):
+        return f"{value['outcome']} ({value['phase']})"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
     return "-" if value is None else str(value)
 
 
-def board_table(board: Board, root: Path, markdown: bool = False) -> str:
-    rows = [[_cell(r[k]) for k, _ in _COLUMNS] for r in board_rows(board, root)]
+def board_table(board: Board, markdown: bool = False) -> str:
+    data = board_rows(board)
+    rows = [[_cell(r[k]) for k, _ in _COLUMNS] for r in data]
     header = [title for _, title in _COLUMNS]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -112,6 +94,9 @@ def board_table(board: Board, root: Path, markdown: bool = False) -> str:
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         lines = [fmt.format(*header).rstrip(), fmt.format(*["-" * w for w in widths])]
         lines += [fmt.format(*row).rstrip() for row in rows]
+    flags = [f"  {r['id']}: {f}" for r in data for f in r["flags"]]
+    if flags:
+        lines += ["", f"{len(flags)} flags:", *flags]
     if board.errors:
         lines.append("")
         lines.append(f"{len(board.errors)} lint errors:")

@@ -14,6 +14,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+# One definition of the hardware string gate rules match on ("cpu" or the GPU name), shared with
+# the card gate: the benchmark package already depends on cardgate for its gates format.
+from cardgate.hardware import hardware_key
+
 SCHEMA_VERSION = 1
 ENV_PREFIXES = ("MINISGL_", "OMP_", "MKL_", "TORCH_", "CUDA_VISIBLE_DEVICES", "CARDGATE_")
 
@@ -68,12 +72,6 @@ def gpu_info() -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             pass
     return info
-
-
-def hardware_key() -> str:
-    """What gate rules match on: "cpu" without a CUDA device, else the GPU name."""
-    gpu = gpu_info()
-    return gpu.get("name") or "cpu"
 
 
 def machine_info() -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Gates for benchmark results: a thin adapter over `cardgate.gates` (one format, one evaluator).
+"""Gates for benchmark results: a thin adapter over `cardgate.thresholds` (one format, one evaluator).
 
 Benchmark JSON carries `gate_metrics`, a flat {name: number} mapping; names are the dotted paths
 of the metrics (`output_tok_s`, `ttft_ms.p99`, `hf.output_tok_s`, `speedup_vs_hf.output_tok_s`,
@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cardgate.gates import GateResult, evaluate, load_gates, summarize
+from cardgate.thresholds import GateResult, evaluate, load_gates, summarize
 
 
 def load_baseline_metrics(path: str | Path) -> dict[str, float]:

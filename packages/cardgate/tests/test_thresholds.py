@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from cardgate.gates import GateFormatError, evaluate, load_gates, parse_gates, summarize
+from cardgate.thresholds import GateFormatError, evaluate, load_gates, parse_gates, summarize
 
 P = pytest.mark.card
 
@@ -94,3 +94,12 @@ def test_yaml_file_and_format_errors(tmp_path: Path) -> None:
     path.write_text("gates: [")
     with pytest.raises(GateFormatError, match="invalid YAML"):
         load_gates(path)
+
+
+def test_one_hardware_key_for_gate_and_benchmarks(monkeypatch: pytest.MonkeyPatch) -> None:
+    common = pytest.importorskip("minisgl.benchmark.common", exc_type=ImportError)
+    from cardgate import hardware
+
+    monkeypatch.setattr(hardware, "gpu_info", lambda: {"gpu_name": "NVIDIA H100 80GB HBM3"})
+    assert common.hardware_key is hardware.hardware_key
+    assert common.hardware_key() == "NVIDIA H100 80GB HBM3"

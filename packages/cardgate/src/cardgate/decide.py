@@ -1,0 +1,290 @@
+"""Gate stage 3: from the run's typed results to item verdicts, checks and one decision."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from cardgate.card import Card, Item
+from cardgate.outcome import Check, GateOutcome, ItemVerdict, Phase, RedFailure, Verdict, worst
+from cardgate.preflight import Preflight
+from cardgate.run import Metric, RunResult, TestPhase
+from cardgate.thresholds import GateResult, evaluate
+from cardgate.verify import RedEvidence, red_evidence
+
+
+@dataclass(frozen=True)
+class NodeResult:
+    """One test, all phases combined."""
+
+    nodeid: str
+    status: Verdict
+    reason: str
+    ran: bool
+    failed_by_assertion: bool
+
+
+def node_results(run: RunResult) -> dict[str, NodeResult]:
+    by_node: dict[str, dict[str, TestPhase]] = {}
+    for p in run.phases:
+        by_node.setdefault(p.nodeid, {})[p.when] = p
+    out: dict[str, NodeResult] = {}
+    for nodeid, phases in by_node.items():
+        recs = list(phases.values())
+        failed = [p for p in recs if p.outcome == "failed"]
+        skipped = [p for p in recs if p.outcome == "skipped"]
+        call = phases.get("call")
+        assertion = any(p.when == "call" and p.failure == "assertion" for p in failed)
+        if failed:
+            f = failed[0]
+            msg = (f.message or "failed").strip().splitlines()
+            reason = f"{nodeid} {f.when}: {(msg[-1] if msg else 'failed')[:300]}"
+            out[nodeid] = NodeResult(nodeid, Verdict.FAIL, reason, True, assertion)
+        elif skipped:
+            s = skipped[0]
+            what = "xfail" if s.wasxfail else "skipped"
+            out[nodeid] = NodeResult(
+                nodeid, Verdict.HOLD, f"{nodeid} {what}: {s.message.strip()}", True, False
+            )
+        elif call is not None and call.wasxfail:
+            out[nodeid] = NodeResult(nodeid, Verdict.HOLD, f"{nodeid} xpassed", True, False)
+        elif call is not None and call.outcome == "passed":
+            out[nodeid] = NodeResult(nodeid, Verdict.PASS, nodeid, True, False)
+        else:
+            out[nodeid] = NodeResult(nodeid, Verdict.HOLD, f"{nodeid}: no result", False, False)
+    return out
+
+
+def marker_hint(card: Card, item: Item) -> str:
+    return f'@pytest.mark.card("{card.id}", "{item.key}")'
+
+
+def _leaf(
+    card: Card, item: Item, bound: tuple[str, ...], nodes: dict[str, NodeResult], phase: Phase
+) -> tuple[Verdict, str] | None:
+    if item.manual:
+        if item.checked:
+            return Verdict.PASS, "manual item, ticked by a person"
+        return Verdict.HOLD, "manual item: tick it by hand once done"
+    if not bound:
+        return None
+    missing = [n for n in bound if n not in nodes or not nodes[n].ran]
+    if missing:
+        more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
+        return (
+            Verdict.HOLD,
+            f"bound test did not run (deselected or not collected): {missing[0]}{more}",
+        )
+    results = [nodes[n] for n in bound]
+    failed = [r for r in results if r.status is Verdict.FAIL]
+    held = [r for r in results if r.status is Verdict.HOLD]
+    if phase is Phase.RED:
+        if held:
+            return Verdict.HOLD, held[0].reason + " (missing evidence)"
+        not_assert = [r for r in failed if not r.failed_by_assertion]
+        if not_assert:
+            return (
+                Verdict.FAIL,
+                f"red must fail by assertion in the test, not: {not_assert[0].reason}",
+            )
+        if failed:
+            return (
+                Verdict.PASS,
+                f"red: {len(failed)}/{len(results)} failing by assertion as expected",
+            )
+        return (
+            Verdict.FAIL,
+            f"not red: all {len(results)} bound tests pass before the implementation",
+        )
+    if failed:
+        return Verdict.FAIL, failed[0].reason
+    if held:
+        return Verdict.HOLD, held[0].reason + " (missing evidence)"
+    return Verdict.PASS, f"{len(results)} passed"
+
+
+def judge_items(
+    card: Card, run: RunResult, nodes: dict[str, NodeResult], phase: Phase, only: set[str] | None
+) -> list[ItemVerdict]:
+    verdicts: dict[str, ItemVerdict] = {}
+
+    def depth(item: Item) -> int:
+        return 0 if item.parent is None else 1 + depth(card.items[item.parent])
+
+    def judge(key: str) -> ItemVerdict:
+        item = card.items[key]
+        bound = run.bound.get(key, ())
+        own = _leaf(card, item, bound, nodes, phase)
+        statuses: list[Verdict] = []
+        reasons: list[str] = []
+        hint = ""
+        if own is not None:
+            statuses.append(own[0])
+            reasons.append(own[1])
+        children = [judge(c) for c in item.children if only is None or c in only]
+        for child in children:
+            verdicts[child.key] = child
+        if children:
+            bad = [c for c in children if c.status is not Verdict.PASS]
+            statuses.append(worst([c.status for c in children]))
+            reasons.append(
+                f"{len(children) - len(bad)}/{len(children)} children satisfied"
+                + (f" ({bad[0].key}: {bad[0].status.value})" if bad else "")
+            )
+        if not statuses:
+            statuses, reasons = [Verdict.HOLD], ["unbound: no test is bound to this item"]
+            hint = marker_hint(card, item)
+        return ItemVerdict(
+            key=key,
+            text=item.text,
+            status=worst(statuses),
+            reason="; ".join(reasons),
+            depth=depth(item),
+            phase=item.phase,
+            manual=item.manual,
+            tests=tuple(sorted(bound)),
+            hint=hint,
+        )
+
+    for key, item in card.items.items():
+        if item.parent is None and (only is None or key in only):
+            verdicts[key] = judge(key)
+    return [verdicts[k] for k in card.items if k in verdicts]
+
+
+def _reparent(card: Card, verdicts: list[ItemVerdict]) -> list[ItemVerdict]:
+    """Parents take the worst of themselves and their children again (after later rules)."""
+    by_key = {v.key: v for v in verdicts}
+    for v in reversed(verdicts):
+        item = card.items[v.key]
+        kids = [by_key[c] for c in item.children if c in by_key]
+        if kids:
+            status = worst([v.status, *(k.status for k in kids)])
+            if status is not v.status:
+                bad = next(k for k in kids if k.status is status)
+                by_key[v.key] = replace(
+                    v, status=status, reason=v.reason + f"; child {bad.key}: {status.value}"
+                )
+    return [by_key[v.key] for v in verdicts]
+
+
+def apply_red_rule(card: Card, verdicts: list[ItemVerdict], reds: RedEvidence) -> list[ItemVerdict]:
+    out = []
+    for v in verdicts:
+        item = card.items[v.key]
+        if item.phase != "red" or item.manual or item.children:
+            out.append(v)
+        elif v.key in reds.found:
+            out.append(replace(v, reason=v.reason + f"; red at {reds.found[v.key][-1]}"))
+        elif v.status is Verdict.PASS:
+            why = f" ({reds.rejected[-1]})" if reds.rejected else ""
+            out.append(
+                replace(
+                    v,
+                    status=Verdict.HOLD,
+                    reason=v.reason + "; no valid red record at an earlier commit"
+                    f" (run --phase red first){why}",
+                )
+            )
+        else:
+            out.append(v)
+    return _reparent(card, out)
+
+
+def metric_checks(run: RunResult) -> tuple[dict[str, float], list[Metric], list[Check]]:
+    """Each metric must be recorded once; a duplicate fails the gate (deterministic)."""
+    metrics = [m for p in run.phases for m in p.metrics]
+    seen: dict[str, list[Metric]] = {}
+    for m in metrics:
+        seen.setdefault(m.name, []).append(m)
+    checks = [
+        Check(
+            f"metric {name}",
+            Verdict.FAIL,
+            f"recorded {len(ms)} times ({', '.join(sorted(m.nodeid for m in ms))}): "
+            "a metric must be recorded by exactly one test",
+        )
+        for name, ms in sorted(seen.items())
+        if len(ms) > 1
+    ]
+    values = {name: ms[0].value for name, ms in seen.items() if len(ms) == 1}
+    return values, metrics, checks
+
+
+def threshold_checks(pre: Preflight, results: list[GateResult]) -> list[Check]:
+    checks = []
+    for r in results:
+        if r.status == "n/a":
+            continue
+        status = {"pass": Verdict.PASS, "fail": Verdict.FAIL}.get(r.status, Verdict.HOLD)
+        checks.append(Check(f"gate {r.metric} {r.check}", status, r.message))
+    if len(pre.gates) and not any(r.applicable for r in results):
+        checks.append(Check("gates", Verdict.HOLD, "no gate rule matches this hardware"))
+    return checks
+
+
+def attribute_thresholds(
+    verdicts: list[ItemVerdict], results: list[GateResult], metrics: list[Metric]
+) -> list[ItemVerdict]:
+    """A missed threshold fails the items bound to the test that recorded the metric."""
+    out = list(verdicts)
+    for result in results:
+        if result.status != "fail":
+            continue
+        nodes = {m.nodeid for m in metrics if m.name == result.metric}
+        out = [
+            replace(v, status=Verdict.FAIL, reason=v.reason + f"; gate: {result.message}")
+            if nodes.intersection(v.tests)
+            else v
+            for v in out
+        ]
+    return out
+
+
+def run_checks(run: RunResult) -> list[Check]:
+    checks = []
+    if run.timed_out:
+        checks.append(Check("pytest", Verdict.FAIL, "pytest killed: the run exceeded its timeout"))
+    elif run.returncode not in (None, 0, 1, 5):
+        checks.append(Check("pytest", Verdict.FAIL, f"pytest exited {run.returncode}"))
+    for nodeid, message in run.collection_errors:
+        lines = message.strip().splitlines()
+        checks.append(
+            Check("collection", Verdict.FAIL, f"{nodeid}: {lines[-1] if lines else 'error'}")
+        )
+    return checks
+
+
+def decide(pre: Preflight, run: RunResult, phase: Phase) -> GateOutcome:
+    card = pre.card
+    nodes = node_results(run)
+    only = set(pre.red_keys) if phase is Phase.RED else None
+    verdicts = judge_items(card, run, nodes, phase, only)
+    values, metrics, checks = metric_checks(run)
+    checks = [*pre.checks, *checks, *run_checks(run)]
+    results: list[GateResult] = []
+    red_failures: list[RedFailure] = []
+    if phase is Phase.GREEN:
+        results = evaluate(pre.gates, values, run.hardware)
+        checks.extend(threshold_checks(pre, results))
+        verdicts = attribute_thresholds(verdicts, results, metrics)
+        verdicts = _reparent(card, verdicts)
+        verdicts = apply_red_rule(
+            card, verdicts, red_evidence(pre.root, card, pre.commit, run.bound)
+        )
+    else:
+        for v in verdicts:
+            failing = [t for t in v.tests if t in nodes and nodes[t].failed_by_assertion]
+            if failing and not card.items[v.key].children:
+                red_failures.append(RedFailure(v.key, tuple(failing)))
+    verdict = worst([*(v.status for v in verdicts), *(c.status for c in checks)])
+    return GateOutcome(
+        card_id=card.id,
+        phase=phase,
+        verdict=verdict,
+        items=tuple(verdicts),
+        checks=tuple(checks),
+        thresholds=tuple(results),
+        commit=pre.commit,
+        dirty=pre.dirty,
+        red_failures=tuple(red_failures),
+    )

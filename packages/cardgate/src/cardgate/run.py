@@ -1,0 +1,183 @@
+"""Gate stage 2: pytest in subprocesses.
+
+First a collection pass over the whole suite (ini `testpaths` plus the card's `Tests:` paths,
+no user arguments, no `PYTEST_ADDOPTS`) finds every test bound to the card. Then the run
+itself, on those tests' files (user arguments after `--` and `PYTEST_ADDOPTS` apply), writes
+the JSON report the decide stage reads. The effective arguments and environment overrides are
+part of the result (and of the manifest).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from cardgate.outcome import Phase
+from cardgate.plugin import load_report
+from cardgate.preflight import GateOptions, Preflight
+
+ENV_PREFIXES = ("MINISGL_", "CARDGATE_", "PYTEST_")
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    value: float
+    unit: str
+    higher_is_better: bool
+    nodeid: str
+
+
+@dataclass(frozen=True)
+class TestPhase:
+    nodeid: str
+    when: str
+    outcome: str
+    message: str
+    failure: str | None
+    wasxfail: bool
+    metrics: tuple[Metric, ...]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    command: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    returncode: int | None
+    timed_out: bool
+    phases: tuple[TestPhase, ...]
+    collection_errors: tuple[tuple[str, str], ...]
+    bound: dict[str, tuple[str, ...]]  # item key -> every node id bound to it (whole suite)
+    hardware: str
+    raw_tests: tuple[dict[str, Any], ...]
+
+
+def env_overrides(root: Path) -> tuple[tuple[str, str], ...]:
+    home = os.path.expanduser("~")
+    return tuple(
+        (k, v.replace(str(root), ".").replace(home, "~"))
+        for k, v in sorted(os.environ.items())
+        if k.startswith(ENV_PREFIXES)
+    )
+
+
+def _base(opts: GateOptions, pre: Preflight, report: Path) -> list[str]:
+    cmd = [opts.python or sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
+    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        cmd += ["-p", "cardgate"] + (["-p", "xdist"] if opts.workers else [])
+    return [
+        *cmd,
+        f"--rootdir={pre.root}",
+        f"--cardgate-card={pre.card.id}",
+        f"--cardgate-report={report}",
+        f"--cardgate-root={pre.root}",
+    ]
+
+
+def _collect(opts: GateOptions, pre: Preflight, tmp: Path, stream: TextIO) -> dict[str, Any]:
+    report = tmp / "collect.json"
+    cmd = [*_base(opts, pre, report), "--collect-only", "-q", "--cardgate-testpaths"]
+    cmd += pre.card.tests
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    subprocess.run(cmd, cwd=pre.root, env=env, stdout=subprocess.DEVNULL, stderr=stream)
+    return load_report(report) if report.exists() else {}
+
+
+def run_pytest(
+    opts: GateOptions, pre: Preflight, out: Callable[[str], None], stream: TextIO
+) -> RunResult:
+    with tempfile.TemporaryDirectory(prefix="cardgate-") as tmp_name:
+        tmp = Path(tmp_name)
+        collected = _collect(opts, pre, tmp, stream)
+        bound: dict[str, list[str]] = {}
+        for nodeid, keys in (collected.get("bound") or {}).items():
+            for key in keys:
+                bound.setdefault(key, []).append(nodeid)
+        for key in list(bound):
+            bound[key] = sorted(set(bound[key]))
+        wanted = _expand(pre, set(pre.red_keys)) if opts.phase is Phase.RED else None
+        files = sorted(
+            {
+                n.split("::", 1)[0]
+                for k, ns in bound.items()
+                for n in ns
+                if not wanted or k in wanted
+            }
+        )
+        report = tmp / "report.json"
+        cmd = _base(opts, pre, report)
+        if wanted is not None:
+            cmd.append(f"--cardgate-items={','.join(sorted(wanted))}")
+        if pre.timeout:
+            cmd.append(f"--cardgate-timeout={pre.timeout:g}")
+        if opts.workers:
+            cmd += ["-n", opts.workers]
+        cmd += [*opts.pytest_args, *files]
+        errors = [
+            (e["nodeid"], e.get("message", "")) for e in collected.get("collection_errors", [])
+        ]
+        if not collected:
+            errors.append(("<collection>", "the collection pass wrote no report"))
+        returncode: int | None = None
+        timed_out = False
+        data: dict[str, Any] = {}
+        if files:
+            out(f"cardgate: {' '.join(cmd[1:])}")
+            limit = None
+            if pre.timeout:
+                limit = pre.timeout * 3 * max(1, sum(len(v) for v in bound.values())) + 120
+            try:
+                proc = subprocess.run(cmd, cwd=pre.root, stdout=stream, timeout=limit)
+                returncode = proc.returncode
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            data = load_report(report) if report.exists() else {}
+            errors += [
+                (e["nodeid"], e.get("message", "")) for e in data.get("collection_errors", [])
+            ]
+    phases = tuple(_phase(rec) for rec in data.get("tests", []))
+    return RunResult(
+        command=tuple(cmd[1:]),
+        env=env_overrides(pre.root),
+        returncode=returncode,
+        timed_out=timed_out,
+        phases=phases,
+        collection_errors=tuple(dict.fromkeys(errors)),
+        bound={k: tuple(v) for k, v in bound.items()},
+        hardware=str(data.get("hardware") or collected.get("hardware") or "cpu"),
+        raw_tests=tuple(data.get("tests", [])),
+    )
+
+
+def _expand(pre: Preflight, keys: set[str]) -> set[str]:
+    out = set(keys)
+    for key in keys:
+        out.update(pre.card.descendants(key))
+    return out
+
+
+def _phase(rec: dict[str, Any]) -> TestPhase:
+    return TestPhase(
+        nodeid=rec["nodeid"],
+        when=rec["when"],
+        outcome=rec["outcome"],
+        message=rec.get("message") or "",
+        failure=rec.get("failure"),
+        wasxfail=bool(rec.get("wasxfail")),
+        metrics=tuple(
+            Metric(
+                name=m["name"],
+                value=float(m["value"]),
+                unit=m.get("unit", ""),
+                higher_is_better=bool(m.get("higher_is_better", True)),
+                nodeid=rec["nodeid"],
+            )
+            for m in rec.get("metrics", [])
+        ),
+    )
