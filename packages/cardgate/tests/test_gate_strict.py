@@ -105,6 +105,11 @@ def test_card_moved_to_done_by_hand_is_flagged(repo: Repo) -> None:
     lint = repo.pytester.runpytest_subprocess("kanban", "-p", "no:randomly")
     lint.stdout.fnmatch_lines(["*T-001-demo.md:1: in done/ without a passing gate record*"])
     assert lint.ret == 1
+    cli_lint = repo.cardgate("lint")
+    assert cli_lint.ret == USAGE
+    cli_lint.stdout.fnmatch_lines(
+        ["*T-001-demo.md:1: in done/ without*", "2 cards, 0 lint errors, 1 flags"]
+    )
     board = json.loads(repo.cardgate("board", "--json").stdout.str())
     row = {c["id"]: c for c in board["cards"]}
     assert row["T-001"]["verified"] is False and row["T-001"]["flags"]

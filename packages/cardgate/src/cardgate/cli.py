@@ -13,6 +13,7 @@ from cardgate.board import board_json, load_board
 from cardgate.gate import GateOptions, run_gate
 from cardgate.outcome import Decision, GateUsageError, Phase
 from cardgate.render import board_table, gate_summary
+from cardgate.verify import verify_card
 
 EXIT_HELP = """\
 exit codes: 0 pass, 1 fail, 2 hold (missing evidence), 3 usage or lint error (also a bad
@@ -67,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     out = board.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true")
     out.add_argument("--markdown", action="store_true")
-    lint = sub.add_parser("lint", help="lint every card (exit 3 on errors)")
+    lint = sub.add_parser(
+        "lint", help="lint every card and flag unverified done cards (exit 3 on any)"
+    )
     lint.add_argument("--root", type=Path, default=Path("."))
     return parser
 
@@ -90,10 +93,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "lint":
         board = load_board(args.root)
-        for error in board.errors:
-            print(error)
-        print(f"{len(board.cards)} cards, {len(board.errors)} lint errors")
-        return Decision.USAGE.exit_code if board.errors else 0
+        flags = [
+            f"{card.path}:1: {flag}"
+            for card in board.cards.values()
+            for flag in verify_card(board.root, card).flags
+        ]
+        for line in [*map(str, board.errors), *flags]:
+            print(line)
+        print(f"{len(board.cards)} cards, {len(board.errors)} lint errors, {len(flags)} flags")
+        return Decision.USAGE.exit_code if board.errors or flags else 0
     return _gate(args, extra)
 
 

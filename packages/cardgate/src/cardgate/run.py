@@ -1,9 +1,10 @@
 """Gate stage 2: pytest in subprocesses.
 
-First a collection pass over the whole suite (ini `testpaths` plus the card's `Tests:` paths,
-no user arguments, no `PYTEST_ADDOPTS`) finds every test bound to the card. Then the run
-itself, on those tests' files (user arguments after `--` and `PYTEST_ADDOPTS` apply), writes
-the JSON report the decide stage reads. The effective arguments and environment overrides are
+When nothing could narrow the run (no `-n`, no arguments after `--`, no `PYTEST_ADDOPTS`), one
+pytest run over the whole suite (ini `testpaths` plus the card's `Tests:` paths) both finds
+every test bound to the card and runs them. Otherwise a collection pass over the whole suite
+(without those arguments) finds the bound tests first, and the run itself, on those tests'
+files with the user's arguments, writes the JSON report the decide stage reads. The effective arguments and environment overrides are
 part of the result (and of the manifest).
 """
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from cardgate.hardware import hardware_key
 from cardgate.outcome import Phase
 from cardgate.plugin import load_report
 from cardgate.preflight import GateOptions, Preflight
@@ -89,27 +91,51 @@ def _collect(opts: GateOptions, pre: Preflight, tmp: Path, stream: TextIO) -> di
     return load_report(report) if report.exists() else {}
 
 
+def _single_pass(opts: GateOptions) -> bool:
+    """Nothing can narrow the run: one pytest run over the whole suite also finds the bindings.
+
+    (Under xdist the controller collects nothing, so `-n` always takes a collection pass.)
+    """
+    return not opts.workers and not opts.pytest_args and not os.environ.get("PYTEST_ADDOPTS")
+
+
+def _by_key(report: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    bound: dict[str, set[str]] = {}
+    for nodeid, keys in (report.get("bound") or {}).items():
+        for key in keys:
+            bound.setdefault(key, set()).add(nodeid)
+    return {k: tuple(sorted(v)) for k, v in bound.items()}
+
+
+def _errors(report: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(e["nodeid"], e.get("message", "")) for e in report.get("collection_errors", [])]
+
+
 def run_pytest(
     opts: GateOptions, pre: Preflight, out: Callable[[str], None], stream: TextIO
 ) -> RunResult:
+    single = _single_pass(opts)
+    wanted = _expand(pre, set(pre.red_keys)) if opts.phase is Phase.RED else None
     with tempfile.TemporaryDirectory(prefix="cardgate-") as tmp_name:
         tmp = Path(tmp_name)
-        collected = _collect(opts, pre, tmp, stream)
-        bound: dict[str, list[str]] = {}
-        for nodeid, keys in (collected.get("bound") or {}).items():
-            for key in keys:
-                bound.setdefault(key, []).append(nodeid)
-        for key in list(bound):
-            bound[key] = sorted(set(bound[key]))
-        wanted = _expand(pre, set(pre.red_keys)) if opts.phase is Phase.RED else None
-        files = sorted(
-            {
-                n.split("::", 1)[0]
-                for k, ns in bound.items()
-                for n in ns
-                if not wanted or k in wanted
-            }
-        )
+        errors: list[tuple[str, str]] = []
+        bound: dict[str, tuple[str, ...]] = {}
+        if single:
+            paths = ["--cardgate-testpaths", *pre.card.tests]
+        else:
+            collected = _collect(opts, pre, tmp, stream)
+            if not collected:
+                errors.append(("<collection>", "the collection pass wrote no report"))
+            errors += _errors(collected)
+            bound = _by_key(collected)
+            paths = sorted(
+                {
+                    n.split("::", 1)[0]
+                    for k, ns in bound.items()
+                    for n in ns
+                    if not wanted or k in wanted
+                }
+            )
         report = tmp / "report.json"
         cmd = _base(opts, pre, report)
         if wanted is not None:
@@ -118,29 +144,26 @@ def run_pytest(
             cmd.append(f"--cardgate-timeout={pre.timeout:g}")
         if opts.workers:
             cmd += ["-n", opts.workers]
-        cmd += [*opts.pytest_args, *files]
-        errors = [
-            (e["nodeid"], e.get("message", "")) for e in collected.get("collection_errors", [])
-        ]
-        if not collected:
-            errors.append(("<collection>", "the collection pass wrote no report"))
+        cmd += [*opts.pytest_args, *paths]
         returncode: int | None = None
         timed_out = False
         data: dict[str, Any] = {}
-        if files:
+        if paths:
             out(f"cardgate: {' '.join(cmd[1:])}")
             limit = None
             if pre.timeout:
-                limit = pre.timeout * 3 * max(1, sum(len(v) for v in bound.values())) + 120
+                limit = pre.timeout * 3 * max(10, sum(map(len, bound.values()))) + 120
             try:
                 proc = subprocess.run(cmd, cwd=pre.root, stdout=stream, timeout=limit)
                 returncode = proc.returncode
             except subprocess.TimeoutExpired:
                 timed_out = True
             data = load_report(report) if report.exists() else {}
-            errors += [
-                (e["nodeid"], e.get("message", "")) for e in data.get("collection_errors", [])
-            ]
+            errors += _errors(data)
+            if single:
+                bound = _by_key(data)
+                if not data:
+                    errors.append(("<run>", "pytest wrote no report"))
     phases = tuple(_phase(rec) for rec in data.get("tests", []))
     return RunResult(
         command=tuple(cmd[1:]),
@@ -149,8 +172,8 @@ def run_pytest(
         timed_out=timed_out,
         phases=phases,
         collection_errors=tuple(dict.fromkeys(errors)),
-        bound={k: tuple(v) for k, v in bound.items()},
-        hardware=str(data.get("hardware") or collected.get("hardware") or "cpu"),
+        bound=bound,
+        hardware=str(data.get("hardware") or hardware_key()),
         raw_tests=tuple(data.get("tests", [])),
     )
 
