@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from server_harness import metric
 
 LONG_IDS = list(range(3, 303))  # 300 tokens > the 256-token context
 
@@ -136,3 +137,49 @@ def test_server_keeps_serving_after_bad_input(http):
     )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert http.get("/health").status_code == 200
+
+
+# Bodies that used to pass validation and then fail after the request was registered (a 500
+# whose in-flight slot was never released: ~320 of them locked every client out with 429s).
+POISON = [
+    ("completions", b'{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+    ("chat", b'{"messages": [{"role": "user", "content": "a\\udfffb"}], "max_tokens": 2}', None),
+    ("completions", b'{"prompt": [1, 18446744073709551616], "max_tokens": 2}', "prompt"),
+    ("completions", b'{"prompt": "hi", "top_k": 18446744073709551617}', "top_k"),
+    ("completions", b'{"prompt": "hi", "stop_token_ids": [18446744073709551616]}', None),
+    ("chat", b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud800"]}', "stop"),
+]
+
+
+def in_flight(http) -> float:
+    return metric(http.get("/metrics").text, "minisgl_requests_in_flight")
+
+
+@pytest.mark.parametrize("endpoint,raw,param", POISON, ids=[f"poison-{i}" for i in range(6)])
+def test_unencodable_input_is_400_and_releases_its_slot(http, endpoint, raw, param):
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    headers = {"content-type": "application/json"}
+    for _ in range(40):  # a flood: every one must be answered and released
+        r = http.post(path, content=raw, headers=headers)
+        err = assert_error(r, 400)
+        if param is not None:
+            assert err["param"] == param, err
+    assert http.get("/health").json()["in_flight"] == 0
+    assert in_flight(http) == 0
+    ok = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2, "temperature": 0})
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",
+        b'{"prompt": [' + b"7" * 5000 + b"]}",
+    ],
+    ids=["deep-nesting", "5000-digit-max-tokens", "5000-digit-token-id"],
+)
+def test_pathological_json_is_400(http, raw):
+    r = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert_error(r, 400)
+    assert http.get("/health").json()["in_flight"] == 0

@@ -4,22 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 
 import httpx
 import pytest
-from server_harness import MAX_QUEUED, MAX_RUNNING, running_server
+from server_harness import MAX_QUEUED, MAX_RUNNING, metric, running_server
 
 LIMIT = MAX_RUNNING + MAX_QUEUED  # 64
-
-
-def metric(text: str, name: str, labels: str = "", default: float | None = None) -> float:
-    m = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
-    if m is None and default is not None:  # a labelled counter appears at its first event
-        return default
-    assert m, f"{name}{labels} missing"
-    return float(m.group(1))
 
 
 def metrics(server) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -82,6 +83,9 @@ DEFAULT_ONLY: dict[str, tuple] = {
 IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "min_p"}
 
 
+INT64 = 2**63
+
+
 @dataclass
 class Parsed:
     kind: str  # text | ids | chat
@@ -90,6 +94,44 @@ class Parsed:
     stream: bool
     include_usage: bool
     model: str
+    n: int = 1
+
+    def choice_params(self, uids: list[int]) -> list[WireParams]:
+        """The parameters of each of the n choices: a seeded request gives choice i the seed
+        `seed + i` (as vLLM does)."""
+        p = self.params
+        if self.n == 1:
+            return [p]
+        return [
+            dataclasses.replace(p, seed=None if p.seed is None else (p.seed + i) % INT64)
+            for i in range(len(uids))
+        ]
+
+
+def check_transportable(body: Any) -> None:
+    """Every string must be valid Unicode (no lone surrogates) and every integer fit in 64
+    bits: such a body is a 400 naming its top-level field, never a failure after admission."""
+    stack: list[tuple[Any, str | None]] = [(body, None)]
+    while stack:
+        v, key = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                where = f"'{key}'" if key else "the body"
+                raise _bad(
+                    f"{where} contains a lone UTF-16 surrogate (not valid Unicode)", key
+                ) from None
+        elif isinstance(v, int) and not isinstance(v, bool):
+            if not -INT64 <= v < INT64:
+                where = f"'{key}'" if key else "the body"
+                raise _bad(f"{where} contains an integer outside the 64-bit range", key)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                stack.append((k, key or k if isinstance(k, str) else key))
+                stack.append((x, key or k))
+        elif isinstance(v, list):
+            stack.extend((x, key) for x in v)
 
 
 def _bad(msg: str, param: str | None = None, code: str = "invalid_value") -> APIError:
@@ -135,6 +177,7 @@ def parse_common(
 ) -> tuple[WireParams, bool, bool, str]:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None, "invalid_type")
+    check_transportable(body)
     _check_fields(body, allowed)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
