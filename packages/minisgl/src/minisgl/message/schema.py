@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: penalties, min_p, logit_bias, min_tokens, logprobs, prefix_leader
 
 
 class SchemaError(ValueError):
@@ -54,19 +54,17 @@ class WireParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: list[list] | None = None  # [[token id, bias], ...]
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prefix_leader: int = 0  # uid whose prefill this choice waits for (n > 1); 0: none
 
     def pack(self) -> list:
-        return [
-            self.temperature,
-            self.top_k,
-            self.top_p,
-            self.max_tokens,
-            self.ignore_eos,
-            self.seed,
-            self.stop,
-            self.stop_token_ids,
-            self.skip_special_tokens,
-        ]
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
 
     @classmethod
     def unpack(cls, v: list) -> WireParams:
@@ -84,6 +82,13 @@ class WireParams:
             ignore_eos=self.ignore_eos,
             seed=self.seed,
             stop_token_ids=self.stop_token_ids,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            logit_bias=tuple((int(t), float(b)) for t, b in self.logit_bias or ()),
+            min_tokens=self.min_tokens,
+            logprobs=self.logprobs,
         )
 
 

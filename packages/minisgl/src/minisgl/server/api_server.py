@@ -352,6 +352,12 @@ class Reply:
     created: int
     model: str
 
+    def error(self, e: APIError) -> APIError:
+        """The engine names the prompt 'prompt'; on the chat endpoint it is 'messages'."""
+        if self.chat and e.param == "prompt":
+            return APIError(e.status, e.message, "messages", e.code, e.headers)
+        return e
+
     def envelope(self, choices: list, obj: str) -> dict:
         return {
             "id": self.id,
@@ -374,7 +380,7 @@ async def complete_response(fe: Frontend, request: Request, parsed: Parsed, repl
                 if isinstance(item, Failure):
                     fe.settle(st)
                     fe.complete(job, "error")
-                    return error_response(item.error)
+                    return error_response(reply.error(item.error))
                 texts[item.index].append(item.text)
                 if item.finish is not None:
                     finish[item.index] = item.finish
@@ -411,7 +417,7 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
             fe.settle(job.states[first.index])
             fe.complete(job, "error")
             await stack.aclose()
-            return error_response(first.error)
+            return error_response(reply.error(first.error))
     except ClientGone:
         await stack.aclose()
         return Response(status_code=499)
@@ -430,7 +436,9 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
         else:
             choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": fin}
         out = reply.envelope([choice], obj)
-        if include_usage:
+        if parsed.continuous_usage:
+            out["usage"] = usage(job)
+        elif include_usage:
             out["usage"] = None
         return sse(out)
 
@@ -446,7 +454,7 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
                 if isinstance(item, Failure):
                     fe.settle(st)
                     fe.complete(job, "error")
-                    yield sse(item.error.body())
+                    yield sse(reply.error(item.error).body())
                     break
                 if item.text:
                     yield chunk(item.index, item.text, None)
