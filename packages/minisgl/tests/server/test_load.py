@@ -228,8 +228,8 @@ def test_poison_request_does_not_hurt_running_streams(slow_server):
             return poison, overlapped, await asyncio.gather(*streams)
 
     poison, overlapped, results = asyncio.run(main())
-    assert overlapped
     assert poison.status_code == 200, poison.text
     assert poison.json()["usage"]["completion_tokens"] >= 1
     for res in results:
         assert res == {"finish": "length", "error": None, "status": 200}
+    assert overlapped
