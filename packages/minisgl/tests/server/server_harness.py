@@ -112,6 +112,7 @@ def running_server(model_dir, *extra: str, log_dir: Path, env: dict | None = Non
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
             )
         server = ServerHandle(proc, port, ipc_root, log_path)
+        server.model_dir = Path(model_dir)
         try:
             server.wait_ready()
             break

@@ -102,6 +102,8 @@ def test_dead_worker_fails_health_and_inflight_requests(tiny_model_dir, tmp_path
         m = httpx.get(s.base_url + "/metrics", timeout=5).text
         assert "minisgl_healthy 0" in m
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+        # then the launcher drains and exits non-zero (a supervisor restarts it)
+        assert s.proc.wait(60) == 1, s.log()
 
 
 def test_shell_chat_over_stdin(server):

@@ -105,8 +105,9 @@ class Frontend:
     def __init__(self, args: ServerArgs, model_path: str, ipc_dir: str) -> None:
         self.args = args
         self.model_path = model_path
-        self.model_name = args.served_model_name or model_path
-        self.model_names = {self.model_name, os.path.basename(self.model_name.rstrip("/"))}
+        # the name clients see: --served-model-name, else the model folder's name (never a path)
+        self.model_name = args.served_model_name or os.path.basename(model_path.rstrip("/"))
+        self.model_names = {self.model_name, model_path, model_path.rstrip("/")}
         self.ipc_dir = ipc_dir
         self.codec = Codec(args.transport != "generic")
         self.ctx = zmq.Context()
