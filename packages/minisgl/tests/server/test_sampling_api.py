@@ -96,3 +96,38 @@ def test_continuous_usage_stats(server, model):
             if line.startswith("data: {"):
                 seen.append(json.loads(line[6:])["usage"]["completion_tokens"])
     assert seen == sorted(seen) and seen[-1] == 6 and len(seen) >= 2
+
+
+def test_logprobs_both_endpoints_match_offline(client, model, llm_ref):
+    want = llm_ref.generate(["the fox"], SamplingParams(max_tokens=6, logprobs=3))[0]
+    r = client.completions.create(
+        model=model, prompt="the fox", max_tokens=6, temperature=0, logprobs=3
+    )
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text == want["text"]
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in want["logprobs"]], abs=1e-4)
+    assert lp.text_offset[0] == 0
+    for got, w in zip(lp.top_logprobs, want["logprobs"], strict=True):
+        names = llm_ref.tokenizer.batch_decode([[t] for t, _ in w.top])
+        assert set(got) == set(names)  # (tokens that decode alike share one key, as in vLLM)
+        for name, (_, v) in zip(names, w.top, strict=True):
+            if names.count(name) == 1:
+                assert got[name] == pytest.approx(v, abs=1e-4)
+    want = llm_ref.generate([CHAT], SamplingParams(max_tokens=6, logprobs=2))[0]
+    c = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = c.choices[0].logprobs.content
+    assert "".join(x.token for x in content) == c.choices[0].message.content == want["text"]
+    assert [x.logprob for x in content] == pytest.approx(
+        [x.logprob for x in want["logprobs"]], abs=1e-4
+    )
+    assert all(len(x.top_logprobs) == 2 and bytes(x.bytes).decode() == x.token for x in content)
+    # streaming: one logprob entry per generated token, in order
+    stream = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, stream=True
+    )
+    entries = [e for ch in stream for c in ch.choices if c.logprobs for e in c.logprobs.content]
+    assert [e.logprob for e in entries] == pytest.approx([x.logprob for x in content], abs=1e-4)
+    no = client.chat.completions.create(model=model, messages=CHAT, max_tokens=2)
+    assert no.choices[0].logprobs is None

@@ -170,6 +170,7 @@ class TokenOut(Message):
     uids: np.ndarray
     tokens: np.ndarray
     finished: list  # list[str | None], aligned with uids
+    logprobs: list = field(default_factory=list)  # [] or per row: None | [lp, top ids, top lps]
 
 
 @dataclass(slots=True)
@@ -194,6 +195,7 @@ class DetokOut(Message):
     counts: list  # tokens generated since the last message
     finished: list  # reason or None
     prompt_tokens: list
+    logprobs: list = field(default_factory=list)  # per uid: None | [[token, lp, [[t, lp]..]]..]
 
 
 @dataclass(slots=True)

@@ -54,6 +54,7 @@ class Chunk:
     index: int
     text: str
     finish: str | None
+    logprobs: list | None = None  # [[token, logprob, [[token, logprob], ...]], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,9 +173,11 @@ class Frontend:
         now = time.perf_counter()
         for msg in msgs:
             if isinstance(msg, DetokOut):
-                for uid, text, count, fin, ptoks in zip(
-                    msg.uids, msg.texts, msg.counts, msg.finished, msg.prompt_tokens, strict=True
-                ):
+                lps = msg.logprobs or [None] * len(msg.uids)
+                for uid, text, count, fin, ptoks, lp in zip(
+                    msg.uids, msg.texts, msg.counts, msg.finished, msg.prompt_tokens, lps,
+                    strict=True,
+                ):  # fmt: skip
                     st = self.reqs.get(uid)
                     if st is None:
                         continue
@@ -183,7 +186,7 @@ class Frontend:
                     st.t_last = now
                     st.prompt_tokens = ptoks
                     st.completion_tokens += count
-                    st.queue.put_nowait(Chunk(st.index, text, fin))
+                    st.queue.put_nowait(Chunk(st.index, text, fin, lp))
             elif isinstance(msg, Reject):
                 st = self.reqs.get(msg.uid)
                 if st is not None:
@@ -330,6 +333,28 @@ def usage(job: Job) -> dict:
     }
 
 
+def chat_logprobs(entries: list) -> dict:
+    def one(tok: str, lp: float) -> dict:
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8", "replace"))}
+
+    return {"content": [{**one(t, lp), "top_logprobs": [one(*x) for x in top]}
+                        for t, lp, top in entries]}  # fmt: skip
+
+
+def completion_logprobs(entries: list, offset: int) -> dict:
+    """OpenAI's legacy shape; `offset`: characters of this choice's text before these tokens."""
+    offsets = []
+    for t, _, _ in entries:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": [t for t, _, _ in entries],
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": [dict(top) for _, _, top in entries],
+        "text_offset": offsets,
+    }
+
+
 async def next_item(request: Request, job: Job) -> Item:
     """The request's next output; raises ClientGone once the client disconnected."""
     while True:
@@ -372,6 +397,8 @@ class Reply:
 async def complete_response(fe: Frontend, request: Request, parsed: Parsed, reply: Reply):
     async with fe.job(parsed) as job:
         texts: list[list[str]] = [[] for _ in job.states]
+        want_lp = parsed.params.logprobs is not None
+        lps: list[list | None] = [[] if want_lp else None for _ in job.states]
         finish: list[str | None] = [None] * len(job.states)
         left = len(job.states)
         try:
@@ -383,6 +410,8 @@ async def complete_response(fe: Frontend, request: Request, parsed: Parsed, repl
                     fe.complete(job, "error")
                     return error_response(reply.error(item.error))
                 texts[item.index].append(item.text)
+                if item.logprobs and lps[item.index] is not None:
+                    lps[item.index].extend(item.logprobs)
                 if item.finish is not None:
                     finish[item.index] = item.finish
                     fe.settle(st)
@@ -393,14 +422,15 @@ async def complete_response(fe: Frontend, request: Request, parsed: Parsed, repl
     choices = []
     for i, parts in enumerate(texts):
         content = "".join(parts)
+        lp = lps[i]
         if reply.chat:
             msg = {"role": "assistant", "content": content}
-            choices.append(
-                {"index": i, "message": msg, "logprobs": None, "finish_reason": finish[i]}
-            )
+            lp = None if lp is None else chat_logprobs(lp)
+            choices.append({"index": i, "message": msg, "logprobs": lp, "finish_reason": finish[i]})
         else:
+            lp = None if lp is None else completion_logprobs(lp, 0)
             choices.append(
-                {"index": i, "text": content, "logprobs": None, "finish_reason": finish[i]}
+                {"index": i, "text": content, "logprobs": lp, "finish_reason": finish[i]}
             )
     out = reply.envelope(choices, "chat.completion" if reply.chat else "text_completion")
     out["usage"] = usage(job)
@@ -426,16 +456,23 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
         await stack.aclose()
         raise
 
-    def chunk(index: int, text: str | None, fin: str | None, role: bool = False) -> bytes:
+    offsets = [0] * len(job.states)  # completions: characters sent per choice
+
+    def chunk(
+        index: int, text: str | None, fin: str | None, role: bool = False, lp: list | None = None
+    ) -> bytes:
         if reply.chat:
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": fin}
+            lps = chat_logprobs(lp) if lp else None
+            choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": fin}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": fin}
+            lps = completion_logprobs(lp, offsets[index]) if lp else None
+            offsets[index] += len(text or "")
+            choice = {"index": index, "text": text or "", "logprobs": lps, "finish_reason": fin}
         out = reply.envelope([choice], obj)
         if parsed.continuous_usage:
             out["usage"] = usage(job)
@@ -457,8 +494,8 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
                     fe.complete(job, "error")
                     yield sse(reply.error(item.error).body())
                     break
-                if item.text:
-                    yield chunk(item.index, item.text, None)
+                if item.text or item.logprobs:
+                    yield chunk(item.index, item.text, None, lp=item.logprobs)
                 if item.finish is not None:
                     fe.settle(st)
                     yield chunk(item.index, None if reply.chat else "", item.finish)

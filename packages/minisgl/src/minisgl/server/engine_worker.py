@@ -51,6 +51,13 @@ def cpu_backend_stats() -> dict[str, Any] | None:
         return {"error": repr(e)}
 
 
+def wire_logprob(lp) -> list | None:
+    """A `TokenLogprob` as it travels: [logprob, top ids, top logprobs]."""
+    if lp is None:
+        return None
+    return [lp.logprob, [t for t, _ in lp.top], [v for _, v in lp.top]]
+
+
 class EngineLoop:
     def __init__(self, llm, codec: Codec, to_tok: list, to_frontend) -> None:
         self.llm = llm
@@ -160,6 +167,7 @@ class EngineLoop:
             self.reject(rid, err, 500, "internal_error")
         if not outs:
             return
+        lps = self.llm.last_logprobs
         n = len(self.to_tok)
         groups: list[list] = [[] for _ in range(n)]
         for o in outs:
@@ -170,6 +178,7 @@ class EngineLoop:
                     np.fromiter((o.rid for o in g), dtype=np.int64, count=len(g)),
                     np.fromiter((o.token_id for o in g), dtype=np.int32, count=len(g)),
                     [o.finish_reason for o in g],
+                    [wire_logprob(lps.get(o.rid)) for o in g] if lps else [],
                 )
                 self.to_tok[i].send(self.codec.encode(msg))
 

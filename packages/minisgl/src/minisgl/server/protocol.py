@@ -65,13 +65,12 @@ COMMON = {
     "logit_bias",
     "min_tokens",
 }
-CHAT = COMMON | {"messages", "max_completion_tokens"}
-COMPLETION = COMMON | {"prompt"}
+CHAT = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+COMPLETION = COMMON | {"prompt", "logprobs"}
+MAX_LOGPROBS = 20
 
 # accepted only with these (default) values: anything else is a clear 400
 DEFAULT_ONLY: dict[str, tuple] = {
-    "logprobs": (False, None, 0),
-    "top_logprobs": (None, 0),
     "echo": (False, None),
     "best_of": (1, None),
     "suffix": (None,),
@@ -241,6 +240,7 @@ def parse_common(
             f"'min_tokens' must be in [0, max_tokens={max_tokens}], got {min_tokens}", "min_tokens"
         )
     logit_bias = _logit_bias(body.get("logit_bias"))
+    logprobs = _logprobs(body, "top_logprobs" if "messages" in allowed else "logprobs")
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise _bad("'seed' must be an integer", "seed", "invalid_type")
@@ -313,6 +313,7 @@ def parse_common(
         min_p=min_p,
         logit_bias=logit_bias,
         min_tokens=min_tokens,
+        logprobs=logprobs,
     )
     return Common(params, stream, include_usage, continuous_usage, model or "", n)
 
@@ -339,6 +340,30 @@ class Common:
             self.n,
             self.continuous_usage,
         )
+
+
+def _logprobs(body: dict, key: str) -> int | None:
+    """Chat: `logprobs` (bool) and `top_logprobs` (0..20); completions: `logprobs` (0..20)."""
+    if key == "top_logprobs":
+        on = body.get("logprobs")
+        if on is not None and not isinstance(on, bool):
+            raise _bad("'logprobs' must be a boolean", "logprobs", "invalid_type")
+        top = body.get("top_logprobs")
+        if top is not None and not on:
+            raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if not on:
+            return None
+    else:
+        top = body.get("logprobs")
+        if top is None:
+            return None
+    if top is None:
+        return 0
+    if not _is_int(top):
+        raise _bad(f"'{key}' must be an integer", key, "invalid_type")
+    if not 0 <= top <= MAX_LOGPROBS:
+        raise _bad(f"'{key}' must be in [0, {MAX_LOGPROBS}], got {top}", key)
+    return top
 
 
 def _logit_bias(v: Any) -> list[list] | None:
