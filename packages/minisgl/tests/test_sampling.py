@@ -218,3 +218,25 @@ def test_generate_returns_logprobs_and_penalized_text(llm):
     assert [lp.token_id for lp in out["logprobs"]] == out["token_ids"]
     assert all(len(lp.top) == 2 and lp.logprob <= 0 for lp in out["logprobs"])
     assert out["error"] is None and out["finish_reason"] == "length"
+
+
+def test_both_scheduler_backends_sample_the_same_tokens(tiny_model_dir, monkeypatch):
+    from minisgl import LLM
+
+    prompts = ["the fox jumps", [5, 6, 7, 8, 9, 10], "over the dog"]
+    params = [
+        SamplingParams(temperature=0.9, seed=1, max_tokens=10, n=3, presence_penalty=0.5,
+                       repetition_penalty=1.2, min_p=0.05, logit_bias={7: 2.0}, min_tokens=3),
+        SamplingParams(temperature=1.2, top_k=8, top_p=0.9, seed=2, max_tokens=12,
+                       frequency_penalty=0.7, logprobs=1),
+        SamplingParams(max_tokens=8, repetition_penalty=1.4),
+    ]  # fmt: skip
+    outs = {}
+    for backend in ("python", "rust_hotpath"):
+        monkeypatch.setenv("MINISGL_CPU_BACKEND", backend)
+        llm = LLM(tiny_model_dir("llama"), num_pages=4096, max_seq_len_override=256)
+        assert llm.scheduler.backend == backend
+        res = llm.generate(prompts, params)
+        outs[backend] = [[o["token_ids"] for o in r["outputs"]] for r in res]
+        assert llm.scheduler.stats.cached_prompt_tokens >= 2 * (len(res[0]["outputs"]) - 1)
+    assert outs["python"] == outs["rust_hotpath"]
