@@ -92,7 +92,11 @@ def test_top_k_top_p_min_p_keep_the_tokens_hf_keeps(temperature, top_k, top_p, m
     x = logits(4, seed=top_k)
     y = x / temperature
     k = torch.full((4,), top_k if top_k > 0 else VOCAB)
-    y = filter_top_k_top_p(y, k, torch.full((4,), top_p))
+    full = filter_top_k_top_p(y, k, torch.full((4,), top_p))
+    if top_k > 0:  # the bounded path (topk instead of a full sort) keeps the same tokens
+        bounded = filter_top_k_top_p(y, k, torch.full((4,), top_p), k_bound=top_k + 3)
+        torch.testing.assert_close(bounded, full)
+    y = full
     if min_p > 0:
         y = filter_min_p(y, torch.full((4,), min_p))
     for i in range(4):

@@ -116,8 +116,16 @@ def apply_penalties(
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
 
 
-def filter_top_k_top_p(y: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Per-row top-k (ties at the k-th value kept, as HF) then top-p on the renormalized rest."""
+def filter_top_k_top_p(
+    y: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, k_bound: int = 0
+) -> torch.Tensor:
+    """Per-row top-k (ties at the k-th value kept, as HF) then top-p on the renormalized rest.
+
+    `k_bound` > 0: every row has top_k <= k_bound, so only the best k_bound values are sorted
+    (exact float ties with the k-th value beyond those are then dropped); otherwise (a row
+    without top-k) the whole vocabulary is sorted."""
+    if 0 < k_bound < y.shape[-1]:
+        return _filter_bounded(y, top_k, top_p, k_bound)
     sv, si = y.sort(dim=-1, descending=True)
     kth = sv.gather(1, (top_k - 1)[:, None])
     sv = sv.masked_fill(sv < kth, float("-inf"))
@@ -125,6 +133,18 @@ def filter_top_k_top_p(y: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     drop_sorted = (probs.cumsum(dim=-1) - probs) > top_p[:, None]  # keep the prefix reaching p
     drop = torch.zeros_like(drop_sorted).scatter_(1, si, drop_sorted)
     return y.masked_fill((y < kth) | drop, float("-inf"))
+
+
+def _filter_bounded(
+    y: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, k_bound: int
+) -> torch.Tensor:
+    sv, si = y.topk(k_bound, dim=-1)  # sorted, best first
+    kth = sv.gather(1, (top_k - 1)[:, None])
+    sv = sv.masked_fill(sv < kth, float("-inf"))
+    probs = torch.softmax(sv, dim=-1)
+    drop = ((probs.cumsum(dim=-1) - probs) > top_p[:, None]) | (sv == float("-inf"))
+    keep = torch.zeros_like(y, dtype=torch.bool).scatter_(1, si, ~drop)
+    return y.masked_fill(~keep, float("-inf"))
 
 
 def filter_min_p(y: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -184,11 +204,15 @@ def sample(
         idx = _host(rand, torch.int64, dev)
         ps = [params[i] for i in rand]
         y = x[idx] / _host([p.temperature for p in ps], torch.float32, dev)[:, None]
-        if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in ps):
-            k = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
-            y = filter_top_k_top_p(
-                y, _host(k, torch.int64, dev), _host([p.top_p for p in ps], torch.float32, dev)
-            )
+        cut = [j for j, p in enumerate(ps) if 0 < p.top_k < vocab or p.top_p < 1.0]
+        if cut:  # only the rows that filter pay for the sort
+            cps = [ps[j] for j in cut]
+            k = _host([p.top_k if 0 < p.top_k < vocab else vocab for p in cps], torch.int64, dev)
+            top_p = _host([p.top_p for p in cps], torch.float32, dev)
+            j = _host(cut, torch.int64, dev)
+            bounded = all(0 < p.top_k < vocab for p in cps)
+            bound = max(p.top_k for p in cps) if bounded else 0
+            y = y.index_copy(0, j, filter_top_k_top_p(y[j], k, top_p, bound))
         if any(p.min_p > 0 for p in ps):
             y = filter_min_p(y, _host([p.min_p for p in ps], torch.float32, dev))
         keys = _host([rows[i].generator for i in rand], torch.int64, dev)
