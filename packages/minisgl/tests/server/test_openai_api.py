@@ -122,9 +122,10 @@ def test_completion_stream_raw_sse(server, model, llm_ref):
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
     assert events[-1] == "data: [DONE]"
+    assert events[0].startswith(":")  # the SSE comment sent once the request is queued
     import json
 
-    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    chunks = [json.loads(e[len("data: ") :]) for e in events[1:-1]]
     assert all(c["object"] == "text_completion" for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])

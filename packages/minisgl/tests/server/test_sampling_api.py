@@ -131,3 +131,14 @@ def test_logprobs_both_endpoints_match_offline(client, model, llm_ref):
     assert [e.logprob for e in entries] == pytest.approx([x.logprob for x in content], abs=1e-4)
     no = client.chat.completions.create(model=model, messages=CHAT, max_tokens=2)
     assert no.choices[0].logprobs is None
+
+
+def test_stream_starts_with_an_sse_comment_before_any_token(server, model):
+    """Headers (and a first byte) go out once the scheduler queued the request, not at the
+    first token; errors found before that stay plain 4xx (see test_bad_input)."""
+    body = {"model": model, "prompt": "hi", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[0].startswith(":") and lines[1].startswith("data: {")
+    assert lines[-1] == "data: [DONE]"

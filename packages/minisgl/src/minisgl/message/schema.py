@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 2  # 2: penalties, min_p, logit_bias, min_tokens, logprobs, prefix_leader
+SCHEMA_VERSION = 2  # 2: penalties, min_p, logit_bias, min_tokens, logprobs, prefix_leader, Admitted
 
 
 class SchemaError(ValueError):
@@ -218,6 +218,16 @@ class Stats(Message):
 
 
 @dataclass(slots=True)
+class Admitted(Message):
+    """Scheduler -> API server: these requests passed validation and are queued (a stream sends
+    its headers now, not at its first token)."""
+
+    TAG: ClassVar[int] = 11
+    ARRAYS: ClassVar[dict[str, Any]] = {"uids": np.int64}
+    uids: np.ndarray
+
+
+@dataclass(slots=True)
 class Shutdown(Message):
     TAG: ClassVar[int] = 10
     reason: str = ""
@@ -236,6 +246,7 @@ MESSAGES: dict[int, type[Message]] = {
         Ready,
         Stats,
         Shutdown,
+        Admitted,
     )
 }
 BY_NAME: dict[str, type[Message]] = {c.__name__: c for c in MESSAGES.values()}

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl.message.schema import (
     AbortReq,
+    Admitted,
     Codec,
     DetokOut,
     Ready,
@@ -65,7 +66,14 @@ class Failure:
     error: APIError
 
 
-Item = Chunk | Failure
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """One choice passed validation and is queued in the scheduler."""
+
+    index: int
+
+
+Item = Chunk | Failure | Accepted
 
 
 @dataclass(eq=False)
@@ -191,6 +199,11 @@ class Frontend:
                 st = self.reqs.get(msg.uid)
                 if st is not None:
                     st.queue.put_nowait(Failure(st.index, reject_to_error(msg)))
+            elif isinstance(msg, Admitted):
+                for uid in msg.uids.tolist():
+                    st = self.reqs.get(uid)
+                    if st is not None:
+                        st.queue.put_nowait(Accepted(st.index))
 
     def wait_ready(self, names: list[str], timeout: float, alive) -> dict[str, Ready]:
         """Block until every worker in `names` reported Ready; raise if one failed or died."""
@@ -404,6 +417,8 @@ async def complete_response(fe: Frontend, request: Request, parsed: Parsed, repl
         try:
             while left:
                 item = await next_item(request, job)
+                if isinstance(item, Accepted):
+                    continue
                 st = job.states[item.index]
                 if isinstance(item, Failure):
                     fe.settle(st)
@@ -442,7 +457,8 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
     include_usage = parsed.include_usage
     stack = contextlib.AsyncExitStack()  # closed by events(), or here if no stream starts
     job = await stack.enter_async_context(fe.job(parsed))  # admission errors: plain 4xx/5xx
-    try:  # errors found before any token (tokenization, context length) stay plain 4xx too
+    try:  # errors found before admission (tokenization, context length) stay plain 4xx too;
+        # the stream starts once the scheduler queued the request, not at its first token
         first = await next_item(request, job)
         if isinstance(first, Failure):
             fe.settle(job.states[first.index])
@@ -484,11 +500,15 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
         item: Item = first
         left = len(job.states)
         try:
+            yield b": accepted\n\n"  # an SSE comment: headers and a first byte at once
             if reply.chat:
                 for st in job.states:
                     yield chunk(st.index, "", None, role=True)
             while True:
                 st = job.states[item.index]
+                if isinstance(item, Accepted):
+                    item = await next_item(request, job)
+                    continue
                 if isinstance(item, Failure):
                     fe.settle(st)
                     fe.complete(job, "error")

@@ -18,6 +18,7 @@ import zmq
 from minisgl.message.schema import (
     AbortReq,
     AddReq,
+    Admitted,
     Codec,
     FinishReq,
     Ready,
@@ -71,6 +72,7 @@ class EngineLoop:
         self.was_busy = False
         self.integrity_ok = 1
         self.held: dict[int, list[AddReq]] = {}  # leader uid -> choices waiting for its prefill
+        self.admitted: list[int] = []  # uids added since the last `Admitted` message
 
     def send_tok(self, uid: int, msg) -> None:
         self.to_tok[uid % len(self.to_tok)].send(self.codec.encode(msg))
@@ -130,6 +132,7 @@ class EngineLoop:
         try:
             params = msg.params.to_sampling_params()
             self.sched.add_request(ids, params, rid=msg.uid, generator=request_key(params.seed))
+            self.admitted.append(msg.uid)
         except ContextLengthError as e:
             self.reject(msg.uid, str(e), 400, "context_length_exceeded", "prompt")
         except (RequestError, TypeError, ValueError) as e:
@@ -150,6 +153,12 @@ class EngineLoop:
             self.held[leader] = [m for m in msgs if m.uid != uid]
             if not self.held[leader]:
                 del self.held[leader]
+
+    def flush_admitted(self) -> None:
+        if self.admitted:
+            uids = np.asarray(self.admitted, dtype=np.int64)
+            self.admitted = []
+            self.to_frontend.send(self.codec.encode(Admitted(uids)))
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
@@ -268,10 +277,12 @@ def run_engine_worker(
             for f in frames:
                 if not loop.handle(codec.decode(f)):
                     running = False
+            loop.flush_admitted()
             if running and loop.sched.has_work():
                 loop.step()
             if loop.held:
                 loop.release_held()
+                loop.flush_admitted()
             loop.maybe_send_stats()
     except ipc.WorkerExit:
         pass
