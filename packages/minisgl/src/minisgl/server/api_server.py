@@ -38,6 +38,7 @@ from minisgl.message.schema import (
 from minisgl.server import ipc
 from minisgl.server.args import ServerArgs
 from minisgl.server.metrics import Metrics
+from minisgl.server.openapi import request_bodies
 from minisgl.server.protocol import APIError, Parsed, parse_chat, parse_completion
 
 RETRY_AFTER_S = "1"
@@ -551,8 +552,13 @@ def create_app(fe: Frontend) -> FastAPI:
         fe.fail_all("server is shutting down", 503)
 
     app = FastAPI(
-        title="minisgl", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+        title="minisgl",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        lifespan=lifespan,
     )
+    bodies = request_bodies(int(fe.info.get("max_seq_len", 1)))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -621,13 +627,13 @@ def create_app(fe: Frontend) -> FastAPI:
                 400, f"the request body is not valid JSON: {e}", None, "invalid_json"
             ) from None
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=bodies["chat"])
     async def chat(request: Request):
         body = await read_body(request)
         parsed = parse_chat(body, fe.model_names, fe.info["max_seq_len"])
         return await serve(request, parsed, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=bodies["completions"])
     async def completions(request: Request):
         body = await read_body(request)
         parsed = parse_completion(body, fe.model_names, fe.info["max_seq_len"])
