@@ -195,3 +195,16 @@ def test_pathological_json_is_400(http, raw):
     r = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
     assert_error(r, 400)
     assert http.get("/health").json()["in_flight"] == 0
+
+
+def test_text_that_cannot_fit_is_refused_before_tokenizing(http, llm_ref):
+    """A huge prompt must not stall the tokenizer (every other request waits behind it)."""
+    from minisgl.tokenizer.worker import max_token_chars
+
+    n = 256 * max_token_chars(llm_ref.tokenizer) + 1
+    r = http.post("/v1/completions", json={"prompt": "a" * n})
+    err = assert_error(r, 400, "prompt", "context_length_exceeded")
+    assert "before tokenizing" in err["message"]
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a" * n}]})
+    assert_error(r, 400, "messages", "context_length_exceeded")
+    assert http.get("/health").json()["in_flight"] == 0

@@ -630,13 +630,17 @@ def create_app(fe: Frontend) -> FastAPI:
     @app.post("/v1/chat/completions", openapi_extra=bodies["chat"])
     async def chat(request: Request):
         body = await read_body(request)
-        parsed = parse_chat(body, fe.model_names, fe.info["max_seq_len"])
+        parsed = parse_chat(
+            body, fe.model_names, fe.info["max_seq_len"], fe.info.get("max_token_chars", 0)
+        )
         return await serve(request, parsed, chat=True)
 
     @app.post("/v1/completions", openapi_extra=bodies["completions"])
     async def completions(request: Request):
         body = await read_body(request)
-        parsed = parse_completion(body, fe.model_names, fe.info["max_seq_len"])
+        parsed = parse_completion(
+            body, fe.model_names, fe.info["max_seq_len"], fe.info.get("max_token_chars", 0)
+        )
         return await serve(request, parsed, chat=False)
 
     async def serve(request: Request, parsed: Parsed, chat: bool):

@@ -126,7 +126,12 @@ class Launcher:
             t0 = time.perf_counter()
             self._start_workers(model_path)
             ready = fe.wait_ready(list(self.procs), args.startup_timeout, self._dead_worker)
-            fe.info = ready[ipc.SCHEDULER].info
+            fe.info = dict(ready[ipc.SCHEDULER].info)
+            fe.info["max_token_chars"] = max(
+                int(r.info.get("max_token_chars", 0))
+                for n, r in ready.items()
+                if n != ipc.SCHEDULER
+            )
             log(
                 f"workers ready in {time.perf_counter() - t0:.1f}s: "
                 + ", ".join(f"{n}={r.pid}" for n, r in sorted(ready.items()))

@@ -390,7 +390,21 @@ def _logit_bias(v: Any) -> list[list] | None:
     return out
 
 
-def parse_chat(body: Any, model_names: set[str], max_seq_len: int) -> Parsed:
+def check_text_length(chars: int, max_seq_len: int, max_token_chars: int, param: str) -> None:
+    """Refuse, before tokenizing it, a text that cannot fit the context whatever its tokens."""
+    if max_token_chars > 0 and chars > max_seq_len * max_token_chars:
+        raise APIError(
+            400,
+            f"the prompt has {chars} characters: more than the {max_seq_len}-token context can "
+            f"hold (at most {max_token_chars} characters per token); refused before tokenizing",
+            param,
+            "context_length_exceeded",
+        )
+
+
+def parse_chat(
+    body: Any, model_names: set[str], max_seq_len: int, max_token_chars: int = 0
+) -> Parsed:
     common = parse_common(body, CHAT, model_names, max_seq_len, max_seq_len)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -440,15 +454,20 @@ def parse_chat(body: Any, model_names: set[str], max_seq_len: int) -> Parsed:
                 "invalid_type",
             )
         out.append({"role": "system" if role == "developer" else role, "content": content})
+    chars = sum(len(m["content"]) for m in out)
+    check_text_length(chars, max_seq_len, max_token_chars, "messages")
     return common.parsed("chat", out)
 
 
-def parse_completion(body: Any, model_names: set[str], max_seq_len: int) -> Parsed:
+def parse_completion(
+    body: Any, model_names: set[str], max_seq_len: int, max_token_chars: int = 0
+) -> Parsed:
     common = parse_common(body, COMPLETION, model_names, max_seq_len, 16)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
+        check_text_length(len(prompt), max_seq_len, max_token_chars, "prompt")
         return common.parsed("text", prompt)
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         return common.parsed("ids", prompt)

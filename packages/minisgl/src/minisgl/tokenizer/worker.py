@@ -50,6 +50,13 @@ def load_tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path)
 
 
+def max_token_chars(tok) -> int:
+    """An upper bound on the characters one token covers (byte-level tokens: one character per
+    byte), so a text longer than context x this can be refused before tokenizing it."""
+    names = tok.convert_ids_to_tokens(list(range(len(tok))))
+    return max((len(t) for t in names if t is not None), default=1)
+
+
 class TokenizerWorker:
     def __init__(self, tokenizer, codec: Codec) -> None:
         self.tok = tokenizer
@@ -167,7 +174,8 @@ def run_tokenizer_worker(index: int, model_path: str, ipc_dir: str, typed: bool)
         to_frontend.send(codec.encode(Ready(name, os.getpid(), error=repr(e))))
         to_frontend.close(linger=1000)
         raise
-    to_frontend.send(codec.encode(Ready(name, os.getpid())))
+    info = {"max_token_chars": max_token_chars(worker.tok)}
+    to_frontend.send(codec.encode(Ready(name, os.getpid(), info=info)))
     try:
         while alive():
             frames = ipc.drain(inbox, 500)
