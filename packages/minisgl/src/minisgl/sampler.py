@@ -62,6 +62,12 @@ def request_key(seed: int | None) -> int:
     return random.getrandbits(63) if seed is None else int(seed) & ((1 << 63) - 1)
 
 
+def _key(row: SampleRow) -> int:
+    """The row's key; a request added without one (`generator=None`) keys on its seed."""
+    key = row.generator
+    return key if isinstance(key, int) else request_key(row.params.seed)
+
+
 def _lshift_right(z: torch.Tensor, s: int) -> torch.Tensor:
     """Logical right shift of int64 (torch's >> is arithmetic)."""
     return (z >> s) & ((1 << (64 - s)) - 1)
@@ -215,7 +221,7 @@ def sample(
             y = y.index_copy(0, j, filter_top_k_top_p(y[j], k, top_p, bound))
         if any(p.min_p > 0 for p in ps):
             y = filter_min_p(y, _host([p.min_p for p in ps], torch.float32, dev))
-        keys = _host([rows[i].generator for i in rand], torch.int64, dev)
+        keys = _host([_key(rows[i]) for i in rand], torch.int64, dev)
         steps = _host([len(rows[i].output_ids) for i in rand], torch.int64, dev)
         gumbel = -torch.log(-torch.log(uniform_noise(keys, steps, vocab)))
         tokens = tokens.index_copy(0, idx, torch.argmax(y + gumbel, dim=-1))

@@ -48,7 +48,7 @@ def test_fuzz_endpoints_never_5xx(server):
     for op in ops:
 
         @given(case=op.as_strategy())
-        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+        @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
         def run(case):
             check(case, server)
 
