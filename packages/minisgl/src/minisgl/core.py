@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's threshold)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters (OpenAI / vLLM semantics).
 
-    temperature 0 (or top_k 1) means greedy. top_k <= 0 means no top-k filter.
+    temperature 0 (below 1e-5, or top_k 1) means greedy. top_k <= 0 means no top-k filter.
+    min_p 0 is off. presence / frequency penalties (OpenAI, on generated tokens) are in
+    [-2, 2]; repetition_penalty (HF / vLLM, on prompt and generated tokens) in (0, 2], 1 is off.
+    logit_bias maps token ids to a bias in [-100, 100] added to the logits. min_tokens: the
+    stop / EOS tokens are banned until that many tokens were generated. logprobs: None for
+    none, k >= 0 for the sampled token's logprob plus the k most likely (at most 20).
+    n: the number of samples `LLM.generate` draws per prompt (parallel sampling).
     """
 
     temperature: float = 0.0
@@ -20,6 +30,14 @@ class SamplingParams:
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | tuple[int, ...] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
+    min_tokens: int = 0
+    logprobs: int | None = None
+    n: int = 1
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -27,12 +45,45 @@ class SamplingParams:
             raise TypeError(f"max_tokens must be an int, got {type(self.max_tokens).__name__}")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):  # fmt: skip
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int):
-            raise TypeError(f"top_k must be an int, got {type(self.top_k).__name__}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        for name in ("top_k", "min_tokens", "n"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        lp = self.logprobs
+        if lp is not None and (
+            not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= 20
+        ):
+            raise ValueError(f"logprobs must be None or an int in [0, 20], got {lp!r}")
+        bias = self.logit_bias or ()
+        items = tuple(bias.items()) if isinstance(bias, Mapping) else tuple(bias)
+        pairs = []
+        for t, v in items:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {t!r}")
+            if not isinstance(v, int | float) or isinstance(v, bool) or not -100 <= v <= 100:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r}")
+            pairs.append((t, float(v)))
+        object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))
         stop = self.stop
         if stop is None:
             strings: tuple[str, ...] = ()
@@ -48,4 +99,12 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

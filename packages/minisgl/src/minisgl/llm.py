@@ -10,7 +10,7 @@ from typing import Any
 from minisgl.config import EngineConfig
 from minisgl.core import SamplingParams
 from minisgl.engine.engine import Engine
-from minisgl.sampler import make_generator, sample
+from minisgl.sampler import TokenLogprob, request_key, sample
 from minisgl.scheduler.backend import SchedulerBackend, SchedulerConfig
 from minisgl.scheduler.factory import make_scheduler
 from minisgl.scheduler.request import StepOutput
@@ -79,6 +79,8 @@ class LLM:
             )
         )
         self.last_run: dict[str, float] = {}
+        self.last_logprobs: dict[int, TokenLogprob] = {}  # rid -> the last step's logprobs
+        self.last_errors: dict[int, str] = {}  # rid -> why the last step failed it
 
     # ------------------------------------------------------------------ input
     def encode(self, prompt: Prompt) -> list[int]:
@@ -117,52 +119,88 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         encoded = [self.encode(p) for p in prompts]
+        # one choice per sample; choice j > 0 of a prompt is added once choice 0 is prefilled,
+        # so the prefix cache hands it the prompt's KV instead of recomputing it
+        choices = [(i, j) for i, p in enumerate(params) for j in range(p.n)]
         sched = self.scheduler
-        rids: list[int] = []
+        index: dict[int, int] = {}  # rid -> choice
+        held: dict[int, list[int]] = {}  # leader rid -> choices waiting for its prefill
+
+        def add(c: int) -> int:
+            i, j = choices[c]
+            p = params[i]
+            seed = None if p.seed is None else (p.seed + j) % 2**63
+            rid = sched.add_request(encoded[i], p, generator=request_key(seed))
+            index[rid] = c
+            return rid
+
         try:
-            for ids, p in zip(encoded, params, strict=True):
-                gen = make_generator(p.seed, self.engine.device)
-                rids.append(sched.add_request(ids, p, generator=gen))
+            for c, (i, j) in enumerate(choices):
+                if j == 0:
+                    rid = add(c)
+                    if params[i].n > 1:
+                        held[rid] = list(range(c + 1, c + params[i].n))
         except Exception:
-            for rid in rids:
+            for rid in index:
                 sched.abort(rid)
             raise
-        index = {rid: i for i, rid in enumerate(rids)}
-        outputs: list[list[int]] = [[] for _ in rids]
-        reasons: list[str | None] = [None] * len(rids)
-        texts: list[str | None] = [None] * len(rids)
+        outputs: list[list[int]] = [[] for _ in choices]
+        reasons: list[str | None] = [None] * len(choices)
+        texts: list[str | None] = [None] * len(choices)
+        logprobs: list[list[TokenLogprob] | None] = [
+            [] if params[i].logprobs is not None else None for i, _ in choices
+        ]
+        errors: list[str | None] = [None] * len(choices)
         t0 = time.perf_counter()
         while any(r is None for r in reasons):
             if not sched.has_work():  # never spin: a request vanished without finishing
-                lost = [rids[i] for i, r in enumerate(reasons) if r is None]
+                lost = [rid for rid, c in index.items() if reasons[c] is None]
                 raise RuntimeError(f"requests {lost} left the scheduler without finishing")
-            for out in self.step():
-                i = index.get(out.rid)
-                if i is None:
+            step_out = self.step()
+            for rid, err in self.last_errors.items():
+                c = index.get(rid)
+                if c is not None:
+                    reasons[c], errors[c] = "error", err
+            for out in step_out:
+                c = index.get(out.rid)
+                if c is None:
                     continue
-                outputs[i].append(out.token_id)
-                reasons[i] = out.finish_reason
-                stops = params[i].stop_strings
+                outputs[c].append(out.token_id)
+                reasons[c] = out.finish_reason
+                lp = self.last_logprobs.get(out.rid)
+                if lp is not None and logprobs[c] is not None:
+                    logprobs[c].append(lp)
+                stops = params[choices[c][0]].stop_strings
                 if stops and out.finish_reason is None:
-                    text, hit = self._check_stop(outputs[i], stops)
+                    text, hit = self._check_stop(outputs[c], stops)
                     if hit:
                         sched.finish(out.rid, "stop")
-                        reasons[i], texts[i] = "stop", text
+                        reasons[c], texts[c] = "stop", text
+            for rid in [r for r in held if r in self.last_errors or r not in sched.requests or
+                        sched.requests[r].output_ids]:  # fmt: skip
+                for c in held.pop(rid):
+                    add(c)
         elapsed = time.perf_counter() - t0
         self.last_run = {"elapsed_s": elapsed, "output_tokens": sum(map(len, outputs))}
-        results = []
-        for i, ids in enumerate(outputs):
-            text = texts[i]
+        samples = []
+        for c, ids in enumerate(outputs):
+            text = texts[c]
             if text is None:
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            results.append(
+            samples.append(
                 {
                     "text": text,
                     "token_ids": ids,
-                    "finish_reason": reasons[i],
-                    "prompt_tokens": len(encoded[i]),
+                    "finish_reason": reasons[c],
+                    "logprobs": logprobs[c],
+                    "error": errors[c],
                 }
             )
+        results, first = [], 0
+        for i, p in enumerate(params):
+            outs = samples[first : first + p.n]
+            first += p.n
+            results.append({**outs[0], "prompt_tokens": len(encoded[i]), "outputs": outs})
         return results
 
     def step(self) -> Sequence[StepOutput]:
@@ -172,9 +210,18 @@ class LLM:
             return []
         plan, reqs = planned
         logits = self.engine.forward(plan)
-        rows = plan.sample_rows.tolist()
-        tokens = sample(logits, [reqs[r].params for r in rows], [reqs[r].generator for r in rows])
-        return self.scheduler.commit(reqs, plan, tokens)
+        rows = [reqs[r] for r in plan.sample_rows.tolist()]
+        res = sample(logits, rows, self.scheduler.eos_token_ids)
+        outs = self.scheduler.commit(reqs, plan, res.tokens)
+        self.last_logprobs = {
+            r.rid: lp for r, lp in zip(rows, res.logprobs, strict=True) if lp is not None
+        }
+        self.last_errors = {r.rid: e for r, e in zip(rows, res.errors, strict=True) if e}
+        if self.last_errors:  # such a request fails alone; the others go on
+            for rid in self.last_errors:
+                self.scheduler.abort(rid)
+            outs = [o for o in outs if o.rid not in self.last_errors]
+        return outs
 
     def _check_stop(self, ids: list[int], stops: tuple[str, ...]) -> tuple[str, bool]:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)

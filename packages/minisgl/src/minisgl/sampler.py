@@ -1,45 +1,249 @@
-"""Batched sampling: greedy rows by argmax, the rest by temperature / top-k / top-p."""
+"""Batched sampling: one pass over a step's rows, per-request parameters held as tensors.
+
+Order (HF's): logit_bias, min_tokens (stop tokens banned), repetition / presence / frequency
+penalties, then temperature, top-k, top-p, min-p. Greedy rows (temperature < 1e-5 or
+top_k == 1) take the argmax of the processed logits. Sampled rows use the Gumbel-max trick
+with noise from a counter-based hash of (request key, step, token id): a request's draws do
+not depend on what else is in the batch, need no per-request `torch.Generator` (a per-row
+loop), and are the same on CPU and CUDA. A request's key is its `seed`, or a random 63-bit
+number drawn when it is added.
+
+A row whose logits are NaN / +inf, or left with no allowed token, fails alone (its error is
+in `SampleResult.errors`); the other rows are sampled normally. Logprobs are those of the
+raw model distribution (`log_softmax` of the logits before any processing), as vLLM's
+default.
+"""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from minisgl.core import SamplingParams
 
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as signed int64
+_C1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_C2 = 0x94D049BB133111EB - (1 << 64)
 
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    if seed is None:
-        return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
+
+class SampleRow(Protocol):
+    """What the sampler reads of a request (`Req` and `RustReq` both have it)."""
+
+    params: SamplingParams
+    generator: int  # the request key (see `request_key`)
+    input_ids: np.ndarray
+
+    @property
+    def output_ids(self) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the `logprobs` most likely tokens, best first
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    tokens: list[int]
+    errors: list[str | None]  # per row: why it failed, or None
+    logprobs: list[TokenLogprob | None]  # per row, for requests that asked
+
+
+def request_key(seed: int | None) -> int:
+    """The key a request's random draws derive from: its seed, else a fresh random one."""
+    return random.getrandbits(63) if seed is None else int(seed) & ((1 << 63) - 1)
+
+
+def _key(row: SampleRow) -> int:
+    """The row's key; a request added without one (`generator=None`) keys on its seed."""
+    key = row.generator
+    return key if isinstance(key, int) else request_key(row.params.seed)
+
+
+def _lshift_right(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 tensors (wrapping multiplication)."""
+    z = (z ^ _lshift_right(z, 30)) * _C1
+    z = (z ^ _lshift_right(z, 27)) * _C2
+    return z ^ _lshift_right(z, 31)
+
+
+def uniform_noise(keys: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 [rows, vocab] in (0, 1): a pure function of (key, step, token id)."""
+    base = _mix(keys ^ _mix(steps * _GOLDEN + 1))
+    ids = torch.arange(vocab, device=keys.device, dtype=torch.int64) * _GOLDEN
+    z = _mix(base[:, None] + ids[None, :])
+    return (_lshift_right(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def _host(values, dtype, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def _counts(tokens: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:
+    """[rows, vocab] float32 occurrence counts of each row's tokens."""
+    width = max((len(t) for t in tokens), default=0)
+    pad = np.full((len(tokens), max(width, 1)), vocab, dtype=np.int64)
+    for i, t in enumerate(tokens):  # host-side gather of the histories (no device work)
+        pad[i, : len(t)] = t
+    idx = torch.from_numpy(pad).to(device, non_blocking=True)
+    out = torch.zeros(len(tokens), vocab + 1, dtype=torch.float32, device=device)
+    out.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float32))
+    return out[:, :vocab]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    outputs: Sequence[Sequence[int]],
+    prompts: Sequence[Sequence[int]],
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """OpenAI's presence / frequency penalties on output tokens; HF's / vLLM's repetition
+    penalty on prompt and output tokens (positive logits divided, negative multiplied)."""
+    vocab = logits.shape[-1]
+    counts = _counts(outputs, vocab, logits.device)
+    seen = (counts + _counts(prompts, vocab, logits.device)) > 0
+    rp = repetition[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
+def filter_top_k_top_p(
+    y: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, k_bound: int = 0
+) -> torch.Tensor:
+    """Per-row top-k (ties at the k-th value kept, as HF) then top-p on the renormalized rest.
+
+    `k_bound` > 0: every row has top_k <= k_bound, so only the best k_bound values are sorted
+    (exact float ties with the k-th value beyond those are then dropped); otherwise (a row
+    without top-k) the whole vocabulary is sorted."""
+    if 0 < k_bound < y.shape[-1]:
+        return _filter_bounded(y, top_k, top_p, k_bound)
+    sv, si = y.sort(dim=-1, descending=True)
+    kth = sv.gather(1, (top_k - 1)[:, None])
+    sv = sv.masked_fill(sv < kth, float("-inf"))
+    probs = torch.softmax(sv, dim=-1)
+    drop_sorted = (probs.cumsum(dim=-1) - probs) > top_p[:, None]  # keep the prefix reaching p
+    drop = torch.zeros_like(drop_sorted).scatter_(1, si, drop_sorted)
+    return y.masked_fill((y < kth) | drop, float("-inf"))
+
+
+def _filter_bounded(
+    y: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, k_bound: int
+) -> torch.Tensor:
+    sv, si = y.topk(k_bound, dim=-1)  # sorted, best first
+    kth = sv.gather(1, (top_k - 1)[:, None])
+    sv = sv.masked_fill(sv < kth, float("-inf"))
+    probs = torch.softmax(sv, dim=-1)
+    drop = ((probs.cumsum(dim=-1) - probs) > top_p[:, None]) | (sv == float("-inf"))
+    keep = torch.zeros_like(y, dtype=torch.bool).scatter_(1, si, ~drop)
+    return y.masked_fill(~keep, float("-inf"))
+
+
+def filter_min_p(y: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = torch.softmax(y, dim=-1)
+    keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return y.masked_fill(~keep, float("-inf"))
 
 
 def sample(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
-) -> list[int]:
-    """logits: float32 [n, vocab]; one SamplingParams and generator per row."""
-    out = torch.argmax(logits, dim=-1)
+    logits: torch.Tensor, rows: Sequence[SampleRow], eos_ids: frozenset[int] = frozenset()
+) -> SampleResult:
+    """logits: [len(rows), vocab]; one request per row."""
+    n, vocab = logits.shape
+    dev = logits.device
+    raw = logits.float()
+    params = [r.params for r in rows]
+    x = raw
+    # logit_bias and min_tokens: sparse (row, token) edits gathered on the host
+    b_rows, b_cols, b_vals = [], [], []
     for i, p in enumerate(params):
-        if not p.is_greedy:
-            out[i] = _sample_row(logits[i], p, generators[i])
-    return out.tolist()
-
-
-def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    logits = logits / p.temperature
-    if 0 < p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_probs, dim=-1)
-        drop = cum - sorted_probs > p.top_p  # keep the smallest prefix reaching top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+        for t, v in p.logit_bias:
+            b_rows.append(i)
+            b_cols.append(t)
+            b_vals.append(v)
+    early = [i for i, p in enumerate(params) if p.min_tokens]
+    early = [i for i in early if len(rows[i].output_ids) < params[i].min_tokens]
+    for i in early:
+        p = params[i]
+        stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_ids))
+        for t in sorted(s for s in stops if 0 <= s < vocab):
+            b_rows.append(i)
+            b_cols.append(t)
+            b_vals.append(float("-inf"))
+    if b_rows:
+        x = x.index_put(
+            (_host(b_rows, torch.int64, dev), _host(b_cols, torch.int64, dev)),
+            _host(b_vals, torch.float32, dev),
+            accumulate=True,
+        )
+    pen = [i for i, p in enumerate(params) if p.has_penalties]
+    if pen:
+        idx = _host(pen, torch.int64, dev)
+        sub = apply_penalties(
+            x[idx],
+            [rows[i].output_ids for i in pen],
+            [rows[i].input_ids if params[i].repetition_penalty != 1.0 else () for i in pen],
+            _host([params[i].presence_penalty for i in pen], torch.float32, dev),
+            _host([params[i].frequency_penalty for i in pen], torch.float32, dev),
+            _host([params[i].repetition_penalty for i in pen], torch.float32, dev),
+        )
+        x = x.index_copy(0, idx, sub)
+    tokens = torch.argmax(x, dim=-1)
+    bad = torch.isnan(raw).any(dim=-1) | torch.isposinf(raw).any(dim=-1)
+    bad |= ~(x > float("-inf")).any(dim=-1)
+    rand = [i for i, p in enumerate(params) if not p.is_greedy]
+    if rand:
+        idx = _host(rand, torch.int64, dev)
+        ps = [params[i] for i in rand]
+        y = x[idx] / _host([p.temperature for p in ps], torch.float32, dev)[:, None]
+        cut = [j for j, p in enumerate(ps) if 0 < p.top_k < vocab or p.top_p < 1.0]
+        if cut:  # only the rows that filter pay for the sort
+            cps = [ps[j] for j in cut]
+            k = _host([p.top_k if 0 < p.top_k < vocab else vocab for p in cps], torch.int64, dev)
+            top_p = _host([p.top_p for p in cps], torch.float32, dev)
+            j = _host(cut, torch.int64, dev)
+            bounded = all(0 < p.top_k < vocab for p in cps)
+            bound = max(p.top_k for p in cps) if bounded else 0
+            y = y.index_copy(0, j, filter_top_k_top_p(y[j], k, top_p, bound))
+        if any(p.min_p > 0 for p in ps):
+            y = filter_min_p(y, _host([p.min_p for p in ps], torch.float32, dev))
+        keys = _host([_key(rows[i]) for i in rand], torch.int64, dev)
+        steps = _host([len(rows[i].output_ids) for i in rand], torch.int64, dev)
+        gumbel = -torch.log(-torch.log(uniform_noise(keys, steps, vocab)))
+        tokens = tokens.index_copy(0, idx, torch.argmax(y + gumbel, dim=-1))
+        bad = bad.index_copy(0, idx, bad[idx] | y.isnan().any(dim=-1))
+    lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    lp_vals = lp_top = None
+    if lp_rows:
+        idx = _host(lp_rows, torch.int64, dev)
+        lps = torch.log_softmax(raw[idx], dim=-1)
+        lp_vals = lps.gather(1, tokens[idx][:, None])[:, 0].tolist()
+        k = max(params[i].logprobs for i in lp_rows)
+        if k:
+            top = lps.topk(k, dim=-1)
+            lp_top = (top.indices.tolist(), top.values.tolist())
+    token_list, bad_list = tokens.tolist(), bad.tolist()
+    logprobs: list[TokenLogprob | None] = [None] * n
+    for j, i in enumerate(lp_rows):
+        k = params[i].logprobs
+        top = tuple(zip(lp_top[0][j][:k], lp_top[1][j][:k], strict=True)) if k else ()
+        logprobs[i] = TokenLogprob(token_list[i], lp_vals[j], top)
+    errors = [
+        "the model produced non-finite logits (or no allowed token) for this request" if b else None
+        for b in bad_list
+    ]
+    return SampleResult(token_list, errors, logprobs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -111,6 +112,7 @@ def running_server(model_dir, *extra: str, log_dir: Path, env: dict | None = Non
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
             )
         server = ServerHandle(proc, port, ipc_root, log_path)
+        server.model_dir = Path(model_dir)
         try:
             server.wait_ready()
             break
@@ -134,3 +136,11 @@ def running_server(model_dir, *extra: str, log_dir: Path, env: dict | None = Non
         assert code is not None, f"server ignored SIGTERM for {STOP_TIMEOUT_S}s:\n{server.log()}"
         assert not survivors, f"child processes survived: {survivors}"
         assert not leftover, f"ipc files left behind: {leftover}"
+
+
+def metric(text: str, name: str, labels: str = "", default: float | None = None) -> float:
+    m = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
+    if m is None and default is not None:  # a labelled counter appears at its first event
+        return default
+    assert m, f"{name}{labels} missing"
+    return float(m.group(1))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from server_harness import metric
 
 LONG_IDS = list(range(3, 303))  # 300 tokens > the 256-token context
 
@@ -50,15 +51,27 @@ CASES = [
         "stream_options",
         None,
     ),
-    ("chat", {"messages": CHAT, "n": 2}, 400, "n", "unsupported_parameter"),
-    ("chat", {"messages": CHAT, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
+    ("chat", {"messages": CHAT, "n": 0}, 400, "n", None),
+    ("chat", {"messages": CHAT, "n": 1000}, 400, "n", None),
+    ("chat", {"messages": CHAT, "presence_penalty": 2.5}, 400, "presence_penalty", None),
+    ("chat", {"messages": CHAT, "repetition_penalty": 0}, 400, "repetition_penalty", None),
+    ("chat", {"messages": CHAT, "min_p": 1.5}, 400, "min_p", None),
+    ("chat", {"messages": CHAT, "min_tokens": 50, "max_tokens": 5}, 400, "min_tokens", None),
+    ("chat", {"messages": CHAT, "logit_bias": {"x": 1}}, 400, "logit_bias", None),
+    ("chat", {"messages": CHAT, "logit_bias": {"5": 101}}, 400, "logit_bias", None),
+    ("chat", {"messages": CHAT, "logit_bias": {"999999": 1}}, 400, "logit_bias", None),
     (
         "chat",
-        {"messages": CHAT, "frequency_penalty": 0.5},
+        {"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function"}]}]},
         400,
-        "frequency_penalty",
+        "messages[0].tool_calls",
         "unsupported_parameter",
     ),
+    ("chat", {"messages": CHAT, "logprobs": 3}, 400, "logprobs", "invalid_type"),
+    ("chat", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", None),
+    ("chat", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
+    ("completions", {"prompt": "hi", "logprobs": -1}, 400, "logprobs", None),
+    ("chat", {"messages": CHAT, "frequency_penalty": -3}, 400, "frequency_penalty", None),
     ("chat", {"messages": CHAT, "foo": 1}, 400, "foo", "unsupported_parameter"),
     ("chat", {"messages": "hi"}, 400, "messages", "invalid_type"),
     ("chat", {"messages": []}, 400, "messages", None),
@@ -75,11 +88,11 @@ CASES = [
         "chat",
         {"messages": [{"role": "user", "content": "fox " * 400}]},
         400,
-        "any",
+        "messages",
         "context_length_exceeded",
     ),
-    ("completions", {"prompt": LONG_IDS}, 400, "any", "context_length_exceeded"),
-    ("completions", {"prompt": LONG_IDS, "stream": True}, 400, "any", "context_length_exceeded"),
+    ("completions", {"prompt": LONG_IDS}, 400, "prompt", "context_length_exceeded"),
+    ("completions", {"prompt": LONG_IDS, "stream": True}, 400, "prompt", "context_length_exceeded"),
     ("completions", {"prompt": [1, 2, 10**6]}, 400, "prompt", None),
     ("completions", {"prompt": [1, -2]}, 400, "prompt", None),
     ("completions", {"prompt": {"text": "x"}}, 400, "prompt", "invalid_type"),
@@ -87,7 +100,7 @@ CASES = [
     ("completions", {"prompt": ["a", "b"]}, 400, "prompt", "unsupported_parameter"),
     ("completions", {"prompt": "hi", "echo": True}, 400, "echo", "unsupported_parameter"),
     ("completions", {"prompt": "hi", "best_of": 3}, 400, "best_of", "unsupported_parameter"),
-    ("completions", {"prompt": "hi", "n": 3}, 400, "n", "unsupported_parameter"),
+    ("completions", {"prompt": "hi", "n": 3.5}, 400, "n", "invalid_type"),
     ("completions", {"prompt": "hi", "model": "nope"}, 404, "model", "model_not_found"),
 ]
 
@@ -119,7 +132,7 @@ def test_openai_client_sees_typed_errors(server):
     c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", timeout=30, max_retries=0)
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(
-            model="x" if False else c.models.list().data[0].id, messages=CHAT, n=2
+            model="x" if False else c.models.list().data[0].id, messages=CHAT, n=0
         )
     assert "n" in str(e.value)
     with pytest.raises(openai.NotFoundError):
@@ -136,3 +149,62 @@ def test_server_keeps_serving_after_bad_input(http):
     )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert http.get("/health").status_code == 200
+
+
+# Bodies that used to pass validation and then fail after the request was registered (a 500
+# whose in-flight slot was never released: ~320 of them locked every client out with 429s).
+POISON = [
+    ("completions", b'{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+    ("chat", b'{"messages": [{"role": "user", "content": "a\\udfffb"}], "max_tokens": 2}', None),
+    ("completions", b'{"prompt": [1, 18446744073709551616], "max_tokens": 2}', "prompt"),
+    ("completions", b'{"prompt": "hi", "top_k": 18446744073709551617}', "top_k"),
+    ("completions", b'{"prompt": "hi", "stop_token_ids": [18446744073709551616]}', None),
+    ("chat", b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud800"]}', "stop"),
+]
+
+
+def in_flight(http) -> float:
+    return metric(http.get("/metrics").text, "minisgl_requests_in_flight")
+
+
+@pytest.mark.parametrize("endpoint,raw,param", POISON, ids=[f"poison-{i}" for i in range(6)])
+def test_unencodable_input_is_400_and_releases_its_slot(http, endpoint, raw, param):
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    headers = {"content-type": "application/json"}
+    for _ in range(40):  # a flood: every one must be answered and released
+        r = http.post(path, content=raw, headers=headers)
+        err = assert_error(r, 400)
+        if param is not None:
+            assert err["param"] == param, err
+    assert http.get("/health").json()["in_flight"] == 0
+    assert in_flight(http) == 0
+    ok = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2, "temperature": 0})
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",
+        b'{"prompt": [' + b"7" * 5000 + b"]}",
+    ],
+    ids=["deep-nesting", "5000-digit-max-tokens", "5000-digit-token-id"],
+)
+def test_pathological_json_is_400(http, raw):
+    r = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert_error(r, 400)
+    assert http.get("/health").json()["in_flight"] == 0
+
+
+def test_text_that_cannot_fit_is_refused_before_tokenizing(http, llm_ref):
+    """A huge prompt must not stall the tokenizer (every other request waits behind it)."""
+    from minisgl.tokenizer.worker import max_token_chars
+
+    n = 256 * max_token_chars(llm_ref.tokenizer) + 1
+    r = http.post("/v1/completions", json={"prompt": "a" * n})
+    err = assert_error(r, 400, "prompt", "context_length_exceeded")
+    assert "before tokenizing" in err["message"]
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a" * n}]})
+    assert_error(r, 400, "messages", "context_length_exceeded")
+    assert http.get("/health").json()["in_flight"] == 0

@@ -83,13 +83,16 @@ def test_options_then_sigint_with_request_in_flight(tiny_model_dir, tmp_path, ll
             httpx.get(s.base_url + "/health", timeout=2)
 
 
-def test_dead_worker_fails_health_and_inflight_requests(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_dead_worker_fails_health_and_inflight_requests(tiny_model_dir, tmp_path, sig):
+    """SIGTERM reaching the engine worker mid-step used to be swallowed (caught as an engine
+    error that failed the batch while the worker lived on): it must stop the worker."""
     with running_server(tiny_model_dir("llama"), log_dir=tmp_path) as s:
         pid = s.worker_pids()["scheduler"]
         t, res = start_stream(s.base_url)
         assert res["started"].wait(60)
         t0 = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
         t.join(15)
         assert not t.is_alive(), "in-flight request hung after the scheduler died"
         assert res["error"], res
@@ -102,6 +105,8 @@ def test_dead_worker_fails_health_and_inflight_requests(tiny_model_dir, tmp_path
         m = httpx.get(s.base_url + "/metrics", timeout=5).text
         assert "minisgl_healthy 0" in m
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+        # then the launcher drains and exits non-zero (a supervisor restarts it)
+        assert s.proc.wait(60) == 1, s.log()
 
 
 def test_shell_chat_over_stdin(server):

@@ -4,22 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 
 import httpx
 import pytest
-from server_harness import MAX_QUEUED, MAX_RUNNING, running_server
+from server_harness import MAX_QUEUED, MAX_RUNNING, metric, running_server
 
 LIMIT = MAX_RUNNING + MAX_QUEUED  # 64
-
-
-def metric(text: str, name: str, labels: str = "", default: float | None = None) -> float:
-    m = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
-    if m is None and default is not None:  # a labelled counter appears at its first event
-        return default
-    assert m, f"{name}{labels} missing"
-    return float(m.group(1))
 
 
 def metrics(server) -> str:
@@ -185,3 +176,60 @@ def test_nonstream_disconnect_aborts(slow_server):
     aborted, gen = counts(slow_server)
     assert aborted - aborted0 == 1
     assert gen - gen0 < 250, "the request whose client left was completed"
+
+
+async def _stream(client: httpx.AsyncClient, body: dict, started: asyncio.Event | None) -> dict:
+    out = {"finish": None, "error": None, "status": None}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        out["status"] = r.status_code
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            c = json.loads(line[6:])
+            if "error" in c:
+                out["error"] = c["error"]
+                break
+            if started is not None:
+                started.set()
+            if c["choices"]:
+                out["finish"] = c["choices"][0]["finish_reason"] or out["finish"]
+    return out
+
+
+def test_poison_request_does_not_hurt_running_streams(slow_server):
+    """temperature=1e-40 used to make NaN and fail every running request with 500."""
+
+    async def main():
+        async with httpx.AsyncClient(base_url=slow_server.base_url, timeout=120) as c:
+            events = [asyncio.Event() for _ in range(8)]
+            streams = [
+                asyncio.create_task(
+                    _stream(
+                        c,
+                        {
+                            "prompt": f"story {i}",
+                            "max_tokens": 200,
+                            "temperature": 0.8,
+                            "seed": i,
+                            "ignore_eos": True,
+                            "stream": True,
+                        },
+                        events[i],
+                    )
+                )
+                for i in range(8)
+            ]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
+            poison = await c.post(
+                "/v1/completions",
+                json={"prompt": "poison", "max_tokens": 8, "temperature": 1e-40},
+            )
+            overlapped = not any(t.done() for t in streams)  # the 8 streams were still running
+            return poison, overlapped, await asyncio.gather(*streams)
+
+    poison, overlapped, results = asyncio.run(main())
+    assert poison.status_code == 200, poison.text
+    assert poison.json()["usage"]["completion_tokens"] >= 1
+    for res in results:
+        assert res == {"finish": "length", "error": None, "status": 200}
+    assert overlapped

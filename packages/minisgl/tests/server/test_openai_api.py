@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 
 import httpx
 import openai
@@ -36,6 +38,10 @@ def test_health_and_models(server, client):
     assert set(h.json()["workers"]) == {"scheduler", "tokenizer0"}
     models = client.models.list().data
     assert len(models) == 1 and models[0].object == "model"
+    # the model folder's name, never a local path; every response says the same
+    assert models[0].id == os.path.basename(str(server.model_dir)) and "/" not in models[0].id
+    r = client.completions.create(model=models[0].id, prompt="hi", max_tokens=1)
+    assert r.model == models[0].id
 
 
 def test_completion_matches_llm_generate(client, model, llm_ref):
@@ -116,9 +122,10 @@ def test_completion_stream_raw_sse(server, model, llm_ref):
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
     assert events[-1] == "data: [DONE]"
+    assert events[0].startswith(":")  # the SSE comment sent once the request is queued
     import json
 
-    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    chunks = [json.loads(e[len("data: ") :]) for e in events[1:-1]]
     assert all(c["object"] == "text_completion" for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
@@ -221,3 +228,16 @@ def test_metrics_exposition(server, client, model):
         "minisgl_cpu_backend",
     ):
         assert name in text, name
+
+
+def test_every_metric_family_has_help_and_type(server):
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    helps = set(re.findall(r"^# HELP (\S+) ", text, re.M))
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    assert helps == set(types)
+    for line in text.splitlines():
+        if line.startswith("#") or not line:
+            continue
+        name = re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", line).group(0)
+        family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in types else name
+        assert family in types, line

@@ -14,6 +14,7 @@ from minisgl.message.schema import (
     SCHEMA_VERSION,
     AbortReq,
     AddReq,
+    Admitted,
     Codec,
     DetokOut,
     FinishReq,
@@ -52,6 +53,7 @@ SAMPLES = [
     Ready("scheduler", 99, {"max_seq_len": 256}, None),
     Stats({"running": 1, "cpu_backend": {"served": {"python": {"schedule": 3}}}}),
     Shutdown("bye"),
+    Admitted(np.array([3, 9], dtype=np.int64)),
 ]
 
 

@@ -99,7 +99,7 @@ def run_minisgl(
 ) -> dict[str, Any]:
     """Feed `items` into the scheduler at their arrival times and step until all finish."""
     from minisgl.core import SamplingParams
-    from minisgl.sampler import make_generator
+    from minisgl.sampler import request_key
 
     flushed = _flush_prefix_cache(llm)
     sched = llm.scheduler
@@ -123,8 +123,8 @@ def run_minisgl(
                 params = SamplingParams(
                     temperature=0.0, max_tokens=item.max_tokens, ignore_eos=True
                 )
-                gen = make_generator(params.seed, llm.engine.device)
-                rid = sched.add_request(item.prompt_ids, params, generator=gen)
+                key = request_key(params.seed)
+                rid = sched.add_request(item.prompt_ids, params, generator=key)
                 index[rid] = order[pos]
                 pos += 1
             if not sched.has_work():

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: penalties, min_p, logit_bias, min_tokens, logprobs, prefix_leader, Admitted
 
 
 class SchemaError(ValueError):
@@ -54,19 +54,17 @@ class WireParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: list[list] | None = None  # [[token id, bias], ...]
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prefix_leader: int = 0  # uid whose prefill this choice waits for (n > 1); 0: none
 
     def pack(self) -> list:
-        return [
-            self.temperature,
-            self.top_k,
-            self.top_p,
-            self.max_tokens,
-            self.ignore_eos,
-            self.seed,
-            self.stop,
-            self.stop_token_ids,
-            self.skip_special_tokens,
-        ]
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
 
     @classmethod
     def unpack(cls, v: list) -> WireParams:
@@ -84,6 +82,13 @@ class WireParams:
             ignore_eos=self.ignore_eos,
             seed=self.seed,
             stop_token_ids=self.stop_token_ids,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            logit_bias=tuple((int(t), float(b)) for t, b in self.logit_bias or ()),
+            min_tokens=self.min_tokens,
+            logprobs=self.logprobs,
         )
 
 
@@ -165,6 +170,7 @@ class TokenOut(Message):
     uids: np.ndarray
     tokens: np.ndarray
     finished: list  # list[str | None], aligned with uids
+    logprobs: list = field(default_factory=list)  # [] or per row: None | [lp, top ids, top lps]
 
 
 @dataclass(slots=True)
@@ -189,6 +195,7 @@ class DetokOut(Message):
     counts: list  # tokens generated since the last message
     finished: list  # reason or None
     prompt_tokens: list
+    logprobs: list = field(default_factory=list)  # per uid: None | [[token, lp, [[t, lp]..]]..]
 
 
 @dataclass(slots=True)
@@ -211,6 +218,16 @@ class Stats(Message):
 
 
 @dataclass(slots=True)
+class Admitted(Message):
+    """Scheduler -> API server: these requests passed validation and are queued (a stream sends
+    its headers now, not at its first token)."""
+
+    TAG: ClassVar[int] = 11
+    ARRAYS: ClassVar[dict[str, Any]] = {"uids": np.int64}
+    uids: np.ndarray
+
+
+@dataclass(slots=True)
 class Shutdown(Message):
     TAG: ClassVar[int] = 10
     reason: str = ""
@@ -229,6 +246,7 @@ MESSAGES: dict[int, type[Message]] = {
         Ready,
         Stats,
         Shutdown,
+        Admitted,
     )
 }
 BY_NAME: dict[str, type[Message]] = {c.__name__: c for c in MESSAGES.values()}

@@ -19,6 +19,10 @@ class RequestError(ValueError):
     """The request can never be served as asked (empty prompt, longer than the context...)."""
 
 
+class ContextLengthError(RequestError):
+    """The prompt (plus its generated tokens) does not fit the context or the KV pool."""
+
+
 def pages(tokens: int, page_size: int) -> int:
     """Pages needed to hold `tokens` tokens."""
     return -(-tokens // page_size)
@@ -37,13 +41,13 @@ def validate_request(
     if len(ids) == 0:
         raise RequestError("prompt is empty: at least one token is required")
     if len(ids) >= max_seq_len:
-        raise RequestError(
+        raise ContextLengthError(
             f"prompt has {len(ids)} tokens, the context holds {max_seq_len} "
             "(prompt plus at least one generated token)"
         )
     max_total = min(len(ids) + params.max_tokens, max_seq_len)
     if pages(max_total, page_size) > num_pages:
-        raise RequestError(
+        raise ContextLengthError(
             f"request needs {max_total} tokens of KV, the pool holds {num_pages * page_size}"
         )
     return ids, max_total

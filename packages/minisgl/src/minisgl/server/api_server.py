@@ -16,6 +16,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl.message.schema import (
     AbortReq,
+    Admitted,
     Codec,
     DetokOut,
     Ready,
@@ -36,6 +38,7 @@ from minisgl.message.schema import (
 from minisgl.server import ipc
 from minisgl.server.args import ServerArgs
 from minisgl.server.metrics import Metrics
+from minisgl.server.openapi import request_bodies
 from minisgl.server.protocol import APIError, Parsed, parse_chat, parse_completion
 
 RETRY_AFTER_S = "1"
@@ -46,17 +49,64 @@ class ClientGone(Exception):
     """The HTTP client disconnected: the request is aborted."""
 
 
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """New text of one choice (`finish`: its finish reason once it ended)."""
+
+    index: int
+    text: str
+    finish: str | None
+    logprobs: list | None = None  # [[token, logprob, [[token, logprob], ...]], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One choice failed (bad prompt, engine error, worker gone, shutdown)."""
+
+    index: int
+    error: APIError
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """One choice passed validation and is queued in the scheduler."""
+
+    index: int
+
+
+Item = Chunk | Failure | Accepted
+
+
 @dataclass(eq=False)
 class ReqState:
+    """One choice of a request, as the engine sees it (one uid)."""
+
     uid: int
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    index: int
+    queue: asyncio.Queue  # shared by every choice of the request
     t_start: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
     t_last: float | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finished: bool = False
+
+
+@dataclass(eq=False)
+class Job:
+    """A request's choices (n of them) and its output queue; `Frontend.job` owns its lifetime."""
+
+    states: list[ReqState]
+    queue: asyncio.Queue
     checked: float = field(default_factory=time.monotonic)  # last client-disconnect check
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.states[0].prompt_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(st.completion_tokens for st in self.states)
 
 
 class Frontend:
@@ -65,8 +115,9 @@ class Frontend:
     def __init__(self, args: ServerArgs, model_path: str, ipc_dir: str) -> None:
         self.args = args
         self.model_path = model_path
-        self.model_name = args.served_model_name or model_path
-        self.model_names = {self.model_name, os.path.basename(self.model_name.rstrip("/"))}
+        # the name clients see: --served-model-name, else the model folder's name (never a path)
+        self.model_name = args.served_model_name or os.path.basename(model_path.rstrip("/"))
+        self.model_names = {self.model_name, model_path, model_path.rstrip("/")}
         self.ipc_dir = ipc_dir
         self.codec = Codec(args.transport != "generic")
         self.ctx = zmq.Context()
@@ -131,9 +182,11 @@ class Frontend:
         now = time.perf_counter()
         for msg in msgs:
             if isinstance(msg, DetokOut):
-                for uid, text, count, fin, ptoks in zip(
-                    msg.uids, msg.texts, msg.counts, msg.finished, msg.prompt_tokens, strict=True
-                ):
+                lps = msg.logprobs or [None] * len(msg.uids)
+                for uid, text, count, fin, ptoks, lp in zip(
+                    msg.uids, msg.texts, msg.counts, msg.finished, msg.prompt_tokens, lps,
+                    strict=True,
+                ):  # fmt: skip
                     st = self.reqs.get(uid)
                     if st is None:
                         continue
@@ -142,11 +195,16 @@ class Frontend:
                     st.t_last = now
                     st.prompt_tokens = ptoks
                     st.completion_tokens += count
-                    st.queue.put_nowait(("data", text, fin))
+                    st.queue.put_nowait(Chunk(st.index, text, fin, lp))
             elif isinstance(msg, Reject):
                 st = self.reqs.get(msg.uid)
                 if st is not None:
-                    st.queue.put_nowait(("error", msg, None))
+                    st.queue.put_nowait(Failure(st.index, reject_to_error(msg)))
+            elif isinstance(msg, Admitted):
+                for uid in msg.uids.tolist():
+                    st = self.reqs.get(uid)
+                    if st is not None:
+                        st.queue.put_nowait(Accepted(st.index))
 
     def wait_ready(self, names: list[str], timeout: float, alive) -> dict[str, Ready]:
         """Block until every worker in `names` reported Ready; raise if one failed or died."""
@@ -179,64 +237,87 @@ class Frontend:
 
     def fail_all(self, reason: str, status: int = 503) -> None:
         for uid, st in list(self.reqs.items()):
-            st.queue.put_nowait(("error", Reject(uid, reason, status, "service_unavailable"), None))
+            err = reject_to_error(Reject(uid, reason, status, "service_unavailable"))
+            st.queue.put_nowait(Failure(st.index, err))
 
     # ------------------------------------------------------------------ requests
-    def submit(self, parsed: Parsed) -> ReqState:
+    def _admission_error(self, n: int) -> APIError | None:
+        retry = {"Retry-After": RETRY_AFTER_S}
         if self.unhealthy is not None:
-            raise APIError(
-                503,
-                f"server unhealthy: {self.unhealthy}",
-                None,
-                "service_unavailable",
-                {"Retry-After": RETRY_AFTER_S},
-            )
+            msg = f"server unhealthy: {self.unhealthy}"
+            return APIError(503, msg, None, "service_unavailable", retry)
         if not self.serving:
-            raise APIError(
-                503,
-                "server is shutting down",
-                None,
-                "service_unavailable",
-                {"Retry-After": RETRY_AFTER_S},
-            )
-        if len(self.reqs) >= self.args.queue_limit:
+            return APIError(503, "server is shutting down", None, "service_unavailable", retry)
+        if len(self.reqs) + n > self.args.queue_limit:
             self.metrics.count_request("rejected_overload")
-            raise APIError(
+            return APIError(
                 429,
                 f"server overloaded: {len(self.reqs)} requests in flight (limit "
                 f"{self.args.queue_limit}); retry later",
                 None,
                 "rate_limit_exceeded",
-                {"Retry-After": RETRY_AFTER_S},
+                retry,
             )
-        uid = next(self.uids)
-        st = ReqState(uid)
-        self.reqs[uid] = st
-        msg = TokenizeReq(uid, parsed.kind, parsed.prompt, parsed.params)
-        self.to_tok[uid % len(self.to_tok)].send(self.codec.encode(msg))
-        return st
+        return None
+
+    @contextlib.asynccontextmanager
+    async def job(self, parsed: Parsed) -> AsyncIterator[Job]:
+        """Admit a request (n choices, one uid each), send it to the tokenizers, yield it; on
+        every way out, whatever has not finished is aborted and released (the in-flight count
+        is exactly what is really in flight)."""
+        err = self._admission_error(parsed.n)
+        if err is not None:
+            raise err
+        uids = [next(self.uids) for _ in range(parsed.n)]
+        try:  # encode first: nothing is registered for a body that cannot travel
+            frames = [
+                self.codec.encode(TokenizeReq(uid, parsed.kind, parsed.prompt, p))
+                for uid, p in zip(uids, parsed.choice_params(uids), strict=True)
+            ]
+        except (ValueError, TypeError, OverflowError) as e:
+            raise APIError(400, f"the request cannot be encoded: {e}", None, "invalid_value") from e
+        queue: asyncio.Queue = asyncio.Queue()
+        job = Job([ReqState(uid, i, queue) for i, uid in enumerate(uids)], queue)
+        for st in job.states:
+            self.reqs[st.uid] = st
+        try:
+            for st, frame in zip(job.states, frames, strict=True):
+                self.to_tok[st.uid % len(self.to_tok)].send(frame)
+            yield job
+        finally:
+            for st in job.states:
+                self.abort(st)
 
     def abort(self, st: ReqState) -> None:
+        """Release a choice that has not finished (no-op for a finished one)."""
         if self.reqs.pop(st.uid, None) is not None and not st.finished:
+            st.finished = True
             self.metrics.count_request("aborted")
             with contextlib.suppress(zmq.ZMQError):
                 self.to_tok[st.uid % len(self.to_tok)].send(self.codec.encode(AbortReq(st.uid)))
 
-    def complete(self, st: ReqState, outcome: str) -> None:
+    def settle(self, st: ReqState) -> None:
+        """A choice ended on the engine's side (finished or rejected): nothing to abort."""
         st.finished = True
         self.reqs.pop(st.uid, None)
+
+    def complete(self, job: Job, outcome: str) -> None:
+        """The request ended (`ok` or `error`): choices still running are aborted."""
+        for st in job.states:
+            self.abort(st)
         self.metrics.count_request(outcome)
         if outcome != "ok":
             return
         m = self.metrics
-        m.generated_tokens += st.completion_tokens
-        m.prompt_tokens += st.prompt_tokens
+        m.generated_tokens += job.completion_tokens
+        m.prompt_tokens += job.prompt_tokens
         end = time.perf_counter()
-        if st.t_first is not None:
-            m.ttft.observe(st.t_first - st.t_start)
-            if st.completion_tokens > 1 and st.t_last is not None:
-                m.tpot.observe((st.t_last - st.t_first) / (st.completion_tokens - 1))
-        m.e2e.observe(end - st.t_start)
+        for st in job.states:
+            if st.t_first is not None:
+                m.ttft.observe(st.t_first - st.t_start)
+                if st.completion_tokens > 1 and st.t_last is not None:
+                    m.tpot.observe((st.t_last - st.t_first) / (st.completion_tokens - 1))
+            m.e2e.observe(end - st.t_start)
 
     def close(self) -> None:
         self._stop.set()
@@ -258,12 +339,207 @@ def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def usage(st: ReqState) -> dict:
+def usage(job: Job) -> dict:
     return {
-        "prompt_tokens": st.prompt_tokens,
-        "completion_tokens": st.completion_tokens,
-        "total_tokens": st.prompt_tokens + st.completion_tokens,
+        "prompt_tokens": job.prompt_tokens,
+        "completion_tokens": job.completion_tokens,
+        "total_tokens": job.prompt_tokens + job.completion_tokens,
     }
+
+
+def chat_logprobs(entries: list) -> dict:
+    def one(tok: str, lp: float) -> dict:
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8", "replace"))}
+
+    return {"content": [{**one(t, lp), "top_logprobs": [one(*x) for x in top]}
+                        for t, lp, top in entries]}  # fmt: skip
+
+
+def completion_logprobs(entries: list, offset: int) -> dict:
+    """OpenAI's legacy shape; `offset`: characters of this choice's text before these tokens."""
+    offsets = []
+    for t, _, _ in entries:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": [t for t, _, _ in entries],
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": [dict(top) for _, _, top in entries],
+        "text_offset": offsets,
+    }
+
+
+async def next_item(request: Request, job: Job) -> Item:
+    """The request's next output; raises ClientGone once the client disconnected."""
+    while True:
+        now = time.monotonic()
+        if now - job.checked > DISCONNECT_CHECK_S:  # also while tokens keep flowing
+            job.checked = now
+            if await request.is_disconnected():
+                raise ClientGone()
+        try:
+            return await asyncio.wait_for(job.queue.get(), DISCONNECT_CHECK_S)
+        except TimeoutError:
+            pass
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every response of one request shares."""
+
+    chat: bool
+    id: str
+    created: int
+    model: str
+
+    def error(self, e: APIError) -> APIError:
+        """The engine names the prompt 'prompt'; on the chat endpoint it is 'messages'."""
+        if self.chat and e.param == "prompt":
+            return APIError(e.status, e.message, "messages", e.code, e.headers)
+        return e
+
+    def envelope(self, choices: list, obj: str) -> dict:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+
+async def complete_response(fe: Frontend, request: Request, parsed: Parsed, reply: Reply):
+    async with fe.job(parsed) as job:
+        texts: list[list[str]] = [[] for _ in job.states]
+        want_lp = parsed.params.logprobs is not None
+        lps: list[list | None] = [[] if want_lp else None for _ in job.states]
+        finish: list[str | None] = [None] * len(job.states)
+        left = len(job.states)
+        try:
+            while left:
+                item = await next_item(request, job)
+                if isinstance(item, Accepted):
+                    continue
+                st = job.states[item.index]
+                if isinstance(item, Failure):
+                    fe.settle(st)
+                    fe.complete(job, "error")
+                    return error_response(reply.error(item.error))
+                texts[item.index].append(item.text)
+                if item.logprobs and lps[item.index] is not None:
+                    lps[item.index].extend(item.logprobs)
+                if item.finish is not None:
+                    finish[item.index] = item.finish
+                    fe.settle(st)
+                    left -= 1
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; the job context aborts
+        fe.complete(job, "ok")
+    choices = []
+    for i, parts in enumerate(texts):
+        content = "".join(parts)
+        lp = lps[i]
+        if reply.chat:
+            msg = {"role": "assistant", "content": content}
+            lp = None if lp is None else chat_logprobs(lp)
+            choices.append({"index": i, "message": msg, "logprobs": lp, "finish_reason": finish[i]})
+        else:
+            lp = None if lp is None else completion_logprobs(lp, 0)
+            choices.append(
+                {"index": i, "text": content, "logprobs": lp, "finish_reason": finish[i]}
+            )
+    out = reply.envelope(choices, "chat.completion" if reply.chat else "text_completion")
+    out["usage"] = usage(job)
+    return out
+
+
+async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply: Reply):
+    obj = "chat.completion.chunk" if reply.chat else "text_completion"
+    include_usage = parsed.include_usage
+    stack = contextlib.AsyncExitStack()  # closed by events(), or here if no stream starts
+    job = await stack.enter_async_context(fe.job(parsed))  # admission errors: plain 4xx/5xx
+    try:  # errors found before admission (tokenization, context length) stay plain 4xx too;
+        # the stream starts once the scheduler queued the request, not at its first token
+        first = await next_item(request, job)
+        if isinstance(first, Failure):
+            fe.settle(job.states[first.index])
+            fe.complete(job, "error")
+            await stack.aclose()
+            return error_response(reply.error(first.error))
+    except ClientGone:
+        await stack.aclose()
+        return Response(status_code=499)
+    except BaseException:
+        await stack.aclose()
+        raise
+
+    offsets = [0] * len(job.states)  # completions: characters sent per choice
+
+    def chunk(
+        index: int, text: str | None, fin: str | None, role: bool = False, lp: list | None = None
+    ) -> bytes:
+        if reply.chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            lps = chat_logprobs(lp) if lp else None
+            choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": fin}
+        else:
+            lps = completion_logprobs(lp, offsets[index]) if lp else None
+            offsets[index] += len(text or "")
+            choice = {"index": index, "text": text or "", "logprobs": lps, "finish_reason": fin}
+        out = reply.envelope([choice], obj)
+        if parsed.continuous_usage:
+            out["usage"] = usage(job)
+        elif include_usage:
+            out["usage"] = None
+        return sse(out)
+
+    async def events():
+        item: Item = first
+        left = len(job.states)
+        try:
+            yield b": accepted\n\n"  # an SSE comment: headers and a first byte at once
+            if reply.chat:
+                for st in job.states:
+                    yield chunk(st.index, "", None, role=True)
+            while True:
+                st = job.states[item.index]
+                if isinstance(item, Accepted):
+                    item = await next_item(request, job)
+                    continue
+                if isinstance(item, Failure):
+                    fe.settle(st)
+                    fe.complete(job, "error")
+                    yield sse(reply.error(item.error).body())
+                    break
+                if item.text or item.logprobs:
+                    yield chunk(item.index, item.text, None, lp=item.logprobs)
+                if item.finish is not None:
+                    fe.settle(st)
+                    yield chunk(item.index, None if reply.chat else "", item.finish)
+                    left -= 1
+                    if not left:
+                        fe.complete(job, "ok")
+                        if include_usage:
+                            out = reply.envelope([], obj)
+                            out["usage"] = usage(job)
+                            yield sse(out)
+                        break
+                item = await next_item(request, job)
+            yield b"data: [DONE]\n\n"
+        except ClientGone:
+            return
+        finally:
+            await stack.aclose()
+
+    return StreamingResponse(
+        events(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 def create_app(fe: Frontend) -> FastAPI:
@@ -276,8 +552,13 @@ def create_app(fe: Frontend) -> FastAPI:
         fe.fail_all("server is shutting down", 503)
 
     app = FastAPI(
-        title="minisgl", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+        title="minisgl",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        lifespan=lifespan,
     )
+    bodies = request_bodies(int(fe.info.get("max_seq_len", 1)))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -320,156 +601,53 @@ def create_app(fe: Frontend) -> FastAPI:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def read_body(request: Request) -> Any:
-        raw = await request.body()
+        limit = fe.args.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(
+                413, f"the request body exceeds {limit} bytes", None, "request_too_large"
+            )
+        chunks, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise APIError(
+                    413, f"the request body exceeds {limit} bytes", None, "request_too_large"
+                )
+            chunks.append(part)
+        raw = b"".join(chunks)
         try:
             return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except RecursionError:
+            raise APIError(
+                400, "the request body is nested too deeply", None, "invalid_json"
+            ) from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, ints of > 4300 digits
             raise APIError(
                 400, f"the request body is not valid JSON: {e}", None, "invalid_json"
             ) from None
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=bodies["chat"])
     async def chat(request: Request):
         body = await read_body(request)
-        parsed = parse_chat(body, fe.model_names, fe.info["max_seq_len"])
+        parsed = parse_chat(
+            body, fe.model_names, fe.info["max_seq_len"], fe.info.get("max_token_chars", 0)
+        )
         return await serve(request, parsed, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=bodies["completions"])
     async def completions(request: Request):
         body = await read_body(request)
-        parsed = parse_completion(body, fe.model_names, fe.info["max_seq_len"])
+        parsed = parse_completion(
+            body, fe.model_names, fe.info["max_seq_len"], fe.info.get("max_token_chars", 0)
+        )
         return await serve(request, parsed, chat=False)
 
-    async def next_item(request: Request, st: ReqState) -> tuple:
-        """The request's next output; raises ClientGone once the client disconnected."""
-        while True:
-            now = time.monotonic()
-            if now - st.checked > DISCONNECT_CHECK_S:  # also while tokens keep flowing
-                st.checked = now
-                if await request.is_disconnected():
-                    raise ClientGone()
-            try:
-                return await asyncio.wait_for(st.queue.get(), DISCONNECT_CHECK_S)
-            except TimeoutError:
-                pass
-
     async def serve(request: Request, parsed: Parsed, chat: bool):
-        st = fe.submit(parsed)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        model = fe.model_name
-        try:
-            first = await next_item(request, st)
-        except ClientGone:
-            fe.abort(st)
-            return Response(status_code=499)  # nobody reads it
-        except BaseException:
-            fe.abort(st)
-            raise
-        if first[0] == "error":
-            fe.complete(st, "error")
-            return error_response(reject_to_error(first[1]))
-        if not parsed.stream:
-            text = [first[1]]
-            fin = first[2]
-            try:
-                while fin is None:
-                    kind, payload, fin = await next_item(request, st)
-                    if kind == "error":
-                        fe.complete(st, "error")
-                        return error_response(reject_to_error(payload))
-                    text.append(payload)
-            except ClientGone:
-                fe.abort(st)
-                return Response(status_code=499)
-            except BaseException:
-                fe.abort(st)
-                raise
-            fe.complete(st, "ok")
-            content = "".join(text)
-            if chat:
-                choice = {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": content},
-                    "logprobs": None,
-                    "finish_reason": fin,
-                }
-            else:
-                choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": fin}
-            return {
-                "id": rid,
-                "object": "chat.completion" if chat else "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [choice],
-                "usage": usage(st),
-            }
-
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        include_usage = parsed.include_usage
-
-        def chunk(text: str | None, fin: str | None, role: bool = False) -> bytes:
-            if chat:
-                delta: dict[str, Any] = {}
-                if role:
-                    delta["role"] = "assistant"
-                if text is not None:
-                    delta["content"] = text
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": fin}
-            else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": fin}
-            out = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": model,
-                "choices": [choice],
-            }
-            if include_usage:
-                out["usage"] = None
-            return sse(out)
-
-        async def events():
-            item = first
-            try:
-                if chat:
-                    yield chunk("", None, role=True)
-                while True:
-                    kind, payload, fin = item
-                    if kind == "error":
-                        err = reject_to_error(payload).body()
-                        fe.complete(st, "error")
-                        yield sse(err)
-                        break
-                    if payload:
-                        yield chunk(payload, None)
-                    if fin is not None:
-                        yield chunk(None if chat else "", fin)
-                        fe.complete(st, "ok")
-                        if include_usage:
-                            yield sse(
-                                {
-                                    "id": rid,
-                                    "object": obj,
-                                    "created": created,
-                                    "model": model,
-                                    "choices": [],
-                                    "usage": usage(st),
-                                }
-                            )
-                        break
-                    item = await next_item(request, st)
-                yield b"data: [DONE]\n\n"
-            except ClientGone:
-                return
-            finally:
-                if not st.finished:
-                    fe.abort(st)
-
-        return StreamingResponse(
-            events(),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        reply = Reply(chat, prefix + uuid.uuid4().hex[:24], int(time.time()), fe.model_name)
+        if parsed.stream:
+            return await stream_response(fe, request, parsed, reply)
+        return await complete_response(fe, request, parsed, reply)
 
     return app

@@ -28,6 +28,7 @@ class ServerArgs:
     transport: str = "typed"
     startup_timeout: float = 300.0
     shutdown_timeout: float = 5.0
+    max_request_bytes: int = 4 * 1024 * 1024
     log_level: str = "warning"
 
     @property
@@ -108,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds in-flight requests get to finish on SIGINT/SIGTERM",
     )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="largest accepted request body (default 4 MiB); larger ones get 413",
+    )
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -122,6 +129,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         errors.append("--max-running-requests must be >= 1")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         errors.append("--max-queued-requests must be >= 0")
+    if args.max_request_bytes < 1:
+        errors.append("--max-request-bytes must be >= 1")
     if not 0 <= args.port < 65536:
         errors.append("--port must be in [0, 65535]")
     if errors:

@@ -18,6 +18,7 @@ import zmq
 from minisgl.message.schema import (
     AbortReq,
     AddReq,
+    Admitted,
     Codec,
     FinishReq,
     Ready,
@@ -51,6 +52,13 @@ def cpu_backend_stats() -> dict[str, Any] | None:
         return {"error": repr(e)}
 
 
+def wire_logprob(lp) -> list | None:
+    """A `TokenLogprob` as it travels: [logprob, top ids, top logprobs]."""
+    if lp is None:
+        return None
+    return [lp.logprob, [t for t, _ in lp.top], [v for _, v in lp.top]]
+
+
 class EngineLoop:
     def __init__(self, llm, codec: Codec, to_tok: list, to_frontend) -> None:
         self.llm = llm
@@ -63,6 +71,8 @@ class EngineLoop:
         self.last_stats = 0.0
         self.was_busy = False
         self.integrity_ok = 1
+        self.held: dict[int, list[AddReq]] = {}  # leader uid -> choices waiting for its prefill
+        self.admitted: list[int] = []  # uids added since the last `Admitted` message
 
     def send_tok(self, uid: int, msg) -> None:
         self.to_tok[uid % len(self.to_tok)].send(self.codec.encode(msg))
@@ -84,6 +94,8 @@ class EngineLoop:
             self.add(msg)
         elif isinstance(msg, AbortReq):
             self.sched.abort(msg.uid)
+            if self.held:
+                self.drop_held(msg.uid)
         elif isinstance(msg, FinishReq):
             self.sched.finish(msg.uid, msg.reason)
         elif isinstance(msg, Shutdown):
@@ -91,9 +103,14 @@ class EngineLoop:
         return True
 
     def add(self, msg: AddReq) -> None:
-        from minisgl.sampler import make_generator
-        from minisgl.scheduler.request import RequestError
+        """Validate and queue a request; its error code follows from the exception's type."""
+        from minisgl.sampler import request_key
+        from minisgl.scheduler.request import ContextLengthError, RequestError
 
+        leader = msg.params.prefix_leader
+        if leader and self._prefilling(leader):  # n > 1: wait for the shared prompt's KV
+            self.held.setdefault(leader, []).append(msg)
+            return
         ids = np.asarray(msg.input_ids, dtype=np.int32)
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):
             bad = int(ids[(ids < 0) | (ids >= self.vocab)][0])
@@ -103,22 +120,45 @@ class EngineLoop:
                 param="prompt",
             )
             return
-        try:
-            params = msg.params.to_sampling_params()
-        except (TypeError, ValueError) as e:
-            self.reject(msg.uid, str(e))
+        out_of_vocab = [t for t, _ in msg.params.logit_bias or () if not 0 <= t < self.vocab]
+        if out_of_vocab:
+            self.reject(
+                msg.uid,
+                f"logit_bias token id {out_of_vocab[0]} is outside the vocabulary "
+                f"[0, {self.vocab})",
+                param="logit_bias",
+            )
             return
         try:
-            gen = make_generator(params.seed, self.device)
-            self.sched.add_request(ids, params, rid=msg.uid, generator=gen)
-        except RequestError as e:
-            text = str(e)
-            code = (
-                "context_length_exceeded"
-                if "context" in text or "KV" in text
-                else "invalid_request"
-            )
-            self.reject(msg.uid, text, 400, code, "messages" if code != "invalid_request" else None)
+            params = msg.params.to_sampling_params()
+            self.sched.add_request(ids, params, rid=msg.uid, generator=request_key(params.seed))
+            self.admitted.append(msg.uid)
+        except ContextLengthError as e:
+            self.reject(msg.uid, str(e), 400, "context_length_exceeded", "prompt")
+        except (RequestError, TypeError, ValueError) as e:
+            self.reject(msg.uid, str(e), 400, "invalid_request")
+
+    def _prefilling(self, rid: int) -> bool:
+        req = self.sched.requests.get(rid)
+        return req is not None and not req.output_ids
+
+    def release_held(self) -> None:
+        """Add the choices whose leader finished its prefill (or is gone)."""
+        for leader in [r for r in self.held if not self._prefilling(r)]:
+            for msg in self.held.pop(leader):
+                self.add(msg)
+
+    def drop_held(self, uid: int) -> None:
+        for leader, msgs in list(self.held.items()):
+            self.held[leader] = [m for m in msgs if m.uid != uid]
+            if not self.held[leader]:
+                del self.held[leader]
+
+    def flush_admitted(self) -> None:
+        if self.admitted:
+            uids = np.asarray(self.admitted, dtype=np.int64)
+            self.admitted = []
+            self.to_frontend.send(self.codec.encode(Admitted(uids)))
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
@@ -132,8 +172,11 @@ class EngineLoop:
                 self.sched.abort(rid)
                 self.reject(rid, f"engine error: {e!r}", 500, "internal_error")
             return
+        for rid, err in self.llm.last_errors.items():  # failed alone; the others go on
+            self.reject(rid, err, 500, "internal_error")
         if not outs:
             return
+        lps = self.llm.last_logprobs
         n = len(self.to_tok)
         groups: list[list] = [[] for _ in range(n)]
         for o in outs:
@@ -144,6 +187,7 @@ class EngineLoop:
                     np.fromiter((o.rid for o in g), dtype=np.int64, count=len(g)),
                     np.fromiter((o.token_id for o in g), dtype=np.int32, count=len(g)),
                     [o.finish_reason for o in g],
+                    [wire_logprob(lps.get(o.rid)) for o in g] if lps else [],
                 )
                 self.to_tok[i].send(self.codec.encode(msg))
 
@@ -233,8 +277,12 @@ def run_engine_worker(
             for f in frames:
                 if not loop.handle(codec.decode(f)):
                     running = False
+            loop.flush_admitted()
             if running and loop.sched.has_work():
                 loop.step()
+            if loop.held:
+                loop.release_held()
+                loop.flush_admitted()
             loop.maybe_send_stats()
     except ipc.WorkerExit:
         pass

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 
 import zmq
 
@@ -49,8 +51,53 @@ def drain(sock: zmq.Socket, first_timeout_ms: int, limit: int = 4096) -> list[by
     return out
 
 
-class WorkerExit(Exception):
-    pass
+class WorkerExit(BaseException):
+    """SIGTERM in a worker: a BaseException, so no `except Exception` on the way swallows it."""
+
+
+PID_FILE = "launcher.pid"
+DIR_PREFIX = "minisgl-"
+
+
+def make_ipc_dir(root: str | None) -> str:
+    """A private ipc dir under `root` (default: the temp dir), marked with this pid; dirs left by
+    launchers that were killed (their pid is gone) are removed first."""
+    remove_stale_dirs(root)
+    path = tempfile.mkdtemp(prefix=DIR_PREFIX, dir=root)
+    with open(os.path.join(path, PID_FILE), "w") as f:
+        f.write(str(os.getpid()))
+    return path
+
+
+def remove_stale_dirs(root: str | None) -> list[str]:
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            with open(os.path.join(path, PID_FILE)) as f:
+                pid = int(f.read().strip())
+        except (OSError, ValueError):
+            continue  # not ours, or still being created
+        if not name.startswith(DIR_PREFIX) or _alive(pid):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def setup_worker_process() -> callable:

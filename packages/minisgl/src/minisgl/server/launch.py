@@ -19,12 +19,13 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 
 from minisgl.server import ipc
 from minisgl.server.args import ServerArgs, parse_args
+
+WORKER_DEATH_GRACE_S = 5.0  # after a worker died: answer 503s this long, then exit 1
 
 
 def log(msg: str) -> None:
@@ -40,6 +41,8 @@ class Launcher:
         self.sock: socket.socket | None = None
         self.stopping = threading.Event()
         self.phase = "startup"
+        self.server = None  # the uvicorn server, once serving
+        self.worker_died = False
 
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum, frame) -> None:
@@ -80,8 +83,15 @@ class Launcher:
         while not self.stopping.wait(0.1):
             dead = self._dead_worker()
             if dead is not None:
-                log(f"{dead}; /health now fails and in-flight requests are ended")
+                grace = max(self.args.shutdown_timeout, WORKER_DEATH_GRACE_S)
+                log(
+                    f"{dead}; /health now fails, in-flight requests are ended, the server "
+                    f"exits (code 1) in {grace:.0f}s"
+                )
+                self.worker_died = True
                 self.frontend.mark_unhealthy(dead)
+                if not self.stopping.wait(grace) and self.server is not None:
+                    self.server.should_exit = True
                 return
 
     def _stop_workers(self) -> None:
@@ -109,16 +119,19 @@ class Launcher:
 
                 model_path = str(default_model_path())
             self.sock = self._bind()  # before loading anything: a taken port fails at once
-            self.ipc_dir = tempfile.mkdtemp(
-                prefix="minisgl-", dir=os.environ.get("MINISGL_IPC_ROOT")
-            )
+            self.ipc_dir = ipc.make_ipc_dir(os.environ.get("MINISGL_IPC_ROOT"))
             from minisgl.server.api_server import Frontend, create_app
 
             self.frontend = fe = Frontend(args, model_path, self.ipc_dir)
             t0 = time.perf_counter()
             self._start_workers(model_path)
             ready = fe.wait_ready(list(self.procs), args.startup_timeout, self._dead_worker)
-            fe.info = ready[ipc.SCHEDULER].info
+            fe.info = dict(ready[ipc.SCHEDULER].info)
+            fe.info["max_token_chars"] = max(
+                int(r.info.get("max_token_chars", 0))
+                for n, r in ready.items()
+                if n != ipc.SCHEDULER
+            )
             log(
                 f"workers ready in {time.perf_counter() - t0:.1f}s: "
                 + ", ".join(f"{n}={r.pid}" for n, r in sorted(ready.items()))
@@ -129,7 +142,7 @@ class Launcher:
             if self.stopping.is_set():
                 return 0
             self._serve(create_app(fe))
-            return 0
+            return 1 if self.worker_died else 0
         except KeyboardInterrupt:
             log("interrupted during startup")
             return 130
@@ -180,7 +193,7 @@ class Launcher:
             timeout_graceful_shutdown=max(1, round(self.args.shutdown_timeout)),
             access_log=False,
         )
-        server = Server(config)
+        server = self.server = Server(config)
         log(f"serving on http://{self.args.host}:{self.args.port}")
         server.run(sockets=[self.sock])
 

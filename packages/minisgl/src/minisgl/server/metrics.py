@@ -151,5 +151,9 @@ class Metrics:
             info = {k: v for k, v in cpu.items() if isinstance(v, str)}
             if info:
                 labels = ",".join(f'{k}="{_esc(v)}"' for k, v in sorted(info.items()))
-                lines.append(f"{name}_info{{{labels}}} 1")
+                lines += [
+                    f"# HELP {name}_info CPU backend build information (labels).",
+                    f"# TYPE {name}_info gauge",
+                    f"{name}_info{{{labels}}} 1",
+                ]
         return "\n".join(lines) + "\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -57,29 +58,34 @@ COMMON = {
     "n",
     "stop_token_ids",
     "skip_special_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "logit_bias",
+    "min_tokens",
 }
-CHAT = COMMON | {"messages", "max_completion_tokens"}
-COMPLETION = COMMON | {"prompt"}
+CHAT = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+COMPLETION = COMMON | {"prompt", "logprobs"}
+MAX_LOGPROBS = 20
 
 # accepted only with these (default) values: anything else is a clear 400
 DEFAULT_ONLY: dict[str, tuple] = {
-    "presence_penalty": (0, 0.0, None),
-    "frequency_penalty": (0, 0.0, None),
-    "repetition_penalty": (1, 1.0, None),
-    "logprobs": (False, None, 0),
-    "top_logprobs": (None, 0),
     "echo": (False, None),
     "best_of": (1, None),
-    "logit_bias": (None,),
     "suffix": (None,),
     "tools": (None,),
     "tool_choice": (None, "none"),
     "functions": (None,),
     "function_call": (None, "none"),
     "response_format": (None,),
-    "min_tokens": (0, None),
 }
-IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "min_p"}
+IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
+MAX_N = 128
+MAX_LOGIT_BIAS = 1024
+
+
+INT64 = 2**63
 
 
 @dataclass
@@ -90,6 +96,49 @@ class Parsed:
     stream: bool
     include_usage: bool
     model: str
+    n: int = 1
+    continuous_usage: bool = False
+
+    def choice_params(self, uids: list[int]) -> list[WireParams]:
+        """The parameters of each of the n choices: a seeded request gives choice i the seed
+        `seed + i` (as vLLM does)."""
+        p = self.params
+        if self.n == 1:
+            return [p]
+        return [
+            dataclasses.replace(
+                p,
+                seed=None if p.seed is None else (p.seed + i) % INT64,
+                prefix_leader=uids[0] if i else 0,
+            )
+            for i in range(len(uids))
+        ]
+
+
+def check_transportable(body: Any) -> None:
+    """Every string must be valid Unicode (no lone surrogates) and every integer fit in 64
+    bits: such a body is a 400 naming its top-level field, never a failure after admission."""
+    stack: list[tuple[Any, str | None]] = [(body, None)]
+    while stack:
+        v, key = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                where = f"'{key}'" if key else "the body"
+                raise _bad(
+                    f"{where} contains a lone UTF-16 surrogate (not valid Unicode)", key
+                ) from None
+        elif isinstance(v, int) and not isinstance(v, bool):
+            if not -INT64 <= v < INT64:
+                where = f"'{key}'" if key else "the body"
+                raise _bad(f"{where} contains an integer outside the 64-bit range", key)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                stack.append((k, key or k if isinstance(k, str) else key))
+                stack.append((x, key or k))
+        elif isinstance(v, list):
+            stack.extend((x, key) for x in v)
 
 
 def _bad(msg: str, param: str | None = None, code: str = "invalid_value") -> APIError:
@@ -121,7 +170,7 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
             if (
                 v in ok
                 or (k == "response_format" and v == {"type": "text"})
-                or (k in ("logit_bias", "tools") and not v)
+                or (k == "tools" and not v)
             ):
                 continue
             raise _bad(
@@ -132,9 +181,10 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
 
 def parse_common(
     body: Any, allowed: set[str], model_names: set[str], max_seq_len: int, default_max_tokens: int
-) -> tuple[WireParams, bool, bool, str]:
+) -> Common:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None, "invalid_type")
+    check_transportable(body)
     _check_fields(body, allowed)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -147,12 +197,12 @@ def parse_common(
             "model_not_found",
         )
     n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise _bad(
-            f"'n' must be 1: this server returns one choice per request (got {n!r})",
-            "n",
-            "unsupported_parameter",
-        )
+    if n is None:
+        n = 1
+    elif not _is_int(n):
+        raise _bad(f"'n' must be an integer, got {type(n).__name__}", "n", "invalid_type")
+    elif not 1 <= n <= MAX_N:
+        raise _bad(f"'n' must be in [1, {MAX_N}], got {n}", "n")
     max_tokens = body.get("max_completion_tokens")
     key = "max_completion_tokens"
     if max_tokens is None:
@@ -176,6 +226,21 @@ def parse_common(
         raise _bad("'top_k' must be an integer", "top_k", "invalid_type")
     elif top_k < -1:
         raise _bad(f"'top_k' must be -1 (off) or >= 0, got {top_k}", "top_k")
+    presence = _num(body, "presence_penalty", 0.0, -2.0, 2.0)
+    frequency = _num(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    repetition = _num(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True)
+    min_p = _num(body, "min_p", 0.0, 0.0, 1.0)
+    min_tokens = body.get("min_tokens")
+    if min_tokens is None:
+        min_tokens = 0
+    elif not _is_int(min_tokens):
+        raise _bad("'min_tokens' must be an integer", "min_tokens", "invalid_type")
+    elif not 0 <= min_tokens <= max_tokens:
+        raise _bad(
+            f"'min_tokens' must be in [0, max_tokens={max_tokens}], got {min_tokens}", "min_tokens"
+        )
+    logit_bias = _logit_bias(body.get("logit_bias"))
+    logprobs = _logprobs(body, "top_logprobs" if "messages" in allowed else "logprobs")
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise _bad("'seed' must be an integer", "seed", "invalid_type")
@@ -205,13 +270,21 @@ def parse_common(
             raise _bad(f"'{key}' must be a boolean", key, "invalid_type")
     stream = bool(body.get("stream"))
     opts = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous_usage = False
     if opts is not None:
         if not isinstance(opts, dict):
             raise _bad("'stream_options' must be an object", "stream_options", "invalid_type")
         if not stream:
             raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
         unknown = set(opts) - {"include_usage", "continuous_usage_stats"}
+        cus = opts.get("continuous_usage_stats", False)
+        if not isinstance(cus, bool):
+            raise _bad(
+                "'stream_options.continuous_usage_stats' must be a boolean",
+                "stream_options",
+                "invalid_type",
+            )
+        continuous_usage = cus
         if unknown:
             raise _bad(
                 f"unsupported stream_options {sorted(unknown)}",
@@ -234,12 +307,105 @@ def parse_common(
         stop=stops,
         stop_token_ids=stop_ids,
         skip_special_tokens=body.get("skip_special_tokens", True) is not False,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        min_p=min_p,
+        logit_bias=logit_bias,
+        min_tokens=min_tokens,
+        logprobs=logprobs,
     )
-    return params, stream, include_usage, model or ""
+    return Common(params, stream, include_usage, continuous_usage, model or "", n)
 
 
-def parse_chat(body: Any, model_names: set[str], max_seq_len: int) -> Parsed:
-    params, stream, iu, model = parse_common(body, CHAT, model_names, max_seq_len, max_seq_len)
+@dataclass(frozen=True)
+class Common:
+    """What both endpoints share, validated."""
+
+    params: WireParams
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    model: str
+    n: int
+
+    def parsed(self, kind: str, prompt: Any) -> Parsed:
+        return Parsed(
+            kind,
+            prompt,
+            self.params,
+            self.stream,
+            self.include_usage,
+            self.model,
+            self.n,
+            self.continuous_usage,
+        )
+
+
+def _logprobs(body: dict, key: str) -> int | None:
+    """Chat: `logprobs` (bool) and `top_logprobs` (0..20); completions: `logprobs` (0..20)."""
+    if key == "top_logprobs":
+        on = body.get("logprobs")
+        if on is not None and not isinstance(on, bool):
+            raise _bad("'logprobs' must be a boolean", "logprobs", "invalid_type")
+        top = body.get("top_logprobs")
+        if top is not None and not on:
+            raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if not on:
+            return None
+    else:
+        top = body.get("logprobs")
+        if top is None:
+            return None
+    if top is None:
+        return 0
+    if not _is_int(top):
+        raise _bad(f"'{key}' must be an integer", key, "invalid_type")
+    if not 0 <= top <= MAX_LOGPROBS:
+        raise _bad(f"'{key}' must be in [0, {MAX_LOGPROBS}], got {top}", key)
+    return top
+
+
+def _logit_bias(v: Any) -> list[list] | None:
+    """OpenAI's {"token id": bias in [-100, 100]} (the vocabulary is checked by the engine)."""
+    if v is None or v == {}:
+        return None
+    if not isinstance(v, dict):
+        raise _bad(
+            "'logit_bias' must be an object of token id -> bias", "logit_bias", "invalid_type"
+        )
+    if len(v) > MAX_LOGIT_BIAS:
+        raise _bad(f"at most {MAX_LOGIT_BIAS} 'logit_bias' entries are supported", "logit_bias")
+    out = []
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10):
+            raise _bad(f"'logit_bias' keys must be token ids, got {k!r}", "logit_bias")
+        if not isinstance(b, int | float) or isinstance(b, bool) or not math.isfinite(b):
+            raise _bad(
+                f"'logit_bias' values must be numbers, got {b!r}", "logit_bias", "invalid_type"
+            )
+        if not -100 <= b <= 100:
+            raise _bad(f"'logit_bias' values must be in [-100, 100], got {b}", "logit_bias")
+        out.append([int(k), float(b)])
+    return out
+
+
+def check_text_length(chars: int, max_seq_len: int, max_token_chars: int, param: str) -> None:
+    """Refuse, before tokenizing it, a text that cannot fit the context whatever its tokens."""
+    if max_token_chars > 0 and chars > max_seq_len * max_token_chars:
+        raise APIError(
+            400,
+            f"the prompt has {chars} characters: more than the {max_seq_len}-token context can "
+            f"hold (at most {max_token_chars} characters per token); refused before tokenizing",
+            param,
+            "context_length_exceeded",
+        )
+
+
+def parse_chat(
+    body: Any, model_names: set[str], max_seq_len: int, max_token_chars: int = 0
+) -> Parsed:
+    common = parse_common(body, CHAT, model_names, max_seq_len, max_seq_len)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise _bad(
@@ -256,6 +422,12 @@ def parse_chat(body: Any, model_names: set[str], max_seq_len: int) -> Parsed:
             raise _bad(
                 f"messages[{i}].role must be system, user, assistant or tool, got {role!r}",
                 f"messages[{i}].role",
+            )
+        if m.get("tool_calls"):
+            raise _bad(
+                f"messages[{i}].tool_calls: tool calls are not supported by this server",
+                f"messages[{i}].tool_calls",
+                "unsupported_parameter",
             )
         content = m.get("content")
         if content is None:
@@ -282,18 +454,23 @@ def parse_chat(body: Any, model_names: set[str], max_seq_len: int) -> Parsed:
                 "invalid_type",
             )
         out.append({"role": "system" if role == "developer" else role, "content": content})
-    return Parsed("chat", out, params, stream, iu, model)
+    chars = sum(len(m["content"]) for m in out)
+    check_text_length(chars, max_seq_len, max_token_chars, "messages")
+    return common.parsed("chat", out)
 
 
-def parse_completion(body: Any, model_names: set[str], max_seq_len: int) -> Parsed:
-    params, stream, iu, model = parse_common(body, COMPLETION, model_names, max_seq_len, 16)
+def parse_completion(
+    body: Any, model_names: set[str], max_seq_len: int, max_token_chars: int = 0
+) -> Parsed:
+    common = parse_common(body, COMPLETION, model_names, max_seq_len, 16)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return Parsed("text", prompt, params, stream, iu, model)
+        check_text_length(len(prompt), max_seq_len, max_token_chars, "prompt")
+        return common.parsed("text", prompt)
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        return Parsed("ids", prompt, params, stream, iu, model)
+        return common.parsed("ids", prompt)
     if (
         isinstance(prompt, list)
         and len(prompt) > 1

@@ -50,12 +50,20 @@ def load_tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path)
 
 
+def max_token_chars(tok) -> int:
+    """An upper bound on the characters one token covers (byte-level tokens: one character per
+    byte), so a text longer than context x this can be refused before tokenizing it."""
+    names = tok.convert_ids_to_tokens(list(range(len(tok))))
+    return max((len(t) for t in names if t is not None), default=1)
+
+
 class TokenizerWorker:
     def __init__(self, tokenizer, codec: Codec) -> None:
         self.tok = tokenizer
         self.codec = codec
         self.detok = Detokenizer(tokenizer)
         self.states: dict[int, DecodeState] = {}
+        self.pending_lp: dict[int, list] = {}  # uid -> [token id, lp, top ids, top lps] unsent
 
     # ------------------------------------------------------------------ tokenize
     def tokenize(self, reqs: list[TokenizeReq]) -> tuple[list[AddReq], list[Reject]]:
@@ -101,7 +109,8 @@ class TokenizerWorker:
     def detokenize(self, outs: list[TokenOut]) -> tuple[DetokOut | None, list[FinishReq]]:
         merged: dict[int, list] = {}  # uid -> [state, new ids, reason]
         for o in outs:
-            for uid, tok, reason in zip(o.uids.tolist(), o.tokens.tolist(), o.finished):
+            lps = o.logprobs or [None] * len(o.finished)
+            for uid, tok, reason, lp in zip(o.uids.tolist(), o.tokens.tolist(), o.finished, lps):
                 st = self.states.get(uid)
                 if st is None or st.finished is not None:
                     continue  # aborted or already stopped: late tokens are dropped
@@ -111,6 +120,8 @@ class TokenizerWorker:
                 if m[2] is None:
                     m[1].append(tok)
                     m[2] = reason
+                    if lp is not None:
+                        self.pending_lp.setdefault(uid, []).append([tok, *lp])
         if not merged:
             return None, []
         uids = list(merged)
@@ -127,10 +138,26 @@ class TokenizerWorker:
             out.counts.append(st.unsent_tokens)
             out.finished.append(st.finished)
             out.prompt_tokens.append(st.prompt_tokens)
+            out.logprobs.append(self.pending_lp.pop(uid, None))
             st.unsent_tokens = 0
             if st.finished is not None:
                 del self.states[uid]
+        if any(x is not None for x in out.logprobs):
+            self._name_tokens(out.logprobs)
+        else:
+            out.logprobs = []
         return (out if out.uids else None), finishes
+
+    def _name_tokens(self, entries: list) -> None:
+        """[token id, lp, top ids, top lps] -> [token, lp, [[token, lp], ...]] (one decode call)."""
+        ids = sorted({t for e in entries if e for r in e for t in (r[0], *r[2])})
+        names = dict(zip(ids, self.tok.batch_decode([[t] for t in ids]), strict=True))
+        for i, e in enumerate(entries):
+            if e:
+                entries[i] = [
+                    [names[t], lp, [[names[x], v] for x, v in zip(tids, tlps, strict=True)]]
+                    for t, lp, tids, tlps in e
+                ]
 
 
 def run_tokenizer_worker(index: int, model_path: str, ipc_dir: str, typed: bool) -> None:
@@ -147,7 +174,8 @@ def run_tokenizer_worker(index: int, model_path: str, ipc_dir: str, typed: bool)
         to_frontend.send(codec.encode(Ready(name, os.getpid(), error=repr(e))))
         to_frontend.close(linger=1000)
         raise
-    to_frontend.send(codec.encode(Ready(name, os.getpid())))
+    info = {"max_token_chars": max_token_chars(worker.tok)}
+    to_frontend.send(codec.encode(Ready(name, os.getpid(), info=info)))
     try:
         while alive():
             frames = ipc.drain(inbox, 500)
@@ -174,10 +202,12 @@ def run_tokenizer_worker(index: int, model_path: str, ipc_dir: str, typed: bool)
                     to_sched.send(codec.encode(a))
             for uid in aborts:
                 worker.states.pop(uid, None)
+                worker.pending_lp.pop(uid, None)
                 to_sched.send(codec.encode(AbortReq(uid)))
             for m in msgs:
                 if isinstance(m, Reject):  # from the scheduler: drop state, tell the client
                     worker.states.pop(m.uid, None)
+                    worker.pending_lp.pop(m.uid, None)
                     to_frontend_msgs.append(m)
             if outs:
                 detok, finishes = worker.detokenize(outs)
