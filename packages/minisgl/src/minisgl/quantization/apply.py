@@ -2,7 +2,8 @@
 
 Weights come from a packed cache (exact GGUF blocks, `packed_cache.py`) where it has them,
 else they are quantized from the model's float weights. The (tied) embedding / lm_head is
-int8 in both modes: it is the largest single matrix and the logits are the most sensitive.
+int8 (int4 in int4 mode, re-quantized from the int8 rows: see the comment in
+`quantize_model`); the tied embedding lookup reads the int8 rows.
 """
 
 from __future__ import annotations
@@ -73,6 +74,13 @@ def quantize_model(
     hw = packed.get(src) if packed is not None else None
     if not isinstance(hw, Int8Weight):
         hw = quantize_int8(head.weight.detach())
-    model.lm_head = Int8Linear(hw, None, dtype)
+    head8 = Int8Linear(hw, None, dtype)
+    if method == "int4" and int4_supported(*hw.q.shape):
+        # int4 everywhere: PyTorch's int8 kernel crashes (SIGSEGV in _weight_int8pack_mm)
+        # when it runs after the int4 kernel in one process (torch 2.15, seen on batched
+        # steps); the int8 rows still serve the embedding lookup
+        model.lm_head = Int4Linear(quantize_int4(hw.dequantize()), None, dtype)
+    else:
+        model.lm_head = head8
     if cfg.tie_word_embeddings:
-        model.model.embed_tokens = Int8Embedding(model.lm_head)
+        model.model.embed_tokens = Int8Embedding(head8)

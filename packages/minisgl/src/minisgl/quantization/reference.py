@@ -2,7 +2,7 @@
 
 `fake_quantize_hf(model, method)` rounds every decoder linear of a transformers Llama-family
 model through `method` and back, and the lm_head (with the embedding when tied) through int8,
-as `apply.quantize_model` does: HF then computes with exactly the de-quantized weights the
+as `apply.quantize_model` does (int4 mode: the lm_head int4 from those int8 rows): HF then computes with exactly the de-quantized weights the
 packed kernels read, which separates kernel error from quantization error in parity checks.
 """
 
@@ -29,5 +29,16 @@ def fake_quantize_hf(model: torch.nn.Module, method: str) -> torch.nn.Module:
             q = quantize_int4(lin.weight) if use == "int4" else quantize_int8(lin.weight)
             lin.weight.copy_(q.dequantize())
     head = model.lm_head.weight
-    head.copy_(quantize_int8(head).dequantize())  # tied: the embedding is this tensor
+    head8 = quantize_int8(head).dequantize()
+    n, k = head.shape
+    if method == "int4" and int4_supported(n, k):
+        head4 = quantize_int4(head8).dequantize()
+        emb = model.model.embed_tokens
+        if emb.weight is head:  # tied: the lookup keeps the int8 rows
+            emb.weight = torch.nn.Parameter(head8, requires_grad=False)
+            model.lm_head.weight = torch.nn.Parameter(head4, requires_grad=False)
+        else:
+            head.copy_(head4)
+    else:
+        head.copy_(head8)  # tied: the embedding is this tensor
     return model
