@@ -103,9 +103,14 @@ def test_bad_quantization_is_rejected():
         EngineConfig(model_path="x", quantization="int3")
 
 
+@pytest.fixture(scope="module")
+def embedded():
+    return LLM(max_seq_len_override=512)
+
+
 @pytest.mark.slow
-def test_embedded_model_serves_int4_and_answers_paris():
-    llm = LLM(max_seq_len_override=256)
+def test_embedded_model_serves_int4_and_answers_paris(embedded):
+    llm = embedded
     assert llm.engine.quantization == "int4"
     msgs = [[{"role": "user", "content": "What is the capital of France?"}]]
     out = llm.generate(msgs, SamplingParams(temperature=0.0, max_tokens=12))
@@ -113,10 +118,10 @@ def test_embedded_model_serves_int4_and_answers_paris():
 
 
 @pytest.mark.slow
-def test_embedded_int4_survives_a_batched_step_after_a_long_prefill():
+def test_embedded_int4_survives_a_batched_step_after_a_long_prefill(embedded):
     """torch 2.15's _weight_int8pack_mm segfaulted on the lm_head of a 16-request decode step
     after a ~2600-token int4 prefill: int4 mode keeps every matmul on the int4 kernel."""
-    llm = LLM(max_seq_len_override=512)
+    llm = embedded
     assert isinstance(llm.engine.model.lm_head, Int4Linear)
     prompts = random_prompts(16, 64, 256, vocab=20000, seed=42)
     out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
