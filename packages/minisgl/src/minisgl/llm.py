@@ -41,6 +41,7 @@ class LLM:
         attention_backend: str = "torch_native",
         max_running_requests: int = 256,
         device: str = "auto",
+        quantization: str = "auto",
     ) -> None:
         if model_path is None:
             from minisgl.default_model import default_model_path
@@ -59,6 +60,7 @@ class LLM:
             memory_ratio=memory_ratio,
             cache_type=cache_type,
             attention_backend=attention_backend,
+            quantization=quantization,
         )
         self.engine = Engine(self.config)
         from transformers import AutoTokenizer

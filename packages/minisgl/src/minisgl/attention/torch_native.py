@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -12,22 +13,54 @@ from minisgl.attention.base import AttentionBackend
 from minisgl.attention.decode_workspace import DecodeWorkspace
 from minisgl.scheduler.plan import StepPlan
 
-_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+@dataclass
+class _PrefillGroup:
+    """Requests of one prefill step attended by one SDPA call, padded to [B, Lq, Lkv]."""
+
+    q_index: torch.Tensor  # [B, Lq] rows of the step's q (padding repeats a request's last row)
+    kv_index: torch.Tensor  # [B, Lkv] pool locations (padding repeats the last location)
+    mask: torch.Tensor  # [B, 1, Lq, Lkv] bool: causal (+ sliding window) and length mask
+    out_index: torch.Tensor  # [n] rows of the flattened [B * Lq] output that are real tokens
+    token_rows: torch.Tensor | None  # [n] step rows they belong to (None: all rows, in order)
 
 
 @dataclass
 class _Meta:
     out_loc: torch.Tensor
     is_prefill: bool
-    # prefill: one entry per request (q rows, kv locations, boolean mask [q, kv]); the mask is
-    # None for a fresh causal prompt (nothing cached, no sliding window): see `forward`
-    segments: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
+    # prefill: one group per SDPA call, usually one for the whole step (see `_prefill_groups`)
+    groups: list[_PrefillGroup]
     # decode: padded KV locations [bs, Lmax] and mask [bs, 1, 1, Lmax]
     kv_index: torch.Tensor | None = None
     kv_mask: torch.Tensor | None = None
     # decode workspace: "append" / "rebuild" (see decode_workspace.py) or None (gather only)
     ws_mode: str | None = None
     ws_pos: torch.Tensor | None = None  # append: the position each request's new token takes
+
+
+# a group may spend this much more attention work on padding than on real query/key pairs
+_PAD_FACTOR = 2
+_PAD_SLACK = 1 << 16
+
+
+def _prefill_groups(ext: np.ndarray, kv_lens: np.ndarray) -> list[np.ndarray]:
+    """Partition the step's requests into SDPA calls: all of them in one call unless padding
+    to the longest would more than double the attention work (then greedily by KV length)."""
+    work = ext.astype(np.int64) * kv_lens
+    bs = len(ext)
+    if bs * int(ext.max()) * int(kv_lens.max()) <= _PAD_FACTOR * int(work.sum()) + _PAD_SLACK:
+        return [np.arange(bs)]
+    groups, cur = [], []
+    for r in np.argsort(-kv_lens, kind="stable"):
+        trial = [*cur, int(r)]
+        padded = len(trial) * int(ext[trial].max()) * int(kv_lens[trial].max())
+        if cur and padded > _PAD_FACTOR * int(work[trial].sum()) + _PAD_SLACK:
+            groups.append(np.array(cur))
+            trial = [int(r)]
+        cur = trial
+    groups.append(np.array(cur))
+    return groups
 
 
 @register_backend("torch_native")
@@ -43,26 +76,14 @@ class TorchNativeBackend(AttentionBackend):
         out_loc = torch.from_numpy(plan.out_loc).to(dev, torch.int64)
         kv_indices = torch.from_numpy(plan.kv_indices).to(dev, torch.int64)
         seq_lens = plan.seq_lens.tolist()
-        ext = plan.extend_lens.tolist()
+        ext = plan.extend_lens
         if plan.is_prefill:
             self.workspace.invalidate()
-            segments = []
-            q0, kv0 = 0, 0
-            for n_q, n_kv in zip(ext, seq_lens, strict=True):
-                if n_q == n_kv and self.sliding_window is None and _SDPA_GQA:
-                    segments.append((q0, n_q, kv_indices[kv0 : kv0 + n_kv], None))
-                    q0 += n_q
-                    kv0 += n_kv
-                    continue
-                q_pos = torch.arange(n_kv - n_q, n_kv, device=dev)[:, None]
-                kv_pos = torch.arange(n_kv, device=dev)[None, :]
-                mask = kv_pos <= q_pos
-                if self.sliding_window is not None:
-                    mask &= kv_pos > q_pos - self.sliding_window
-                segments.append((q0, n_q, kv_indices[kv0 : kv0 + n_kv], mask))
-                q0 += n_q
-                kv0 += n_kv
-            return _Meta(out_loc, True, segments)
+            groups = [
+                self._prefill_group(plan, rows, kv_indices, single=len(rows) == len(ext))
+                for rows in _prefill_groups(plan.extend_lens, plan.seq_lens)
+            ]
+            return _Meta(out_loc, True, groups)
         lens = torch.from_numpy(plan.seq_lens).to(dev, torch.int64)
         lmax = max(seq_lens)
         ar = torch.arange(lmax, device=dev)[None, :]
@@ -79,6 +100,33 @@ class TorchNativeBackend(AttentionBackend):
         kv_index = kv_indices[gather]
         return _Meta(out_loc, False, [], kv_index, valid[:, None, None, :], mode)
 
+    def _prefill_group(
+        self, plan: StepPlan, rows: np.ndarray, kv_indices: torch.Tensor, single: bool
+    ) -> _PrefillGroup:
+        dev = self.device
+        n_q = plan.extend_lens[rows].astype(np.int64)
+        n_kv = plan.seq_lens[rows].astype(np.int64)
+        q0 = (np.cumsum(plan.extend_lens, dtype=np.int64) - plan.extend_lens)[rows]
+        kv0 = plan.kv_indptr[:-1].astype(np.int64)[rows]
+        lq, lkv = int(n_q.max()), int(n_kv.max())
+        i = np.minimum(np.arange(lq)[None, :], n_q[:, None] - 1)  # [B, Lq]
+        j = np.minimum(np.arange(lkv)[None, :], n_kv[:, None] - 1)  # [B, Lkv]
+        q_pos = (n_kv - n_q)[:, None] + i
+        kv_pos = np.arange(lkv)[None, None, :]
+        mask = (kv_pos <= q_pos[:, :, None]) & (kv_pos < n_kv[:, None, None])
+        if self.sliding_window is not None:
+            mask &= kv_pos > q_pos[:, :, None] - self.sliding_window
+        valid = np.arange(lq)[None, :] < n_q[:, None]
+        out_index = np.flatnonzero(valid)
+        token_rows = None if single else torch.from_numpy((q0[:, None] + i)[valid]).to(dev)
+        return _PrefillGroup(
+            q_index=torch.from_numpy(q0[:, None] + i).to(dev),
+            kv_index=kv_indices[torch.from_numpy(kv0[:, None] + j).to(dev)],
+            mask=torch.from_numpy(mask[:, None]).to(dev),
+            out_index=torch.from_numpy(out_index).to(dev),
+            token_rows=token_rows,
+        )
+
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: _Meta
     ) -> torch.Tensor:
@@ -89,25 +137,23 @@ class TorchNativeBackend(AttentionBackend):
         # GQA without repeating K/V: the `gqa` query heads sharing a KV head are folded into
         # the query-length dimension (head h uses KV head h // gqa, as in HF's repeat_kv).
         if meta.is_prefill:
-            out = torch.empty_like(q)
-            for q0, n_q, kv_idx, mask in meta.segments:
-                if mask is None:  # fresh prompt: its own K/V, plain causal attention
-                    o = F.scaled_dot_product_attention(
-                        q[q0 : q0 + n_q].transpose(0, 1),
-                        k[q0 : q0 + n_q].transpose(0, 1),
-                        v[q0 : q0 + n_q].transpose(0, 1),
-                        is_causal=True,
-                        enable_gqa=gqa > 1,
-                    )
-                    out[q0 : q0 + n_q] = o.transpose(0, 1)
-                    continue
-                qs = q[q0 : q0 + n_q].transpose(0, 1).reshape(kvh, gqa * n_q, d)
-                ks = _gather(k_cache, kv_idx).transpose(0, 1)  # [KVH, kv, D]
-                vs = _gather(v_cache, kv_idx).transpose(0, 1)
-                m = mask.repeat(gqa, 1) if gqa > 1 else mask
+            out = None if len(meta.groups) == 1 else q.new_empty(q.shape[0], q.shape[1] * d)
+            for g in meta.groups:
+                n_b, n_q = g.q_index.shape
+                qs = q[g.q_index].transpose(1, 2)  # [B, H, Lq, D]
+                ks = _gather(k_cache, g.kv_index).transpose(1, 2)  # [B, KVH, Lkv, D]
+                vs = _gather(v_cache, g.kv_index).transpose(1, 2)
+                if gqa > 1:  # fold the query heads sharing a KV head into the query length
+                    qs = qs.reshape(n_b, kvh, gqa * n_q, d)
+                    m = g.mask.repeat(1, 1, gqa, 1)
+                else:
+                    m = g.mask
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=m)
-                out[q0 : q0 + n_q] = o.view(kvh * gqa, n_q, d).transpose(0, 1)
-            return out.reshape(q.shape[0], -1)
+                o = o.view(n_b, kvh * gqa, n_q, d).transpose(1, 2).reshape(n_b * n_q, -1)
+                if out is None:  # the whole step in one call, rows already in step order
+                    return o[g.out_index]
+                out[g.token_rows] = o[g.out_index]
+            return out
         bs = q.shape[0]
         lmax = meta.kv_mask.shape[-1]
         ws = self.workspace

@@ -201,6 +201,10 @@ def run_offline(args: argparse.Namespace) -> int:
     from minisgl.benchmark.offline import load_hf, make_llm, run_hf, run_minisgl
 
     llm_kwargs = dict(llm_sets)
+    if args.dtype is not None:
+        llm_kwargs.setdefault("dtype", args.dtype)
+    if args.quantization is not None:
+        llm_kwargs.setdefault("quantization", args.quantization)
     if args.cuda_graph_max_bs is not None:
         llm_kwargs.setdefault("cuda_graph_max_bs", args.cuda_graph_max_bs)
     requested = os.environ.get(ENV, "python").strip() or "python"
@@ -225,7 +229,9 @@ def run_offline(args: argparse.Namespace) -> int:
     warm = warmup_workload(profile, vocab)
     hf_model = None
     if args.engine == "hf":
-        hf_model = load_hf(llm.config.model_path, dtype=str(llm.engine.dtype).split(".")[-1])
+        hf_dtype = args.hf_dtype or str(llm.engine.dtype).split(".")[-1]
+        hf_model = load_hf(llm.config.model_path, dtype=hf_dtype)
+        record["hf_dtype"] = hf_dtype
         pad = llm.tokenizer.pad_token_id
         pad = 0 if pad is None else int(pad)
     runs: dict[str, list[dict[str, Any]]] = {"minisgl": []}
@@ -387,6 +393,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="minisgl",
         help="hf: also run HF transformers generate on the same workload",
     )
+    off.add_argument("--dtype", default=None, help="minisgl dtype (LLM dtype=...)")
+    off.add_argument(
+        "--quantization", default=None, choices=["auto", "none", "int8", "int4"], help="minisgl"
+    )
+    off.add_argument("--hf-dtype", default=None, help="HF dtype (default: minisgl's dtype)")
     off.add_argument("--ab", help="comma-separated CPU backends, e.g. python,rust_hotpath")
     off.add_argument("--ignore-arrivals", action="store_true", help="submit all at t=0")
     off.add_argument("--cuda-graph-max-bs", type=int, default=None)
@@ -412,9 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--repeats must be >= 1", file=sys.stderr)
         return 2
     if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+        common.set_threads(args.threads)
     try:
         if args.mode == "offline":
             return run_offline(args)

@@ -61,6 +61,15 @@ PROFILES: dict[str, Profile] = {
             output_len=64,
         ),
         Profile(
+            "single",
+            "one request, 32-token prompt, 128 output tokens (single-stream decode speed)",
+            num_requests=1,
+            input_len_min=32,
+            input_len_max=32,
+            output_len=128,
+            warmup_requests=1,
+        ),
+        Profile(
             "seed-online",
             "8 concurrent streaming chat requests, 64-256 token prompts, 64 output tokens",
             num_requests=8,

@@ -6,7 +6,12 @@ import torch
 
 from minisgl.attention import create_backend
 from minisgl.config import EngineConfig, ModelConfig
-from minisgl.engine.memory import plan_num_pages, resolve_device, resolve_dtype
+from minisgl.engine.memory import (
+    plan_num_pages,
+    resolve_device,
+    resolve_dtype,
+    resolve_quantization,
+)
 from minisgl.kvcache.pool import KVPool
 from minisgl.models.loader import load_model
 from minisgl.scheduler.plan import StepPlan
@@ -20,13 +25,18 @@ class Engine:
         self.config = config
         self.model_config = cfg = ModelConfig.from_dir(config.model_path)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, cfg, self.device)
+        self.quantization = resolve_quantization(
+            config.quantization, config.model_path, self.device
+        )
+        self.dtype = resolve_dtype(config.dtype, cfg, self.device, self.quantization)
         if self.device.type == "cpu" and config.cuda_graph_max_bs is not None:
             logger.debug("cuda_graph_max_bs=%s ignored on CPU", config.cuda_graph_max_bs)
         self.max_seq_len = cfg.max_position_embeddings
         if config.max_seq_len_override is not None:
             self.max_seq_len = min(self.max_seq_len, config.max_seq_len_override)
-        self.model = load_model(config.model_path, cfg, self.dtype, self.device, self.max_seq_len)
+        self.model = load_model(
+            config.model_path, cfg, self.dtype, self.device, self.max_seq_len, self.quantization
+        )
         self.num_pages = plan_num_pages(config, cfg, self.dtype, self.device, self.max_seq_len)
         self.pool = KVPool(
             cfg.num_layers,

@@ -20,11 +20,41 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    """`auto`: float32 on CPU (exact and fast there), the checkpoint's dtype on a GPU."""
+def cpu_has_fast_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matmuls run natively (not emulated through fp32)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_quantization(quantization: str, model_path: str, device: torch.device) -> str:
+    """`auto`: the model file's precision class on CPU (int4 for the embedded Q4_1 GGUF, none
+    for a safetensors folder); the packed kernels are CPU-only."""
+    if quantization == "auto":
+        if device.type != "cpu":
+            return "none"
+        from minisgl.quantization.cache import native_quantization
+
+        return native_quantization(model_path)
+    if quantization != "none" and device.type != "cpu":
+        raise ValueError(f"quantization={quantization!r} is CPU-only; use 'none' on {device}")
+    return quantization
+
+
+def resolve_dtype(
+    dtype: str, cfg: ModelConfig, device: torch.device, quantization: str = "none"
+) -> torch.dtype:
+    """`auto` on CPU: bfloat16 for quantized weights where the CPU has native bf16 (the packed
+    kernels are fast with bf16 activations only), else float32 (exact: HF parity); the
+    checkpoint's dtype on a GPU."""
     if dtype != "auto":
         return _DTYPES[dtype]
     if device.type == "cpu":
+        if quantization != "none" and cpu_has_fast_bf16():
+            return torch.bfloat16
         return torch.float32
     return _DTYPES.get(str(cfg.torch_dtype).replace("torch.", ""), torch.bfloat16)
 

@@ -34,10 +34,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions][:, None, :]  # [T, 1, D]
-        sin = self.sin[positions][:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] for the step's positions (looked up once, used by every layer)."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_sin
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

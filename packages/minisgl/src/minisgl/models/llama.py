@@ -12,7 +12,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.config import ModelConfig
-from minisgl.models.layers import RMSNorm, RotaryEmbedding
+from minisgl.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+
+# checkpoint module name -> (fused module name, shard index); shards are stacked along rows
+STACKED_PARAMS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def shard_sizes(cfg: ModelConfig, fused: str) -> list[int]:
+    """Row counts of the shards of a fused module, in shard-index order."""
+    if fused == "qkv_proj":
+        kv = cfg.num_kv_heads * cfg.head_dim
+        return [cfg.num_heads * cfg.head_dim, kv, kv]
+    return [cfg.intermediate_size, cfg.intermediate_size]
 
 
 class Attention(nn.Module):
@@ -25,9 +42,10 @@ class Attention(nn.Module):
             cfg.head_dim,
         )
         h, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q_proj, k_proj and v_proj fused at load time (see STACKED_PARAMS)
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -37,30 +55,32 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         backend: Any,
         meta: Any,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = apply_rope(q, k, cos_sin)
         return self.o_proj(backend.forward(self.layer_id, q, k, v, meta))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.intermediate_size = cfg.intermediate_size
+        # gate_proj and up_proj fused at load time (see STACKED_PARAMS)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -71,8 +91,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rope, backend, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, backend, meta)
+    def forward(self, x, cos_sin, backend, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, backend, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -106,8 +126,9 @@ class LlamaForCausalLM(nn.Module):
         meta: Any,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary(positions)
         for layer in self.model.layers:
-            x = layer(x, positions, self.rotary, backend, meta)
+            x = layer(x, cos_sin, backend, meta)
         x = self.model.norm(x[logits_indices])
         return self.lm_head(x).float()
 

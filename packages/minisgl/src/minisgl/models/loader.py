@@ -10,6 +10,7 @@ import torch
 
 from minisgl.config import ModelConfig, ModelLoadError
 from minisgl.models import MODEL_REGISTRY
+from minisgl.models.llama import STACKED_PARAMS, shard_sizes
 from minisgl.utils.log import get_logger
 
 logger = get_logger(__name__)
@@ -46,11 +47,19 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    quantization: str = "none",
 ):
+    """Build the model and fill it from safetensors. Checkpoint q/k/v and gate/up projections
+    land in row slices of the fused `qkv_proj` / `gate_up_proj`. With `quantization` int8 or
+    int4 the linears are then swapped for packed ones, taken from the folder's packed cache
+    when it has them (their float tensors are then not even read)."""
     from safetensors import safe_open
+
+    from minisgl.quantization.cache import read_packed
 
     model_path = Path(model_path)
     files = weight_files(model_path)
+    packed = read_packed(model_path, quantization) if quantization != "none" else None
     cls = MODEL_REGISTRY[cfg.architecture]
     with _default_dtype(dtype), torch.device("meta"):
         model = cls(cfg, max_positions)
@@ -59,26 +68,50 @@ def load_model(
     with _default_dtype(dtype), torch.device(device):
         model.rotary = type(model.rotary)(cfg, max_positions, dtype)
     model.tie_weights()
-    params = dict(model.named_parameters(remove_duplicate=False))
-    pending = set(params)
-    aliases: dict[int, set[str]] = {}  # tied weights: one tensor, several names
-    for name, param in params.items():
-        aliases.setdefault(id(param), set()).add(name)
+    targets = _load_targets(model, cfg)
+    pending = set(targets) - set(packed or ())
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                param = params.get(name)
-                if param is None:
+                target = targets.get(name)
+                if target is None:
                     logger.debug("ignoring checkpoint tensor %s", name)
                     continue
+                if name not in pending:  # packed, or a tied alias already loaded
+                    continue
+                param, rows = target
                 tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(param.shape):
+                dest = param if rows is None else param[rows[0] : rows[1]]
+                if tuple(tensor.shape) != tuple(dest.shape):
                     raise ModelLoadError(
-                        f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}"
+                        f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}"
                     )
                 with torch.no_grad():
-                    param.copy_(tensor)
-                pending -= aliases[id(param)]
+                    dest.copy_(tensor)
+                pending -= {n for n, t in targets.items() if t[0] is param and t[1] == rows}
     if pending:
         raise ModelLoadError(f"missing weights in {str(model_path)!r}: {sorted(pending)[:8]}")
+    if quantization != "none":
+        from minisgl.quantization.apply import quantize_model
+
+        quantize_model(model, cfg, quantization, dtype, packed)
     return model.eval()
+
+
+def _load_targets(
+    model: torch.nn.Module, cfg: ModelConfig
+) -> dict[str, tuple[torch.nn.Parameter, tuple[int, int] | None]]:
+    """Checkpoint name -> (parameter, row slice of a fused parameter or None)."""
+    targets: dict[str, tuple[torch.nn.Parameter, tuple[int, int] | None]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        parts = name.rsplit(".", 2)
+        prefix, leaf, kind = parts if len(parts) == 3 else ("", "", "")
+        shards = [(n, i) for n, (f, i) in STACKED_PARAMS.items() if f == leaf]
+        if not shards:
+            targets[name] = (param, None)
+            continue
+        sizes = shard_sizes(cfg, leaf)
+        for shard, i in shards:
+            start = sum(sizes[:i])
+            targets[f"{prefix}.{shard}.{kind}"] = (param, (start, start + sizes[i]))
+    return targets

@@ -1,0 +1,307 @@
+"""CPU speed of the embedded model: minisgl fp32 / bf16 / int8 / int4 against HF fp32 / bf16,
+one run, medians of repeats, with the quality of every minisgl configuration beside its speed.
+
+    python -m minisgl.benchmark.cpu_speed --out F.json [--plot F.png] [--repeats 3] \
+        [--threads 2] [--configs fp32,bf16,int8,int4] [--hf fp32,bf16] \
+        [--profiles single,seed-offline,many-short] [--set many-short.num_requests=128]
+
+Quality (against HF fp32 on the GGUF's de-quantized weights, the float form of the shipped
+file): greedy agreement over 32 tokens on the parity prompts with the first divergence per
+prompt, and perplexity on a fixed text. Bounds: weight bytes read per decoded token against
+the measured memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+import sys
+import time
+from typing import Any
+
+from minisgl.benchmark import common
+from minisgl.benchmark.offline import load_hf, make_llm, run_hf, run_minisgl
+from minisgl.benchmark.profiles import build_workload, get_profile, parse_sets, warmup_workload
+from minisgl.benchmark.token_parity import TEXT_PROMPTS, first_diff
+
+CONFIGS = {  # name -> LLM(dtype=..., quantization=...)
+    "fp32": ("float32", "none"),
+    "bf16": ("bfloat16", "none"),
+    "int8": ("bfloat16", "int8"),
+    "int4": ("bfloat16", "int4"),
+}
+AGREE_TOKENS = 32
+PPL_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined movable metal type, oil-based ink and a screw press adapted from wine "
+    "making. Books became cheaper, literacy spread across Europe, and scholars could share "
+    "identical copies of a text for the first time. Within fifty years, printing shops had "
+    "opened in more than two hundred cities, and millions of volumes were in circulation. The "
+    "new technology changed religion, science and politics: pamphlets carried arguments faster "
+    "than any messenger, and standard editions let readers check one another's claims."
+)
+
+
+def measure_bandwidth() -> dict[str, float]:
+    """GB/s of a 1 GiB-ish read (sum) and copy (read + write), median of 5."""
+    import torch
+
+    x = torch.ones(128 << 20)  # 512 MiB fp32
+    y = torch.empty_like(x)
+    out = {}
+    for name, fn, nbytes in (
+        ("read_gb_s", lambda: x.sum(), x.numel() * 4),
+        ("copy_gb_s", lambda: y.copy_(x), 2 * x.numel() * 4),
+    ):
+        fn()
+        ts = []
+        for _ in range(5):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        out[name] = nbytes / common.median(ts) / 1e9
+    return out
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights a decode step reads: every linear (the lm_head included) once, plus one
+    embedding row (negligible, not counted)."""
+    import torch
+
+    total = 0
+    for name, mod in model.named_modules():
+        if name.endswith("embed_tokens"):
+            continue
+        for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
+            if t is not None and t.dim() >= 2 and "rotary" not in name:
+                total += t.numel() * t.element_size()
+    del torch
+    return total
+
+
+def perplexity_minisgl(llm, ids: list[int]) -> float:
+    """Perplexity of `ids` from one prefill over all positions (a fresh engine: the KV pool
+    locations 0..T-1 are free)."""
+    import numpy as np
+    import torch
+
+    from minisgl.scheduler.plan import build_step_plan
+
+    n = len(ids)
+    plan = build_step_plan(
+        np.arange(n, dtype=np.int32)[None, :],
+        np.array([0]),
+        np.array([0]),
+        np.array([n]),
+        np.array(ids),
+        np.array([True]),
+        True,
+    )
+    plan = dataclasses.replace(plan, logits_indices=np.arange(n, dtype=np.int32))
+    logits = llm.engine.forward(plan)[:-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    return math.exp(float(nll))
+
+
+def perplexity_hf(model, ids: list[int]) -> float:
+    import torch
+
+    with torch.inference_mode():
+        out = model(torch.tensor([ids]), labels=torch.tensor([ids]))
+    return math.exp(float(out.loss))
+
+
+def quality(llm, prompts: list[list[int]], ref: list[list[int]], ppl_ids) -> dict[str, Any]:
+    from minisgl.core import SamplingParams
+
+    ppl = perplexity_minisgl(llm, ppl_ids)  # first: the pool is still empty
+    sp = SamplingParams(temperature=0.0, max_tokens=AGREE_TOKENS, ignore_eos=True)
+    got = [o["token_ids"] for o in llm.generate(prompts, sp)]
+    firsts = [first_diff(a, b) for a, b in zip(got, ref, strict=True)]
+    return {
+        "perplexity": ppl,
+        "prompts_identical": sum(f is None for f in firsts),
+        "prompts": len(prompts),
+        "agreement": sum(f is None for f in firsts) / len(prompts),
+        "first_divergence": firsts,
+        "token_agreement": sum(
+            sum(x == y for x, y in zip(a, b, strict=False)) for a, b in zip(got, ref, strict=True)
+        )
+        / (AGREE_TOKENS * len(prompts)),
+    }
+
+
+def hf_greedy_tokens(model, prompts: list[list[int]]) -> list[list[int]]:
+    from minisgl.testing.hf_reference import hf_greedy
+
+    return hf_greedy(model, prompts, AGREE_TOKENS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minisgl.benchmark.cpu_speed")
+    p.add_argument("--out", required=True)
+    p.add_argument("--plot", default=None)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--configs", default="fp32,bf16,int8,int4")
+    p.add_argument("--hf", default="fp32,bf16")
+    p.add_argument("--profiles", default="single,seed-offline,many-short")
+    p.add_argument("--set", action="append", metavar="PROFILE.KEY=VALUE")
+    p.add_argument("--no-quality", action="store_true")
+    args = p.parse_args(argv)
+    if args.threads:
+        common.set_threads(args.threads)
+    import torch
+
+    from minisgl.default_model import default_model_path
+
+    model_path = str(default_model_path())
+    configs = [c for c in args.configs.split(",") if c]
+    hf_dtypes = [d for d in args.hf.split(",") if d]
+    sets = parse_sets(args.set)
+    profiles = []
+    for name in args.profiles.split(","):
+        own = {k.split(".", 1)[1]: v for k, v in sets.items() if k.startswith(name + ".")}
+        profiles.append(get_profile(name, own))
+    record: dict[str, Any] = {
+        "schema_version": common.SCHEMA_VERSION,
+        "kind": "cpu-speed",
+        "created": common.now_iso(),
+        "argv": sys.argv[1:],
+        "git": common.git_commit(),
+        "machine": common.machine_info(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "model": "embedded:SmolLM2-135M-Instruct (Q4_1 GGUF)",
+        "bandwidth": measure_bandwidth(),
+        "profiles": {p.name: p.to_dict() for p in profiles},
+        "results": {},
+        "quality": {},
+        "bytes_per_token": {},
+    }
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    prompts = [tok.encode(t) for t in TEXT_PROMPTS]
+    ppl_ids = tok.encode(PPL_TEXT)
+    ref_tokens: list[list[int]] | None = None
+
+    def add(profile: str, arm: str, reps: list[dict[str, Any]]) -> None:
+        tok_s = common.median(r["output_tok_s"] for r in reps)
+        record["results"].setdefault(profile, {})[arm] = {
+            "output_tok_s": tok_s,
+            "output_tok_s_per_repeat": [r["output_tok_s"] for r in reps],
+            "tpot_ms_p50": common.median(r.get("tpot_ms", {}).get("p50", 0.0) for r in reps),
+        }
+        print(f"{profile:14s} {arm:12s} {tok_s:8.1f} tok/s", flush=True)
+
+    for dtype in hf_dtypes:
+        hf = load_hf(model_path, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype])
+        if not args.no_quality:
+            toks = hf_greedy_tokens(hf, prompts)
+            if dtype == "fp32":
+                ref_tokens = toks
+                record["quality"]["hf-fp32"] = {"perplexity": perplexity_hf(hf, ppl_ids)}
+            elif ref_tokens is not None:
+                firsts = [first_diff(a, b) for a, b in zip(toks, ref_tokens, strict=True)]
+                record["quality"][f"hf-{dtype}"] = {
+                    "perplexity": perplexity_hf(hf, ppl_ids),
+                    "agreement": sum(f is None for f in firsts) / len(firsts),
+                    "first_divergence": firsts,
+                }
+        for prof in profiles:
+            items = [dataclasses.replace(i, arrival_s=0.0) for i in build_workload(prof, 49152)]
+            run_hf(hf, warmup_workload(prof, 49152), prof.hf_batch_size, 0)
+            reps = [
+                run_hf(hf, items, prof.hf_batch_size, 0)["metrics"] for _ in range(args.repeats)
+            ]
+            add(prof.name, f"hf-{dtype}", reps)
+        del hf
+        gc.collect()
+
+    for name in configs:
+        dtype, quant = CONFIGS[name]
+        t0 = time.perf_counter()
+        llm = make_llm(
+            None, profiles[0], {"dtype": dtype, "quantization": quant, "max_seq_len_override": 2048}
+        )
+        init_s = time.perf_counter() - t0
+        record["bytes_per_token"][name] = weight_bytes_per_token(llm.engine.model)
+        record.setdefault("init_s", {})[name] = init_s
+        if not args.no_quality and ref_tokens is not None:
+            record["quality"][name] = quality(llm, prompts, ref_tokens, ppl_ids)
+        for prof in profiles:
+            items = build_workload(prof, 49152)
+            run_minisgl(llm, warmup_workload(prof, 49152), honor_arrivals=False)
+            reps = [
+                run_minisgl(llm, items, honor_arrivals=False)["metrics"]
+                for _ in range(args.repeats)
+            ]
+            add(prof.name, f"minisgl-{name}", reps)
+        del llm
+        gc.collect()
+
+    summarize(record)
+    if args.plot:
+        plot(args.plot, record)
+        record["plot"] = args.plot
+    common.write_json(args.out, record)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def summarize(record: dict[str, Any]) -> None:
+    """Ratios the issue's goals are stated in, and the bandwidth bound of single stream."""
+    res = record["results"]
+    ratios: dict[str, float] = {}
+    for prof, arms in res.items():
+        for arm, m in arms.items():
+            if not arm.startswith("minisgl-"):
+                continue
+            for hf in ("hf-fp32", "hf-bf16"):
+                if hf in arms and arms[hf]["output_tok_s"]:
+                    ratios[f"{prof}.{arm}/{hf}"] = m["output_tok_s"] / arms[hf]["output_tok_s"]
+    record["ratios"] = ratios
+    bound = {}
+    bw = record["bandwidth"]["read_gb_s"] * 1e9
+    for name, nbytes in record["bytes_per_token"].items():
+        single = res.get("single", {}).get(f"minisgl-{name}")
+        entry = {"weight_mb_per_token": nbytes / 1e6, "bandwidth_bound_tok_s": bw / nbytes}
+        if single:
+            entry["achieved_gb_s"] = nbytes * single["output_tok_s"] / 1e9
+            entry["fraction_of_bound"] = single["output_tok_s"] / (bw / nbytes)
+        bound[name] = entry
+    record["single_stream_bound"] = bound
+    print("\nratios:")
+    for k, v in ratios.items():
+        print(f"  {k:40s} {v:6.2f}x")
+    print("single stream vs memory bandwidth:")
+    for k, v in bound.items():
+        print(f"  {k}: {v}")
+
+
+def plot(path: str, record: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = record["results"]
+    fig, axes = plt.subplots(1, len(res), figsize=(5 * len(res), 4))
+    axes = [axes] if len(res) == 1 else list(axes)
+    for ax, (prof, arms) in zip(axes, res.items(), strict=True):
+        names = list(arms)
+        vals = [arms[n]["output_tok_s"] for n in names]
+        colors = ["tab:gray" if n.startswith("hf") else "tab:blue" for n in names]
+        ax.bar(range(len(names)), vals, color=colors)
+        ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
+        ax.set_title(f"{prof} (output tok/s, median)")
+    fig.suptitle(f"CPU speed, {record['machine'].get('cpu')}, {record['threads']} threads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+"""Weight-only quantization for CPU serving: int8 per-channel and int4 group-wise linears.
+
+`quantization="auto"` serves a model at its file's precision class (the `packed/` cache that
+`default_model.py` writes next to the embedded model names it), `none` everywhere else.
+"""
+
+from __future__ import annotations
+
+QUANTIZATION_METHODS = ("auto", "none", "int8", "int4")
+INT4_GROUP = 32  # GGUF Q4_0/Q4_1/Q8_0 block size; Q4_K sub-blocks are 32 wide as well
+
+__all__ = ["INT4_GROUP", "QUANTIZATION_METHODS"]

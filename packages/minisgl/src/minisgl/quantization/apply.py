@@ -1,0 +1,86 @@
+"""Swap a loaded model's linears for quantized ones (int8 per channel / int4 group-wise).
+
+Weights come from a packed cache (exact GGUF blocks, `packed_cache.py`) where it has them,
+else they are quantized from the model's float weights. The (tied) embedding / lm_head is
+int8 (int4 in int4 mode, re-quantized from the int8 rows: see the comment in
+`quantize_model`); the tied embedding lookup reads the int8 rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minisgl.config import ModelConfig
+from minisgl.models.llama import STACKED_PARAMS
+from minisgl.quantization.linear import Int4Linear, Int8Embedding, Int8Linear, int4_supported
+from minisgl.quantization.packed import (
+    Int4Weight,
+    Int8Weight,
+    concat_int4,
+    concat_int8,
+    quantize_int4,
+    quantize_int8,
+)
+
+PackedWeights = dict[str, Int4Weight | Int8Weight]
+_LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def _shard_names(prefix: str, fused: str) -> list[str]:
+    shards = sorted((i, n) for n, (f, i) in STACKED_PARAMS.items() if f == fused)
+    return [f"{prefix}.{n}.weight" for _, n in shards]
+
+
+def _weight(
+    module: nn.Linear, name: str, method: str, packed: PackedWeights | None
+) -> Int4Weight | Int8Weight:
+    prefix, leaf = name.rsplit(".", 1)
+    names = (
+        _shard_names(prefix, leaf) if leaf in ("qkv_proj", "gate_up_proj") else [name + ".weight"]
+    )
+    if packed is not None and all(n in packed for n in names):
+        parts = [packed[n] for n in names]
+        want = Int4Weight if method == "int4" else Int8Weight
+        if all(isinstance(p, want) for p in parts):
+            return concat_int4(parts) if want is Int4Weight else concat_int8(parts)  # type: ignore[arg-type]
+    w = module.weight.detach()
+    return quantize_int4(w) if method == "int4" else quantize_int8(w)
+
+
+def quantize_model(
+    model: nn.Module,
+    cfg: ModelConfig,
+    method: str,
+    dtype: torch.dtype,
+    packed: PackedWeights | None = None,
+) -> None:
+    """Replace every decoder linear and the lm_head in place; `method` is int8 or int4."""
+    for i, layer in enumerate(model.model.layers):
+        for rel in _LAYER_LINEARS:
+            parent_name, leaf = rel.split(".")
+            parent = getattr(layer, parent_name)
+            lin: nn.Linear = getattr(parent, leaf)
+            name = f"model.layers.{i}.{rel}"
+            use = method
+            if use == "int4" and not int4_supported(lin.out_features, lin.in_features):
+                use = "int8"
+            w = _weight(lin, name, use, packed)
+            cls = Int4Linear if isinstance(w, Int4Weight) else Int8Linear
+            bias = None if lin.bias is None else lin.bias.detach()
+            setattr(parent, leaf, cls(w, bias, dtype))  # type: ignore[arg-type]
+    head = model.lm_head
+    src = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    hw = packed.get(src) if packed is not None else None
+    if not isinstance(hw, Int8Weight):
+        hw = quantize_int8(head.weight.detach())
+    head8 = Int8Linear(hw, None, dtype)
+    if method == "int4" and int4_supported(*hw.q.shape):
+        # int4 everywhere: PyTorch's int8 kernel crashes (SIGSEGV in _weight_int8pack_mm)
+        # when it runs after the int4 kernel in one process (torch 2.15, seen on batched
+        # steps); the int8 rows still serve the embedding lookup
+        model.lm_head = Int4Linear(quantize_int4(hw.dequantize()), None, dtype)
+    else:
+        model.lm_head = head8
+    if cfg.tie_word_embeddings:
+        model.model.embed_tokens = Int8Embedding(head8)
