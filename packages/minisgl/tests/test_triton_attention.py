@@ -344,3 +344,56 @@ def test_gpu_decode_grid_is_fixed_per_batch_size_and_graph_capturable():
     graph.replay()
     ref = reference(q, pool.k[0], pool.v[0], shorter, None)
     torch.testing.assert_close(out.view(q.shape).float(), ref, **TOL[torch.float16])
+
+
+# --- compile for a GPU without one ----------------------------------------------------------
+
+_COMPILE_SM90 = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from minisgl.attention.triton_kernels import decode, extend, kv_store
+
+def build(fn, types, consts):
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32))
+
+for dt, prec in [a.split(":") for a in sys.argv[1:]]:
+    ptr = lambda *names: {n: "*" + dt for n in names}
+    i32 = lambda *names: {n: "*i32" for n in names}
+    block = 64 if dt == "bf16" else 32
+    kernels = [
+        build(kv_store._store_kv_kernel, {**ptr("K", "V", "K_CACHE", "V_CACHE"), **i32("OUT_LOC")},
+              dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128)),
+        build(decode._decode_split_kernel,
+              {**ptr("Q", "K_CACHE", "V_CACHE"), **i32("KV_INDPTR", "KV_INDICES", "SEQ_LENS"),
+               "MID_O": "*fp32", "MID_LSE": "*fp32", "scale_log2": "fp32"},
+              dict(GQA=4, HEAD_DIM=128, NUM_HEADS=32, NUM_SPLITS=8, HAS_WINDOW=True, BLOCK_H=16,
+                   BLOCK_D=128, BLOCK_N=block, PRECISION=prec, UPCAST=False)),
+        build(decode._decode_reduce_kernel, {"MID_O": "*fp32", "MID_LSE": "*fp32", "OUT": "*" + dt},
+              dict(HEAD_DIM=128, NUM_HEADS=32, NUM_SPLITS=8, BLOCK_S=8, BLOCK_D=128)),
+        build(extend._extend_kernel,
+              {**ptr("Q", "K_CACHE", "V_CACHE", "OUT"), "scale_log2": "fp32",
+               **i32("Q_INDPTR", "KV_INDPTR", "KV_INDICES", "SEQ_LENS", "BLOCK_REQ", "BLOCK_START")},
+              dict(GQA=4, HEAD_DIM=128, HAS_WINDOW=True, BLOCK_M=block, BLOCK_N=block,
+                   BLOCK_D=128, PRECISION=prec, UPCAST=False)),
+    ]
+    assert all(len(k.asm["cubin"]) > 0 for k in kernels)
+    print(dt, "ok", [k.metadata.shared for k in kernels])
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_to_sm90_cubins():
+    """Not a GPU run: the compiled (not interpreted) kernels go through triton's whole
+    pipeline, ptxas included, for an H100 (sm_90), in bf16 and fp32, in a fresh process."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    cmd = [sys.executable, "-c", _COMPILE_SM90, "bf16:tf32", "fp32:ieee"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "bf16 ok" in res.stdout and "fp32 ok" in res.stdout
