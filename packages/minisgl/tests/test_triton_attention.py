@@ -195,7 +195,7 @@ def test_split_kv_merges_to_the_unsplit_result():
     outs = []
     for splits in (1, 5):
         out = torch.empty_like(q)
-        buf = DecodeBuffers(3, kvh * gqa, splits, d, DEVICE)
+        buf = DecodeBuffers.empty(3, kvh * gqa, splits, d, DEVICE)
         decode_attention(q, pool.k[0], pool.v[0], *args, buf, out, None, block_n=16)
         outs.append(out)
         if splits == 5:  # row 1 (3 tokens) fills one split: the others carry lse = -inf
@@ -203,6 +203,20 @@ def test_split_kv_merges_to_the_unsplit_result():
     torch.testing.assert_close(outs[1], outs[0], atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(outs[0], reference(q, pool.k[0], pool.v[0], plan, None),
                                **TOL[torch.float32])  # fmt: skip
+
+
+def test_decode_scratch_is_one_buffer_for_every_batch_size():
+    """Split scratch does not pile up per batch size: views of one buffer sized by the largest."""
+    pool = KVPool(1, 64, 1, 2, 16, torch.float32, DEVICE)
+    backend = TritonBackend(pool, 8, 2, 16, None, DEVICE, max_kv_splits=3)
+    big = backend.decode_buffers(8)
+    size = backend._scratch.numel()
+    assert size == DecodeBuffers.numel(8, 8, backend.num_kv_splits(8), 16)
+    small = backend.decode_buffers(2)
+    assert backend._scratch.numel() == size and small.o.data_ptr() == big.o.data_ptr()
+    assert small.o.shape == (2, 8, backend.num_kv_splits(2), 16)
+    assert small.lse.shape == (2, 8, backend.num_kv_splits(2))
+    assert small.lse.data_ptr() >= small.o.data_ptr() + small.o.numel() * 4  # no overlap
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -337,7 +351,8 @@ def test_gpu_decode_grid_is_fixed_per_batch_size_and_graph_capturable():
         out = backend.forward(0, q, k, v, meta)
     shorter = make_plan([100] * bs, [1] * bs, 1, 8192, decode=True)
     new = backend.prepare(shorter)
-    assert new.decode is meta.decode  # same scratch buffers for the same batch size
+    assert new.decode.o.data_ptr() == meta.decode.o.data_ptr()  # the same scratch
+    assert new.decode.lse.data_ptr() == meta.decode.lse.data_ptr()
     meta.kv_indices[: new.kv_indices.shape[0]].copy_(new.kv_indices)
     for name in ("out_loc", "kv_indptr", "seq_lens"):
         getattr(meta, name).copy_(getattr(new, name))

@@ -69,7 +69,9 @@ class TritonBackend(AttentionBackend):
         else:
             self.max_kv_splits = max_kv_splits or CPU_KV_SPLITS
             self.target_programs = 0  # always max_kv_splits
-        self._decode_buffers: dict[int, DecodeBuffers] = {}
+        # split-stage scratch of every batch size: views at the start of one flat buffer, which
+        # only grows (capturing the largest batch first keeps all addresses stable)
+        self._scratch = torch.empty(0, dtype=torch.float32, device=self.device)
 
     def num_kv_splits(self, bs: int) -> int:
         """Splits per (request, KV head) of a decode step: a function of the batch size only."""
@@ -78,13 +80,12 @@ class TritonBackend(AttentionBackend):
         return max(1, min(self.max_kv_splits, want))
 
     def decode_buffers(self, bs: int) -> DecodeBuffers:
-        """Scratch of the split stage, one per batch size (stable addresses for graph capture)."""
-        buf = self._decode_buffers.get(bs)
-        if buf is None:
-            buf = DecodeBuffers(bs, self.num_heads, self.num_kv_splits(bs), self.head_dim,
-                                self.device)  # fmt: skip
-            self._decode_buffers[bs] = buf
-        return buf
+        """Split-stage scratch of a decode step of `bs` requests."""
+        dims = (bs, self.num_heads, self.num_kv_splits(bs), self.head_dim)
+        need = DecodeBuffers.numel(*dims)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32, device=self.device)
+        return DecodeBuffers.carve(self._scratch, *dims)
 
     def prepare(self, plan: StepPlan) -> TritonMeta:
         meta = TritonMeta(

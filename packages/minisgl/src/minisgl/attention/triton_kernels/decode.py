@@ -12,6 +12,7 @@ captured in a CUDA graph.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -96,14 +97,35 @@ def _decode_reduce_kernel(
     tl.store(dst, out.to(OUT.dtype.element_ty), mask=d_mask)
 
 
+@dataclass(frozen=True)
 class DecodeBuffers:
-    """Per-step scratch of the split stage: partial outputs and their log-sum-exps (fp32)."""
+    """Scratch of the split stage: partial outputs and their log-sum-exps (fp32)."""
 
-    def __init__(self, bs: int, num_heads: int, num_splits: int, head_dim: int, device) -> None:
-        self.num_splits = num_splits
-        self.o = torch.empty(bs, num_heads, num_splits, head_dim, dtype=torch.float32,
-                             device=device)  # fmt: skip
-        self.lse = torch.empty(bs, num_heads, num_splits, dtype=torch.float32, device=device)
+    o: torch.Tensor  # [bs, H, splits, D]
+    lse: torch.Tensor  # [bs, H, splits]
+
+    @property
+    def num_splits(self) -> int:
+        return self.o.shape[2]
+
+    @staticmethod
+    def numel(bs: int, num_heads: int, num_splits: int, head_dim: int) -> int:
+        return bs * num_heads * num_splits * (head_dim + 1)
+
+    @classmethod
+    def carve(cls, scratch: torch.Tensor, bs: int, num_heads: int, num_splits: int,
+              head_dim: int) -> DecodeBuffers:  # fmt: skip
+        """Views at the start of a flat fp32 `scratch` of at least `numel(...)` elements."""
+        n = bs * num_heads * num_splits
+        o = scratch[: n * head_dim].view(bs, num_heads, num_splits, head_dim)
+        return cls(o, scratch[n * head_dim : n * (head_dim + 1)].view(bs, num_heads, num_splits))
+
+    @classmethod
+    def empty(cls, bs: int, num_heads: int, num_splits: int, head_dim: int,
+              device: torch.device | str) -> DecodeBuffers:  # fmt: skip
+        size = cls.numel(bs, num_heads, num_splits, head_dim)
+        scratch = torch.empty(size, dtype=torch.float32, device=device)
+        return cls.carve(scratch, bs, num_heads, num_splits, head_dim)
 
 
 def decode_attention(
