@@ -78,7 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--memory-ratio", type=float, default=None)
     p.add_argument("--cache-type", default="radix", choices=["radix", "naive"])
-    p.add_argument("--attention-backend", default="torch_native")
+    p.add_argument(
+        "--attention-backend",
+        default="torch_native",
+        help="torch_native, triton (CUDA), or auto: triton on CUDA when triton imports",
+    )
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument(
         "--max-queued-requests",
