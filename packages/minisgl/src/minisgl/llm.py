@@ -69,6 +69,7 @@ class LLM:
         eos = set(self.engine.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)  # min_tokens masks them; the scheduler finishes on them
         self.scheduler: SchedulerBackend = make_scheduler(
             SchedulerConfig(
                 num_pages=self.engine.num_pages,
@@ -213,7 +214,7 @@ class LLM:
         plan, reqs = planned
         logits = self.engine.forward(plan)
         rows = [reqs[r] for r in plan.sample_rows.tolist()]
-        res = sample(logits, rows, self.scheduler.eos_token_ids)
+        res = sample(logits, rows, self.eos_token_ids)
         outs = self.scheduler.commit(reqs, plan, res.tokens)
         self.last_logprobs = {
             r.rid: lp for r, lp in zip(rows, res.logprobs, strict=True) if lp is not None
