@@ -3,8 +3,6 @@ from __future__ import annotations
 import pytest
 from cardgate_repo import Repo
 
-pytest_plugins = ["pytester"]
-
 
 @pytest.fixture
 def repo(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Repo:
