@@ -15,11 +15,7 @@ import sys
 from pathlib import Path
 
 from cardgate.board import load_board
-
-try:
-    from cardgate.thresholds import GateFormatError, load_gates
-except ImportError:  # cardgate before the module was renamed
-    from cardgate.gates import GateFormatError, load_gates  # type: ignore[no-redef]
+from cardgate.thresholds import GateFormatError, load_gates
 
 
 def gate_files(root: Path, card) -> list[Path]:

@@ -1,9 +1,8 @@
 """What the site shows, read from the repository: cards, evidence runs and baselines.
 
-The board comes from cardgate. Its richer JSON (`cardgate.board.board_json(root)`: per card
-`verified`, `flags`, `last_gate`) is used when this cardgate has it; otherwise the same facts
-are derived from the evidence files, and a done card is never shown as verified unless
-cardgate said so.
+The board comes from cardgate (`cardgate.board.board_json(root)`: per card `verified`,
+`flags`, `last_gate`); what a row does not say is derived from the evidence files, and a done
+card is never shown as verified unless cardgate said so.
 """
 
 from __future__ import annotations
@@ -221,16 +220,10 @@ def load_runs(root: Path, card_id: str) -> list[Run]:
 
 
 def _board_dict(root: Path) -> dict[str, Any]:
-    """cardgate's board JSON as a dict: the richer `board_json(root)` when cardgate has it."""
+    """cardgate's board JSON (per card `verified`, `flags`, `last_gate`) as a dict."""
     import cardgate.board
 
-    board_json = getattr(cardgate.board, "board_json", None)
-    if board_json is not None:
-        return board_json(root)
-    from cardgate.render import board_rows  # cardgate before `board_json`
-
-    board = load_board(root)
-    return {"cards": board_rows(board, root), "errors": [str(e) for e in board.errors]}
+    return cardgate.board.board_json(root)
 
 
 def _last_gate(row: dict[str, Any], runs: list[Run]) -> LastGate | None:

@@ -67,6 +67,9 @@ class ServerHandle:
     def worker_pids(self) -> dict[str, int]:
         return httpx.get(self.base_url + "/health", timeout=5).json()["workers"]
 
+    def in_flight(self) -> int:
+        return httpx.get(self.base_url + "/health", timeout=5).json()["in_flight"]
+
     def stop(self, sig: int = signal.SIGTERM) -> int | None:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)

@@ -120,3 +120,38 @@ def test_shell_chat_over_stdin(server):
     out = p.stdout
     assert out.count("assistant> ") == 3
     assert "(history cleared)" in out and out.rstrip().endswith("bye")
+
+
+def test_requests_running_past_shutdown_timeout_get_503_or_sse_error(tiny_model_dir, tmp_path):
+    """SIGTERM with requests that cannot finish within --shutdown-timeout: at its end the
+    non-streaming one gets the documented 503 body, the stream an SSE error event, and the
+    launcher still exits 0 (a slowed engine: 250 tokens take ~12 s, the timeout is 1 s)."""
+    env = {"MINISGL_FAULT_STEP_DELAY_MS": "50"}
+    with running_server(
+        tiny_model_dir("llama"), "--shutdown-timeout", "1", log_dir=tmp_path, env=env
+    ) as s:
+        t, res = start_stream(s.base_url)
+        plain: dict = {}
+
+        def run_plain():
+            body = {"prompt": "long story", "max_tokens": 250, "ignore_eos": True}
+            r = httpx.post(s.base_url + "/v1/completions", json=body, timeout=60)
+            plain["status"], plain["body"] = r.status_code, r.json()
+
+        tp = threading.Thread(target=run_plain, daemon=True)
+        tp.start()
+        assert res["started"].wait(60)
+        deadline = time.monotonic() + 30
+        while s.in_flight() < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        code = s.stop(signal.SIGTERM)
+        t.join(30)
+        tp.join(30)
+        assert code == 0, s.log()
+        assert plain.get("status") == 503, plain
+        assert plain["body"]["error"]["code"] == "service_unavailable", plain
+        assert "shutdown" in plain["body"]["error"]["message"], plain
+        assert res["finish"] is None and res["error"], res
+        assert res["error"]["code"] == "service_unavailable", res
+        assert res["done"] - t0 < 10, res

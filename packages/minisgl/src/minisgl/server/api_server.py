@@ -16,7 +16,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,6 +234,13 @@ class Frontend:
         if loop is not None:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self.fail_all, reason, 503)
+
+    def fail_after(self, delay_s: float, reason: str) -> None:
+        """Thread-safe: in `delay_s` seconds, end every request still in flight with a 503."""
+        loop = self.loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(loop.call_later, delay_s, self.fail_all, reason, 503)
 
     def fail_all(self, reason: str, status: int = 503) -> None:
         for uid, st in list(self.reqs.items()):
@@ -535,11 +542,28 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
         finally:
             await stack.aclose()
 
-    return StreamingResponse(
+    return ClosingStreamingResponse(
         events(),
+        on_close=stack.aclose,
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A stream whose cleanup runs however the response ends, even when its body generator
+    never starts (the client left before the headers went out): the request it holds is
+    released then too. `on_close` must be idempotent (an AsyncExitStack's aclose is)."""
+
+    def __init__(self, content, *, on_close: Callable[[], Awaitable[None]], **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_close()
 
 
 def create_app(fe: Frontend) -> FastAPI:

@@ -6,13 +6,15 @@ detokenizer workers and one scheduler + engine worker, all started with multipro
 
 A supervisor thread watches the workers: if one dies, `/health` turns 503 and every in-flight
 request ends with an error at once. SIGINT / SIGTERM: stop accepting, give in-flight requests
-`--shutdown-timeout` seconds, abort the rest, stop the workers (SIGTERM, then SIGKILL) and
+`--shutdown-timeout` seconds, then end the rest with a 503 (non-stream) or an SSE error event
+(stream), stop the workers (SIGTERM, then SIGKILL) and
 remove the ipc dir.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -25,6 +27,7 @@ import time
 from minisgl.server import ipc
 from minisgl.server.args import ServerArgs, parse_args
 
+SHUTDOWN_REPLY_S = 2  # after --shutdown-timeout: time to write the 503s before uvicorn cancels
 WORKER_DEATH_GRACE_S = 5.0  # after a worker died: answer 503s this long, then exit 1
 
 
@@ -180,9 +183,14 @@ class Launcher:
 
         fe = self.frontend
 
+        grace = self.args.shutdown_timeout
+
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame) -> None:  # stop accepting at once
-                fe.serving = False
+                if fe.serving:
+                    fe.serving = False
+                    fe.fail_after(grace, "server is shutting down: the request was still "
+                                  f"running after --shutdown-timeout {grace:g}s")  # fmt: skip
                 super().handle_exit(sig, frame)
 
         config = uvicorn.Config(
@@ -190,7 +198,8 @@ class Launcher:
             host=self.args.host,
             port=self.args.port,
             log_level=self.args.log_level,
-            timeout_graceful_shutdown=max(1, round(self.args.shutdown_timeout)),
+            # uvicorn cancels what is left only after the requests got their 503 / SSE error
+            timeout_graceful_shutdown=math.ceil(grace) + SHUTDOWN_REPLY_S,
             access_log=False,
         )
         server = self.server = Server(config)

@@ -1,0 +1,65 @@
+"""A stream whose body never starts (the client left before the response began) still runs
+its cleanup: otherwise its admitted request keeps its in-flight slot for ever."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from minisgl.server.api_server import ClosingStreamingResponse
+
+
+def test_cleanup_runs_when_the_body_never_starts():
+    closed: list[str] = []
+    started: list[str] = []
+
+    async def body():
+        started.append("yes")
+        yield b"data: x\n\n"
+
+    async def on_close() -> None:
+        closed.append("closed")
+
+    async def gone_send(message) -> None:  # the client vanished before the headers went out
+        raise OSError("client disconnected")
+
+    async def receive():
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    resp = ClosingStreamingResponse(body(), on_close=on_close, media_type="text/event-stream")
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST", "headers": []}
+
+    async def run():
+        with contextlib.suppress(Exception):  # starlette reports it as ClientDisconnect
+            await resp(scope, receive, gone_send)
+
+    asyncio.run(run())
+    assert started == []
+    assert closed == ["closed"]
+
+
+def test_cleanup_runs_once_after_a_full_stream():
+    closed: list[str] = []
+    sent: list[dict] = []
+
+    async def body():
+        yield b"data: a\n\n"
+        yield b"data: [DONE]\n\n"
+
+    async def on_close() -> None:
+        closed.append("closed")
+
+    async def send(message) -> None:
+        sent.append(message)
+
+    async def receive():
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    resp = ClosingStreamingResponse(body(), on_close=on_close, media_type="text/event-stream")
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST", "headers": []}
+    asyncio.run(resp(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start"
+    assert b"".join(m.get("body", b"") for m in sent) == b"data: a\n\ndata: [DONE]\n\n"
+    assert closed == ["closed"]
