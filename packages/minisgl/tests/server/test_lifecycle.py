@@ -86,8 +86,10 @@ def test_options_then_sigint_with_request_in_flight(tiny_model_dir, tmp_path, ll
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
 def test_dead_worker_fails_health_and_inflight_requests(tiny_model_dir, tmp_path, sig):
     """SIGTERM reaching the engine worker mid-step used to be swallowed (caught as an engine
-    error that failed the batch while the worker lived on): it must stop the worker."""
-    with running_server(tiny_model_dir("llama"), log_dir=tmp_path) as s:
+    error that failed the batch while the worker lived on): it must stop the worker. The engine
+    is slowed (250 tokens take >= 5 s) so the stream cannot finish before the signal lands."""
+    env = {"MINISGL_FAULT_STEP_DELAY_MS": "20"}
+    with running_server(tiny_model_dir("llama"), log_dir=tmp_path, env=env) as s:
         pid = s.worker_pids()["scheduler"]
         t, res = start_stream(s.base_url)
         assert res["started"].wait(60)
