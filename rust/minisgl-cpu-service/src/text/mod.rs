@@ -1,0 +1,1 @@
+//! Tokenization, chat templates and incremental detokenization (no Python).
