@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "server"))
-from server_harness import running_server
+from minisgl.testing.server import running_server
 
 from minisgl.benchmark import harness
 

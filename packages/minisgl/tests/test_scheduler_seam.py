@@ -62,6 +62,7 @@ def drive(s: SchedulerBackend) -> list[tuple]:
 
 
 # ---------------------------------------------------------------------- protocol and factory
+@pytest.mark.card("P1-011", "schedulerbackend-protocol-and-a-plain-factory-no-import-cycles")
 @pytest.mark.parametrize(
     "backend,shadow,name",
     [("python", False, "python"),
@@ -77,6 +78,7 @@ def test_every_backend_is_a_scheduler_backend(backend, shadow, name):
     assert s.kv_usage()["running"] == 0 and s.page_size == 4 and not s.requests
 
 
+@pytest.mark.card("P1-011", "schedulerbackend-protocol-and-a-plain-factory-no-import-cycles")
 def test_scheduler_constructor_is_plain(monkeypatch):
     """`Scheduler(...)` is the Python reference whatever the environment says."""
     monkeypatch.setenv(cpu_backend.ENV_BACKEND, "rust_hotpath")
@@ -112,6 +114,7 @@ class _Counting:
         return self.inner.schedule()
 
 
+@pytest.mark.card("P1-011", "schedulerbackend-protocol-and-a-plain-factory-no-import-cycles")
 def test_registry(monkeypatch):
     monkeypatch.setattr(factory, "_registry", dict(factory._registry))
     assert available_backends()[:2] == ("python", "rust_hotpath")
@@ -142,6 +145,7 @@ def test_a_failing_registered_backend_falls_back_to_python(monkeypatch):
     assert cpu_backend.stats()["fallback_reasons"] == {"init": 1}
 
 
+@pytest.mark.card("P1-011", "schedulerbackend-protocol-and-a-plain-factory-no-import-cycles")
 def test_llm_builds_its_scheduler_through_the_registry(monkeypatch, tiny_model_dir):
     """A backend registered by name serves `LLM` with no change to `LLM` or the engine."""
     from minisgl import LLM
@@ -155,6 +159,7 @@ def test_llm_builds_its_scheduler_through_the_registry(monkeypatch, tiny_model_d
     assert len(out[0]["token_ids"]) == 3 and llm.scheduler.schedules >= 3
 
 
+@pytest.mark.card("P1-011", "schedulerbackend-protocol-and-a-plain-factory-no-import-cycles")
 def test_request_validation_lives_next_to_req():
     p = SamplingParams(max_tokens=4)
     ids, cap = validate_request([1, 2, 3], p, max_seq_len=16, num_pages=4, page_size=4)
@@ -178,6 +183,7 @@ def _plan(bs: int, prefill: bool, seed: int = 0):
     return build_step_plan(pt, slots, starts, ext, ids, mask, prefill)
 
 
+@pytest.mark.card("P1-011", "step-plan-layout-exported-once-by-name-from-rust")
 @pytest.mark.parametrize("bs", [0, 1, 5])
 def test_flat_step_round_trip(bs):
     plan = _plan(bs, prefill=True, seed=bs)
@@ -197,6 +203,7 @@ def test_flat_step_round_trip(bs):
         FlatStep(True, flat.layout, flat.data.astype(np.int64))
 
 
+@pytest.mark.card("P1-011", "step-plan-layout-exported-once-by-name-from-rust")
 def test_python_layout_is_defined_once():
     names = [n for n, _, _ in PLAN_SEGMENTS]
     assert len(set(names)) == len(names) and names[-1] == "batch_pos"
@@ -208,6 +215,7 @@ def test_python_layout_is_defined_once():
 
 
 @needs_ext
+@pytest.mark.card("P1-011", "step-plan-layout-exported-once-by-name-from-rust")
 @pytest.mark.parametrize("sizes", [(0, 0, 0, 0), (1, 1, 1, 1), (3, 5, 7, 2), (32, 32, 4096, 32)])
 def test_rust_exported_layout_equals_python(sizes):
     import minisgl_cpu
@@ -301,6 +309,7 @@ def test_cycle_finder_sees_lazy_import_cycles():
     assert find_cycle(import_graph(src)) is None
 
 
+@pytest.mark.card("P1-011", "schedulerbackend-protocol-and-a-plain-factory-no-import-cycles")
 def test_no_import_cycle_among_scheduler_modules():
     sources = {m: (SCHED_DIR / f"{m.rsplit('.', 1)[1]}.py").read_text()
                for m in scheduler_modules()}  # fmt: skip
@@ -309,6 +318,7 @@ def test_no_import_cycle_among_scheduler_modules():
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph) or [])}"
 
 
+@pytest.mark.card("P1-011", "schedulerbackend-protocol-and-a-plain-factory-no-import-cycles")
 def test_each_scheduler_module_imports_alone_in_a_fresh_interpreter():
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     procs = {

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from server_harness import running_server
+from minisgl.testing.server import running_server
 
 
 @pytest.fixture(scope="session")

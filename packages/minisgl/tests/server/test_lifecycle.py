@@ -13,7 +13,7 @@ import time
 import httpx
 import psutil
 import pytest
-from server_harness import running_server
+from minisgl.testing.server import running_server
 
 from minisgl import SamplingParams
 

@@ -8,34 +8,16 @@ import time
 
 import httpx
 import pytest
-from server_harness import MAX_QUEUED, MAX_RUNNING, metric, running_server
+from minisgl.testing.server import (
+    MAX_QUEUED,
+    MAX_RUNNING,
+    metric,
+    metrics,
+    running_server,
+    wait_kv_clean,
+)
 
 LIMIT = MAX_RUNNING + MAX_QUEUED  # 64
-
-
-def metrics(server) -> str:
-    return httpx.get(server.base_url + "/metrics", timeout=10).text
-
-
-def wait_kv_clean(server, timeout: float = 30.0) -> str:
-    """Until nothing runs and every used page belongs to the prefix cache (no leak)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        text = metrics(server)
-        running = metric(text, "minisgl_num_running_requests")
-        queued = metric(text, "minisgl_num_queued_requests")
-        used = metric(text, "minisgl_kv_pages_used")
-        cached = metric(text, "minisgl_kv_pages_cached")
-        inflight = metric(text, "minisgl_requests_in_flight")
-        ok = metric(text, "minisgl_kv_integrity_ok")
-        if running == queued == inflight == 0 and used == cached and ok == 1:
-            return text
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"KV not clean: running={running} queued={queued} "
-                f"used={used} cached={cached} in_flight={inflight} ok={ok}"
-            )
-        time.sleep(0.1)
 
 
 async def stream_one(client: httpx.AsyncClient, i: int, max_tokens: int) -> tuple[int, str, int]:

@@ -1,4 +1,5 @@
-"""Start / stop real servers for tests: free loopback port, private ipc dir, no survivors."""
+"""Start / stop real servers for tests (`python -m minisgl` in a subprocess): free loopback
+port, private ipc dir, no survivors; and the /metrics helpers the server tests share."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -147,3 +149,57 @@ def metric(text: str, name: str, labels: str = "", default: float | None = None)
         return default
     assert m, f"{name}{labels} missing"
     return float(m.group(1))
+
+
+def metrics(server) -> str:
+    return httpx.get(server.base_url + "/metrics", timeout=10).text
+
+
+def wait_kv_clean(server, timeout: float = 30.0) -> str:
+    """Until nothing runs and every used page belongs to the prefix cache (no leak)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = metrics(server)
+        running = metric(text, "minisgl_num_running_requests")
+        queued = metric(text, "minisgl_num_queued_requests")
+        used = metric(text, "minisgl_kv_pages_used")
+        cached = metric(text, "minisgl_kv_pages_cached")
+        inflight = metric(text, "minisgl_requests_in_flight")
+        ok = metric(text, "minisgl_kv_integrity_ok")
+        if running == queued == inflight == 0 and used == cached and ok == 1:
+            return text
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"KV not clean: running={running} queued={queued} "
+                f"used={used} cached={cached} in_flight={inflight} ok={ok}"
+            )
+        time.sleep(0.1)
+
+
+@dataclass
+class Started:
+    """A server that started (`handle`) or the reason it did not (`error`)."""
+
+    name: str
+    handle: ServerHandle | None
+    error: str = ""
+
+    def get(self) -> ServerHandle:
+        assert self.handle is not None, f"server {self.name!r} did not start:\n{self.error}"
+        return self.handle
+
+
+@contextlib.contextmanager
+def start(name: str, model: Path, *flags: str, log_dir: Path, backend: str, env=None):
+    """Yield a `Started`; the server (if any) is stopped and checked for leftovers after."""
+    full_env = {"MINISGL_CPU_BACKEND": backend, **(env or {})}
+    cm = running_server(model, *flags, log_dir=log_dir, env=full_env)
+    try:
+        handle = cm.__enter__()
+    except Exception as e:  # recorded: the test that needs it fails by assertion
+        yield Started(name, None, f"{type(e).__name__}: {e}")
+        return
+    try:
+        yield Started(name, handle)
+    finally:
+        cm.__exit__(None, None, None)
