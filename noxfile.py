@@ -35,6 +35,13 @@ def install_runtime(session: nox.Session) -> None:
             "rust/minisgl-cpu-py/Cargo.toml",
             external=True,
         )
+    if os.path.isdir("rust/minisgl-cpu-service"):  # MINISGL_CPU_BACKEND=rust_service
+        session.run(
+            "cargo", "build", "--release", "--quiet", "-p", "minisgl-cpu-service",
+            "--manifest-path", "rust/Cargo.toml", external=True,
+        )  # fmt: skip
+        binary = os.path.join("rust", "target", "release", "minisgl-cpu-service")
+        shutil.copy2(binary, os.path.join(session.bin, "minisgl-cpu-service"))
 
 
 @nox.session(python=PYTHON)

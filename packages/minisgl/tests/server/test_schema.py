@@ -18,14 +18,19 @@ from minisgl.message.schema import (
     Codec,
     DetokOut,
     FinishReq,
+    HelloAck,
     Ready,
     Reject,
     SchemaError,
     Shutdown,
     Stats,
+    Step,
+    StepReq,
+    StepResult,
     TokenizeReq,
     TokenOut,
     WireParams,
+    WorkerHello,
 )
 
 PARAMS = WireParams(
@@ -54,6 +59,19 @@ SAMPLES = [
     Stats({"running": 1, "cpu_backend": {"served": {"python": {"schedule": 3}}}}),
     Shutdown("bye"),
     Admitted(np.array([3, 9], dtype=np.int64)),
+    WorkerHello(0, 42, {"num_pages": 64, "eos_token_ids": [2]}),
+    HelloAck([2, 7]),
+    StepReq(8, np.array([4, 5], dtype=np.int32), PARAMS),
+    Step(
+        3,
+        True,
+        [1, 2, 2, 1],
+        np.arange(14, dtype=np.int32),
+        np.array([8], dtype=np.int64),
+        [StepReq(8, np.array([4, 5], dtype=np.int32), PARAMS).pack()],
+        np.array([], dtype=np.int64),
+    ),
+    StepResult(3, np.array([11], dtype=np.int32), [None], [[-0.5, [11], [-0.5]]]),
 ]
 
 

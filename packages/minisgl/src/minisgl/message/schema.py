@@ -22,7 +22,9 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 2  # 2: penalties, min_p, logit_bias, min_tokens, logprobs, prefix_leader, Admitted
+SCHEMA_VERSION = (
+    3  # 2: penalties, logprobs, prefix_leader, Admitted...; 3: the service step protocol
+)
 
 
 class SchemaError(ValueError):
@@ -233,6 +235,76 @@ class Shutdown(Message):
     reason: str = ""
 
 
+# ----------------------------------------------------------------------------- step protocol
+# `MINISGL_CPU_BACKEND=rust_service`: the Rust service schedules, Python GPU workers run steps.
+# worker -> service: WorkerHello, then one StepResult per Step; service -> worker: HelloAck,
+# Step..., Shutdown. The Rust side (`minisgl-cpu-service/src/wire.rs`) mirrors these fields.
+@dataclass(slots=True)
+class WorkerHello(Message):
+    """Worker -> service: the model is loaded (`info`: num_pages, max_seq_len, vocab_size,
+    page_size, eos_token_ids, device, dtype, architecture), or failed to load (`error`)."""
+
+    TAG: ClassVar[int] = 12
+    index: int
+    pid: int
+    info: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class HelloAck(Message):
+    """Service -> worker: the handshake passed; the stop tokens `min_tokens` masks."""
+
+    TAG: ClassVar[int] = 15
+    eos_token_ids: list
+
+
+@dataclass(slots=True)
+class StepReq(Message):
+    """A request the worker sees for the first time (sampling state lives on the worker)."""
+
+    TAG: ClassVar[int] = 16
+    ARRAYS: ClassVar[dict[str, Any]] = {"input_ids": np.int32}
+    rid: int
+    input_ids: np.ndarray
+    params: WireParams
+
+
+@dataclass(slots=True)
+class Step(Message):
+    """Service -> worker: run one step. `plan` is the flat int32 buffer of
+    `scheduler.plan.PLAN_SEGMENTS` for `sizes` (bs, num_tokens, num_kv, num_sample); an
+    `input_ids` entry of -1 is the row's last sampled token, known only to the worker.
+    `rids[row]` is the request of each batch row; `new` the requests first seen here;
+    `release` the requests whose sampling state the worker may drop."""
+
+    TAG: ClassVar[int] = 13
+    ARRAYS: ClassVar[dict[str, Any]] = {"plan": np.int32, "rids": np.int64,
+                                        "release": np.int64}  # fmt: skip
+    step: int
+    is_prefill: bool
+    sizes: list
+    plan: np.ndarray
+    rids: np.ndarray
+    new: list  # [StepReq.pack(), ...]
+    release: np.ndarray
+
+
+@dataclass(slots=True)
+class StepResult(Message):
+    """Worker -> service: one token per sample row of step `step` (`errors`: [] or per row
+    None | why the row failed; `logprobs`: [] or per row None | [lp, top ids, top lps];
+    `fatal`: the forward itself failed, no token is valid)."""
+
+    TAG: ClassVar[int] = 14
+    ARRAYS: ClassVar[dict[str, Any]] = {"tokens": np.int32}
+    step: int
+    tokens: np.ndarray
+    errors: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    fatal: str | None = None
+
+
 MESSAGES: dict[int, type[Message]] = {
     c.TAG: c
     for c in (
@@ -247,6 +319,11 @@ MESSAGES: dict[int, type[Message]] = {
         Stats,
         Shutdown,
         Admitted,
+        WorkerHello,
+        HelloAck,
+        StepReq,
+        Step,
+        StepResult,
     )
 }
 BY_NAME: dict[str, type[Message]] = {c.__name__: c for c in MESSAGES.values()}

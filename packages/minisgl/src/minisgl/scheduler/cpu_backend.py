@@ -1,7 +1,8 @@
 """CPU backend environment and path counters (a leaf module: no other scheduler imports).
 
 Environment (read by `minisgl.scheduler.factory.make_scheduler`):
-- `MINISGL_CPU_BACKEND=python|rust_hotpath|<registered name>` (default `python`).
+- `MINISGL_CPU_BACKEND=python|rust_hotpath|<registered name>` (default `python`); the server
+  also takes `rust_service` (`minisgl.server.service`: no scheduler in this process at all).
 - `MINISGL_CPU_BACKEND_SHADOW=1`: run the other backend beside the primary on every decision
   and write divergences as JSON lines to `MINISGL_CPU_BACKEND_SHADOW_REPORT` (at most
   `MINISGL_CPU_BACKEND_SHADOW_MAX_DIFFS`, default 1000). Serving always uses the primary.
@@ -24,7 +25,8 @@ from minisgl.utils.log import get_logger
 logger = get_logger(__name__)
 
 BACKENDS = ("python", "rust_hotpath")  # built in; `factory.available_backends()` lists all
-ALIASES = {"rust": "rust_hotpath", "rust-hotpath": "rust_hotpath"}
+ALIASES = {"rust": "rust_hotpath", "rust-hotpath": "rust_hotpath", "rust-service": "rust_service"}
+SERVICE = "rust_service"  # not a scheduler: the server runs the Rust service process instead
 ENV_BACKEND = "MINISGL_CPU_BACKEND"
 ENV_SHADOW = "MINISGL_CPU_BACKEND_SHADOW"
 ENV_SHADOW_REPORT = "MINISGL_CPU_BACKEND_SHADOW_REPORT"

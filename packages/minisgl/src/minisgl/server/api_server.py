@@ -40,6 +40,9 @@ from minisgl.server.args import ServerArgs
 from minisgl.server.metrics import Metrics
 from minisgl.server.openapi import request_bodies
 from minisgl.server.protocol import APIError, Parsed, parse_chat, parse_completion
+from minisgl.utils.log import get_logger
+
+logger = get_logger(__name__)
 
 RETRY_AFTER_S = "1"
 DISCONNECT_CHECK_S = 0.1
@@ -123,11 +126,14 @@ class Frontend:
         self.ctx = zmq.Context()
         self.inbox = ipc.pull(self.ctx, ipc_dir, ipc.FRONTEND)
         self.to_tok = [
-            ipc.push(self.ctx, ipc_dir, ipc.tokenizer_name(i)) for i in range(args.num_tokenizer)
+            ipc.push(self.ctx, ipc_dir, name)
+            for name in ipc.ingress_names(args.cpu_backend, args.num_tokenizer)
         ]
         self.ready: dict[str, Ready] = {}
         self.ready_cv = threading.Condition()
         self.info: dict[str, Any] = {}
+        self.workers: dict[str, int] = {}  # process name -> pid (set by the launcher)
+        self.cpu_backend = args.cpu_backend
         self.sched_stats: dict[str, Any] = {}
         self.reqs: dict[int, ReqState] = {}
         self.uids = itertools.count(1)
@@ -153,7 +159,11 @@ class Frontend:
                 continue
             msgs = []
             for f in frames:
-                msg = codec.decode(f)
+                try:
+                    msg = codec.decode(f)
+                except Exception as e:  # a malformed frame is dropped, never fatal
+                    logger.warning("rejected a malformed message: %s", e)
+                    continue
                 if isinstance(msg, Ready):
                     with self.ready_cv:
                         self.ready[msg.name] = msg
@@ -599,8 +609,13 @@ def create_app(fe: Frontend) -> FastAPI:
             return JSONResponse({"status": "unhealthy", "reason": fe.unhealthy}, status_code=503)
         if not fe.serving:
             return JSONResponse({"status": "shutting_down"}, status_code=503)
-        workers = {n: r.pid for n, r in sorted(fe.ready.items())}
-        return {"status": "ok", "workers": workers, "in_flight": len(fe.reqs)}
+        workers = fe.workers or {n: r.pid for n, r in sorted(fe.ready.items())}
+        return {
+            "status": "ok",
+            "workers": workers,
+            "in_flight": len(fe.reqs),
+            "cpu_backend": fe.cpu_backend,
+        }
 
     @app.get("/v1/models")
     async def models():

@@ -30,6 +30,9 @@ class ServerArgs:
     shutdown_timeout: float = 5.0
     max_request_bytes: int = 4 * 1024 * 1024
     log_level: str = "warning"
+    cpu_backend: str = (
+        "python"  # MINISGL_CPU_BACKEND (not a flag): python | rust_hotpath | rust_service
+    )
 
     @property
     def queue_limit(self) -> int:
@@ -124,9 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    from minisgl.scheduler.cpu_backend import BACKENDS, SERVICE, requested_backend
+
     ns = build_parser().parse_args(argv)
-    args = ServerArgs(**vars(ns))
+    args = ServerArgs(**vars(ns), cpu_backend=requested_backend())
     errors = []
+    if args.cpu_backend not in (*BACKENDS, SERVICE):
+        errors.append(
+            f"MINISGL_CPU_BACKEND={args.cpu_backend!r}: expected one of "
+            + ", ".join((*BACKENDS, SERVICE))
+        )
     if args.num_tokenizer < 1:
         errors.append("--num-tokenizer must be >= 1")
     if args.max_running_requests < 1:

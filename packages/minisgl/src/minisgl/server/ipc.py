@@ -12,10 +12,24 @@ import zmq
 
 FRONTEND = "frontend"  # API server PULL: outputs, stats, readiness
 SCHEDULER = "scheduler"  # scheduler PULL: requests, aborts, finishes
+SERVICE = "service"  # rust_service: the service's PULL for the API server's requests / aborts
+STEPS = "steps"  # rust_service: the service's PULL for the workers' hellos and step results
 
 
 def tokenizer_name(i: int) -> str:
     return f"tokenizer{i}"
+
+
+def worker_name(i: int) -> str:
+    """rust_service: GPU worker i's PULL (steps from the service)."""
+    return f"worker{i}"
+
+
+def ingress_names(cpu_backend: str, num_tokenizer: int) -> list[str]:
+    """Where the API server sends requests: the Rust service, or the tokenizer workers."""
+    if cpu_backend == "rust_service":
+        return [SERVICE]
+    return [tokenizer_name(i) for i in range(num_tokenizer)]
 
 
 def addr(ipc_dir: str, name: str) -> str:

@@ -2,7 +2,9 @@
 
 Processes: this one (launcher + API server: FastAPI/uvicorn), `--num-tokenizer` tokenizer /
 detokenizer workers and one scheduler + engine worker, all started with multiprocessing
-`spawn`. They talk over ZMQ ipc sockets in a private temp dir that is removed on exit.
+`spawn`. With `MINISGL_CPU_BACKEND=rust_service`: the Rust `minisgl-cpu-service` (tokenizer,
+scheduler, detokenizer) and one Python GPU worker instead (`minisgl.server.service`). They talk
+over ZMQ ipc sockets in a private temp dir that is removed on exit.
 
 A supervisor thread watches the workers: if one dies, `/health` turns 503 and every in-flight
 request ends with an error at once. SIGINT / SIGTERM: stop accepting, give in-flight requests
@@ -54,7 +56,10 @@ class Launcher:
             raise KeyboardInterrupt(f"signal {signum} during startup")
 
     # ------------------------------------------------------------------ workers
-    def _start_workers(self, model_path: str) -> None:
+    def _start_workers(self, model_path: str) -> list[str]:
+        """Start every process; returns the names whose `Ready` the API server waits for."""
+        if self.args.cpu_backend == "rust_service":
+            return self._start_service(model_path)
         from minisgl.server.engine_worker import run_engine_worker
         from minisgl.tokenizer.worker import run_tokenizer_worker
 
@@ -75,6 +80,29 @@ class Launcher:
             )
         for p in self.procs.values():
             p.start()
+        return list(self.procs)
+
+    def _start_service(self, model_path: str) -> list[str]:
+        """rust_service: the Rust service binary and one Python GPU worker."""
+        from minisgl.server.gpu_worker import run_gpu_worker
+        from minisgl.server.service import ServiceProcess, service_command
+
+        args, ctx = self.args, mp.get_context("spawn")
+        typed = args.transport != "generic"
+        if not typed:
+            raise RuntimeError("MINISGL_CPU_BACKEND=rust_service speaks the typed transport only")
+        self.procs[ipc.SERVICE] = ServiceProcess(
+            service_command(args, model_path, self.ipc_dir, num_workers=1)
+        )
+        self.procs[ipc.worker_name(0)] = ctx.Process(
+            target=run_gpu_worker,
+            args=(0, model_path, args.llm_kwargs(), self.ipc_dir, typed),
+            name=f"minisgl-{ipc.worker_name(0)}",
+            daemon=True,
+        )
+        for p in self.procs.values():
+            p.start()
+        return [ipc.SERVICE]
 
     def _dead_worker(self) -> str | None:
         for name, p in self.procs.items():
@@ -127,14 +155,18 @@ class Launcher:
 
             self.frontend = fe = Frontend(args, model_path, self.ipc_dir)
             t0 = time.perf_counter()
-            self._start_workers(model_path)
-            ready = fe.wait_ready(list(self.procs), args.startup_timeout, self._dead_worker)
-            fe.info = dict(ready[ipc.SCHEDULER].info)
-            fe.info["max_token_chars"] = max(
-                int(r.info.get("max_token_chars", 0))
-                for n, r in ready.items()
-                if n != ipc.SCHEDULER
-            )
+            names = self._start_workers(model_path)
+            ready = fe.wait_ready(names, args.startup_timeout, self._dead_worker)
+            fe.workers = {n: p.pid for n, p in sorted(self.procs.items())}
+            if ipc.SERVICE in ready:  # the service reports the engine's limits and its own
+                fe.info = dict(ready[ipc.SERVICE].info)
+            else:
+                fe.info = dict(ready[ipc.SCHEDULER].info)
+                fe.info["max_token_chars"] = max(
+                    int(r.info.get("max_token_chars", 0))
+                    for n, r in ready.items()
+                    if n != ipc.SCHEDULER
+                )
             log(
                 f"workers ready in {time.perf_counter() - t0:.1f}s: "
                 + ", ".join(f"{n}={r.pid}" for n, r in sorted(ready.items()))

@@ -1,0 +1,174 @@
+"""A Python GPU worker of the `rust_service` backend: it owns the model, the KV tensors and
+sampling, and nothing else. The Rust service schedules; each `Step` it sends is a flat plan
+(`scheduler.plan.PLAN_SEGMENTS`) plus the requests first seen in it; the worker runs the
+forward, samples one token per sample row and returns them in a `StepResult`.
+
+What sampling needs of a request (its params, key, prompt and the tokens sampled so far) lives
+here, keyed by request id. A plan input of -1 is a decode token the service does not know yet
+(it sent this step before the previous one came back): it is the request's last sampled token.
+Steps run strictly in the order they arrive. No scheduling logic and no PyO3 module here.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from minisgl.core import SamplingParams
+from minisgl.message.schema import (
+    Codec,
+    HelloAck,
+    SchemaError,
+    Shutdown,
+    Step,
+    StepReq,
+    StepResult,
+    WorkerHello,
+)
+from minisgl.server import ipc
+
+FAULT_STEP_DELAY_S = float(os.environ.get("MINISGL_FAULT_STEP_DELAY_MS", "0")) / 1000.0
+
+
+@dataclass(eq=False)
+class WorkerReq:
+    """A request's sampling state (the sampler's `SampleRow`)."""
+
+    rid: int
+    input_ids: np.ndarray
+    params: SamplingParams
+    generator: int
+    output_ids: list[int] = field(default_factory=list)
+
+
+def wire_logprob(lp) -> list | None:
+    """A `TokenLogprob` as it travels: [logprob, top ids, top logprobs]."""
+    if lp is None:
+        return None
+    return [lp.logprob, [t for t, _ in lp.top], [v for _, v in lp.top]]
+
+
+class StepRunner:
+    """Runs steps on an `Engine`; holds the per-request sampling state."""
+
+    def __init__(self, engine, eos_token_ids: frozenset[int]) -> None:
+        self.engine = engine
+        self.eos = eos_token_ids
+        self.reqs: dict[int, WorkerReq] = {}
+
+    def admit(self, new: list) -> None:
+        from minisgl.sampler import request_key
+
+        for packed in new:
+            r = StepReq.unpack(packed)
+            params = r.params.to_sampling_params()
+            self.reqs[r.rid] = WorkerReq(
+                r.rid, np.asarray(r.input_ids, np.int32), params, request_key(params.seed)
+            )
+
+    def resolve_inputs(self, step: Step, plan) -> None:
+        """Replace each -1 input by the last token sampled for that row's request."""
+        unknown = np.flatnonzero(plan.input_ids < 0)
+        if not len(unknown):
+            return
+        row_of = np.repeat(np.arange(len(plan.extend_lens)), plan.extend_lens)
+        for t in unknown.tolist():
+            req = self.reqs[int(step.rids[row_of[t]])]
+            plan.input_ids[t] = req.output_ids[-1]
+
+    def run(self, step: Step) -> StepResult:
+        from minisgl.sampler import sample
+        from minisgl.scheduler.plan import FlatStep, PlanLayout
+
+        for rid in step.release.tolist():
+            self.reqs.pop(rid, None)
+        self.admit(step.new)
+        data = np.array(step.plan, dtype=np.int32)  # writable: -1 inputs are filled in
+        plan = FlatStep(bool(step.is_prefill), PlanLayout(*step.sizes), data).plan()
+        self.resolve_inputs(step, plan)
+        if FAULT_STEP_DELAY_S:  # fault injection: a slow engine, for deterministic tests
+            time.sleep(FAULT_STEP_DELAY_S)
+        logits = self.engine.forward(plan)
+        rows = [self.reqs[int(step.rids[r])] for r in plan.sample_rows.tolist()]
+        res = sample(logits, rows, self.eos)
+        for req, tok in zip(rows, res.tokens, strict=True):
+            req.output_ids.append(tok)
+        errors = res.errors if any(res.errors) else []
+        lps = [wire_logprob(lp) for lp in res.logprobs] if any(res.logprobs) else []
+        return StepResult(step.step, np.asarray(res.tokens, dtype=np.int32), errors, lps)
+
+
+def engine_info(engine) -> dict:
+    cfg = engine.model_config
+    return {
+        "max_seq_len": int(engine.max_seq_len),
+        "vocab_size": int(cfg.vocab_size),
+        "num_pages": int(engine.num_pages),
+        "page_size": int(engine.config.page_size),
+        "eos_token_ids": sorted(int(t) for t in cfg.eos_token_ids),
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "architecture": cfg.architecture,
+    }
+
+
+def run_gpu_worker(
+    index: int, model_path: str, llm_kwargs: dict, ipc_dir: str, typed: bool
+) -> None:
+    name = ipc.worker_name(index)
+    alive = ipc.setup_worker_process()
+    ctx = zmq.Context()
+    codec = Codec(typed)
+    to_service = ipc.push(ctx, ipc_dir, ipc.STEPS)
+    try:
+        inbox = ipc.pull(ctx, ipc_dir, name)
+        from minisgl.config import EngineConfig
+        from minisgl.engine.engine import Engine
+
+        engine = Engine(EngineConfig(model_path=model_path, **llm_kwargs))
+    except ipc.WorkerExit:
+        ctx.destroy(linger=0)
+        return
+    except Exception as e:
+        traceback.print_exc()
+        error = f"{type(e).__name__}: {e}"
+        to_service.send(codec.encode(WorkerHello(index, os.getpid(), error=error)))
+        time.sleep(0.5)
+        ctx.destroy(linger=0)
+        raise SystemExit(1) from None
+    to_service.send(codec.encode(WorkerHello(index, os.getpid(), engine_info(engine))))
+    runner: StepRunner | None = None
+    try:
+        while alive():
+            for frame in ipc.drain(inbox, 100):
+                try:
+                    msg = codec.decode(frame)
+                except (SchemaError, ValueError, TypeError) as e:
+                    ipc.worker_log(name, f"rejected a malformed message: {e}")
+                    continue
+                if isinstance(msg, Shutdown):
+                    return
+                if isinstance(msg, HelloAck):
+                    runner = StepRunner(engine, frozenset(int(t) for t in msg.eos_token_ids))
+                elif isinstance(msg, Step) and runner is not None:
+                    to_service.send(codec.encode(run_step(runner, msg)))
+                else:
+                    ipc.worker_log(name, f"rejected an unexpected {type(msg).__name__}")
+    except ipc.WorkerExit:
+        pass
+    finally:
+        ctx.destroy(linger=0)
+
+
+def run_step(runner: StepRunner, step: Step) -> StepResult:
+    """One step; a failed forward is reported (every row's request fails), never raised."""
+    try:
+        return runner.run(step)
+    except Exception as e:
+        traceback.print_exc()
+        return StepResult(step.step, np.zeros(0, np.int32), fatal=f"engine error: {e!r}")

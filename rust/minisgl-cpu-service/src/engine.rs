@@ -1,0 +1,327 @@
+//! The scheduling side of the service: request validation (the rules of
+//! `minisgl.scheduler.request.validate_request`), the scheduler core, and the steps in flight.
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+
+use minisgl_cpu_core::{PlanBuf, ReqParams, SchedConfig, SchedCore, FINISH_LENGTH, FINISH_STOP};
+
+use crate::wire::WireParams;
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub num_pages: usize,
+    pub page_size: usize,
+    pub max_seq_len: usize,
+    pub max_running: usize,
+    pub max_extend_tokens: usize,
+    pub radix: bool,
+    pub eos_token_ids: Vec<i32>,
+    /// Steps in flight at once (1: serial).
+    pub depth: usize,
+    pub trace: Option<PathBuf>,
+}
+
+/// A request that can never be served as asked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AddError {
+    pub message: String,
+    /// `context_length_exceeded` (param `prompt`) rather than `invalid_request`.
+    pub context_length: bool,
+}
+
+/// One scheduled step, borrowed from the engine until the next `schedule`.
+pub struct ScheduledStep<'a> {
+    pub id: i64,
+    pub is_prefill: bool,
+    /// (bs, num_tokens, num_kv, num_sample)
+    pub sizes: [usize; 4],
+    pub plan: &'a [i32],
+    /// The request of each batch row.
+    pub rids: &'a [i64],
+}
+
+/// One sample row of a committed step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommitRow {
+    pub rid: i64,
+    pub token: i32,
+    pub finish: Option<&'static str>,
+    /// The request had already finished (detected one step late): the token is not output.
+    pub dropped: bool,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Commit {
+    pub rows: Vec<CommitRow>,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Snapshot {
+    pub running: usize,
+    pub waiting: usize,
+    pub total_pages: usize,
+    pub free_pages: usize,
+    pub cached_tokens: usize,
+    pub steps: u64,
+    pub generated_tokens: u64,
+    pub prompt_tokens: u64,
+    pub cached_prompt_tokens: u64,
+}
+
+impl Snapshot {
+    pub fn prefix_hit_rate(&self) -> f64 {
+        if self.prompt_tokens == 0 {
+            0.0
+        } else {
+            self.cached_prompt_tokens as f64 / self.prompt_tokens as f64
+        }
+    }
+}
+
+struct InFlight {
+    id: i64,
+}
+
+pub struct Engine {
+    cfg: EngineConfig,
+    core: SchedCore,
+    buf: PlanBuf,
+    rids: Vec<i64>,
+    slot_rid: Vec<i64>,
+    live: Vec<i64>,
+    in_flight: VecDeque<InFlight>,
+    next_id: i64,
+    steps: u64,
+    generated: u64,
+    codes: Vec<u8>,
+    commit_rids: Vec<i64>,
+    /// Retirements asked for while a step was in flight: applied once it is confirmed (the
+    /// step still reads their pages); their tokens in that step are dropped.
+    deferred: Vec<(i64, bool)>,
+}
+
+fn pages(tokens: usize, ps: usize) -> usize {
+    tokens.div_ceil(ps)
+}
+
+impl Engine {
+    pub fn new(cfg: EngineConfig) -> Result<Self, String> {
+        if cfg.num_pages == 0 || cfg.page_size == 0 || cfg.max_seq_len == 0 {
+            return Err(format!("bad engine limits: {cfg:?}"));
+        }
+        let core = SchedCore::new(SchedConfig {
+            num_pages: cfg.num_pages,
+            page_size: cfg.page_size,
+            max_seq_len: cfg.max_seq_len,
+            max_running: cfg.max_running,
+            max_extend_tokens: cfg.max_extend_tokens,
+            radix: cfg.radix,
+            eos_token_ids: cfg.eos_token_ids.clone(),
+        });
+        Ok(Engine {
+            slot_rid: vec![-1; cfg.max_running],
+            cfg,
+            core,
+            buf: PlanBuf::default(),
+            rids: Vec::new(),
+            live: Vec::new(),
+            in_flight: VecDeque::new(),
+            next_id: 0,
+            steps: 0,
+            generated: 0,
+            codes: Vec::new(),
+            commit_rids: Vec::new(),
+            deferred: Vec::new(),
+        })
+    }
+
+    /// Validate (empty, longer than the context, more KV than the pool) and queue.
+    pub fn add(&mut self, rid: i64, ids: &[i32], params: &WireParams) -> Result<(), AddError> {
+        let (ms, ps, np) = (self.cfg.max_seq_len, self.cfg.page_size, self.cfg.num_pages);
+        if ids.is_empty() {
+            return Err(AddError {
+                message: "prompt is empty: at least one token is required".into(),
+                context_length: false,
+            });
+        }
+        if ids.len() >= ms {
+            return Err(AddError {
+                message: format!(
+                    "prompt has {} tokens, the context holds {ms} (prompt plus at least one \
+                     generated token)",
+                    ids.len()
+                ),
+                context_length: true,
+            });
+        }
+        let max_total = (ids.len() + params.max_tokens).min(ms);
+        if pages(max_total, ps) > np {
+            return Err(AddError {
+                message: format!(
+                    "request needs {max_total} tokens of KV, the pool holds {}",
+                    np * ps
+                ),
+                context_length: true,
+            });
+        }
+        let rp = ReqParams {
+            max_tokens: params.max_tokens,
+            ignore_eos: params.ignore_eos,
+            stop_token_ids: params.stop_token_ids.clone(),
+        };
+        self.core
+            .add_request(rid, ids, max_total, rp)
+            .map_err(|e| AddError {
+                message: e.to_string(),
+                context_length: false,
+            })?;
+        self.live.push(rid);
+        Ok(())
+    }
+
+    /// A request whose prompt is not fully computed yet (n > 1 choices wait for it).
+    pub fn prefilling(&self, rid: i64) -> bool {
+        matches!(self.core.request_info(rid), Some(info) if info.5 == 0)
+    }
+
+    /// End a request (abort: keep only what the cache owns; else cache its computed prefix).
+    /// While a step is in flight the release waits for its result (the worker may still be
+    /// reading the request's pages), and the request's token in that step is dropped.
+    pub fn retire(&mut self, rid: i64, abort: bool) {
+        if !self.live.contains(&rid) {
+            return;
+        }
+        if self.in_flight.is_empty() {
+            self.finish_now(rid, abort);
+        } else if !self.deferred.iter().any(|&(r, _)| r == rid) {
+            self.deferred.push((rid, abort));
+        }
+    }
+
+    fn finish_now(&mut self, rid: i64, abort: bool) {
+        if let Ok(true) = self.core.finish(rid, abort) {
+            self.live.retain(|&r| r != rid);
+        }
+    }
+
+    pub fn live_requests(&self) -> Vec<i64> {
+        self.live.clone()
+    }
+
+    pub fn has_work(&self) -> bool {
+        self.core.has_work() || !self.in_flight.is_empty()
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    pub fn can_schedule(&self) -> bool {
+        self.in_flight.len() < self.cfg.depth.min(1) && self.core.has_work()
+    }
+
+    pub fn schedule(&mut self) -> Result<Option<ScheduledStep<'_>>, String> {
+        if self
+            .core
+            .schedule_step(&mut self.buf)
+            .map_err(|e| e.to_string())?
+            .is_none()
+        {
+            return Ok(None);
+        }
+        // batch row -> request: through the slots (every live request has its own)
+        for s in self.slot_rid.iter_mut() {
+            *s = -1;
+        }
+        for &rid in &self.live {
+            if let Some(info) = self.core.request_info(rid) {
+                if info.3 >= 0 {
+                    self.slot_rid[info.3 as usize] = rid;
+                }
+            }
+        }
+        self.rids.clear();
+        for &slot in self.buf.segment(0) {
+            self.rids.push(self.slot_rid[slot as usize]);
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.in_flight.push_back(InFlight { id });
+        let l = self.buf.layout;
+        Ok(Some(ScheduledStep {
+            id,
+            is_prefill: self.buf.is_prefill,
+            sizes: [l.bs, l.num_tokens, l.num_kv, l.num_sample],
+            plan: &self.buf.data,
+            rids: &self.rids,
+        }))
+    }
+
+    /// Commit the oldest step in flight (`id` must be it).
+    pub fn commit(&mut self, id: i64, tokens: &[i32]) -> Result<Commit, String> {
+        match self.in_flight.front() {
+            Some(f) if f.id == id => {}
+            Some(f) => return Err(format!("result for step {id}, expected step {}", f.id)),
+            None => return Err(format!("result for step {id}, none in flight")),
+        }
+        let wide: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
+        self.core
+            .commit_step(&wide, &mut self.codes, &mut self.commit_rids)
+            .map_err(|e| e.to_string())?;
+        self.in_flight.pop_front();
+        self.steps += 1;
+        self.generated += tokens.len() as u64;
+        let mut rows = Vec::with_capacity(tokens.len());
+        for ((&rid, &code), &token) in self.commit_rids.iter().zip(&self.codes).zip(tokens) {
+            let finish = match code {
+                FINISH_STOP => Some("stop"),
+                FINISH_LENGTH => Some("length"),
+                _ => None,
+            };
+            if finish.is_some() {
+                self.live.retain(|&r| r != rid);
+            }
+            let dropped = self.deferred.iter().any(|&(r, _)| r == rid);
+            rows.push(CommitRow {
+                rid,
+                token,
+                finish,
+                dropped,
+            });
+        }
+        if self.in_flight.is_empty() {
+            for (rid, abort) in std::mem::take(&mut self.deferred) {
+                self.finish_now(rid, abort);
+            }
+        }
+        Ok(Commit { rows })
+    }
+
+    /// The worker failed a step: nothing in flight will be committed.
+    pub fn abandon_in_flight(&mut self) {
+        self.in_flight.clear();
+        for (rid, abort) in std::mem::take(&mut self.deferred) {
+            self.finish_now(rid, abort);
+        }
+    }
+
+    pub fn check_integrity(&self) -> Result<(), String> {
+        self.core.check_integrity()
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        let st = self.core.stats();
+        Snapshot {
+            running: self.core.num_running(),
+            waiting: self.core.num_waiting(),
+            total_pages: self.cfg.num_pages,
+            free_pages: self.core.alloc.num_free_pages(),
+            cached_tokens: self.core.evictable_size() + self.core.protected_size(),
+            steps: self.steps,
+            generated_tokens: self.generated,
+            prompt_tokens: st.prompt_tokens,
+            cached_prompt_tokens: st.cached_prompt_tokens,
+        }
+    }
+}
