@@ -20,7 +20,8 @@ use rmpv::Value;
 
 use crate::engine::{Commit, Engine, EngineConfig};
 use crate::metrics::Counters;
-use crate::text::{DecodeState, Detokenizer, Tokenizer};
+use crate::text::cli::TextModel;
+use crate::text::{DecodeState, Detokenizer};
 use crate::wire::{self, DetokRow, HelloInfo, Inbound, Prompt, WireError, WireParams};
 
 const STATS_BUSY: Duration = Duration::from_millis(100);
@@ -192,8 +193,7 @@ struct Held {
 
 pub struct Service {
     sock: Sockets,
-    tok: Tokenizer,
-    detok: Detokenizer,
+    text: TextModel,
     engine: Engine,
     info: HelloInfo,
     reqs: HashMap<i64, Req>,
@@ -232,7 +232,7 @@ pub fn run(cfg: Config) -> Exit {
         Err(Exit::Failed(msg)) => return fail(&sock, msg),
         Err(e) => return e,
     };
-    let tok = match Tokenizer::from_dir(&cfg.model_path) {
+    let text = match TextModel::load(&cfg.model_path.to_string_lossy()) {
         Ok(t) => t,
         Err(e) => return fail(&sock, format!("tokenizer: {e}")),
     };
@@ -244,7 +244,7 @@ pub fn run(cfg: Config) -> Exit {
         return fail(&sock, msg);
     }
     let mut eos: Vec<i32> = info.eos_token_ids.clone();
-    eos.extend(tok.eos_token_ids());
+    eos.extend(text.tokenizer.eos_token_ids());
     eos.sort_unstable();
     eos.dedup();
     let engine_cfg = EngineConfig {
@@ -264,9 +264,8 @@ pub fn run(cfg: Config) -> Exit {
     };
     sock.send_worker(wire::hello_ack(&eos));
     let mut svc = Service {
-        detok: Detokenizer::new(),
         sock,
-        tok,
+        text,
         engine,
         info,
         reqs: HashMap::new(),
@@ -301,7 +300,7 @@ impl Service {
         let mut entries: Vec<(Value, Value)> = self.info.raw.clone();
         entries.push((
             "max_token_chars".into(),
-            (self.tok.max_token_chars() as u64).into(),
+            (self.text.tokenizer.max_token_chars() as u64).into(),
         ));
         entries.push(("cpu_backend".into(), "rust_service".into()));
         Value::Map(entries)
@@ -409,24 +408,13 @@ impl Service {
     }
 
     fn tokenize(&self, prompt: &Prompt) -> Result<Vec<i64>, String> {
-        match prompt {
-            Prompt::Ids(ids) => Ok(ids.clone()),
-            Prompt::Text(t) => Ok(self
-                .tok
-                .encode(t, true)?
-                .into_iter()
-                .map(i64::from)
-                .collect()),
-            Prompt::Chat(messages) => {
-                let text = self.tok.render_chat(messages)?;
-                Ok(self
-                    .tok
-                    .encode(&text, false)?
-                    .into_iter()
-                    .map(i64::from)
-                    .collect())
-            }
-        }
+        let ids = match prompt {
+            Prompt::Ids(ids) => return Ok(ids.clone()),
+            Prompt::Text(t) => self.text.tokenizer.encode(t, true),
+            Prompt::Chat(messages) => self.text.chat_ids(messages, true).map(|(ids, _)| ids),
+        };
+        ids.map(|v| v.into_iter().map(i64::from).collect())
+            .map_err(|e| e.to_string())
     }
 
     /// Validate and queue (the checks and messages of the Python engine worker).
@@ -650,79 +638,62 @@ impl Service {
     fn detokenize(&mut self, batch: Vec<(i64, Vec<i32>, Option<&'static str>)>) {
         let mut rows = Vec::with_capacity(batch.len());
         let mut stops = Vec::new();
+        let mut failed: Vec<(i64, String)> = Vec::new();
+        let detok = Detokenizer::new(&self.text.tokenizer);
         for (uid, ids, reason) in batch {
             let Some(r) = self.reqs.get_mut(&uid) else {
                 continue; // aborted meanwhile: late tokens are dropped
             };
-            if r.detok.finished().is_some() {
+            if r.detok.finished.is_some() {
                 continue;
             }
-            let (text, stop_hit) = self.detok.update(&self.tok, &mut r.detok, &ids, reason);
-            if stop_hit {
+            let released = match detok.update(&mut r.detok, &ids, reason) {
+                Ok(rel) => rel,
+                Err(e) => {
+                    failed.push((uid, format!("detokenizer error: {e}")));
+                    continue;
+                }
+            };
+            if released.stop_hit {
                 stops.push(uid);
             }
-            let finished = r.detok.finished().map(str::to_owned);
-            if text.is_empty() && finished.is_none() {
+            let finished = r.detok.finished.clone();
+            if released.text.is_empty() && finished.is_none() {
                 continue; // nothing printable yet (partial UTF-8, or held for a stop string)
             }
             let lps = std::mem::take(&mut r.pending_lp);
-            let count = r.detok.take_unsent_tokens();
-            let prompt_tokens = r.detok.prompt_tokens();
+            let count = std::mem::take(&mut r.detok.unsent_tokens);
             rows.push(DetokRow {
                 uid,
-                text,
+                text: released.text,
                 count,
                 finished: finished.clone(),
-                prompt_tokens,
-                logprobs: self.name_logprobs(&lps),
+                prompt_tokens: r.detok.prompt_tokens,
+                logprobs: Value::Nil,
             });
+            if !lps.is_empty() {
+                let last = rows.len() - 1;
+                rows[last].logprobs = name_logprobs(&self.text, &lps);
+            }
             if finished.is_some() {
-                self.forget(uid);
+                if let Some(r) = self.reqs.remove(&uid) {
+                    if r.known_to_worker {
+                        self.release_for_worker.push(uid);
+                    }
+                }
             }
         }
         for uid in stops {
             self.engine.retire(uid, false); // finished by a stop string: cache its prefix
         }
+        for (uid, e) in failed {
+            self.engine.retire(uid, true);
+            self.reject(uid, &e, 500, "internal_error", None);
+            self.forget(uid);
+        }
         if !rows.is_empty() {
             self.sock.send_frontend(wire::detok_out(&rows));
         }
-    }
-
-    /// `[(token, [lp, top ids, top lps])]` -> `[[token text, lp, [[text, lp], ...]], ...]`.
-    fn name_logprobs(&self, lps: &[(i32, Value)]) -> Value {
-        if lps.is_empty() {
-            return Value::Nil;
-        }
-        let mut out = Vec::with_capacity(lps.len());
-        for (token, v) in lps {
-            let items = v.as_array().map(Vec::as_slice).unwrap_or(&[]);
-            let lp = items.first().cloned().unwrap_or(Value::Nil);
-            let ids: Vec<i32> = items
-                .get(1)
-                .and_then(Value::as_array)
-                .map(|a| {
-                    a.iter()
-                        .filter_map(|x| x.as_i64())
-                        .map(|x| x as i32)
-                        .collect()
-                })
-                .unwrap_or_default();
-            let vals: Vec<Value> = items
-                .get(2)
-                .and_then(Value::as_array)
-                .cloned()
-                .unwrap_or_default();
-            let mut names = self.tok.token_names(&[*token]);
-            let name = names.pop().unwrap_or_default();
-            let top_names = self.tok.token_names(&ids);
-            let top = top_names
-                .into_iter()
-                .zip(vals)
-                .map(|(n, v)| Value::Array(vec![n.into(), v]))
-                .collect();
-            out.push(Value::Array(vec![name.into(), lp, Value::Array(top)]));
-        }
-        Value::Array(out)
     }
 
     // ------------------------------------------------------------------ stats
@@ -771,4 +742,45 @@ impl Service {
         ]);
         self.sock.send_frontend(wire::stats(data));
     }
+}
+
+/// `[(token, [lp, top ids, top lps])]` -> `[[token text, lp, [[text, lp], ...]], ...]`.
+fn name_logprobs(text: &TextModel, lps: &[(i32, Value)]) -> Value {
+    if lps.is_empty() {
+        return Value::Nil;
+    }
+    let mut out = Vec::with_capacity(lps.len());
+    for (token, v) in lps {
+        let items = v.as_array().map(Vec::as_slice).unwrap_or(&[]);
+        let lp = items.first().cloned().unwrap_or(Value::Nil);
+        let ids: Vec<i32> = items
+            .get(1)
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(|x| x.as_i64())
+                    .map(|x| x as i32)
+                    .collect()
+            })
+            .unwrap_or_default();
+        let vals: Vec<Value> = items
+            .get(2)
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        let tok = &text.tokenizer;
+        let name = tok
+            .token_names(&[*token])
+            .ok()
+            .and_then(|mut n| n.pop())
+            .unwrap_or_default();
+        let top_names = tok.token_names(&ids).unwrap_or_default();
+        let top = top_names
+            .into_iter()
+            .zip(vals)
+            .map(|(n, v)| Value::Array(vec![n.into(), v]))
+            .collect();
+        out.push(Value::Array(vec![name.into(), lp, Value::Array(top)]));
+    }
+    Value::Array(out)
 }

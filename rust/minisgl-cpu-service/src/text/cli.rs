@@ -1,0 +1,188 @@
+//! `minisgl-cpu-service text --model DIR`: the text layer over stdin / stdout, one JSON request
+//! per line and one JSON reply per line, for parity tests against transformers.
+//!
+//! Requests (`op`): `encode` {text, add_special_tokens}, `chat` {messages,
+//! add_generation_prompt = true}, `decode` {ids, skip_special_tokens}, `names` {ids},
+//! `detok` {steps: [[ids]], finish (applied with the last step), stops, skip_special_tokens},
+//! `info`. A bad line gets `{"error": ...}`; the loop goes on.
+
+use std::io::{self, BufRead, Write};
+use std::process::ExitCode;
+
+use serde::Deserialize;
+use serde_json::{json, Value as Json};
+
+use super::detok::{DecodeState, Detokenizer};
+use super::{ChatTemplate, TextError, Tokenizer};
+
+#[derive(Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+enum Request {
+    Encode {
+        text: String,
+        #[serde(default = "yes")]
+        add_special_tokens: bool,
+    },
+    Chat {
+        messages: Json,
+        #[serde(default = "yes")]
+        add_generation_prompt: bool,
+    },
+    Decode {
+        ids: Vec<i32>,
+        #[serde(default = "yes")]
+        skip_special_tokens: bool,
+    },
+    Names {
+        ids: Vec<i32>,
+    },
+    Detok {
+        steps: Vec<Vec<i32>>,
+        #[serde(default)]
+        finish: Option<String>,
+        #[serde(default)]
+        stops: Vec<String>,
+        #[serde(default = "yes")]
+        skip_special_tokens: bool,
+    },
+    Info {},
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// The text layer of one model, as the service uses it.
+pub struct TextModel {
+    pub tokenizer: Tokenizer,
+    pub chat: ChatTemplate,
+}
+
+impl TextModel {
+    pub fn load(dir: &str) -> Result<Self, TextError> {
+        let tokenizer = Tokenizer::from_dir(dir)?;
+        let chat = ChatTemplate::for_tokenizer(&tokenizer);
+        Ok(Self { tokenizer, chat })
+    }
+
+    /// The prompt ids of a chat request: the rendered template, encoded without special tokens.
+    pub fn chat_ids(
+        &self,
+        messages: &Json,
+        add_generation_prompt: bool,
+    ) -> Result<(Vec<i32>, String), TextError> {
+        let text = self.chat.render(messages, add_generation_prompt)?;
+        let ids = self.tokenizer.encode(&text, false)?;
+        Ok((ids, text))
+    }
+
+    fn handle(&self, req: Request) -> Result<Json, TextError> {
+        let tok = &self.tokenizer;
+        Ok(match req {
+            Request::Encode {
+                text,
+                add_special_tokens,
+            } => json!({"ids": tok.encode(&text, add_special_tokens)?}),
+            Request::Chat {
+                messages,
+                add_generation_prompt,
+            } => {
+                let (ids, text) = self.chat_ids(&messages, add_generation_prompt)?;
+                json!({"ids": ids, "text": text})
+            }
+            Request::Decode {
+                ids,
+                skip_special_tokens,
+            } => json!({"text": tok.decode(&ids, skip_special_tokens)?}),
+            Request::Names { ids } => json!({"names": tok.token_names(&ids)?}),
+            Request::Detok {
+                steps,
+                finish,
+                stops,
+                skip_special_tokens,
+            } => {
+                let detok = Detokenizer::new(tok);
+                let mut st = DecodeState::new(stops, skip_special_tokens, 0);
+                let mut pieces = Vec::new();
+                let mut stop_hit = false;
+                let mut tokens = Vec::new();
+                for (i, ids) in steps.iter().enumerate() {
+                    let f = if i + 1 == steps.len() {
+                        finish.as_deref()
+                    } else {
+                        None
+                    };
+                    let r = detok.update(&mut st, ids, f)?;
+                    pieces.push(r.text);
+                    tokens.push(st.unsent_tokens);
+                    stop_hit |= r.stop_hit;
+                    if st.finished.is_some() {
+                        break;
+                    }
+                }
+                json!({"pieces": pieces, "finished": st.finished, "stop_hit": stop_hit,
+                       "text": st.text(), "unsent_tokens": tokens})
+            }
+            Request::Info {} => json!({
+                "max_token_chars": tok.max_token_chars(),
+                "vocab_size": tok.vocab_size(),
+                "eos_token_ids": tok.eos_token_ids(),
+                "bos_token": tok.bos_token(),
+                "eos_token": tok.eos_token(),
+                "chat_template_error": self.chat.load_error(),
+            }),
+        })
+    }
+
+    /// One request line to one reply line.
+    pub fn reply(&self, line: &str) -> Json {
+        let req: Request = match serde_json::from_str(line) {
+            Ok(r) => r,
+            Err(e) => return json!({"error": format!("bad request: {e}")}),
+        };
+        match self.handle(req) {
+            Ok(v) => v,
+            Err(e) => json!({"error": e.0}),
+        }
+    }
+}
+
+fn model_arg(args: &[String]) -> Option<&str> {
+    let i = args.iter().position(|a| a == "--model")?;
+    args.get(i + 1).map(String::as_str)
+}
+
+/// `minisgl-cpu-service text --model DIR` (`args`: the command line, with or without the
+/// program name and `text`).
+pub fn run_text_cli(args: &[String]) -> ExitCode {
+    let Some(dir) = model_arg(args) else {
+        eprintln!("usage: minisgl-cpu-service text --model DIR");
+        return ExitCode::from(2);
+    };
+    let model = match TextModel::load(dir) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("minisgl-cpu-service text: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let stdin = io::stdin();
+    let mut out = io::stdout().lock();
+    for line in stdin.lock().lines() {
+        let line = match line {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("minisgl-cpu-service text: stdin: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        if line.trim().is_empty() {
+            continue;
+        }
+        let reply = model.reply(&line);
+        if writeln!(out, "{reply}").and_then(|()| out.flush()).is_err() {
+            return ExitCode::SUCCESS; // the reader went away
+        }
+    }
+    ExitCode::SUCCESS
+}
