@@ -637,7 +637,11 @@ impl SchedCore {
     /// duplicate pages (in their original order); `lock(node)`, then `unlock(old node)`;
     /// `cache_node = node`, `cache_len = aligned`. With `defer` (pipelined mode) the
     /// duplicate pages are appended there instead of freed (an unconfirmed step writes them).
-    fn cache_prefix(&mut self, idx: usize, defer: Option<&mut Vec<i32>>) -> Result<(), SchedError> {
+    fn cache_prefix(
+        &mut self,
+        idx: usize,
+        defer: Option<&mut Vec<Vec<i32>>>,
+    ) -> Result<(), SchedError> {
         let ps = self.cfg.page_size;
         let Some(c) = self.cache.as_mut() else {
             return Ok(());
@@ -673,7 +677,7 @@ impl SchedCore {
             self.alloc.row_mut(slot)[cache_len..present]
                 .copy_from_slice(&self.s_match[cache_len..present]);
             match defer {
-                Some(d) => d.extend_from_slice(&self.s_evict),
+                Some(d) => d.push(self.s_evict.clone()),
                 None => self.alloc.free_locations(&self.s_evict),
             }
         }
@@ -772,7 +776,7 @@ impl SchedCore {
             }
         }
         for step in &self.inflight {
-            for l in step.deferred_free.iter().step_by(ps) {
+            for l in step.deferred_free.iter().flat_map(|d| d.iter().step_by(ps)) {
                 bump(l / ps as i32)?;
             }
         }

@@ -131,7 +131,7 @@ fn run_serial(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(128))]
+    #![proptest_config(ProptestConfig::with_cases(256))]
 
     /// Random add / schedule_ahead (at most 2 in flight) / commit_oldest (random tokens with
     /// EOS and stop ids) / retire keeps the page integrity (incl. no page read by an

@@ -46,8 +46,9 @@ pub(super) struct InflightStep {
     pub(super) sample_rows: Vec<usize>,
     /// every page the step reads or writes (KV of each row up to its new length)
     pub(super) pages: Vec<i32>,
-    /// page-aligned locations to free once the step is committed (cache duplicates)
-    pub(super) deferred_free: Vec<i32>,
+    /// page-aligned location runs to free (in order, one `free_locations` each) once the
+    /// step is committed: the duplicates `cache_prefix` dropped
+    pub(super) deferred_free: Vec<Vec<i32>>,
 }
 
 /// What [`SchedCore::schedule_ahead`] scheduled.
@@ -155,7 +156,9 @@ impl SchedCore {
             return Err(SchedError::BadTokens(tokens.len(), step.sample_rows.len()));
         }
         let step = self.inflight.pop_front().expect("non-empty");
-        self.alloc.free_locations(&step.deferred_free);
+        for locs in &step.deferred_free {
+            self.alloc.free_locations(locs);
+        }
         codes.clear();
         rids.clear();
         self.finished_outputs.clear();
