@@ -385,3 +385,29 @@ fn trace_records_every_decision() {
     );
     assert_eq!(c.take_trace(), "");
 }
+
+/// Retired by a stop string while two decode steps contain it: both samples are dropped and
+/// `kv_len` runs one position ahead of the known tokens; release caches only the known ones.
+#[test]
+fn retire_with_two_steps_in_flight_caches_only_known_tokens() {
+    for radix in [true, false] {
+        let mut c = core(1, radix, 32, 2, 32);
+        let mut buf = PlanBuf::default();
+        let (mut rids, mut codes, mut crids) = (Vec::new(), Vec::new(), Vec::new());
+        c.add_request(1, &[1, 2, 3, 4], 12, params(8, true, false))
+            .unwrap();
+        c.schedule_ahead(&mut buf, &mut rids).unwrap().unwrap();
+        c.schedule_ahead(&mut buf, &mut rids).unwrap().unwrap();
+        c.commit_oldest(&[7], &mut codes, &mut crids).unwrap();
+        c.schedule_ahead(&mut buf, &mut rids).unwrap().unwrap();
+        assert_eq!(c.request_info(1).unwrap().0, 6); // kv_len: 4 prompt + 2 in flight
+        assert!(c.retire(1, false).unwrap());
+        c.commit_oldest(&[7], &mut codes, &mut crids).unwrap();
+        assert_eq!(codes, [FINISH_DROPPED]);
+        c.commit_oldest(&[7], &mut codes, &mut crids).unwrap();
+        assert_eq!(codes, [FINISH_DROPPED]);
+        c.check_integrity().unwrap();
+        assert_eq!(c.evictable_size(), if radix { 5 } else { 0 });
+        assert_drained(&c);
+    }
+}
