@@ -183,8 +183,8 @@ def _page_set(s: Step, ps: int) -> set[int]:
 
 
 class PipelinedMachine(RuleBasedStateMachine):
-    """add / schedule_ahead / commit_oldest / retire on both implementations, at most two
-    steps in flight; everything observable must agree after every rule."""
+    """add / schedule_ahead / commit_oldest / retire on both implementations, at most two (or
+    three) steps in flight; everything observable must agree after every rule."""
 
     @initialize(
         page_size=st.sampled_from([1, 4]),
@@ -192,13 +192,15 @@ class PipelinedMachine(RuleBasedStateMachine):
         max_running=st.integers(1, 5),
         max_extend=st.integers(4, 40),
         radix=st.sampled_from([True, True, False]),
+        depth=st.sampled_from([2, 2, 3]),
     )
-    def setup(self, page_size, num_pages, max_running, max_extend, radix):
+    def setup(self, page_size, num_pages, max_running, max_extend, radix, depth):
         self.cfg = Cfg(num_pages // page_size, page_size, 64, max_running, max_extend, radix)
         self.py, self.rs = Py(self.cfg), Rs(self.cfg)
         self.stems = [[1, 2, 3, 4, 6, 7, 8, 9], [9, 9, 8, 8, 7, 7]]
         self.next_rid = 0
         self.queue: deque[Step] = deque()
+        self.depth = depth  # steps in flight at most (the service uses 2)
 
     @precondition(lambda self: len(self.py.s.requests) < 5)  # leave room for decode steps
     @rule(stem=st.integers(0, 2), cut=st.integers(0, 8), tail=st.lists(st.integers(1, 9),
@@ -218,7 +220,7 @@ class PipelinedMachine(RuleBasedStateMachine):
             return
         self.rs.add(rid, ids, p)
 
-    @precondition(lambda self: len(self.queue) < 2)
+    @precondition(lambda self: len(self.queue) < self.depth)
     @rule()
     def schedule(self):
         a, b = self.py.schedule(), self.rs.schedule()
@@ -318,6 +320,13 @@ def test_stop_string_retire_with_two_steps_in_flight_caches_only_known_tokens(im
     st_ = s.state()
     assert st_["retiring"] == 0 and st_["free_pages"][-1] == 5  # position 5 (kv) was freed
     assert st_["cached"] == (5 if radix else 0)  # prompt + the one committed token
+
+
+def test_codes_and_trace_version_agree_with_the_extension():
+    from minisgl.scheduler import replay
+
+    assert FINISH_REASONS.index(DROPPED) == minisgl_cpu.FINISH_DROPPED == 3
+    assert replay.TRACE_VERSION == minisgl_cpu.TRACE_VERSION
 
 
 def _drive(s, depth: int, reqs: list[tuple[list[int], int]]) -> dict[int, list[int]]:

@@ -170,6 +170,7 @@ pub struct SchedCore {
     inflight: VecDeque<pipeline::InflightStep>,
     next_step: u64,
     retiring: Vec<usize>,
+    spare_steps: Vec<pipeline::InflightStep>,
     trace: Option<String>,
 }
 
@@ -208,6 +209,7 @@ impl SchedCore {
             inflight: VecDeque::new(),
             next_step: 0,
             retiring: Vec::new(),
+            spare_steps: Vec::new(),
             trace: None,
         }
     }

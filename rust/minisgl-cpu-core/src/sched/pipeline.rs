@@ -37,14 +37,14 @@ pub use super::FINISH_DROPPED;
 /// Version of the decision-trace format (`"ev": "config"` line).
 pub const TRACE_VERSION: u32 = 1;
 
-/// One scheduled, unconfirmed step.
-#[derive(Debug, Clone)]
+/// One scheduled, unconfirmed step (recycled after its commit: no allocation per step).
+#[derive(Debug, Clone, Default)]
 pub(super) struct InflightStep {
     pub(super) id: u64,
     /// (request index, tokens fed)
     pub(super) batch: Vec<(usize, usize)>,
     pub(super) sample_rows: Vec<usize>,
-    /// every page the step reads or writes (KV of each row up to its new length)
+    /// every page the step reads or writes (each row's KV up to its new length), as planned
     pub(super) pages: Vec<i32>,
     /// page-aligned location runs to free (in order, one `free_locations` each) once the
     /// step is committed: the duplicates `cache_prefix` dropped
@@ -96,17 +96,19 @@ impl SchedCore {
             }
             return Ok(None);
         }
+        let mut st = self.spare_steps.pop().unwrap_or_default();
+        st.batch.clear();
+        st.batch.extend_from_slice(&self.batch);
+        st.sample_rows.clear();
+        st.sample_rows.extend_from_slice(&self.sample_rows);
+        st.pages.clear();
+        st.deferred_free.clear();
         let ps = self.cfg.page_size;
-        let mut pages = Vec::new();
         for &(idx, n) in &self.batch {
             let r = self.reqs[idx].as_ref().expect("live request");
-            let row = self.alloc.row(r.slot as usize);
-            pages.extend(
-                row[..r.kv_len + n]
-                    .iter()
-                    .step_by(ps)
-                    .map(|&l| l / ps as i32),
-            );
+            let row = &self.alloc.row(r.slot as usize)[..r.kv_len + n];
+            st.pages
+                .extend(row.iter().step_by(ps).map(|&l| l / ps as i32));
             rids.push(r.rid);
         }
         for k in 0..self.batch.len() {
@@ -119,22 +121,16 @@ impl SchedCore {
             let idx = self.batch[self.sample_rows[k]].0;
             self.req_mut(idx).pending_out += 1;
         }
-        let mut deferred_free = Vec::new();
         if prefill && self.cache.is_some() {
             for k in 0..self.batch.len() {
                 let idx = self.batch[k].0;
-                self.cache_prefix(idx, Some(&mut deferred_free))?;
+                self.cache_prefix(idx, Some(&mut st.deferred_free))?;
             }
         }
         let id = self.next_step;
         self.next_step += 1;
-        self.inflight.push_back(InflightStep {
-            id,
-            batch: self.batch.clone(),
-            sample_rows: self.sample_rows.clone(),
-            pages,
-            deferred_free,
-        });
+        st.id = id;
+        self.inflight.push_back(st);
         self.trace_schedule(id, admitted, out, rids);
         Ok(Some(AheadStep { step: id, admitted }))
     }
@@ -198,8 +194,12 @@ impl SchedCore {
                 self.drop_req(idx);
             }
         }
-        self.trace_commit(step.id, tokens, codes);
-        Ok(step.id)
+        let id = step.id;
+        self.trace_commit(id, tokens, codes);
+        if self.spare_steps.len() < 8 {
+            self.spare_steps.push(step);
+        }
+        Ok(id)
     }
 
     /// Finish a request from outside the step loop (`abort`: client gone; else a stop
