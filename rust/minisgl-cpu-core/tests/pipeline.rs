@@ -351,39 +351,78 @@ fn mixing_serial_and_pipelined_calls_is_an_error() {
 
 #[test]
 fn trace_records_every_decision() {
-    let mut c = core(1, true, 16, 2, 8);
+    let mut c = core(1, true, 16, 1, 8);
     c.enable_trace().unwrap();
     let mut buf = PlanBuf::default();
     let (mut rids, mut codes, mut crids) = (Vec::new(), Vec::new(), Vec::new());
-    c.add_request(7, &[1, 2], 6, params(4, false, true))
+    c.add_request(7, &[1, 2], 3, params(1, false, true))
         .unwrap();
     c.schedule_ahead(&mut buf, &mut rids).unwrap().unwrap();
-    c.commit_oldest(&[5], &mut codes, &mut crids).unwrap();
+    c.add_request(8, &[3, 4], 4, params(2, false, false))
+        .unwrap();
+    // 7 is certain to finish (1 sample in flight), 8 waits for the only slot: admission
+    // was tried, so the empty schedule is recorded
     assert!(c.schedule_ahead(&mut buf, &mut rids).unwrap().is_none());
+    c.commit_oldest(&[5], &mut codes, &mut crids).unwrap();
     c.retire(7, true).unwrap();
+    c.retire(8, true).unwrap();
+    // nothing waiting, nothing running: a no-op, not recorded
+    assert!(c.schedule_ahead(&mut buf, &mut rids).unwrap().is_none());
     let t = c.take_trace();
     let lines: Vec<&str> = t.lines().collect();
-    assert_eq!(lines.len(), 6, "{t}");
+    assert_eq!(lines.len(), 8, "{t}");
     assert!(lines[0].starts_with("{\"ev\":\"config\",\"version\":1,\"num_pages\":16,"));
+    assert!(lines[0].ends_with(",\"radix\":true,\"eos_token_ids\":[0]}"));
     assert_eq!(
         lines[1],
-        "{\"ev\":\"add\",\"rid\":7,\"prompt\":[1,2],\"max_total_len\":6,\"max_tokens\":4,\
+        "{\"ev\":\"add\",\"rid\":7,\"prompt\":[1,2],\"max_total_len\":3,\"max_tokens\":1,\
          \"ignore_eos\":false,\"stop_token_ids\":[5]}"
     );
     assert!(lines[2].starts_with(
         "{\"ev\":\"schedule\",\"step\":0,\"prefill\":true,\"admitted\":1,\
-                                  \"layout\":[1,2,2,1],\"rids\":[7],\"plan\":[0,2,2,0,2,1,2,"
+         \"layout\":[1,2,2,1],\"rids\":[7],\"plan\":[0,2,2,0,2,1,2,"
     ));
-    assert_eq!(
-        lines[3],
-        "{\"ev\":\"commit\",\"step\":0,\"tokens\":[5],\"codes\":[1]}"
-    );
+    assert!(lines[3].starts_with("{\"ev\":\"add\",\"rid\":8,"));
     assert_eq!(lines[4], "{\"ev\":\"schedule\",\"step\":null}");
     assert_eq!(
         lines[5],
+        "{\"ev\":\"commit\",\"step\":0,\"tokens\":[5],\"codes\":[1]}"
+    );
+    assert_eq!(
+        lines[6],
         "{\"ev\":\"retire\",\"rid\":7,\"abort\":true,\"found\":false}"
     );
+    assert_eq!(
+        lines[7],
+        "{\"ev\":\"retire\",\"rid\":8,\"abort\":true,\"found\":true}"
+    );
     assert_eq!(c.take_trace(), "");
+}
+
+/// A rid retired mid-flight can be reused at once: the new request is independent of the
+/// old one, whose pages are still released when its last step is committed.
+#[test]
+fn rid_of_a_retiring_request_can_be_reused() {
+    let mut c = core(1, true, 32, 2, 32);
+    let mut buf = PlanBuf::default();
+    let (mut rids, mut codes, mut crids) = (Vec::new(), Vec::new(), Vec::new());
+    c.add_request(1, &[1, 2, 3], 8, params(5, true, false))
+        .unwrap();
+    c.schedule_ahead(&mut buf, &mut rids).unwrap().unwrap();
+    assert!(c.retire(1, true).unwrap());
+    c.add_request(1, &[4, 5, 6], 8, params(5, true, false))
+        .unwrap();
+    assert_eq!(c.request_info(1).unwrap().3, -1); // waiting, no slot yet
+    c.schedule_ahead(&mut buf, &mut rids).unwrap().unwrap();
+    assert_eq!(rids, [1]);
+    c.commit_oldest(&[9], &mut codes, &mut crids).unwrap();
+    assert_eq!(codes, [FINISH_DROPPED]);
+    assert_eq!(c.num_retiring(), 0);
+    assert_eq!(c.request_info(1).unwrap().3, 1); // the new request keeps slot 1
+    c.check_integrity().unwrap();
+    let outs = run_pipelined(&mut c, 2, |_, _| 3);
+    assert_eq!(outs[&1], [1, 3, 3, 3, 3]); // its prefill was in flight: the driver fed 1
+    assert_drained(&c);
 }
 
 /// Retired by a stop string while two decode steps contain it: both samples are dropped and

@@ -56,7 +56,8 @@ pub(super) struct InflightStep {
 pub struct AheadStep {
     /// step id (0, 1, 2, ... in schedule order; commits come back in the same order)
     pub step: u64,
-    /// requests admitted from the waiting queue by this step
+    /// requests admitted from the waiting queue by this step: the last `admitted` rows of
+    /// the batch (admission appends after the chunked prompts that continue)
     pub admitted: usize,
 }
 
@@ -91,7 +92,8 @@ impl SchedCore {
         if prefill {
             self.prefill_plan(out);
         } else if !self.decode_plan(out, true)? {
-            if let Some(t) = self.trace.as_mut() {
+            // only admission attempts change state (cache clock) when nothing is scheduled
+            if let Some(t) = self.trace.as_mut().filter(|_| !self.waiting.is_empty()) {
                 t.push_str("{\"ev\":\"schedule\",\"step\":null}\n");
             }
             return Ok(None);

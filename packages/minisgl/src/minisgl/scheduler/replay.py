@@ -17,7 +17,9 @@ Python). Only the pipelined API is recorded; the first line is the configuration
   num_tokens, num_kv, num_sample], "rids": [int], "plan": [int]}`: `schedule_ahead` made
   step `step`; `plan` is the flat int32 buffer laid out as `plan.PLAN_SEGMENTS` (decode
   inputs still in flight are -1), `rids` the request of each batch row. `{"ev": "schedule",
-  "step": null}`: `schedule_ahead` had no row to run (it still ran admission).
+  "step": null}`: `schedule_ahead` had no row to run but requests were waiting (admission
+  was tried: it ticks the cache clock); a call with nothing waiting and nothing to run
+  changes nothing and is not recorded.
 - `{"ev": "commit", "step": int, "tokens": [int], "codes": [int]}`: `commit_oldest` of step
   `step` with one token per sample row; `codes` per sample: 0 running, 1 stop, 2 length,
   3 dropped (`request.FINISH_REASONS`).

@@ -63,7 +63,7 @@ class AheadStep:
     plan: StepPlan
     reqs: list[Req]  # batch order
     batch_pos: np.ndarray  # position of each batch request in the running list
-    admitted: int  # requests admitted from the waiting queue by this step
+    admitted: int  # requests admitted by this step: the last `admitted` batch rows
 
 
 @dataclass(frozen=True)
