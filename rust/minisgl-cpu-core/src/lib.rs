@@ -58,6 +58,19 @@
 //! before (an aborted request's cached prefix stays in the cache, unlocked). Decode steps
 //! cache nothing until release; the naive cache is unchanged.
 //!
+//! ### Pipelined mode ([`sched::pipeline`])
+//! `schedule_ahead` may run while earlier steps are unconfirmed: it applies at schedule time
+//! what a commit does without the sampled tokens (KV lengths advance, prefilled prefixes are
+//! cached; the duplicate pages that caching drops are freed when the step is committed), feeds
+//! `-1` for a decode input still in flight and gives no decode row to a request whose length
+//! finish is already certain. `commit_oldest` commits the oldest step; a request finished or
+//! retired while a later unconfirmed step contains it leaves `running` at once and keeps its
+//! slot, pages and cache lock until that step is committed (its extra sample is dropped, code
+//! [`FINISH_DROPPED`]). Release caches at most the known tokens (`kv_len` may run one ahead).
+//! `check_integrity` also holds mid-flight and checks that no page an unconfirmed step reads is
+//! free. One step in flight at a time is exactly the serial API. An optional recorder writes
+//! the decision trace as JSON lines (`minisgl.scheduler.replay` documents and replays it).
+//!
 //! ## Step plans ([`plan::build_step_plan`])
 //! Written into one caller-provided flat `i32` buffer; see [`plan`] for the layout.
 
@@ -71,8 +84,8 @@ pub use alloc::{OutOfPages, PageAllocator};
 pub use plan::{build_step_plan, PlanBuf, PlanLayout, NUM_SEGMENTS, SEGMENT_NAMES};
 pub use radix::{NodeIdx, RadixError, RadixTree, ROOT};
 pub use sched::{
-    CoreStats, ReqParams, SchedConfig, SchedCore, SchedError, FINISH_LENGTH, FINISH_NONE,
-    FINISH_STOP,
+    pipeline::TRACE_VERSION, AheadStep, CoreStats, ReqParams, SchedConfig, SchedCore, SchedError,
+    FINISH_DROPPED, FINISH_LENGTH, FINISH_NONE, FINISH_STOP,
 };
 
 #[cfg(test)]

@@ -6,6 +6,8 @@
 //!
 //! Request validation (empty prompt, too long...) stays in Python; this core trusts its input.
 
+pub mod pipeline;
+
 use std::collections::{HashMap, VecDeque};
 
 use crate::alloc::{OutOfPages, PageAllocator};
@@ -16,6 +18,11 @@ use crate::radix::{NodeIdx, RadixTree, ROOT};
 pub const FINISH_NONE: u8 = 0;
 pub const FINISH_STOP: u8 = 1;
 pub const FINISH_LENGTH: u8 = 2;
+/// [`SchedCore::commit_oldest`] only: the sample belongs to a request that had already
+/// finished or was retired in an earlier commit; its token is dropped (not appended).
+pub const FINISH_DROPPED: u8 = 3;
+
+pub use pipeline::AheadStep;
 
 fn pages(tokens: usize, ps: usize) -> usize {
     tokens.div_ceil(ps)
@@ -55,6 +62,13 @@ struct ReqState {
     cache_len: usize,
     cache_node: Option<NodeIdx>,
     cached_tokens: usize,
+    /// pipelined mode: unconfirmed steps that contain this request
+    inflight: u32,
+    /// pipelined mode: samples of this request in unconfirmed steps
+    pending_out: usize,
+    /// pipelined mode: `Some(abort)` once finished or retired while still in flight (out
+    /// of `running` and `by_rid`; released when its last unconfirmed step is committed)
+    retired: Option<bool>,
 }
 
 impl ReqState {
@@ -63,6 +77,24 @@ impl ReqState {
     }
     fn in_prefill(&self) -> bool {
         self.kv_len < self.prompt_len
+    }
+    /// The finish rules after `token` was appended: stop token, EOS (unless `ignore_eos`),
+    /// then length.
+    fn finish_code(&self, token: i32, eos: &[i32]) -> u8 {
+        let p = &self.params;
+        if p.stop_token_ids.contains(&token) || (!p.ignore_eos && eos.contains(&token)) {
+            FINISH_STOP
+        } else if self.num_out() >= p.max_tokens || self.tokens.len() >= self.max_total_len {
+            FINISH_LENGTH
+        } else {
+            FINISH_NONE
+        }
+    }
+    /// Its committed plus in-flight samples already reach a length limit: its last
+    /// unconfirmed sample finishes it, so it gets no further decode row.
+    fn length_certain(&self) -> bool {
+        let n = self.num_out() + self.pending_out;
+        n >= self.params.max_tokens || self.prompt_len + n >= self.max_total_len
     }
 }
 
@@ -80,6 +112,8 @@ pub enum SchedError {
     Duplicate(i64),
     NoPlan,
     BadTokens(usize, usize),
+    /// serial and pipelined calls mixed (`schedule_step` with steps in flight...)
+    Mode(&'static str),
     Internal(String),
 }
 
@@ -90,6 +124,7 @@ impl std::fmt::Display for SchedError {
             SchedError::Duplicate(r) => write!(f, "duplicate request id {r}"),
             SchedError::NoPlan => write!(f, "commit without a scheduled step"),
             SchedError::BadTokens(a, b) => write!(f, "commit got {a} tokens for {b} samples"),
+            SchedError::Mode(s) => write!(f, "{s}"),
             SchedError::Internal(s) => write!(f, "{s}"),
         }
     }
@@ -131,6 +166,12 @@ pub struct SchedCore {
     s_pos: Vec<i32>,
     s_match: Vec<i32>,
     s_evict: Vec<i32>,
+    // pipelined mode (see `pipeline`)
+    inflight: VecDeque<pipeline::InflightStep>,
+    next_step: u64,
+    retiring: Vec<usize>,
+    spare_steps: Vec<pipeline::InflightStep>,
+    trace: Option<String>,
 }
 
 impl SchedCore {
@@ -165,6 +206,11 @@ impl SchedCore {
             s_pos: Vec::new(),
             s_match: Vec::new(),
             s_evict: Vec::new(),
+            inflight: VecDeque::new(),
+            next_step: 0,
+            retiring: Vec::new(),
+            spare_steps: Vec::new(),
+            trace: None,
         }
     }
 
@@ -207,6 +253,7 @@ impl SchedCore {
         if self.by_rid.contains_key(&rid) {
             return Err(SchedError::Duplicate(rid));
         }
+        self.trace_add(rid, prompt, max_total_len, &params);
         let st = ReqState {
             rid,
             tokens: prompt.to_vec(),
@@ -219,6 +266,9 @@ impl SchedCore {
             cache_len: 0,
             cache_node: None,
             cached_tokens: 0,
+            inflight: 0,
+            pending_out: 0,
+            retired: None,
         };
         let idx = if let Some(i) = self.free_req.pop() {
             self.reqs[i] = Some(st);
@@ -269,13 +319,21 @@ impl SchedCore {
         self.running.remove(p);
     }
 
-    /// Finish a live request now (`abort` releases only what the cache already owns).
+    /// Finish a live request now (`abort` releases only what the cache already owns). In
+    /// pipelined mode, a request still in an unconfirmed step leaves `running` at once but
+    /// keeps its slot and pages until the last such step is committed.
     pub fn finish(&mut self, rid: i64, abort: bool) -> Result<bool, SchedError> {
         let Some(&idx) = self.by_rid.get(&rid) else {
             return Ok(false);
         };
         if self.req(idx).slot >= 0 {
             self.remove_running(idx);
+            if self.req(idx).inflight > 0 {
+                self.by_rid.remove(&rid);
+                self.req_mut(idx).retired = Some(abort);
+                self.retiring.push(idx);
+                return Ok(true);
+            }
             self.release(idx, abort)?;
         } else {
             let p = self
@@ -291,13 +349,20 @@ impl SchedCore {
 
     fn drop_req(&mut self, idx: usize) {
         let r = self.reqs[idx].take().expect("live request");
-        self.by_rid.remove(&r.rid);
+        if self.by_rid.get(&r.rid) == Some(&idx) {
+            self.by_rid.remove(&r.rid);
+        }
         self.free_req.push(idx);
     }
 
     /// One scheduling decision. Returns `Ok(None)` when there is nothing to run, else fills
     /// `out` and returns the number of requests admitted from the waiting queue this step.
     pub fn schedule_step(&mut self, out: &mut PlanBuf) -> Result<Option<usize>, SchedError> {
+        if !self.inflight.is_empty() {
+            return Err(SchedError::Mode(
+                "schedule_step with pipelined steps in flight (use schedule_ahead)",
+            ));
+        }
         self.has_plan = false;
         let admitted = self.schedule_prefill()?;
         if !self.batch.is_empty() {
@@ -306,7 +371,7 @@ impl SchedCore {
             if self.running.is_empty() {
                 return Ok(None);
             }
-            self.decode_plan(out)?;
+            self.decode_plan(out, false)?;
         }
         self.has_plan = true;
         Ok(Some(admitted))
@@ -462,29 +527,41 @@ impl SchedCore {
         self.build(true, out);
     }
 
-    fn decode_plan(&mut self, out: &mut PlanBuf) -> Result<(), SchedError> {
-        for k in 0..self.running.len() {
-            let idx = self.running[k];
+    /// A decode step over the running requests. `ahead` (pipelined mode): skip the requests
+    /// whose length finish is already certain, and feed `-1` where the input token is still
+    /// in flight. Returns `false` (no plan) when no request gets a row.
+    fn decode_plan(&mut self, out: &mut PlanBuf, ahead: bool) -> Result<bool, SchedError> {
+        self.clear_scratch();
+        self.batch.clear();
+        for (pos, &idx) in self.running.iter().enumerate() {
+            let r = self.reqs[idx].as_ref().expect("live request");
+            if ahead && r.length_certain() {
+                continue;
+            }
+            self.batch.push((idx, 1));
+            self.s_pos.push(pos as i32);
+        }
+        if self.batch.is_empty() {
+            return Ok(false);
+        }
+        for k in 0..self.batch.len() {
+            let idx = self.batch[k].0;
             let len = self.req(idx).kv_len + 1;
             self.ensure_capacity(idx, len)?;
         }
-        self.clear_scratch();
-        self.batch.clear();
-        for (row, &idx) in self.running.iter().enumerate() {
+        for (row, &(idx, _)) in self.batch.iter().enumerate() {
             let r = self.reqs[idx].as_ref().expect("live request");
             self.s_slots.push(r.slot);
             self.s_starts.push(r.kv_len as i32);
             self.s_ext.push(1);
-            let last = *r.tokens.last().expect("non-empty");
-            self.s_ids.push(last);
+            self.s_ids
+                .push(r.tokens.get(r.kv_len).copied().unwrap_or(-1));
             self.s_mask.push(true);
-            self.s_pos.push(row as i32);
             self.sample_rows.push(row);
-            self.batch.push((idx, 1));
         }
         self.plan_prefill = false;
         self.build(false, out);
-        Ok(())
+        Ok(true)
     }
 
     fn build(&self, is_prefill: bool, out: &mut PlanBuf) {
@@ -525,7 +602,7 @@ impl SchedCore {
         if self.plan_prefill && self.cache.is_some() {
             for k in 0..self.batch.len() {
                 let idx = self.batch[k].0;
-                self.cache_prefix(idx)?;
+                self.cache_prefix(idx, None)?;
             }
         }
         codes.clear();
@@ -539,14 +616,7 @@ impl SchedCore {
                 let r = self.reqs[idx].as_mut().expect("live request");
                 r.tokens.push(token);
                 rids.push(r.rid);
-                let p = &r.params;
-                if p.stop_token_ids.contains(&token) || (!p.ignore_eos && eos.contains(&token)) {
-                    FINISH_STOP
-                } else if r.num_out() >= p.max_tokens || r.tokens.len() >= r.max_total_len {
-                    FINISH_LENGTH
-                } else {
-                    FINISH_NONE
-                }
+                r.finish_code(token, eos)
             };
             codes.push(code);
             if code != FINISH_NONE {
@@ -567,8 +637,13 @@ impl SchedCore {
     /// row[..aligned])`; `node = match_prefix(tokens[..aligned])`; if `present > cache_len`,
     /// copy the cache's locations into `row[cache_len..present]` and free the request's
     /// duplicate pages (in their original order); `lock(node)`, then `unlock(old node)`;
-    /// `cache_node = node`, `cache_len = aligned`.
-    fn cache_prefix(&mut self, idx: usize) -> Result<(), SchedError> {
+    /// `cache_node = node`, `cache_len = aligned`. With `defer` (pipelined mode) the
+    /// duplicate pages are appended there instead of freed (an unconfirmed step writes them).
+    fn cache_prefix(
+        &mut self,
+        idx: usize,
+        defer: Option<&mut Vec<Vec<i32>>>,
+    ) -> Result<(), SchedError> {
         let ps = self.cfg.page_size;
         let Some(c) = self.cache.as_mut() else {
             return Ok(());
@@ -603,7 +678,10 @@ impl SchedCore {
                 .extend_from_slice(&self.alloc.row(slot)[cache_len..present]);
             self.alloc.row_mut(slot)[cache_len..present]
                 .copy_from_slice(&self.s_match[cache_len..present]);
-            self.alloc.free_locations(&self.s_evict);
+            match defer {
+                Some(d) => d.push(self.s_evict.clone()),
+                None => self.alloc.free_locations(&self.s_evict),
+            }
         }
         c.lock(node)
             .map_err(|e| SchedError::Internal(e.to_string()))?;
@@ -617,6 +695,9 @@ impl SchedCore {
         Ok(())
     }
 
+    /// Release a request's slot and pages; its computed page-aligned KV goes to the cache
+    /// (only the cached prefix on abort). In pipelined mode `kv_len` may count a position
+    /// whose token was sampled but dropped: the insert is clamped to the known tokens.
     fn release(&mut self, idx: usize, abort: bool) -> Result<(), SchedError> {
         let ps = self.cfg.page_size;
         let (slot, aligned, cache_len, alloc_len, node) = {
@@ -624,7 +705,7 @@ impl SchedCore {
             let aligned = if abort {
                 r.cache_len
             } else {
-                r.kv_len / ps * ps
+                r.kv_len.min(r.tokens.len()) / ps * ps
             };
             (
                 r.slot as usize,
@@ -666,7 +747,9 @@ impl SchedCore {
         std::mem::take(&mut self.finished_outputs)
     }
 
-    /// Every page is exactly one of: free, owned by the cache, owned by a live request.
+    /// Every page is exactly one of: free, owned by the cache, owned by a live request
+    /// (running, or retired and waiting for its unconfirmed steps), or waiting to be freed
+    /// when an unconfirmed step is committed; no page an unconfirmed step reads is free.
     pub fn check_integrity(&self) -> Result<(), String> {
         let ps = self.cfg.page_size;
         let mut owners = vec![0u32; self.alloc.num_pages];
@@ -687,10 +770,15 @@ impl SchedCore {
                 bump(l / ps as i32)?;
             }
         }
-        for &idx in &self.running {
+        for &idx in self.running.iter().chain(&self.retiring) {
             let r = self.req(idx);
             let row = self.alloc.row(r.slot as usize);
             for l in row[r.cache_len..r.alloc_len].iter().step_by(ps) {
+                bump(l / ps as i32)?;
+            }
+        }
+        for step in &self.inflight {
+            for l in step.deferred_free.iter().flat_map(|d| d.iter().step_by(ps)) {
                 bump(l / ps as i32)?;
             }
         }
@@ -706,10 +794,12 @@ impl SchedCore {
         if let Some(c) = &self.cache {
             c.check_integrity()?;
         }
-        if self.running.len() + self.alloc.num_free_slots() != self.alloc.max_slots {
+        if self.running.len() + self.retiring.len() + self.alloc.num_free_slots()
+            != self.alloc.max_slots
+        {
             return Err("KV integrity: request slots leaked".into());
         }
-        Ok(())
+        self.check_inflight()
     }
 
     /// The root handle (for callers that mirror the Python `MatchResult.node`).

@@ -8,7 +8,8 @@
 
 use minisgl_cpu_core::{
     build_step_plan, PlanBuf, PlanLayout, RadixError, RadixTree, ReqParams, SchedConfig, SchedCore,
-    SchedError, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, SEGMENT_NAMES,
+    SchedError, FINISH_DROPPED, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, SEGMENT_NAMES,
+    TRACE_VERSION,
 };
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::{PyAssertionError, PyKeyError, PyRuntimeError, PyValueError};
@@ -186,6 +187,17 @@ type StepResult<'py> = (
     Bound<'py, PyArray1<i32>>,
 );
 
+type AheadResult<'py> = (
+    u64,
+    bool,
+    usize,
+    (usize, usize, usize, usize),
+    Bound<'py, PyArray1<i32>>,
+    Vec<i64>,
+);
+
+type CommitResult = (u64, Vec<u8>, Vec<i64>, Vec<(usize, Vec<i32>)>);
+
 #[pymethods]
 impl SchedulerCore {
     #[new]
@@ -270,6 +282,73 @@ impl SchedulerCore {
             .map_err(sched_err)?;
         let finished = self.core.take_finished_outputs();
         Ok((self.codes.clone(), finished))
+    }
+
+    /// Pipelined mode: schedule the next step while earlier ones may be unconfirmed. `None`
+    /// when no row can run before a commit, else `(step, is_prefill, admitted, (bs,
+    /// num_tokens, num_kv, num_sample), flat, rids)`; decode inputs still in flight are `-1`.
+    fn schedule_ahead<'py>(&mut self, py: Python<'py>) -> PyResult<Option<AheadResult<'py>>> {
+        let core = &mut self.core;
+        let mut buf = PlanBuf::default();
+        let mut rids = Vec::new();
+        let res = py.detach(|| core.schedule_ahead(&mut buf, &mut rids));
+        let Some(step) = res.map_err(sched_err)? else {
+            return Ok(None);
+        };
+        let l = buf.layout;
+        Ok(Some((
+            step.step,
+            buf.is_prefill,
+            step.admitted,
+            (l.bs, l.num_tokens, l.num_kv, l.num_sample),
+            buf.data.into_pyarray(py),
+            rids,
+        )))
+    }
+
+    /// Pipelined mode: commit the oldest unconfirmed step. Returns `(step, codes, rids,
+    /// finished)`: codes 0 running, 1 stop, 2 length, 3 dropped (the request had already
+    /// finished or was retired), the rid of each sample, and `(sample position, generated
+    /// token ids)` of each request this commit finished.
+    fn commit_oldest(&mut self, tokens: Vec<i64>) -> PyResult<CommitResult> {
+        let step = self
+            .core
+            .commit_oldest(&tokens, &mut self.codes, &mut self.rids)
+            .map_err(sched_err)?;
+        let finished = self.core.take_finished_outputs();
+        Ok((step, self.codes.clone(), self.rids.clone(), finished))
+    }
+
+    /// Pipelined mode: finish a request (`abort`, or a stop string); deferred while an
+    /// unconfirmed step contains it. False when the rid is unknown.
+    #[pyo3(signature = (rid, abort))]
+    fn retire(&mut self, rid: i64, abort: bool) -> PyResult<bool> {
+        self.core.retire(rid, abort).map_err(sched_err)
+    }
+
+    #[getter]
+    fn num_inflight(&self) -> usize {
+        self.core.num_inflight()
+    }
+
+    #[getter]
+    fn num_retiring(&self) -> usize {
+        self.core.num_retiring()
+    }
+
+    /// Tokens the next `commit_oldest` expects (None: nothing in flight).
+    fn inflight_num_samples(&self) -> Option<usize> {
+        self.core.inflight_num_samples()
+    }
+
+    /// Start recording the decision trace (before the first request).
+    fn enable_trace(&mut self) -> PyResult<()> {
+        self.core.enable_trace().map_err(sched_err)
+    }
+
+    /// The trace lines (JSON) recorded since the last call.
+    fn take_trace(&mut self) -> String {
+        self.core.take_trace()
     }
 
     #[pyo3(signature = (rid, abort))]
@@ -412,6 +491,8 @@ fn minisgl_cpu(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FINISH_NONE", FINISH_NONE)?;
     m.add("FINISH_STOP", FINISH_STOP)?;
     m.add("FINISH_LENGTH", FINISH_LENGTH)?;
+    m.add("FINISH_DROPPED", FINISH_DROPPED)?;
+    m.add("TRACE_VERSION", TRACE_VERSION)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -11,8 +11,11 @@ import numpy as np
 
 from minisgl.core import SamplingParams
 
-# finish codes shared with the Rust core (`commit_step` returns one code per sample row)
-FINISH_REASONS: tuple[str | None, ...] = (None, "stop", "length")
+# finish codes shared with the Rust core (`commit_step` returns one code per sample row);
+# code 3 (`DROPPED`) only comes from the pipelined `commit_oldest`: the sample's request had
+# already finished or was retired, its token is dropped
+DROPPED = "dropped"
+FINISH_REASONS: tuple[str | None, ...] = (None, "stop", "length", DROPPED)
 
 
 class RequestError(ValueError):
@@ -69,6 +72,8 @@ class Req:
     finish_reason: str | None = None
     cached_tokens: int = 0  # prefix-cache hit of the first admission (for stats)
     generator: Any = None
+    inflight: int = 0  # pipelined mode: unconfirmed steps that contain this request
+    pending_out: int = 0  # pipelined mode: its samples in unconfirmed steps
 
     @property
     def prefill_len(self) -> int:

@@ -9,6 +9,21 @@ Unfinished requests are cached as soon as they are prefilled ("cache unfinished 
 radix cache (see `Scheduler._cache_prefix` for the exact order of operations, which the Rust
 core mirrors), so a request admitted while an earlier one with the same prefix is still
 running reuses its KV. A request always owns exactly `[cache_len, alloc_len)` of its row.
+
+Pipelined mode (`schedule_ahead` / `commit_oldest` / `retire`, the reference of the Rust
+core's `sched::pipeline`, decision for decision): steps are scheduled while earlier ones are
+unconfirmed. `schedule_ahead` makes `schedule`'s decisions and applies at once what `commit`
+does without the sampled tokens (KV lengths advance; on a prefill step prefixes are cached,
+the duplicate pages that drops being freed only when the step is committed); a decode input
+still in flight is `-1` (the worker feeds its own last sampled token of that request), and a
+request whose committed plus in-flight samples reach a length limit gets no decode row.
+`commit_oldest` commits the oldest step: (1) free the step's deferred duplicates, run by run;
+(2) per sample row: append + finish rules, or `DROPPED` for a request already finished or
+retired (its token is not appended); (3) per batch request in batch order: one step fewer in
+flight, and a finished / retired request with none left is released. A request finished or
+retired while a later unconfirmed step contains it leaves `running` and `requests` at once
+but keeps its slot, pages and cache lock until then. One step in flight at a time is exactly
+`schedule` + `commit`.
 """
 
 from __future__ import annotations
@@ -17,6 +32,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,8 +43,47 @@ from minisgl.kvcache.allocator import PageAllocator
 from minisgl.scheduler.backend import ScheduledStep
 from minisgl.scheduler.cpu_backend import served_counter
 from minisgl.scheduler.plan import StepPlan, build_step_plan
-from minisgl.scheduler.request import Req, RequestError, StepOutput, pages, validate_request
+from minisgl.scheduler.request import (
+    DROPPED,
+    Req,
+    RequestError,
+    StepOutput,
+    pages,
+    validate_request,
+)
 from minisgl.scheduler.stats import KvUsage, SchedulerStats
+
+
+@dataclass(frozen=True)
+class AheadStep:
+    """A step `schedule_ahead` scheduled (`plan.input_ids` holds `-1` where a decode input is
+    still in flight)."""
+
+    step: int  # 0, 1, 2... in schedule order; commits come back in the same order
+    plan: StepPlan
+    reqs: list[Req]  # batch order
+    batch_pos: np.ndarray  # position of each batch request in the running list
+    admitted: int  # requests admitted by this step: the last `admitted` batch rows
+
+
+@dataclass(frozen=True)
+class AheadCommit:
+    """What `commit_oldest` did: one output per sample row (`finish_reason` None, "stop",
+    "length" or `DROPPED`) and `(sample position, generated ids)` of each finished request."""
+
+    step: int
+    outputs: list[StepOutput]
+    finished: list[tuple[int, list[int]]]
+
+
+@dataclass
+class _Inflight:
+    step: int
+    reqs: list[Req]
+    extend_lens: list[int]
+    sample_rows: list[int]
+    pages: np.ndarray  # every page the step reads or writes
+    deferred_free: list[np.ndarray]  # duplicate location runs to free on commit
 
 
 class Scheduler:
@@ -60,6 +115,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._rids = itertools.count()
         self._served = served_counter("python")
+        self._inflight: deque[_Inflight] = deque()  # pipelined mode
+        self._retiring: list[Req] = []  # finished / retired, waiting for unconfirmed steps
+        self._next_step = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -92,6 +150,10 @@ class Scheduler:
         req.finish_reason = reason
         if req.slot >= 0:
             self.running.remove(req)
+            if req.inflight > 0:  # pipelined: released when its last step is committed
+                del self.requests[rid]
+                self._retiring.append(req)
+                return True
             self._release(req)
         else:
             self.waiting.remove(req)
@@ -103,6 +165,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> ScheduledStep | None:
+        if self._inflight:
+            raise RuntimeError("schedule with pipelined steps in flight (use schedule_ahead)")
         t0 = time.perf_counter()
         self._served["schedule"] += 1
         batch = self._schedule_prefill()
@@ -155,6 +219,105 @@ class Scheduler:
         ):
             return "length"
         return None
+
+    # ------------------------------------------------------------------ pipelined mode
+    def schedule_ahead(self) -> AheadStep | None:
+        """Schedule the next step while earlier ones may be unconfirmed (see the module
+        docs); None when no row can run before a commit (or there is no work)."""
+        t0 = time.perf_counter()
+        self._served["schedule"] += 1
+        n_waiting = len(self.waiting)
+        batch = self._schedule_prefill()
+        if batch:
+            step = self._prefill_plan(batch)
+        else:
+            rows = [r for r in self.running if not self._length_certain(r)]
+            step = self._decode_plan(rows) if rows else None
+        if step is None:
+            return None
+        plan, reqs = step.plan, list(step.reqs)
+        ps = self.page_size
+        lens = plan.extend_lens.tolist()
+        read = [self.alloc.page_table[r.slot, : r.kv_len + n : ps] // ps
+                for r, n in zip(reqs, lens, strict=True)]  # fmt: skip
+        batch_pos = np.array([self.running.index(r) for r in reqs], dtype=np.int32)
+        for req, n in zip(reqs, lens, strict=True):
+            req.kv_len += n
+            req.inflight += 1
+        sample_rows = plan.sample_rows.tolist()
+        for row in sample_rows:
+            reqs[row].pending_out += 1
+        deferred: list[np.ndarray] = []
+        if plan.is_prefill and isinstance(self.cache, RadixCache):
+            for req in reqs:
+                self._cache_prefix(req, deferred)
+        sid = self._next_step
+        self._next_step += 1
+        pages_read = np.concatenate(read).astype(np.int64)
+        self._inflight.append(_Inflight(sid, reqs, lens, sample_rows, pages_read, deferred))
+        self.stats.schedule_s.append(time.perf_counter() - t0)
+        return AheadStep(sid, plan, reqs, batch_pos, n_waiting - len(self.waiting))
+
+    def commit_oldest(self, next_tokens: Sequence[int]) -> AheadCommit:
+        """Commit the oldest unconfirmed step with one token per sample row (module docs)."""
+        if not self._inflight:
+            raise RuntimeError("commit_oldest without a step in flight")
+        st = self._inflight[0]
+        if len(next_tokens) != len(st.sample_rows):
+            raise ValueError(
+                f"commit got {len(next_tokens)} tokens for {len(st.sample_rows)} samples"
+            )
+        t0 = time.perf_counter()
+        self._served["commit"] += 1
+        self._inflight.popleft()
+        for dup in st.deferred_free:
+            self.alloc.free_locations(dup)
+        outputs: list[StepOutput] = []
+        finished: list[tuple[int, list[int]]] = []
+        for k, (row, token) in enumerate(zip(st.sample_rows, next_tokens, strict=True)):
+            req = st.reqs[row]
+            req.pending_out -= 1
+            token = int(token)
+            if req.finish_reason is not None:
+                outputs.append(StepOutput(req.rid, token, DROPPED))
+                continue
+            req.output_ids.append(token)
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                req.finish_reason = reason
+                finished.append((k, list(req.output_ids)))
+                self.running.remove(req)
+                del self.requests[req.rid]
+                self._retiring.append(req)
+            outputs.append(StepOutput(req.rid, token, reason))
+        for req in st.reqs:
+            req.inflight -= 1
+            if req.inflight == 0 and req.finish_reason is not None:
+                self._retiring.remove(req)
+                self._release(req)
+        self.stats.commit_s.append(time.perf_counter() - t0)
+        self.stats.steps += 1
+        self.stats.generated_tokens += sum(o.finish_reason != DROPPED for o in outputs)
+        return AheadCommit(st.step, outputs, finished)
+
+    def retire(self, rid: int, abort: bool) -> bool:
+        """Finish a request from outside the step loop (`abort`, or a stop string): at once
+        when no unconfirmed step contains it, else when the last one is committed."""
+        return self.finish(rid, "abort" if abort else "stop")
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    @property
+    def num_retiring(self) -> int:
+        return len(self._retiring)
+
+    def _length_certain(self, req: Req) -> bool:
+        """Committed plus in-flight samples reach a length limit: its last unconfirmed
+        sample finishes it, so it gets no further decode row."""
+        n = len(req.output_ids) + req.pending_out
+        return n >= req.params.max_tokens or len(req.input_ids) + n >= req.max_total_len
 
     # ------------------------------------------------------------------ admission
     def _reserved_pages(self) -> int:
@@ -228,8 +391,11 @@ class Scheduler:
         plan = build_step_plan(self.alloc.page_table, slots, starts, lens, ids, sample, True)
         return ScheduledStep(plan, reqs)
 
-    def _decode_plan(self) -> ScheduledStep | None:
-        reqs = self.running
+    def _decode_plan(self, reqs: list[Req] | None = None) -> ScheduledStep | None:
+        """One token for every running request (`reqs`: those, pipelined mode; an input
+        token still in flight is -1)."""
+        ahead = reqs is not None
+        reqs = self.running if reqs is None else reqs
         if not reqs:
             return None
         for req in reqs:
@@ -237,7 +403,8 @@ class Scheduler:
         n = len(reqs)
         slots = np.fromiter((r.slot for r in reqs), dtype=np.int32, count=n)
         starts = np.fromiter((r.kv_len for r in reqs), dtype=np.int32, count=n)
-        ids = np.fromiter((r.output_ids[-1] for r in reqs), dtype=np.int32, count=n)
+        last = (_token_at(r, r.kv_len) if ahead else r.output_ids[-1] for r in reqs)
+        ids = np.fromiter(last, dtype=np.int32, count=n)
         ones = np.ones(n, dtype=np.int32)
         plan = build_step_plan(
             self.alloc.page_table, slots, starts, ones, ids, np.ones(n, dtype=bool), False
@@ -245,7 +412,7 @@ class Scheduler:
         return ScheduledStep(plan, list(reqs))
 
     # ------------------------------------------------------------------ caching
-    def _cache_prefix(self, req: Req) -> None:
+    def _cache_prefix(self, req: Req, defer: list[np.ndarray] | None = None) -> None:
         """Hand the computed page-aligned prefix of a running request to the radix cache.
 
         With `aligned = kv_len // page_size * page_size`, nothing happens unless
@@ -261,7 +428,8 @@ class Scheduler:
         4. `cache.lock(match.node)`, then `cache.unlock(old cache_node)` (lock first, so the
            shared path never drops to ref 0);
         5. `cache_node = match.node`, `cache_len = aligned`.
-        `present >= cache_len` always holds: `[0, cache_len)` is locked in the cache.
+        `present >= cache_len` always holds: `[0, cache_len)` is locked in the cache. With
+        `defer` (pipelined mode) the duplicates are appended there instead of freed.
         """
         ps = self.page_size
         aligned = req.kv_len // ps * ps
@@ -277,7 +445,10 @@ class Scheduler:
         if present > req.cache_len:
             dup = row[req.cache_len : present].copy()
             row[req.cache_len : present] = match.indices[req.cache_len : present]
-            self.alloc.free_locations(dup)
+            if defer is None:
+                self.alloc.free_locations(dup)
+            else:
+                defer.append(dup)
         self.cache.lock(match.node)
         self.cache.unlock(req.cache_node)
         req.cache_node = match.node
@@ -285,10 +456,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ release
     def _release(self, req: Req) -> None:
+        """Free a request's slot and pages, its computed page-aligned KV going to the cache
+        (only the cached prefix on abort). Pipelined, `kv_len` may count a position whose
+        token was dropped: the insert is clamped to the known tokens."""
         ps, slot = self.page_size, req.slot
         row = self.alloc.page_table[slot]
-        aligned = req.kv_len // ps * ps if req.finish_reason != "abort" else req.cache_len
-        tokens = req.all_tokens()[:aligned]
+        all_tokens = req.all_tokens()
+        known = min(req.kv_len, len(all_tokens))
+        aligned = known // ps * ps if req.finish_reason != "abort" else req.cache_len
+        tokens = all_tokens[:aligned]
         present = self.cache.insert(tokens, row[:aligned].copy())
         # [cache_len, present): duplicates of KV the cache already holds; [aligned, alloc): tail
         self.alloc.free_locations(row[req.cache_len : present])
@@ -300,15 +476,20 @@ class Scheduler:
 
     # ------------------------------------------------------------------ integrity
     def check_integrity(self) -> None:
-        """Every page is exactly one of: free, owned by the cache, owned by a live request."""
+        """Every page is exactly one of: free, owned by the cache, owned by a live request
+        (running, or retired and waiting for its unconfirmed steps), or waiting to be freed
+        when an unconfirmed step is committed; no page an unconfirmed step reads is free."""
         ps = self.page_size
         owners = np.zeros(self.alloc.num_pages, dtype=np.int32)
         free = np.array(self.alloc._free_pages, dtype=np.int64)
         np.add.at(owners, free, 1)
         np.add.at(owners, self.cache.all_indices()[::ps] // ps, 1)
-        for req in self.running:
+        for req in [*self.running, *self._retiring]:
             own = self.alloc.page_table[req.slot, req.cache_len : req.alloc_len]
             np.add.at(owners, own[::ps] // ps, 1)
+        for st in self._inflight:
+            for dup in st.deferred_free:
+                np.add.at(owners, dup[::ps] // ps, 1)
         bad = np.flatnonzero(owners != 1)
         if len(bad):
             raise AssertionError(
@@ -316,8 +497,19 @@ class Scheduler:
                 f"owned {int(owners[bad[0]])} times"
             )
         self.cache.check_integrity()
-        if len(self.running) + self.alloc.num_free_slots != self.alloc.max_slots:
+        if len(self.running) + len(self._retiring) + self.alloc.num_free_slots != (
+            self.alloc.max_slots
+        ):
             raise AssertionError("KV integrity: request slots leaked")
+        is_free = np.zeros(self.alloc.num_pages, dtype=bool)
+        is_free[free] = True
+        for st in self._inflight:
+            read_free = st.pages[is_free[st.pages]]
+            if len(read_free):
+                raise AssertionError(
+                    f"KV integrity: page {int(read_free[0])} is free but read by unconfirmed "
+                    f"step {st.step}"
+                )
 
     def kv_usage(self) -> KvUsage:
         return {
@@ -327,3 +519,12 @@ class Scheduler:
             "running": len(self.running),
             "waiting": len(self.waiting),
         }
+
+
+def _token_at(req: Req, pos: int) -> int:
+    """The token at position `pos` of a request, -1 while it is still in flight."""
+    n = len(req.input_ids)
+    if pos < n:
+        return int(req.input_ids[pos])
+    k = pos - n
+    return req.output_ids[k] if k < len(req.output_ids) else -1
