@@ -431,7 +431,7 @@ def test_trace_replay_round_trip(tmp_path):
     assert any(-1 in s["plan"] for s in steps)  # decode inputs still in flight were recorded
     assert any(3 in json.loads(x)["codes"] for x in lines if '"commit"' in x)  # a dropped one
     report = replay_trace(path)
-    assert report.ok, report
+    assert report.ok and report.mismatches == 0, report
     assert report.steps == len(steps) and report.events == len(lines) - 1
     proc = subprocess.run([sys.executable, "-m", "minisgl.scheduler.replay", str(path)],
                           capture_output=True, text=True, check=False)  # fmt: skip
@@ -458,7 +458,7 @@ def _tamper_plan(lines):
 def test_tampered_trace_is_a_mismatch(tmp_path, capsys):
     path, _ = _traced_run(tmp_path, _tamper_plan)
     report = replay_trace(path)
-    assert not report.ok
+    assert not report.ok and report.mismatches == 1
     m = report.mismatch
     assert (m.event, m.step, m.segment) == ("schedule", 3, "kv_indices")
     assert m.expected != m.got
