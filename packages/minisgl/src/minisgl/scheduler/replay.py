@@ -65,9 +65,10 @@ class Mismatch:
 @dataclass(frozen=True)
 class ReplayReport:
     ok: bool
-    events: int
-    steps: int
+    events: int  # events replayed (the config line excluded; up to the mismatch)
+    steps: int  # scheduled steps compared
     commits: int
+    mismatches: int  # 0, or 1: the replay stops at the first
     mismatch: Mismatch | None
 
     def to_json(self) -> str:
@@ -198,8 +199,8 @@ def replay_trace(path: str | Path) -> ReplayReport:
         if bad is not None:
             segment, step, expected, got = bad
             mismatch = Mismatch(line, ev["ev"], step, segment, expected, got)
-            return ReplayReport(False, n, r.steps, r.commits, mismatch)
-    return ReplayReport(True, len(events) - 1, r.steps, r.commits, None)
+            return ReplayReport(False, n, r.steps, r.commits, 1, mismatch)
+    return ReplayReport(True, len(events) - 1, r.steps, r.commits, 0, None)
 
 
 def main(argv: list[str] | None = None) -> int:
