@@ -17,12 +17,13 @@ pub trait Decode {
 /// Per-request detokenization state (Python `DecodeState`).
 #[derive(Debug, Clone, Default)]
 pub struct DecodeState {
-    pub stops: Vec<String>,
+    stops: Vec<String>,
     pub skip_special_tokens: bool,
     pub prompt_tokens: usize,
-    pub ids: Vec<i32>,
-    pub prefix_offset: usize,
-    pub read_offset: usize,
+    /// Output token ids so far; the window `prefix_offset..` is decoded each step.
+    ids: Vec<i32>,
+    prefix_offset: usize,
+    read_offset: usize,
     /// Decoded text so far (the stop string cut away once hit).
     text: String,
     text_chars: usize,
@@ -60,6 +61,15 @@ impl DecodeState {
     /// The text decoded so far (after a stop hit: up to the stop string).
     pub fn text(&self) -> &str {
         &self.text
+    }
+
+    pub fn stops(&self) -> &[String] {
+        &self.stops
+    }
+
+    /// The output token ids fed so far.
+    pub fn ids(&self) -> &[i32] {
+        &self.ids
     }
 
     /// Characters of the text already released.
@@ -423,7 +433,7 @@ mod tests {
             .expect("decode");
         assert_eq!(r.text, "");
         assert_eq!(st.finished.as_deref(), Some("stop"));
-        assert_eq!((st.text(), st.ids.len(), st.unsent_tokens), ("Hel", 3, 3));
+        assert_eq!((st.text(), st.ids().len(), st.unsent_tokens), ("Hel", 3, 3));
     }
 
     #[test]
