@@ -7,6 +7,7 @@ One CLI process per model answers a stream of JSON requests, so the whole file s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -90,22 +91,23 @@ class TextCli:
         )
 
     def ask(self, **req) -> dict:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, f"the CLI exited (rc={self.proc.poll()})"
-        return json.loads(line)
+        return self.ask_raw(json.dumps(req))
 
     def ask_raw(self, line: str) -> dict:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pytest.fail(f"the CLI exited (rc={self.proc.wait()})")
+        reply = self.proc.stdout.readline()
+        assert reply, f"the CLI exited (rc={self.proc.wait()})"
+        return json.loads(reply)
 
     def close(self) -> None:
         if self.proc.stdin:
-            self.proc.stdin.close()
+            with contextlib.suppress(BrokenPipeError):  # it exited: a failing request said so
+                self.proc.stdin.close()
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
