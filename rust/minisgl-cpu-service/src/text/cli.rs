@@ -13,7 +13,7 @@ use serde::Deserialize;
 use serde_json::{json, Value as Json};
 
 use super::detok::{DecodeState, Detokenizer};
-use super::{ChatTemplate, TextError, Tokenizer};
+use super::{TextError, TextModel};
 
 #[derive(Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
@@ -52,98 +52,73 @@ fn yes() -> bool {
     true
 }
 
-/// The text layer of one model, as the service uses it.
-pub struct TextModel {
-    pub tokenizer: Tokenizer,
-    pub chat: ChatTemplate,
+fn handle(model: &TextModel, req: Request) -> Result<Json, TextError> {
+    let tok = &model.tokenizer;
+    Ok(match req {
+        Request::Encode {
+            text,
+            add_special_tokens,
+        } => json!({"ids": tok.encode(&text, add_special_tokens)?}),
+        Request::Chat {
+            messages,
+            add_generation_prompt,
+        } => {
+            let (ids, text) = model.chat_ids(&messages, add_generation_prompt)?;
+            json!({"ids": ids, "text": text})
+        }
+        Request::Decode {
+            ids,
+            skip_special_tokens,
+        } => json!({"text": tok.decode(&ids, skip_special_tokens)?}),
+        Request::Names { ids } => json!({"names": tok.token_names(&ids)?}),
+        Request::Detok {
+            steps,
+            finish,
+            stops,
+            skip_special_tokens,
+        } => {
+            let detok = Detokenizer::new(tok);
+            let mut st = DecodeState::new(stops, skip_special_tokens, 0);
+            let mut pieces = Vec::new();
+            let mut stop_hit = false;
+            let mut tokens = Vec::new();
+            for (i, ids) in steps.iter().enumerate() {
+                let f = if i + 1 == steps.len() {
+                    finish.as_deref()
+                } else {
+                    None
+                };
+                let r = detok.update(&mut st, ids, f)?;
+                pieces.push(r.text);
+                tokens.push(st.unsent_tokens);
+                stop_hit |= r.stop_hit;
+                if st.finished.is_some() {
+                    break;
+                }
+            }
+            json!({"pieces": pieces, "finished": st.finished, "stop_hit": stop_hit,
+                       "text": st.text(), "unsent_tokens": tokens})
+        }
+        Request::Info {} => json!({
+            "max_token_chars": tok.max_token_chars(),
+            "vocab_size": tok.vocab_size(),
+            "eos_token_ids": tok.eos_token_ids(),
+            "bos_token": tok.bos_token(),
+            "eos_token": tok.eos_token(),
+            "chat_template_error": model.chat.load_error(),
+        }),
+    })
 }
 
-impl TextModel {
-    pub fn load(dir: &str) -> Result<Self, TextError> {
-        let tokenizer = Tokenizer::from_dir(dir)?;
-        let chat = ChatTemplate::for_tokenizer(&tokenizer);
-        Ok(Self { tokenizer, chat })
-    }
-
-    /// The prompt ids of a chat request: the rendered template, encoded without special tokens.
-    pub fn chat_ids(
-        &self,
-        messages: &Json,
-        add_generation_prompt: bool,
-    ) -> Result<(Vec<i32>, String), TextError> {
-        let text = self.chat.render(messages, add_generation_prompt)?;
-        let ids = self.tokenizer.encode(&text, false)?;
-        Ok((ids, text))
-    }
-
-    fn handle(&self, req: Request) -> Result<Json, TextError> {
-        let tok = &self.tokenizer;
-        Ok(match req {
-            Request::Encode {
-                text,
-                add_special_tokens,
-            } => json!({"ids": tok.encode(&text, add_special_tokens)?}),
-            Request::Chat {
-                messages,
-                add_generation_prompt,
-            } => {
-                let (ids, text) = self.chat_ids(&messages, add_generation_prompt)?;
-                json!({"ids": ids, "text": text})
-            }
-            Request::Decode {
-                ids,
-                skip_special_tokens,
-            } => json!({"text": tok.decode(&ids, skip_special_tokens)?}),
-            Request::Names { ids } => json!({"names": tok.token_names(&ids)?}),
-            Request::Detok {
-                steps,
-                finish,
-                stops,
-                skip_special_tokens,
-            } => {
-                let detok = Detokenizer::new(tok);
-                let mut st = DecodeState::new(stops, skip_special_tokens, 0);
-                let mut pieces = Vec::new();
-                let mut stop_hit = false;
-                let mut tokens = Vec::new();
-                for (i, ids) in steps.iter().enumerate() {
-                    let f = if i + 1 == steps.len() {
-                        finish.as_deref()
-                    } else {
-                        None
-                    };
-                    let r = detok.update(&mut st, ids, f)?;
-                    pieces.push(r.text);
-                    tokens.push(st.unsent_tokens);
-                    stop_hit |= r.stop_hit;
-                    if st.finished.is_some() {
-                        break;
-                    }
-                }
-                json!({"pieces": pieces, "finished": st.finished, "stop_hit": stop_hit,
-                       "text": st.text(), "unsent_tokens": tokens})
-            }
-            Request::Info {} => json!({
-                "max_token_chars": tok.max_token_chars(),
-                "vocab_size": tok.vocab_size(),
-                "eos_token_ids": tok.eos_token_ids(),
-                "bos_token": tok.bos_token(),
-                "eos_token": tok.eos_token(),
-                "chat_template_error": self.chat.load_error(),
-            }),
-        })
-    }
-
-    /// One request line to one reply line.
-    pub fn reply(&self, line: &str) -> Json {
-        let req: Request = match serde_json::from_str(line) {
-            Ok(r) => r,
-            Err(e) => return json!({"error": format!("bad request: {e}")}),
-        };
-        match self.handle(req) {
-            Ok(v) => v,
-            Err(e) => json!({"error": e.0}),
-        }
+/// One request line to one reply line.
+pub fn reply(model: &TextModel, line: &str) -> Json {
+    let req: Request = match serde_json::from_str(line) {
+        Ok(r) => r,
+        Err(e) => return json!({"error": format!("bad request: {e}")}),
+    };
+    match handle(model, req) {
+        Ok(v) => v,
+        Err(e) => json!({"error": e.0}),
     }
 }
 
@@ -179,10 +154,65 @@ pub fn run_text_cli(args: &[String]) -> ExitCode {
         if line.trim().is_empty() {
             continue;
         }
-        let reply = model.reply(&line);
+        let reply = reply(&model, &line);
         if writeln!(out, "{reply}").and_then(|()| out.flush()).is_err() {
             return ExitCode::SUCCESS; // the reader went away
         }
     }
     ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::text::fixture::ModelDir;
+
+    #[test]
+    fn every_line_gets_one_reply_and_bad_lines_an_error() {
+        let dir = ModelDir::new("cli");
+        let model = TextModel::load(dir.path()).expect("load");
+        for bad in [
+            "",
+            "nope",
+            "[]",
+            "{}",
+            r#"{"op": "nope"}"#,
+            r#"{"op": "encode"}"#,
+            r#"{"op": "encode", "text": 1}"#,
+            r#"{"op": "encode", "text": "x", "extra": 1}"#,
+            r#"{"op": "decode", "ids": [-5]}"#,
+            r#"{"op": "decode", "ids": [99999999999]}"#,
+            r#"{"op": "chat", "messages": {"role": "user"}}"#,
+            r#"{"op": "detok", "steps": [[-1]]}"#,
+            "{\"op\": \"encode\", \"text\": \"\\ud800\"}",
+        ] {
+            let r = reply(&model, bad);
+            assert!(
+                r.get("error").and_then(Json::as_str).is_some(),
+                "{bad}: {r}"
+            );
+        }
+        let r = reply(
+            &model,
+            r#"{"op": "encode", "text": "Hello", "add_special_tokens": false}"#,
+        );
+        assert_eq!(r["ids"].as_array().map(Vec::len), Some(1));
+        let r = reply(
+            &model,
+            r#"{"op": "detok", "steps": [[0], [1]], "finish": "length"}"#,
+        );
+        assert_eq!(r["finished"], "length");
+        assert_eq!(r["unsent_tokens"], json!([1, 2]));
+        let r = reply(&model, r#"{"op": "info"}"#);
+        assert_eq!(r["max_token_chars"], 13);
+        assert!(r["chat_template_error"].is_null());
+    }
+
+    #[test]
+    fn the_model_flag_is_found_with_or_without_the_subcommand() {
+        let a = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(model_arg(&a(&["--model", "d"])), Some("d"));
+        assert_eq!(model_arg(&a(&["bin", "text", "--model", "d"])), Some("d"));
+        assert_eq!(model_arg(&a(&["--model"])), None);
+    }
 }

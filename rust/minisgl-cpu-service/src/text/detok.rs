@@ -17,12 +17,13 @@ pub trait Decode {
 /// Per-request detokenization state (Python `DecodeState`).
 #[derive(Debug, Clone, Default)]
 pub struct DecodeState {
-    pub stops: Vec<String>,
+    stops: Vec<String>,
     pub skip_special_tokens: bool,
     pub prompt_tokens: usize,
-    pub ids: Vec<i32>,
-    pub prefix_offset: usize,
-    pub read_offset: usize,
+    /// Output token ids so far; the window `prefix_offset..` is decoded each step.
+    ids: Vec<i32>,
+    prefix_offset: usize,
+    read_offset: usize,
     /// Decoded text so far (the stop string cut away once hit).
     text: String,
     text_chars: usize,
@@ -62,6 +63,15 @@ impl DecodeState {
         &self.text
     }
 
+    pub fn stops(&self) -> &[String] {
+        &self.stops
+    }
+
+    /// The output token ids fed so far.
+    pub fn ids(&self) -> &[i32] {
+        &self.ids
+    }
+
     /// Characters of the text already released.
     pub fn sent_chars(&self) -> usize {
         self.sent
@@ -72,7 +82,11 @@ impl DecodeState {
         if upto <= self.sent {
             return String::new();
         }
-        let piece = self.text[self.sent_bytes..upto_b].to_owned();
+        let piece = self
+            .text
+            .get(self.sent_bytes..upto_b)
+            .unwrap_or_default()
+            .to_owned();
         self.sent = upto;
         self.sent_bytes = upto_b;
         piece
@@ -157,12 +171,19 @@ impl<'t, T: Decode> Detokenizer<'t, T> {
 
     /// Feed new ids to one request (Python `Detokenizer.update` for one item). On return
     /// `state.finished` is set when the request is over (by `finish` or by a stop string).
+    /// Ids that arrive after that are dropped (as the Python worker drops late tokens).
     pub fn update(
         &self,
         st: &mut DecodeState,
         new_ids: &[i32],
         finish: Option<&str>,
     ) -> Result<Released, TextError> {
+        if st.finished.is_some() {
+            return Ok(Released {
+                text: String::new(),
+                stop_hit: false,
+            });
+        }
         st.ids.extend_from_slice(new_ids);
         st.unsent_tokens += new_ids.len();
         let skip = st.skip_special_tokens;
@@ -398,6 +419,21 @@ mod tests {
             let (p, st, _) = run(&tok, &stops, &steps, Some("length"));
             assert_eq!(p.concat(), st.text(), "stops {stops:?}");
         }
+    }
+
+    #[test]
+    fn late_ids_after_the_finish_are_dropped() {
+        let tok = toy();
+        let d = Detokenizer::new(&tok);
+        let mut st = DecodeState::new(vec!["lo".into()], true, 0);
+        let r = d.update(&mut st, &[1, 2, 3], None).expect("decode");
+        assert_eq!((r.text.as_str(), r.stop_hit), ("Hel", true));
+        let r = d
+            .update(&mut st, &[4, 11, 12], Some("length"))
+            .expect("decode");
+        assert_eq!(r.text, "");
+        assert_eq!(st.finished.as_deref(), Some("stop"));
+        assert_eq!((st.text(), st.ids().len(), st.unsent_tokens), ("Hel", 3, 3));
     }
 
     #[test]

@@ -4,6 +4,9 @@
 pub mod chat;
 pub mod cli;
 pub mod detok;
+#[cfg(test)]
+mod fixture;
+pub mod model;
 pub mod pyfmt;
 pub mod tokenizer;
 
@@ -12,6 +15,7 @@ use std::fmt;
 pub use chat::ChatTemplate;
 pub use cli::run_text_cli;
 pub use detok::{DecodeState, Detokenizer, Released};
+pub use model::TextModel;
 pub use tokenizer::Tokenizer;
 
 /// A text-layer failure, as a message for the client (e.g. a 400 "cannot tokenize the

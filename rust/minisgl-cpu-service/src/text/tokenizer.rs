@@ -161,7 +161,7 @@ impl Tokenizer {
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<i32>, TextError> {
         let enc = self
             .inner
-            .encode(text, add_special_tokens)
+            .encode_fast(text, add_special_tokens) // ids only: no offsets to compute
             .map_err(|e| TextError::new(format!("cannot tokenize: {e}")))?;
         enc.get_ids()
             .iter()
