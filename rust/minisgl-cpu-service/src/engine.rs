@@ -1,10 +1,14 @@
 //! The scheduling side of the service: request validation (the rules of
 //! `minisgl.scheduler.request.validate_request`), the scheduler core, and the steps in flight.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
+use std::fs::File;
+use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 
-use minisgl_cpu_core::{PlanBuf, ReqParams, SchedConfig, SchedCore, FINISH_LENGTH, FINISH_STOP};
+use minisgl_cpu_core::{
+    PlanBuf, ReqParams, SchedConfig, SchedCore, FINISH_DROPPED, FINISH_LENGTH, FINISH_STOP,
+};
 
 use crate::wire::WireParams;
 
@@ -79,61 +83,84 @@ impl Snapshot {
     }
 }
 
-struct InFlight {
-    id: i64,
-}
-
 pub struct Engine {
     cfg: EngineConfig,
     core: SchedCore,
     buf: PlanBuf,
     rids: Vec<i64>,
-    slot_rid: Vec<i64>,
-    live: Vec<i64>,
-    in_flight: VecDeque<InFlight>,
-    next_id: i64,
+    live: HashSet<i64>,
+    /// ids of the steps in flight, oldest first (the core commits in this order)
+    in_flight: VecDeque<i64>,
+    /// service step ids keep growing across `reset`s; the core's restart at 0
+    id_base: i64,
+    scheduled: i64,
     steps: u64,
     generated: u64,
     codes: Vec<u8>,
     commit_rids: Vec<i64>,
-    /// Retirements asked for while a step was in flight: applied once it is confirmed (the
-    /// step still reads their pages); their tokens in that step are dropped.
-    deferred: Vec<(i64, bool)>,
+    wide: Vec<i64>,
+    trace: Option<BufWriter<File>>,
 }
 
 fn pages(tokens: usize, ps: usize) -> usize {
     tokens.div_ceil(ps)
 }
 
+fn new_core(cfg: &EngineConfig) -> SchedCore {
+    SchedCore::new(SchedConfig {
+        num_pages: cfg.num_pages,
+        page_size: cfg.page_size,
+        max_seq_len: cfg.max_seq_len,
+        max_running: cfg.max_running,
+        max_extend_tokens: cfg.max_extend_tokens,
+        radix: cfg.radix,
+        eos_token_ids: cfg.eos_token_ids.clone(),
+    })
+}
+
 impl Engine {
     pub fn new(cfg: EngineConfig) -> Result<Self, String> {
-        if cfg.num_pages == 0 || cfg.page_size == 0 || cfg.max_seq_len == 0 {
+        if cfg.num_pages == 0 || cfg.page_size == 0 || cfg.max_seq_len == 0 || cfg.depth == 0 {
             return Err(format!("bad engine limits: {cfg:?}"));
         }
-        let core = SchedCore::new(SchedConfig {
-            num_pages: cfg.num_pages,
-            page_size: cfg.page_size,
-            max_seq_len: cfg.max_seq_len,
-            max_running: cfg.max_running,
-            max_extend_tokens: cfg.max_extend_tokens,
-            radix: cfg.radix,
-            eos_token_ids: cfg.eos_token_ids.clone(),
-        });
-        Ok(Engine {
-            slot_rid: vec![-1; cfg.max_running],
+        let mut core = new_core(&cfg);
+        let trace = match &cfg.trace {
+            Some(path) => {
+                core.enable_trace().map_err(|e| e.to_string())?;
+                let f = File::create(path).map_err(|e| format!("trace {}: {e}", path.display()))?;
+                Some(BufWriter::new(f))
+            }
+            None => None,
+        };
+        let mut e = Engine {
             cfg,
             core,
             buf: PlanBuf::default(),
             rids: Vec::new(),
-            live: Vec::new(),
+            live: HashSet::new(),
             in_flight: VecDeque::new(),
-            next_id: 0,
+            id_base: 0,
+            scheduled: 0,
             steps: 0,
             generated: 0,
             codes: Vec::new(),
             commit_rids: Vec::new(),
-            deferred: Vec::new(),
-        })
+            wide: Vec::new(),
+            trace,
+        };
+        e.flush_trace();
+        Ok(e)
+    }
+
+    /// Write what the core recorded since the last call (one write per batch of events).
+    fn flush_trace(&mut self) {
+        if let Some(w) = self.trace.as_mut() {
+            let lines = self.core.take_trace();
+            if !lines.is_empty() && (w.write_all(lines.as_bytes()).is_err() || w.flush().is_err()) {
+                eprintln!("[minisgl service] trace write failed: tracing stops");
+                self.trace = None;
+            }
+        }
     }
 
     /// Validate (empty, longer than the context, more KV than the pool) and queue.
@@ -170,43 +197,37 @@ impl Engine {
             ignore_eos: params.ignore_eos,
             stop_token_ids: params.stop_token_ids.clone(),
         };
-        self.core
-            .add_request(rid, ids, max_total, rp)
-            .map_err(|e| AddError {
-                message: e.to_string(),
-                context_length: false,
-            })?;
-        self.live.push(rid);
+        let added = self.core.add_request(rid, ids, max_total, rp);
+        self.flush_trace();
+        added.map_err(|e| AddError {
+            message: e.to_string(),
+            context_length: false,
+        })?;
+        self.live.insert(rid);
         Ok(())
     }
 
-    /// A request whose prompt is not fully computed yet (n > 1 choices wait for it).
+    /// A request whose first token is not committed yet (n > 1 choices wait for it).
     pub fn prefilling(&self, rid: i64) -> bool {
         matches!(self.core.request_info(rid), Some(info) if info.5 == 0)
     }
 
     /// End a request (abort: keep only what the cache owns; else cache its computed prefix).
-    /// While a step is in flight the release waits for its result (the worker may still be
-    /// reading the request's pages), and the request's token in that step is dropped.
+    /// While a step in flight still holds it, the core keeps its pages until that step is
+    /// committed, and its token in that step is dropped.
     pub fn retire(&mut self, rid: i64, abort: bool) {
-        if !self.live.contains(&rid) {
-            return;
-        }
-        if self.in_flight.is_empty() {
-            self.finish_now(rid, abort);
-        } else if !self.deferred.iter().any(|&(r, _)| r == rid) {
-            self.deferred.push((rid, abort));
-        }
-    }
-
-    fn finish_now(&mut self, rid: i64, abort: bool) {
-        if let Ok(true) = self.core.finish(rid, abort) {
-            self.live.retain(|&r| r != rid);
+        if self.live.remove(&rid) {
+            if let Err(e) = self.core.retire(rid, abort) {
+                eprintln!("[minisgl service] retire {rid}: {e}");
+            }
+            self.flush_trace();
         }
     }
 
     pub fn live_requests(&self) -> Vec<i64> {
-        self.live.clone()
+        let mut v: Vec<i64> = self.live.iter().copied().collect();
+        v.sort_unstable();
+        v
     }
 
     pub fn has_work(&self) -> bool {
@@ -218,36 +239,18 @@ impl Engine {
     }
 
     pub fn can_schedule(&self) -> bool {
-        self.in_flight.len() < self.cfg.depth.min(1) && self.core.has_work()
+        self.in_flight.len() < self.cfg.depth && self.core.has_work()
     }
 
     pub fn schedule(&mut self) -> Result<Option<ScheduledStep<'_>>, String> {
-        if self
-            .core
-            .schedule_step(&mut self.buf)
-            .map_err(|e| e.to_string())?
-            .is_none()
-        {
+        let ahead = self.core.schedule_ahead(&mut self.buf, &mut self.rids);
+        self.flush_trace();
+        let Some(step) = ahead.map_err(|e| e.to_string())? else {
             return Ok(None);
-        }
-        // batch row -> request: through the slots (every live request has its own)
-        for s in self.slot_rid.iter_mut() {
-            *s = -1;
-        }
-        for &rid in &self.live {
-            if let Some(info) = self.core.request_info(rid) {
-                if info.3 >= 0 {
-                    self.slot_rid[info.3 as usize] = rid;
-                }
-            }
-        }
-        self.rids.clear();
-        for &slot in self.buf.segment(0) {
-            self.rids.push(self.slot_rid[slot as usize]);
-        }
-        let id = self.next_id;
-        self.next_id += 1;
-        self.in_flight.push_back(InFlight { id });
+        };
+        let id = self.id_base + step.step as i64;
+        self.scheduled += 1;
+        self.in_flight.push_back(id);
         let l = self.buf.layout;
         Ok(Some(ScheduledStep {
             id,
@@ -258,20 +261,22 @@ impl Engine {
         }))
     }
 
-    /// Commit the oldest step in flight (`id` must be it).
+    /// Commit the oldest step in flight (`id` must be it) with one token per sample row.
     pub fn commit(&mut self, id: i64, tokens: &[i32]) -> Result<Commit, String> {
         match self.in_flight.front() {
-            Some(f) if f.id == id => {}
-            Some(f) => return Err(format!("result for step {id}, expected step {}", f.id)),
+            Some(&f) if f == id => {}
+            Some(&f) => return Err(format!("result for step {id}, expected step {f}")),
             None => return Err(format!("result for step {id}, none in flight")),
         }
-        let wide: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
-        self.core
-            .commit_step(&wide, &mut self.codes, &mut self.commit_rids)
-            .map_err(|e| e.to_string())?;
+        self.wide.clear();
+        self.wide.extend(tokens.iter().map(|&t| i64::from(t)));
+        let done = self
+            .core
+            .commit_oldest(&self.wide, &mut self.codes, &mut self.commit_rids);
+        self.flush_trace();
+        done.map_err(|e| e.to_string())?;
         self.in_flight.pop_front();
         self.steps += 1;
-        self.generated += tokens.len() as u64;
         let mut rows = Vec::with_capacity(tokens.len());
         for ((&rid, &code), &token) in self.commit_rids.iter().zip(&self.codes).zip(tokens) {
             let finish = match code {
@@ -280,9 +285,12 @@ impl Engine {
                 _ => None,
             };
             if finish.is_some() {
-                self.live.retain(|&r| r != rid);
+                self.live.remove(&rid);
             }
-            let dropped = self.deferred.iter().any(|&(r, _)| r == rid);
+            let dropped = code == FINISH_DROPPED;
+            if !dropped {
+                self.generated += 1;
+            }
             rows.push(CommitRow {
                 rid,
                 token,
@@ -290,19 +298,23 @@ impl Engine {
                 dropped,
             });
         }
-        if self.in_flight.is_empty() {
-            for (rid, abort) in std::mem::take(&mut self.deferred) {
-                self.finish_now(rid, abort);
-            }
-        }
         Ok(Commit { rows })
     }
 
-    /// The worker failed a step: nothing in flight will be committed.
-    pub fn abandon_in_flight(&mut self) {
+    /// The worker failed a step: its KV (and that of every later step) cannot be trusted,
+    /// nor the prefixes the cache took from them. Every request must be failed first
+    /// (`live_requests` + `retire`); then the scheduler restarts empty and the results of
+    /// the old steps, if any still arrive, are refused as stale.
+    pub fn reset(&mut self) {
+        for rid in self.live_requests() {
+            self.retire(rid, true);
+        }
+        self.id_base += self.scheduled;
+        self.scheduled = 0;
+        self.core = new_core(&self.cfg);
         self.in_flight.clear();
-        for (rid, abort) in std::mem::take(&mut self.deferred) {
-            self.finish_now(rid, abort);
+        if self.trace.take().is_some() {
+            eprintln!("[minisgl service] scheduler reset after a failed step: tracing stops");
         }
     }
 

@@ -20,8 +20,7 @@ use rmpv::Value;
 
 use crate::engine::{Commit, Engine, EngineConfig};
 use crate::metrics::Counters;
-use crate::text::cli::TextModel;
-use crate::text::{DecodeState, Detokenizer};
+use crate::text::{DecodeState, Detokenizer, TextModel};
 use crate::wire::{self, DetokRow, HelloInfo, Inbound, Prompt, WireError, WireParams};
 
 const STATS_BUSY: Duration = Duration::from_millis(100);
@@ -232,7 +231,7 @@ pub fn run(cfg: Config) -> Exit {
         Err(Exit::Failed(msg)) => return fail(&sock, msg),
         Err(e) => return e,
     };
-    let text = match TextModel::load(&cfg.model_path.to_string_lossy()) {
+    let text = match TextModel::load(&cfg.model_path) {
         Ok(t) => t,
         Err(e) => return fail(&sock, format!("tokenizer: {e}")),
     };
@@ -589,8 +588,8 @@ impl Service {
     ) {
         if let Some(why) = fatal {
             log(&format!("step {step} failed on the worker: {why}"));
-            self.engine.abandon_in_flight();
             self.fail_all(&why);
+            self.engine.reset();
             return;
         }
         let commit: Commit = match self.engine.commit(step, &tokens) {
