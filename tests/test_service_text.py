@@ -22,6 +22,10 @@ from hypothesis import strategies as st
 from minisgl.tokenizer.detokenize import DecodeState, Detokenizer
 from minisgl.tokenizer.worker import load_tokenizer, max_token_chars
 
+pytestmark = pytest.mark.card(
+    "P1-011", "tokenizer-chat-templates-and-incremental-detokenizer-identical-to-hf"
+)
+
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip

@@ -224,3 +224,26 @@ def test_backend_reported_in_health(servers):
     h = httpx.get(servers["service"].get().base_url + "/health").json()
     assert h["cpu_backend"] == "rust_service"
     assert set(h["workers"]) == {"service", "worker0"}
+
+
+@pytest.mark.card(CARD, "health-readiness-and-prometheus-counters")
+@pytest.mark.card(CARD, "one-step-in-flight-ahead-pages-freed-only-after-confirmation")
+def test_service_counters_in_metrics(servers):
+    svc = servers["service"].get()
+    h = httpx.get(svc.base_url + "/health").json()  # ready: answered only after the handshake
+    assert h["status"] == "ok" and h["cpu_backend"] == "rust_service"
+    before = metric(metrics(svc), "minisgl_cpu_backend", '{path="service.steps"}')
+    c = client(svc)
+    r = c.completions.create(model=model_id(c), prompt="one two three", max_tokens=12,
+                             temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert r.usage.completion_tokens == 12
+    text = wait_kv_clean(svc)
+    assert 'minisgl_cpu_backend_info{backend="rust_service"} 1' in text
+    steps = metric(text, "minisgl_cpu_backend", '{path="service.steps"}') - before
+    assert steps >= 12  # one prefill + 11 decodes at least (a step ahead may be wasted)
+    assert metric(text, "minisgl_cpu_backend", '{path="service.max_steps_in_flight"}') == 2
+    assert metric(text, "minisgl_cpu_backend", '{path="service.steps_in_flight"}') == 0
+    assert metric(text, "minisgl_cpu_backend", '{path="service.tokens"}') >= 12
+    for name in ("ingress_us", "schedule_us", "commit_us", "requests", "rejected_frames"):
+        metric(text, "minisgl_cpu_backend", f'{{path="service.{name}"}}')
+    assert metric(text, "minisgl_scheduler_steps_total") >= steps

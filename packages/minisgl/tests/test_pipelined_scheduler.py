@@ -28,6 +28,10 @@ from minisgl.scheduler.replay import replay_trace
 from minisgl.scheduler.request import DROPPED, FINISH_REASONS, RequestError, validate_request
 from minisgl.scheduler.scheduler import Scheduler
 
+pytestmark = pytest.mark.card(
+    "P1-011", "one-step-in-flight-ahead-pages-freed-only-after-confirmation"
+)
+
 SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 EOS, STOP = 0, 5

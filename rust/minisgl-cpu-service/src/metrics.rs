@@ -17,6 +17,8 @@ pub struct Counters {
     pub schedule_us: u64,
     /// CPU microseconds spent committing results and detokenizing.
     pub commit_us: u64,
+    /// The most steps ever in flight at once (2 when the service runs a step ahead).
+    pub max_in_flight: u64,
 }
 
 impl Counters {
@@ -34,6 +36,7 @@ impl Counters {
                     ("schedule_us", self.schedule_us.into()),
                     ("commit_us", self.commit_us.into()),
                     ("steps_in_flight", (in_flight as u64).into()),
+                    ("max_steps_in_flight", self.max_in_flight.into()),
                 ]),
             ),
         ])

@@ -541,6 +541,8 @@ impl Service {
         self.counters.schedule_us += t0.elapsed().as_micros() as u64;
         self.counters.steps += 1;
         self.sock.send_worker(frame);
+        let depth = self.engine.in_flight() as u64;
+        self.counters.max_in_flight = self.counters.max_in_flight.max(depth);
         true
     }
 
