@@ -87,6 +87,38 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class SimDevice:
+    """The simulated device (`--sim-device`, `engine/sim.py`): one step takes
+    `base_ms + token_ms * num_tokens` ms."""
+
+    base_ms: float = 0.5
+    token_ms: float = 0.002
+
+    @staticmethod
+    def parse(spec: str) -> SimDevice:
+        """`"0.5,0.002"` (ms per step, ms per token), `"0.5"` (base only) or `"default"`."""
+        text = spec.strip()
+        if text in ("", "default"):
+            return SimDevice()
+        parts = text.split(",")
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            values = []
+        if not 1 <= len(values) <= 2 or any(not v >= 0 or v == float("inf") for v in values):
+            raise ValueError(
+                f"--sim-device {spec!r}: expected BASE_MS[,TOKEN_MS] (finite, >= 0), e.g. 0.5,0.002"
+            )
+        return SimDevice(*values)
+
+    def step_s(self, num_tokens: int) -> float:
+        return (self.base_ms + self.token_ms * num_tokens) / 1000.0
+
+    def spec(self) -> str:
+        return f"{self.base_ms:g},{self.token_ms:g}"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """What `LLM(...)` and the server were asked for. GPU-only options are kept and ignored on CPU."""
 
@@ -103,6 +135,7 @@ class EngineConfig:
     cache_type: str = "radix"
     attention_backend: str = "torch_native"
     quantization: str = "auto"  # auto (the file's precision class on CPU) / none / int8 / int4
+    sim_device: str | None = None  # "BASE_MS,TOKEN_MS": no model, see engine/sim.py
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -121,3 +154,5 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto/float32/float16/bfloat16, got {self.dtype!r}")
         if self.quantization not in ("auto", "none", "int8", "int4"):
             raise ValueError(f"quantization must be auto/none/int8/int4, got {self.quantization!r}")
+        if self.sim_device is not None:
+            SimDevice.parse(self.sim_device)  # a bad spec fails here, with the flag's syntax

@@ -9,8 +9,8 @@ from typing import Any
 
 from minisgl.config import EngineConfig
 from minisgl.core import SamplingParams
-from minisgl.engine.engine import Engine
-from minisgl.sampler import TokenLogprob, request_key, sample
+from minisgl.engine.sim import make_engine
+from minisgl.sampler import TokenLogprob, request_key
 from minisgl.scheduler.backend import SchedulerBackend, SchedulerConfig
 from minisgl.scheduler.factory import make_scheduler
 from minisgl.scheduler.request import StepOutput
@@ -42,6 +42,7 @@ class LLM:
         max_running_requests: int = 256,
         device: str = "auto",
         quantization: str = "auto",
+        sim_device: str | None = None,
     ) -> None:
         if model_path is None:
             from minisgl.default_model import default_model_path
@@ -61,8 +62,9 @@ class LLM:
             cache_type=cache_type,
             attention_backend=attention_backend,
             quantization=quantization,
+            sim_device=sim_device,
         )
-        self.engine = Engine(self.config)
+        self.engine = make_engine(self.config)  # sim_device: no model (engine/sim.py)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
@@ -212,9 +214,8 @@ class LLM:
         if planned is None:
             return []
         plan, reqs = planned
-        logits = self.engine.forward(plan)
         rows = [reqs[r] for r in plan.sample_rows.tolist()]
-        res = sample(logits, rows, self.eos_token_ids)
+        res = self.engine.sample_step(plan, rows, self.eos_token_ids)
         outs = self.scheduler.commit(reqs, plan, res.tokens)
         self.last_logprobs = {
             r.rid: lp for r, lp in zip(rows, res.logprobs, strict=True) if lp is not None

@@ -7,6 +7,7 @@ import importlib
 
 ENV = "MINISGL_CPU_BACKEND"
 KNOWN = ("python", "rust_hotpath")
+SERVICE = "rust_service"  # server only: the Rust CPU service process
 
 
 class BackendUnavailable(RuntimeError):
@@ -34,6 +35,21 @@ def check_cpu_backend(name: str) -> None:
             "`maturin develop` in rust/minisgl-cpu-py); the runtime would silently serve "
             "with the Python scheduler, so this run is refused"
         )
+
+
+def check_server_backend(name: str) -> None:
+    """`check_cpu_backend`, and for `rust_service` (a server-only backend) its binary."""
+    if name != SERVICE:
+        check_cpu_backend(name)
+        return
+    from minisgl.server.service import service_binary
+
+    try:
+        binary = service_binary()
+    except FileNotFoundError as exc:
+        raise BackendUnavailable(f"{ENV}={name}: {exc}") from None
+    if not binary.is_file():
+        raise BackendUnavailable(f"{ENV}={name}: no service binary at {binary}")
 
 
 def scheduler_backend(llm) -> str:

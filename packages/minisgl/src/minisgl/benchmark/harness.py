@@ -5,6 +5,12 @@
         [--ab python,rust_hotpath] [--repeats N] [--plot F.png] [--set key=value ...]
     python -m minisgl.benchmark.harness online --base-url http://127.0.0.1:1919 \
         --out F.json --gate G.yaml [--profile seed-online] [--set key=value ...]
+    python -m minisgl.benchmark.harness online --ab python,rust_hotpath,rust_service \
+        [--model-path DIR] [--sim-device [BASE_MS,TOKEN_MS]] --profile burst-256 --repeats 3 \
+        --out F.json --plot F.png   (starts a server per arm and repeat: `online_ab.py`)
+
+`--sim-device`: no model runs; each step takes a fixed time and returns deterministic tokens
+(`engine/sim.py`); the results are labelled `simulated_device: true`.
 
 `--set` overrides profile parameters (see `profiles.Profile`) and, with an `llm.` prefix, LLM
 constructor arguments (`--set llm.page_size=16`). Exit status: 0 ok, 1 a gate failed (or a
@@ -207,10 +213,13 @@ def run_offline(args: argparse.Namespace) -> int:
         llm_kwargs.setdefault("quantization", args.quantization)
     if args.cuda_graph_max_bs is not None:
         llm_kwargs.setdefault("cuda_graph_max_bs", args.cuda_graph_max_bs)
+    if args.sim_device is not None:
+        llm_kwargs.setdefault("sim_device", args.sim_device)
     requested = os.environ.get(ENV, "python").strip() or "python"
     check_cpu_backend(requested)
     record = base_record("offline", args, profile)
     record["engine"] = args.engine
+    record["simulated_device"] = llm_kwargs.get("sim_device") is not None
     record["model"] = model_info(args.model_path)
     record["llm_kwargs"] = llm_kwargs
     t0 = time.perf_counter()
@@ -302,6 +311,8 @@ def _arm_command(args: argparse.Namespace, profile: Profile, out: str) -> list[s
         cmd += ["--threads", str(args.threads)]
     if args.ignore_arrivals:
         cmd += ["--ignore-arrivals"]
+    if args.sim_device is not None:
+        cmd += ["--sim-device", args.sim_device]
     for item in args.set or []:
         cmd += ["--set", item]
     return cmd
@@ -316,6 +327,7 @@ def run_ab(args: argparse.Namespace, profile: Profile) -> int:
     record = base_record("offline-ab", args, profile)
     record["model"] = model_info(args.model_path)
     record["arms"] = arms
+    record["simulated_device"] = args.sim_device is not None
     per_arm: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
     samples: dict[str, Any] = {}
     arm_env: dict[str, Any] = {}
@@ -384,6 +396,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--no-progress", action="store_true")
         p.add_argument("--model-path", default=None, help="model dir (default: embedded)")
         p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+        p.add_argument(
+            "--sim-device",
+            nargs="?",
+            const="default",
+            default=None,
+            metavar="BASE_MS[,TOKEN_MS]",
+            help="simulated device: no model, fixed step time (default 0.5,0.002 ms)",
+        )
 
     off = sub.add_parser("offline", help="in-process LLM benchmark")
     common_args(off, "seed-offline")
@@ -414,6 +434,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     on.add_argument("--api-key", default="EMPTY")
     on.add_argument("--timeout", type=float, default=600.0)
+    on.add_argument(
+        "--ab",
+        help="comma-separated CPU backends (python, rust_hotpath, rust_service): start a server "
+        "per arm and repeat (ABBA order) instead of using --base-url",
+    )
+    on.add_argument(
+        "--server-arg",
+        action="append",
+        metavar="FLAG",
+        help="--ab: an extra `python -m minisgl` flag, e.g. --server-arg=--page-size=16",
+    )
+    on.add_argument("--note", action="append", help="--ab: a note stored in the JSON")
     return parser
 
 
@@ -425,8 +457,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         common.set_threads(args.threads)
     try:
+        if args.sim_device is not None:
+            from minisgl.config import SimDevice
+
+            SimDevice.parse(args.sim_device)
         if args.mode == "offline":
             return run_offline(args)
+        if args.ab:
+            from minisgl.benchmark.online_ab import run_online_ab
+
+            profile_sets, llm_sets = split_sets(args.set)
+            if llm_sets:
+                raise ValueError("llm.* overrides do not apply online; use --server-arg")
+            return run_online_ab(args, get_profile(args.profile, profile_sets))
+        if args.sim_device is not None:
+            raise ValueError("online --sim-device applies with --ab (pass it to the server)")
         from minisgl.benchmark.online import run_online
 
         return run_online(args)

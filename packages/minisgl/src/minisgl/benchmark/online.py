@@ -46,6 +46,7 @@ async def _one(client, model: str, item: WorkItem, messages, t0: float, sem, adv
         if item.arrival_s > now:
             await asyncio.sleep(item.arrival_s - now)
         times: list[float] = []
+        parts: list[str] = []
         usage = None
         error = None
         try:
@@ -64,13 +65,15 @@ async def _one(client, model: str, item: WorkItem, messages, t0: float, sem, adv
                 for choice in chunk.choices or []:
                     if choice.delta and choice.delta.content:
                         times.append(time.perf_counter() - t0)
+                        parts.append(choice.delta.content)
         except Exception as exc:
             error = repr(exc)
         advance(1)
-        return times, usage, error
+        return times, usage, error, "".join(parts)
 
 
-async def _run(args, profile: Profile, items, prog) -> dict[str, Any]:
+async def _run(args, profile: Profile, items, prog, meter=None) -> dict[str, Any]:
+    """`meter`: a CPU meter for the measured window (default: `CpuMeter` of --server-pid)."""
     from openai import AsyncOpenAI
 
     base = args.base_url.rstrip("/")
@@ -98,7 +101,8 @@ async def _run(args, profile: Profile, items, prog) -> dict[str, Any]:
                 ]
             )
         advance = prog.task(f"online {profile.name}", len(items))
-        meter = common.CpuMeter([args.server_pid] if args.server_pid else [])
+        if meter is None:
+            meter = common.CpuMeter([args.server_pid] if args.server_pid else [])
         with meter:
             t0 = time.perf_counter()
             outs = await asyncio.gather(
@@ -108,10 +112,11 @@ async def _run(args, profile: Profile, items, prog) -> dict[str, Any]:
                 ]
             )
             duration = time.perf_counter() - t0
-    token_times, out_tokens, errors = [], [], []
+    token_times, out_tokens, errors, texts = [], [], [], []
     in_tokens = 0
-    for times, usage, error in outs:
+    for times, usage, error, text in outs:
         token_times.append(times)
+        texts.append(text)
         out_tokens.append(usage.completion_tokens if usage else len(times))
         in_tokens += usage.prompt_tokens if usage else 0
         if error:
@@ -128,6 +133,7 @@ async def _run(args, profile: Profile, items, prog) -> dict[str, Any]:
         "model": model,
         "tokenizer": Path(tok_path).name,
         "error_samples": errors[:5],
+        "texts": texts,
     }
 
 
@@ -171,7 +177,7 @@ def run_online(args) -> int:
     return status
 
 
-async def _run_with_items(args, profile: Profile, prog) -> dict[str, Any]:
+async def _run_with_items(args, profile: Profile, prog, meter=None) -> dict[str, Any]:
     from openai import AsyncOpenAI
 
     base = args.base_url.rstrip("/")
@@ -180,6 +186,6 @@ async def _run_with_items(args, profile: Profile, prog) -> dict[str, Any]:
     tok, _ = _tokenizer(args.model_path, model)
     items = build_workload(profile, len(tok))
     args.model = model
-    out = await _run(args, profile, items, prog)
+    out = await _run(args, profile, items, prog, meter)
     out["items"] = items
     return out

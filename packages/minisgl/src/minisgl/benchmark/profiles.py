@@ -113,6 +113,20 @@ PROFILES: dict[str, Profile] = {
             burst_interval_s=2.0,
         ),
         Profile(
+            "burst-256",
+            "256 concurrent streams: 256 requests in one burst at t=0, 32-128 token prompts, "
+            "64 output tokens (admission + decode at batch 256)",
+            num_requests=256,
+            input_len_min=32,
+            input_len_max=128,
+            output_len=64,
+            arrival="burst",
+            burst_size=256,
+            num_bursts=1,
+            concurrency=256,
+            max_running_requests=256,
+        ),
+        Profile(
             "decode-heavy",
             "256 concurrent requests, 16 token prompts, 256 output tokens",
             num_requests=256,

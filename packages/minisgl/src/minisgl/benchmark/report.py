@@ -93,6 +93,8 @@ SUMMARY_ROWS = [
     ("prefix hit rate", "prefix_hit_rate"),
     ("client/engine CPU %", ("cpu", "client_cpu_pct")),
     ("server CPU %", ("cpu", "server_cpu_pct")),
+    ("control-plane CPU s/token", ("cpu", "cp_cpu_s_per_token")),
+    ("server CPU s/token", ("cpu", "server_cpu_s_per_token")),
 ]
 
 

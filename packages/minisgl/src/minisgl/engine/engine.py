@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from minisgl.attention import create_backend
@@ -14,6 +16,7 @@ from minisgl.engine.memory import (
 )
 from minisgl.kvcache.pool import KVPool
 from minisgl.models.loader import load_model
+from minisgl.sampler import SampleResult, SampleRow, sample
 from minisgl.scheduler.plan import StepPlan
 from minisgl.utils.log import get_logger
 
@@ -66,3 +69,9 @@ class Engine:
         positions = torch.from_numpy(plan.positions).to(dev, torch.int64, non_blocking=True)
         rows = torch.from_numpy(plan.logits_indices).to(dev, torch.int64, non_blocking=True)
         return self.model(input_ids, positions, rows, self.backend, meta)
+
+    def sample_step(
+        self, plan: StepPlan, rows: Sequence[SampleRow], eos_ids: frozenset[int]
+    ) -> SampleResult:
+        """Forward and sample: one token per sample row (`rows[i]` is sample row i)."""
+        return sample(self.forward(plan), rows, eos_ids)

@@ -30,6 +30,7 @@ class ServerArgs:
     shutdown_timeout: float = 5.0
     max_request_bytes: int = 4 * 1024 * 1024
     log_level: str = "warning"
+    sim_device: str | None = None  # "BASE_MS,TOKEN_MS": no model, see engine/sim.py
     cpu_backend: str = (
         "python"  # MINISGL_CPU_BACKEND (not a flag): python | rust_hotpath | rust_service
     )
@@ -55,6 +56,7 @@ class ServerArgs:
             max_extend_tokens=self.max_prefill_length,
             max_seq_len_override=self.max_seq_len_override,
             cuda_graph_max_bs=self.cuda_graph_max_bs,
+            sim_device=self.sim_device,
         )
 
     def to_dict(self) -> dict:
@@ -123,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest accepted request body (default 4 MiB); larger ones get 413",
     )
     p.add_argument("--log-level", default="warning")
+    p.add_argument(
+        "--sim-device",
+        nargs="?",
+        const="default",
+        default=None,
+        metavar="BASE_MS[,TOKEN_MS]",
+        help="run no model: each step sleeps BASE_MS + TOKEN_MS per token (default 0.5,0.002) "
+        "and returns deterministic tokens (benchmarks of the CPU control plane)",
+    )
     return p
 
 
@@ -147,6 +158,13 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         errors.append("--max-request-bytes must be >= 1")
     if not 0 <= args.port < 65536:
         errors.append("--port must be in [0, 65535]")
+    if args.sim_device is not None:
+        from minisgl.config import SimDevice
+
+        try:
+            SimDevice.parse(args.sim_device)
+        except ValueError as e:
+            errors.append(str(e))
     if errors:
         build_parser().error("; ".join(errors))
     return args

@@ -82,7 +82,6 @@ class StepRunner:
             plan.input_ids[t] = req.output_ids[-1]
 
     def run(self, step: Step) -> StepResult:
-        from minisgl.sampler import sample
         from minisgl.scheduler.plan import FlatStep, PlanLayout
 
         for rid in step.release.tolist():
@@ -93,9 +92,8 @@ class StepRunner:
         self.resolve_inputs(step, plan)
         if FAULT_STEP_DELAY_S:  # fault injection: a slow engine, for deterministic tests
             time.sleep(FAULT_STEP_DELAY_S)
-        logits = self.engine.forward(plan)
         rows = [self.reqs[int(step.rids[r])] for r in plan.sample_rows.tolist()]
-        res = sample(logits, rows, self.eos)
+        res = self.engine.sample_step(plan, rows, self.eos)
         for req, tok in zip(rows, res.tokens, strict=True):
             req.output_ids.append(tok)
         errors = res.errors if any(res.errors) else []
@@ -128,9 +126,9 @@ def run_gpu_worker(
     try:
         inbox = ipc.pull(ctx, ipc_dir, name)
         from minisgl.config import EngineConfig
-        from minisgl.engine.engine import Engine
+        from minisgl.engine.sim import make_engine
 
-        engine = Engine(EngineConfig(model_path=model_path, **llm_kwargs))
+        engine = make_engine(EngineConfig(model_path=model_path, **llm_kwargs))
     except ipc.WorkerExit:
         ctx.destroy(linger=0)
         return

@@ -1,0 +1,317 @@
+"""Online A/B of CPU backends: one server per arm and repeat, the online benchmark against it.
+
+    python -m minisgl.benchmark.harness online --ab python,rust_hotpath,rust_service \
+        [--model-path DIR] [--sim-device [BASE_MS,TOKEN_MS]] --profile burst-256 \
+        --repeats 3 --out F.json --plot F.png [--set key=value] [--server-arg=--page-size=16]
+
+Each repeat starts every arm's server in turn (`MINISGL_CPU_BACKEND=<arm>`, ABBA order across
+repeats so slow drifts in machine load cancel), waits for /health, runs the profile's workload
+through the openai client (`benchmark/online.py`), and stops the server. The server is sized
+from the profile: `--max-running-requests` and `--max-prefill-length` from it, a queue that
+holds every request, and KV pages for every running request's longest sequence.
+
+CPU: psutil CPU time (user + system) of every server process over the measured window, by
+role (`CPU_COUNTING` below). Control plane = every server process except the rust_service
+GPU workers. With `--sim-device` the python / rust_hotpath engine process (scheduler +
+simulated engine, which sleeps through the device time) is all control plane; with a real
+model it also holds the forward, so `cp_cpu_s_per_token` then bounds the control plane from
+above for those arms only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from minisgl.benchmark import common
+from minisgl.benchmark.backends import ENV, check_server_backend
+from minisgl.benchmark.profiles import Profile
+from minisgl.server import ipc
+
+AB_KEYS = (
+    "output_tok_s",
+    "request_s",
+    "ttft_ms.p50",
+    "ttft_ms.p99",
+    "tpot_ms.p50",
+    "tpot_ms.p99",
+    "e2e_ms.p99",
+    "cpu.cp_cpu_s_per_token",
+    "cpu.server_cpu_s_per_token",
+)
+PAIRED_AB_KEYS = ("output_tok_s", "ttft_ms.p99", "cpu.cp_cpu_s_per_token")
+CPU_COUNTING = (
+    "cpu_s.<role>: CPU seconds (user + system, psutil) over the measured window of each server "
+    "process, by role: launcher (the `python -m minisgl` process: launcher + FastAPI API server), "
+    "tokenizer (python / rust_hotpath tokenizer-detokenizer workers), scheduler (python / "
+    "rust_hotpath scheduler + engine process), service (the Rust minisgl-cpu-service), "
+    "gpu_worker (rust_service Python GPU workers), other (any other child, e.g. multiprocessing's "
+    "resource tracker). cp_cpu_s = every role but gpu_worker; server_cpu_s = all roles; "
+    "client_cpu_s = the benchmark client (not counted). *_per_token: divided by output tokens."
+)
+SERVICE_BINARY_ENV = "MINISGL_CPU_SERVICE_BIN"
+
+
+def role_of(name: str) -> str:
+    """The role of a worker named in /health's `workers` (see `server.ipc`)."""
+    if name == ipc.SCHEDULER:
+        return "scheduler"
+    if name == ipc.SERVICE:
+        return "service"
+    if name.startswith("tokenizer"):
+        return "tokenizer"
+    if name.startswith("worker"):
+        return "gpu_worker"
+    return "other"
+
+
+class RoleCpuMeter:
+    """CPU seconds of a server's processes by role over a `with` window (the client's too)."""
+
+    def __init__(self, roles: dict[str, list[int]]) -> None:
+        self._procs: dict[str, list[psutil.Process]] = {}
+        for role, pids in roles.items():
+            for pid in pids:
+                with contextlib.suppress(psutil.Error):
+                    self._procs.setdefault(role, []).append(psutil.Process(pid))
+        self._client = psutil.Process()
+        self._start: dict[tuple[str, int], float] = {}
+        self.result: dict[str, Any] = {}
+
+    @staticmethod
+    def _cpu(proc: psutil.Process) -> float | None:
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:
+            return None
+        return t.user + t.system
+
+    def _snapshot(self) -> dict[tuple[str, int], float]:
+        out = {("client", self._client.pid): self._cpu(self._client)}
+        for role, procs in self._procs.items():
+            for p in procs:
+                out[(role, p.pid)] = self._cpu(p)
+        return {k: v for k, v in out.items() if v is not None}
+
+    def __enter__(self) -> RoleCpuMeter:
+        self._t0 = time.perf_counter()
+        self._start = self._snapshot()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = max(time.perf_counter() - self._t0, 1e-9)
+        end = self._snapshot()
+        by_role: dict[str, float] = {}
+        for key, t0 in self._start.items():
+            if key in end:  # a process that died in the window is left out (the run then errs)
+                by_role[key[0]] = by_role.get(key[0], 0.0) + end[key] - t0
+        client = by_role.pop("client", 0.0)
+        server = sum(by_role.values())
+        cp = server - by_role.get("gpu_worker", 0.0)
+        self.result = {
+            "wall_s": wall,
+            "cpu_s": dict(sorted(by_role.items())),
+            "client_cpu_s": client,
+            "server_cpu_s": server,
+            "cp_cpu_s": cp,
+            "client_cpu_pct": 100.0 * client / wall,
+            "server_cpu_pct": 100.0 * server / wall,
+            "cp_cpu_pct": 100.0 * cp / wall,
+        }
+        with contextlib.suppress(OSError):
+            self.result["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+
+
+def server_roles(handle) -> dict[str, list[int]]:
+    """Every process of a running server (`testing.server.ServerHandle`) by role."""
+    named = {int(pid): role_of(name) for name, pid in handle.worker_pids().items()}
+    roles: dict[str, list[int]] = {"launcher": [handle.proc.pid]}
+    for child in psutil.Process(handle.proc.pid).children(recursive=True):
+        roles.setdefault(named.get(child.pid, "other"), []).append(child.pid)
+    return roles
+
+
+def server_flags(profile: Profile, sim_device: str | None, extra: list[str]) -> list[str]:
+    """Launch flags sized for the profile (they come after the test harness's defaults)."""
+    longest = profile.prefix_len + profile.input_len_max + profile.output_len + 128  # + template
+    running = profile.max_running_requests
+    flags = [
+        "--max-running-requests", str(running),
+        "--max-queued-requests", str(profile.num_requests + profile.warmup_requests),
+        "--max-prefill-length", str(profile.max_extend_tokens),
+        "--max-seq-len-override", str(longest),
+        "--num-pages", str(running * longest + longest),
+        "--shutdown-timeout", "5",
+    ]  # fmt: skip
+    if sim_device is not None:
+        flags += ["--sim-device", sim_device]
+    return flags + extra
+
+
+def per_token(metrics: dict[str, Any]) -> None:
+    """Add `<x>_per_token` (CPU seconds per output token) to `metrics["cpu"]`."""
+    cpu, n = metrics.get("cpu") or {}, metrics.get("output_tokens") or 0
+    for key in ("cp_cpu_s", "server_cpu_s", "client_cpu_s"):
+        if n and key in cpu:
+            cpu[f"{key}_per_token"] = cpu[key] / n
+
+
+def ab_ratios(base: dict[str, Any], other: dict[str, Any]) -> dict[str, float]:
+    """other / base for AB_KEYS present in both (dotted paths)."""
+    fa, fb = common.flatten(base), common.flatten(other)
+    return {k: fb[k] / fa[k] for k in AB_KEYS if k in fa and k in fb and fa[k]}
+
+
+def paired(base_reps: list[dict[str, Any]], reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median over repeats of other / base measured in the same repeat."""
+    out: dict[str, Any] = {}
+    for key in PAIRED_AB_KEYS:
+        rs = []
+        for a, b in zip(base_reps, reps, strict=True):
+            fa, fb = common.flatten(a), common.flatten(b)
+            if fa.get(key) and key in fb:
+                rs.append(fb[key] / fa[key])
+        if rs:
+            out[key] = common.median(rs)
+            out[f"{key}_per_repeat"] = rs
+    return out
+
+
+def output_digest(texts: list[str]) -> str:
+    """sha256 of every request's streamed text, in workload order (equal outputs, equal digest)."""
+    return hashlib.sha256(json.dumps(texts).encode()).hexdigest()[:16]
+
+
+def run_arm(args: argparse.Namespace, arm: str, profile: Profile, log_dir: Path, prog):
+    """Start `arm`'s server, run the workload once, stop it; returns online `_run`'s output."""
+    import asyncio
+
+    from minisgl.benchmark.online import _run_with_items
+    from minisgl.testing.server import running_server
+
+    model_dir = args.model_path
+    if model_dir is None:
+        from minisgl.default_model import default_model_path
+
+        model_dir = str(default_model_path())
+    flags = server_flags(profile, args.sim_device, args.server_arg or [])
+    with running_server(model_dir, *flags, log_dir=log_dir, env={ENV: arm}) as server:
+        roles = server_roles(server)
+        arm_args = argparse.Namespace(**vars(args))
+        arm_args.base_url, arm_args.model, arm_args.model_path = server.base_url, None, model_dir
+        meter = RoleCpuMeter(roles)
+        out = asyncio.run(_run_with_items(arm_args, profile, prog, meter))
+        out["roles"] = {r: len(p) for r, p in roles.items()}
+        out["info"] = server_info(server)
+    per_token(out["metrics"])
+    return out
+
+
+def server_info(server) -> dict[str, Any]:
+    import httpx
+
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        health = httpx.get(server.base_url + "/health", timeout=5).json()
+        return {k: v for k, v in health.items() if k not in ("workers",)}
+    return {}
+
+
+def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
+    from minisgl.benchmark.harness import base_record, finish, median_nested, model_info
+    from minisgl.benchmark.report import Progress, latency_samples, print_summary
+
+    arms = [a.strip() for a in args.ab.split(",") if a.strip()]
+    if len(arms) < 2 or len(set(arms)) != len(arms):
+        raise ValueError("--ab needs at least two distinct backends, e.g. python,rust_service")
+    for arm in arms:
+        check_server_backend(arm)
+    record = base_record("online-ab", args, profile)
+    record["model"] = model_info(args.model_path)
+    record["arms"] = arms
+    record["simulated_device"] = args.sim_device is not None
+    if args.sim_device is not None:
+        from minisgl.config import SimDevice
+
+        sim = SimDevice.parse(args.sim_device)
+        record["sim_device"] = {
+            "base_ms": sim.base_ms,
+            "token_ms": sim.token_ms,
+            "note": "SIMULATED DEVICE: no model runs; each step sleeps base_ms + token_ms per "
+            "token and returns deterministic tokens (minisgl/engine/sim.py)",
+        }
+    record["server_flags"] = server_flags(profile, args.sim_device, args.server_arg or [])
+    record["cpu_counting"] = CPU_COUNTING
+    record["notes"] = args.note or []
+    if SERVICE_BINARY_ENV in os.environ:
+        record["service_binary"] = Path(os.environ[SERVICE_BINARY_ENV]).name
+    per_arm: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
+    samples: dict[str, Any] = {}
+    errors: dict[str, list[str]] = {}
+    digests: dict[str, list[str]] = {a: [] for a in arms}
+    info: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="ab-logs") as tmp, Progress(not args.no_progress) as p:
+        for rep in range(args.repeats):
+            order = arms if rep % 2 == 0 else arms[::-1]  # ABBA: cancels drift
+            for arm in order:
+                print(f"[ab] repeat {rep + 1}/{args.repeats}: {ENV}={arm}", flush=True)
+                out = run_arm(args, arm, profile, Path(tmp), p)
+                per_arm[arm].append(out["metrics"])
+                samples[arm] = latency_samples(out["items"], out["token_times"])
+                errors[arm] = out["error_samples"]
+                digests[arm].append(output_digest(out["texts"]))
+                info[arm] = {"roles": out["roles"], **out["info"]}
+    results = {
+        arm: {
+            "metrics": median_nested(reps),
+            "repeats": reps,
+            "samples": samples[arm],
+            "error_samples": errors[arm],
+            "output_digests": digests[arm],
+        }
+        for arm, reps in per_arm.items()
+    }
+    record["results"] = results
+    record["outputs_identical"] = len({d for ds in digests.values() for d in ds}) == 1
+    record["servers"] = info
+    base = arms[0]
+    gate_metrics: dict[str, float] = {}
+    tables: dict[str, dict[str, float]] = {}
+    for arm in arms:
+        gate_metrics.update(common.flatten(results[arm]["metrics"], f"ab.{arm}."))
+    for arm in arms[1:]:
+        r = ab_ratios(results[base]["metrics"], results[arm]["metrics"])
+        pr = paired(per_arm[base], per_arm[arm])
+        record.setdefault("ab_ratio", {})[arm] = r
+        record.setdefault("ab_ratio_paired", {})[arm] = pr
+        tables[f"{arm} / {base} (ratio of medians)"] = r
+        tables[f"{arm} / {base} (median of paired repeats)"] = {
+            k: v for k, v in pr.items() if not k.endswith("_per_repeat")
+        }
+        gate_metrics.update(common.flatten(r, f"ab_ratio.{arm}."))
+        gate_metrics.update(common.flatten(pr, f"ab_ratio_paired.{arm}."))
+    record["gate_metrics"] = gate_metrics
+    sim = " SIMULATED DEVICE" if args.sim_device is not None else ""
+    print_summary(
+        f"online A/B {profile.name}{sim}: {' vs '.join(arms)} "
+        f"({args.repeats} interleaved repeat(s), median)",
+        {k: v["metrics"] for k, v in results.items()},
+        tables,
+    )
+    same = "identical" if record["outputs_identical"] else "NOT identical"
+    print(f"streamed outputs across arms and repeats: {same} ({digests})")
+    status = finish(record, args, results)
+    failed = {a: m["errors"] for a, m in ((a, r["metrics"]) for a, r in results.items())}
+    if any(failed.values()):
+        print(f"error: failed requests per arm (median): {failed}", file=sys.stderr)
+        status = status or 1
+    return status

@@ -1,0 +1,184 @@
+"""The online A/B harness without servers: roles and CPU counting, server sizing, the result's
+shape (medians, ratios, paired repeats, ABBA order, labels) and usage errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from minisgl.benchmark import harness, online_ab
+from minisgl.benchmark.online_ab import RoleCpuMeter, role_of, server_flags
+from minisgl.benchmark.profiles import WorkItem, build_workload, get_profile
+
+
+def test_roles_of_the_workers_health_names():
+    assert [
+        role_of(n) for n in ("scheduler", "tokenizer0", "tokenizer3", "service", "worker0")
+    ] == [
+        "scheduler",
+        "tokenizer",
+        "tokenizer",
+        "service",
+        "gpu_worker",
+    ]
+    assert role_of("resource_tracker") == "other"
+
+
+def test_control_plane_cpu_leaves_out_the_gpu_workers():
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.2: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(2)]
+    try:
+        with RoleCpuMeter({"service": [procs[0].pid], "gpu_worker": [procs[1].pid]}) as meter:
+            for p in procs:
+                p.wait(30)
+    finally:
+        for p in procs:
+            p.kill()
+    r = meter.result
+    # both exited before the window closed: a process gone at the end is left out entirely
+    assert r["cpu_s"] == {} and r["server_cpu_s"] == r["cp_cpu_s"] == 0.0
+
+    wait = burn + "\nprint('burnt', flush=True)\ninput()"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", wait], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    try:
+        with RoleCpuMeter({"service": [procs[0].pid], "gpu_worker": [procs[1].pid]}) as meter:
+            assert [p.stdout.readline() for p in procs] == ["burnt\n"] * 2  # both still run
+        r = meter.result
+        assert set(r["cpu_s"]) == {"service", "gpu_worker"}
+        assert r["cpu_s"]["service"] > 0.1 and r["cpu_s"]["gpu_worker"] > 0.1
+        assert r["server_cpu_s"] == pytest.approx(r["cpu_s"]["service"] + r["cpu_s"]["gpu_worker"])
+        assert r["cp_cpu_s"] == pytest.approx(r["cpu_s"]["service"])
+        assert r["client_cpu_s"] >= 0
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+
+
+def test_server_flags_fit_the_profile():
+    p = get_profile("burst-256")
+    flags = server_flags(p, "0.5,0.002", ["--page-size=16"])
+    val = {flags[i]: flags[i + 1] for i in range(0, len(flags) - 1, 2) if flags[i].startswith("--")}
+    assert val["--max-running-requests"] == "256"
+    assert int(val["--max-queued-requests"]) >= p.num_requests
+    longest = int(val["--max-seq-len-override"])
+    assert longest >= p.input_len_max + p.output_len
+    assert int(val["--num-pages"]) >= 256 * longest
+    assert val["--sim-device"] == "0.5,0.002" and flags[-1] == "--page-size=16"
+    assert "--sim-device" not in server_flags(p, None, [])
+
+
+def test_burst_256_profile_is_one_burst_of_256_streams():
+    p = get_profile("burst-256")
+    items = build_workload(p, 5000)
+    assert len(items) == 256 and {w.arrival_s for w in items} == {0.0}
+    assert p.concurrency == p.max_running_requests == 256
+
+
+def fake_arm(calls: list[str]):
+    """`run_arm` stand-in: rust_service twice python's throughput, half its CPU per token."""
+
+    def run(args, arm, profile, log_dir, prog):
+        calls.append(arm)
+        rep = sum(1 for c in calls if c == arm)
+        tok_s = {"python": 100.0, "rust_service": 200.0}[arm] * (1 + 0.1 * rep)
+        cp = {"python": 0.002, "rust_service": 0.001}[arm]
+        metrics = {
+            "output_tokens": 1000,
+            "output_tok_s": tok_s,
+            "request_s": tok_s / 10,
+            "completed": 10,
+            "errors": 0,
+            "ttft_ms": {"p50": 10.0, "p99": 40.0 if arm == "python" else 20.0},
+            "tpot_ms": {"p50": 1.0, "p99": 2.0},
+            "cpu": {"cp_cpu_s": cp * 1000, "server_cpu_s": 2.0},
+        }
+        online_ab.per_token(metrics)
+        items = [WorkItem(0, [1, 2], 3)]
+        return {
+            "metrics": metrics,
+            "items": items,
+            "token_times": [[0.01, 0.02, 0.03]],
+            "error_samples": [],
+            "texts": ["same"],
+            "roles": {"launcher": 1},
+            "info": {},
+        }
+
+    return run
+
+
+def test_ab_result_shape(monkeypatch, tmp_path, tiny_model_dir):
+    calls: list[str] = []
+    monkeypatch.setattr(online_ab, "run_arm", fake_arm(calls))
+    monkeypatch.setattr(online_ab, "check_server_backend", lambda name: None)
+    out, png = tmp_path / "ab.json", tmp_path / "ab.png"
+    rc = harness.main(
+        ["online", "--ab", "python,rust_service", "--sim-device", "1,0.01", "--repeats", "3",
+         "--profile", "burst-256", "--model-path", str(tiny_model_dir("llama")), "--out",
+         str(out), "--plot", str(png), "--no-progress", "--note", "shared 2-core box"]
+    )  # fmt: skip
+    assert rc == 0
+    assert calls == ["python", "rust_service", "rust_service", "python", "python", "rust_service"]
+    data = json.loads(out.read_text())
+    assert data["kind"] == "online-ab" and data["arms"] == ["python", "rust_service"]
+    assert data["simulated_device"] is True
+    assert (data["sim_device"]["base_ms"], data["sim_device"]["token_ms"]) == (1.0, 0.01)
+    assert "SIMULATED" in data["sim_device"]["note"]
+    assert data["notes"] == ["shared 2-core box"] and "gpu_worker" in data["cpu_counting"]
+    assert data["outputs_identical"] is True
+    py, rs = (data["results"][a]["metrics"] for a in ("python", "rust_service"))
+    assert py["output_tok_s"] == pytest.approx(120.0)  # median of 110, 120, 130
+    assert rs["cpu"]["cp_cpu_s_per_token"] == pytest.approx(0.001)
+    assert len(data["results"]["python"]["repeats"]) == 3
+    ratio = data["ab_ratio"]["rust_service"]
+    assert ratio["output_tok_s"] == pytest.approx(2.0)
+    assert ratio["ttft_ms.p99"] == pytest.approx(0.5)
+    assert ratio["cpu.cp_cpu_s_per_token"] == pytest.approx(0.5)
+    paired = data["ab_ratio_paired"]["rust_service"]
+    assert paired["output_tok_s_per_repeat"] == pytest.approx([2.0, 2.0, 2.0])
+    g = data["gate_metrics"]
+    assert g["ab.rust_service.output_tok_s"] == pytest.approx(240.0)
+    assert g["ab_ratio.rust_service.cpu.cp_cpu_s_per_token"] == pytest.approx(0.5)
+    assert png.stat().st_size > 0
+
+
+def test_ab_flags_different_outputs(monkeypatch, tmp_path, tiny_model_dir):
+    run = fake_arm([])
+
+    def differ(args, arm, *rest):
+        out = run(args, arm, *rest)
+        out["texts"] = [arm]
+        return out
+
+    monkeypatch.setattr(online_ab, "run_arm", differ)
+    monkeypatch.setattr(online_ab, "check_server_backend", lambda name: None)
+    out = tmp_path / "ab.json"
+    harness.main(["online", "--ab", "python,rust_service", "--model-path",
+                  str(tiny_model_dir("llama")), "--out", str(out), "--no-progress"])  # fmt: skip
+    data = json.loads(out.read_text())
+    assert data["outputs_identical"] is False and data["simulated_device"] is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ab", "python"], "at least two distinct"),
+        (["--ab", "python,python"], "at least two distinct"),
+        (["--ab", "python,fortran"], "fortran"),
+        (["--ab", "python,rust_hotpath", "--sim-device", "fast"], "BASE_MS"),
+        (["--sim-device"], "applies with --ab"),
+        (["--ab", "python,rust_hotpath", "--set", "llm.page_size=16"], "--server-arg"),
+    ],
+)
+def test_usage_errors(argv, message, capsys):
+    assert harness.main(["online", *argv, "--no-progress"]) == 2
+    assert message in capsys.readouterr().err
