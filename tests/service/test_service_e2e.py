@@ -164,6 +164,11 @@ def test_service_answers_like_python(servers, scenario, stream):
                 continue  # logprobs are compared on whole responses
             want = ask(py, kind, stream, **dict(kw))
             got = ask(svc, kind, stream, **dict(kw))
+            if "stop" in kw:  # the python detokenizer counts every token of the steps it
+                # merged into one update, even past the stop string (timing-dependent); the
+                # service counts up to the stop token: never more
+                assert got.completion_tokens <= want.completion_tokens, (name, kw)
+                got = replace(got, completion_tokens=want.completion_tokens)
             assert replace(got, logprobs=None) == replace(want, logprobs=None), (name, kw)
             if want.logprobs is not None:  # same tokens; values equal up to fp32 rounding
                 assert got.logprobs is not None, (name, kw)  # (chunking changes the sum order)

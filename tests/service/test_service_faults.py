@@ -16,7 +16,7 @@ import httpx
 import msgpack
 import pytest
 
-from minisgl.testing.server import start, wait_kv_clean
+from minisgl.testing.server import metric, metrics, start, wait_kv_clean
 
 CARD = "P1-011"
 SLOW = {"MINISGL_FAULT_STEP_DELAY_MS": "20"}  # every step 20 ms: streams outlive the faults
@@ -54,6 +54,14 @@ def ended_with_error(out: dict) -> bool:
     if "transport_error" in out:
         return True
     return any('"error"' in e for e in out.get("events", []))
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_llama, tmp_path_factory):
+    """One slowed rust_service server for the tests that leave it serving."""
+    log_dir = tmp_path_factory.mktemp("svc-faults")
+    with start("svc", tiny_llama, log_dir=log_dir, backend="rust_service", env=SLOW) as s:
+        yield s
 
 
 def wait_health(base_url: str, status: int, timeout: float = 10.0) -> dict:
@@ -103,17 +111,18 @@ def test_sigterm_stops_everything(tiny_llama, tmp_path):
 
 
 @pytest.mark.card(CARD, "service-death-worker-death-sigterm")
-def test_disconnect_aborts_and_frees_pages(tiny_llama, tmp_path):
-    with start("svc", tiny_llama, log_dir=tmp_path, backend="rust_service", env=SLOW) as s:
-        svc = s.get()
-        body = {"prompt": "abc", "max_tokens": 240, "ignore_eos": True, "stream": True}
-        for _ in range(3):
-            with httpx.stream("POST", svc.base_url + "/v1/completions", json=body) as r:
-                for i, _line in enumerate(r.iter_lines()):
-                    if i > 4:
-                        break  # the client goes away mid-stream
-        text = wait_kv_clean(svc, timeout=30)
-        assert 'minisgl_requests_total{outcome="aborted"} 3' in text, text
+def test_disconnect_aborts_and_frees_pages(shared):
+    svc = shared.get()
+    before = metrics(svc)
+    body = {"prompt": "abc", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    for _ in range(3):
+        with httpx.stream("POST", svc.base_url + "/v1/completions", json=body) as r:
+            for i, _line in enumerate(r.iter_lines()):
+                if i > 4:
+                    break  # the client goes away mid-stream
+    text = wait_kv_clean(svc, timeout=30)
+    aborted = 'minisgl_requests_total{outcome="aborted"}'
+    assert metric(text, aborted, default=0) - metric(before, aborted, default=0) == 3
 
 
 GARBAGE = [
@@ -132,33 +141,32 @@ GARBAGE = [
 
 
 @pytest.mark.card(CARD, "a-malformed-or-truncated-message-on-any-socket-is-logged-and-rejected")
-def test_garbage_on_every_socket_is_rejected(tiny_llama, tmp_path):
+def test_garbage_on_every_socket_is_rejected(shared):
     import zmq
 
-    with start("svc", tiny_llama, log_dir=tmp_path, backend="rust_service") as s:
-        svc = s.get()
-        (ipc_dir,) = [p for p in Path(svc.ipc_root).iterdir() if p.is_dir()]
-        sockets = [p for p in ipc_dir.iterdir() if p.is_socket()]
-        assert len(sockets) >= 3, sockets  # frontend, the service's two inboxes, the worker's
-        ctx = zmq.Context()
-        try:
-            for sock_path in sockets:
-                push = ctx.socket(zmq.PUSH)
-                push.setsockopt(zmq.LINGER, 1000)
-                push.connect(f"ipc://{sock_path}")
-                for g in GARBAGE:
-                    push.send(g)
-                push.close()
-        finally:
-            ctx.term()
-        time.sleep(1.0)
-        assert httpx.get(svc.base_url + "/health").status_code == 200, svc.log()
-        r = httpx.post(svc.base_url + "/v1/completions", timeout=60,
-                       json={"prompt": "hello", "max_tokens": 4, "ignore_eos": True})  # fmt: skip
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
-        assert "rejected" in svc.log(), svc.log()
-        assert "panicked" not in svc.log()
-        wait_kv_clean(svc)
+    svc = shared.get()
+    (ipc_dir,) = [p for p in Path(svc.ipc_root).iterdir() if p.is_dir()]
+    sockets = [p for p in ipc_dir.iterdir() if p.is_socket()]
+    assert len(sockets) >= 3, sockets  # frontend, the service's two inboxes, the worker's
+    ctx = zmq.Context()
+    try:
+        for sock_path in sockets:
+            push = ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 1000)
+            push.connect(f"ipc://{sock_path}")
+            for g in GARBAGE:
+                push.send(g)
+            push.close()
+    finally:
+        ctx.term()
+    time.sleep(1.0)
+    assert httpx.get(svc.base_url + "/health").status_code == 200, svc.log()
+    r = httpx.post(svc.base_url + "/v1/completions", timeout=60,
+                   json={"prompt": "hello", "max_tokens": 4, "ignore_eos": True})  # fmt: skip
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    assert "rejected" in svc.log(), svc.log()
+    assert "panicked" not in svc.log()
+    wait_kv_clean(svc)
 
 
 @pytest.mark.card(CARD, "typed-transport-with-a-versioned-handshake-that-fails-clearly")
@@ -215,10 +223,9 @@ def test_worker_imports_no_scheduler_and_no_pyo3():
 
 
 @pytest.mark.card(CARD, "no-in-process-ffi-on-the-serving-path")
-def test_no_pyo3_extension_mapped_in_any_serving_process(tiny_llama, tmp_path):
-    with start("svc", tiny_llama, log_dir=tmp_path, backend="rust_service") as s:
-        svc = s.get()
-        pids = httpx.get(svc.base_url + "/health").json()["workers"]
-        for pid in [svc.proc.pid, *pids.values()]:
-            maps = Path(f"/proc/{pid}/maps").read_text()
-            assert "minisgl_cpu" not in maps, pid
+def test_no_pyo3_extension_mapped_in_any_serving_process(shared):
+    svc = shared.get()
+    pids = httpx.get(svc.base_url + "/health").json()["workers"]
+    for pid in [svc.proc.pid, *pids.values()]:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert "minisgl_cpu" not in maps, pid

@@ -24,10 +24,9 @@ def complete(base_url: str, body: dict) -> dict:
 
 
 @pytest.mark.card(CARD, "golden-trace-replay")
-@pytest.mark.parametrize("page_size", ["1", "4"])
-def test_service_trace_replays_through_python_scheduler(tiny_llama, tmp_path, page_size):
+def test_service_trace_replays_through_python_scheduler(tiny_llama, tmp_path):
     trace = tmp_path / "trace.jsonl"
-    flags = ("--page-size", page_size, "--max-prefill-length", "24", "--num-pages", "512")
+    flags = ("--page-size", "4", "--max-prefill-length", "24", "--num-pages", "512")
     env = {"MINISGL_SERVICE_TRACE": str(trace)}
     with start("svc", tiny_llama, *flags, log_dir=tmp_path, backend="rust_service", env=env) as s:
         svc = s.get()
