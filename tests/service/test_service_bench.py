@@ -32,6 +32,7 @@ def test_sim_device_ab_python_vs_rust_service(tiny_llama, tmp_path, metric):
         assert (m["errors"], m["completed"]) == (0, REQUESTS), (arm, data["results"][arm])
         assert m["output_tokens"] == REQUESTS * OUTPUT_LEN, arm
         assert m["cpu"]["cp_cpu_s"] > 0, arm
+        assert REQUESTS <= m["chunks"] <= m["output_tokens"], arm  # >= 1 token per SSE chunk
     assert rc == 0
     assert data["simulated_device"] is True and data["kind"] == "online-ab"
     assert data["outputs_identical"], {a: data["results"][a]["output_digests"] for a in ARMS}

@@ -127,6 +127,9 @@ async def _run(args, profile: Profile, items, prog, meter=None) -> dict[str, Any
         metrics["total_tok_s"] = (in_tokens + metrics["output_tokens"]) / max(duration, 1e-9)
     metrics["cpu"] = dict(meter.result)
     metrics["errors"] = len(errors)
+    metrics["chunks"] = sum(len(t) for t in token_times)  # SSE events with content
+    if metrics["chunks"]:
+        metrics["tokens_per_chunk"] = metrics["output_tokens"] / metrics["chunks"]
     return {
         "metrics": metrics,
         "token_times": token_times,
