@@ -102,6 +102,7 @@ class Job:
     states: list[ReqState]
     queue: asyncio.Queue
     checked: float = field(default_factory=time.monotonic)  # last client-disconnect check
+    held: list = field(default_factory=list)  # an item taken off the queue but not yet used
 
     @property
     def prompt_tokens(self) -> int:
@@ -394,10 +395,32 @@ async def next_item(request: Request, job: Job) -> Item:
             job.checked = now
             if await request.is_disconnected():
                 raise ClientGone()
+        if job.held:
+            return job.held.pop()
         try:
-            return await asyncio.wait_for(job.queue.get(), DISCONNECT_CHECK_S)
+            return coalesce(job, await asyncio.wait_for(job.queue.get(), DISCONNECT_CHECK_S))
         except TimeoutError:
             pass
+
+
+def coalesce(job: Job, item: Item) -> Item:
+    """`item` merged with the text of the same choice already queued behind it: a consumer
+    that fell behind writes one SSE event for what accumulated, not one per step (the python
+    backend's detokenizer batches the same way when it is behind)."""
+    if not isinstance(item, Chunk) or item.finish is not None:
+        return item
+    texts, lps, finish = [item.text], list(item.logprobs or ()), None
+    while finish is None and not job.queue.empty():
+        nxt = job.queue.get_nowait()
+        if not isinstance(nxt, Chunk) or nxt.index != item.index:
+            job.held.append(nxt)
+            break
+        texts.append(nxt.text)
+        lps.extend(nxt.logprobs or ())
+        finish = nxt.finish
+    if len(texts) == 1:
+        return item
+    return Chunk(item.index, "".join(texts), finish, lps or None)
 
 
 @dataclass(frozen=True)
