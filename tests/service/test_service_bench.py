@@ -18,7 +18,11 @@ SMALL = ["--set", f"num_requests={REQUESTS}", "--set", f"output_len={OUTPUT_LEN}
 
 
 @pytest.mark.bench
-@pytest.mark.card("P1-011", "throughput-not-below-the-python-backend-on-the-simulated-device")
+@pytest.mark.card(
+    "P1-011",
+    "throughput-not-below-the-python-backend-on-the-simulated-device",
+    "p99-ttft-under-a-burst-not-above-the-python-backend-s-on-the-simulated-device",
+)
 def test_sim_device_ab_python_vs_rust_service(tiny_llama, tmp_path, metric):
     out = tmp_path / "ab.json"
     rc = harness.main(
