@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "server"))
-from minisgl.testing.server import running_server
-
 from minisgl.benchmark import harness
+from minisgl.testing.server import running_server
 
 SMALL = ["--set", "num_requests=4", "--set", "output_len=5", "--set", "input_len_min=8",
          "--set", "input_len_max=40", "--set", "warmup_requests=1", "--no-progress"]  # fmt: skip

@@ -13,9 +13,9 @@ import time
 import httpx
 import psutil
 import pytest
-from minisgl.testing.server import running_server
 
 from minisgl import SamplingParams
+from minisgl.testing.server import running_server
 
 
 def start_stream(base_url: str, max_tokens: int = 250) -> tuple[threading.Thread, dict]:

@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+
 from minisgl.testing.server import (
     MAX_QUEUED,
     MAX_RUNNING,
