@@ -102,10 +102,6 @@ pub struct Engine {
     trace: Option<BufWriter<File>>,
 }
 
-fn pages(tokens: usize, ps: usize) -> usize {
-    tokens.div_ceil(ps)
-}
-
 fn new_core(cfg: &EngineConfig) -> SchedCore {
     SchedCore::new(SchedConfig {
         num_pages: cfg.num_pages,
@@ -183,7 +179,7 @@ impl Engine {
             });
         }
         let max_total = (ids.len() + params.max_tokens).min(ms);
-        if pages(max_total, ps) > np {
+        if max_total.div_ceil(ps) > np {
             return Err(AddError {
                 message: format!(
                     "request needs {max_total} tokens of KV, the pool holds {}",

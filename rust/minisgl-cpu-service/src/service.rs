@@ -181,7 +181,6 @@ struct Req {
     detok: DecodeState,
     /// `[token, lp, top ids, top lps]` of tokens not yet sent (logprobs requests only).
     pending_lp: Vec<(i32, Value)>,
-    known_to_worker: bool,
 }
 
 struct Held {
@@ -466,7 +465,6 @@ impl Service {
                 params,
                 detok,
                 pending_lp: Vec::new(),
-                known_to_worker: true,
             },
         );
         self.admitted.push(uid);
@@ -490,12 +488,19 @@ impl Service {
         self.held.retain(|_, l| !l.is_empty());
     }
 
+    /// Drop the service's state of a request; the worker may drop its own with the next step
+    /// (every queued request was announced to it).
     fn forget(&mut self, uid: i64) {
-        if let Some(r) = self.reqs.remove(&uid) {
-            if r.known_to_worker {
-                self.release_for_worker.push(uid);
-            }
+        if self.reqs.remove(&uid).is_some() {
+            self.release_for_worker.push(uid);
         }
+    }
+
+    /// A request failed after it was queued: free it and tell the client (500).
+    fn fail(&mut self, uid: i64, why: &str) {
+        self.engine.retire(uid, true);
+        self.reject(uid, why, 500, "internal_error", None);
+        self.forget(uid);
     }
 
     fn release_held(&mut self) {
@@ -574,9 +579,7 @@ impl Service {
 
     fn fail_all(&mut self, why: &str) {
         for uid in self.engine.live_requests() {
-            self.engine.retire(uid, true);
-            self.reject(uid, why, 500, "internal_error", None);
-            self.forget(uid);
+            self.fail(uid, why);
         }
     }
 
@@ -626,9 +629,7 @@ impl Service {
             batch.push((row.rid, vec![row.token], row.finish));
         }
         for (rid, e) in failed {
-            self.engine.retire(rid, true);
-            self.reject(rid, &e, 500, "internal_error", None);
-            self.forget(rid);
+            self.fail(rid, &e);
         }
         self.detokenize(batch);
         if !self.held.is_empty() {
@@ -640,6 +641,7 @@ impl Service {
         let mut rows = Vec::with_capacity(batch.len());
         let mut stops = Vec::new();
         let mut failed: Vec<(i64, String)> = Vec::new();
+        let mut done = Vec::new();
         let detok = Detokenizer::new(&self.text.tokenizer);
         for (uid, ids, reason) in batch {
             let Some(r) = self.reqs.get_mut(&uid) else {
@@ -677,20 +679,17 @@ impl Service {
                 rows[last].logprobs = name_logprobs(&self.text, &lps);
             }
             if finished.is_some() {
-                if let Some(r) = self.reqs.remove(&uid) {
-                    if r.known_to_worker {
-                        self.release_for_worker.push(uid);
-                    }
-                }
+                done.push(uid);
             }
+        }
+        for uid in done {
+            self.forget(uid);
         }
         for uid in stops {
             self.engine.retire(uid, false); // finished by a stop string: cache its prefix
         }
         for (uid, e) in failed {
-            self.engine.retire(uid, true);
-            self.reject(uid, &e, 500, "internal_error", None);
-            self.forget(uid);
+            self.fail(uid, &e);
         }
         if !rows.is_empty() {
             self.sock.send_frontend(wire::detok_out(&rows));

@@ -228,3 +228,27 @@ class CpuMeter:
         self.result["system_cpu_pct"] = psutil.cpu_percent(None)
         with contextlib.suppress(OSError):
             self.result["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+
+
+def ratios(base: dict[str, Any], other: dict[str, Any], keys: Iterable[str]) -> dict[str, float]:
+    """other / base for each of `keys` (dotted paths) present in both, base non-zero."""
+    fa, fb = flatten(base), flatten(other)
+    return {k: fb[k] / fa[k] for k in keys if k in fa and k in fb and fa[k]}
+
+
+def paired_ratios(
+    base_reps: list[dict[str, Any]], reps: list[dict[str, Any]], keys: Iterable[str]
+) -> dict[str, Any]:
+    """Median over repeats of other / base measured in the same repeat (robust to slow drifts
+    in load), and the per-repeat ratios (`<key>_per_repeat`)."""
+    out: dict[str, Any] = {}
+    for key in keys:
+        rs = []
+        for a, b in zip(base_reps, reps, strict=False):
+            fa, fb = flatten(a), flatten(b)
+            if fa.get(key) and fb.get(key):
+                rs.append(fb[key] / fa[key])
+        if rs:
+            out[key] = median(rs)
+            out[f"{key}_per_repeat"] = rs
+    return out

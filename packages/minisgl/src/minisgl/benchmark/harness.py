@@ -80,28 +80,7 @@ def median_nested(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
-    """b / a for RATIO_KEYS present in both (dotted paths)."""
-    fa, fb = common.flatten(a), common.flatten(b)
-    return {k: fb[k] / fa[k] for k in RATIO_KEYS if k in fa and k in fb and fa[k]}
-
-
 PAIRED_KEYS = ("output_tok_s", "output_tok_per_cpu_s")
-
-
-def paired_ratios(a_reps: list[dict[str, Any]], b_reps: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median over repeats of b/a measured side by side (robust to slow drifts in load)."""
-    out: dict[str, Any] = {}
-    for key in PAIRED_KEYS:
-        rs = [
-            b[key] / a[key]
-            for a, b in zip(a_reps, b_reps, strict=False)
-            if a.get(key) and b.get(key)
-        ]
-        if rs:
-            out[key] = common.median(rs)
-            out[f"{key}_per_repeat"] = rs
-    return out
 
 
 def split_sets(items: list[str] | None) -> tuple[dict[str, str], dict[str, Any]]:
@@ -271,9 +250,9 @@ def run_offline(args: argparse.Namespace) -> int:
     if "hf" in results:
         hf_m = results["hf"]["metrics"]
         gate_metrics.update(common.flatten(hf_m, "hf."))
-        speed = ratios(hf_m, results["minisgl"]["metrics"])
+        speed = common.ratios(hf_m, results["minisgl"]["metrics"], RATIO_KEYS)
         record["speedup_vs_hf"] = speed
-        paired = paired_ratios(runs["hf"], runs["minisgl"])
+        paired = common.paired_ratios(runs["hf"], runs["minisgl"], PAIRED_KEYS)
         record["speedup_vs_hf_paired"] = paired
         gate_metrics.update(common.flatten(speed, "speedup_vs_hf."))
         gate_metrics.update(common.flatten(paired, "speedup_vs_hf_paired."))
@@ -359,8 +338,8 @@ def run_ab(args: argparse.Namespace, profile: Profile) -> int:
     for arm in arms:
         gate_metrics.update(common.flatten(results[arm]["metrics"], f"ab.{arm}."))
     for arm in arms[1:]:
-        r = ratios(results[base]["metrics"], results[arm]["metrics"])
-        paired = paired_ratios(per_arm[base], per_arm[arm])
+        r = common.ratios(results[base]["metrics"], results[arm]["metrics"], RATIO_KEYS)
+        paired = common.paired_ratios(per_arm[base], per_arm[arm], PAIRED_KEYS)
         record.setdefault("ab_ratio", {})[arm] = r
         record.setdefault("ab_ratio_paired", {})[arm] = paired
         ratio_tables[f"{arm} / {base}"] = r

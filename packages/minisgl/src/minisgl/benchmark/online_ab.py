@@ -166,27 +166,6 @@ def per_token(metrics: dict[str, Any]) -> None:
             cpu[f"{key}_per_token"] = cpu[key] / n
 
 
-def ab_ratios(base: dict[str, Any], other: dict[str, Any]) -> dict[str, float]:
-    """other / base for AB_KEYS present in both (dotted paths)."""
-    fa, fb = common.flatten(base), common.flatten(other)
-    return {k: fb[k] / fa[k] for k in AB_KEYS if k in fa and k in fb and fa[k]}
-
-
-def paired(base_reps: list[dict[str, Any]], reps: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median over repeats of other / base measured in the same repeat."""
-    out: dict[str, Any] = {}
-    for key in PAIRED_AB_KEYS:
-        rs = []
-        for a, b in zip(base_reps, reps, strict=True):
-            fa, fb = common.flatten(a), common.flatten(b)
-            if fa.get(key) and key in fb:
-                rs.append(fb[key] / fa[key])
-        if rs:
-            out[key] = common.median(rs)
-            out[f"{key}_per_repeat"] = rs
-    return out
-
-
 def output_digest(texts: list[str]) -> str:
     """sha256 of every request's streamed text, in workload order (equal outputs, equal digest)."""
     return hashlib.sha256(json.dumps(texts).encode()).hexdigest()[:16]
@@ -289,8 +268,8 @@ def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
     for arm in arms:
         gate_metrics.update(common.flatten(results[arm]["metrics"], f"ab.{arm}."))
     for arm in arms[1:]:
-        r = ab_ratios(results[base]["metrics"], results[arm]["metrics"])
-        pr = paired(per_arm[base], per_arm[arm])
+        r = common.ratios(results[base]["metrics"], results[arm]["metrics"], AB_KEYS)
+        pr = common.paired_ratios(per_arm[base], per_arm[arm], PAIRED_AB_KEYS)
         record.setdefault("ab_ratio", {})[arm] = r
         record.setdefault("ab_ratio_paired", {})[arm] = pr
         tables[f"{arm} / {base} (ratio of medians)"] = r

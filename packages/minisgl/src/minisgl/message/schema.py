@@ -94,6 +94,14 @@ class WireParams:
         )
 
 
+def wire_logprob(lp) -> list | None:
+    """A sampler `TokenLogprob` as it travels in `TokenOut` / `StepResult`: [logprob, top ids,
+    top logprobs]."""
+    if lp is None:
+        return None
+    return [lp.logprob, [t for t, _ in lp.top], [v for _, v in lp.top]]
+
+
 class Message:
     TAG: ClassVar[int]
     ARRAYS: ClassVar[dict[str, Any]] = {}  # field -> dtype sent as raw bytes on the typed path

@@ -26,15 +26,12 @@ from minisgl.message.schema import (
     Shutdown,
     Stats,
     TokenOut,
+    wire_logprob,
 )
 from minisgl.server import ipc
 
 STATS_BUSY_S = 0.1
 STATS_IDLE_S = 1.0
-
-# `MINISGL_FAULT_STEP_DELAY_MS`: sleep before every engine step (tests of disconnects and
-# timeouts that must not depend on how fast the machine generates). Never set in production.
-FAULT_STEP_DELAY_S = float(os.environ.get("MINISGL_FAULT_STEP_DELAY_MS", "0")) / 1000.0
 
 
 def cpu_backend_stats() -> dict[str, Any] | None:
@@ -50,13 +47,6 @@ def cpu_backend_stats() -> dict[str, Any] | None:
         return fn()
     except Exception as e:  # counters must never take the server down
         return {"error": repr(e)}
-
-
-def wire_logprob(lp) -> list | None:
-    """A `TokenLogprob` as it travels: [logprob, top ids, top logprobs]."""
-    if lp is None:
-        return None
-    return [lp.logprob, [t for t, _ in lp.top], [v for _, v in lp.top]]
 
 
 class EngineLoop:
@@ -162,8 +152,7 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
-        if FAULT_STEP_DELAY_S:  # fault injection: a slow engine, for deterministic tests
-            time.sleep(FAULT_STEP_DELAY_S)
+        ipc.fault_step_delay()
         try:
             outs = self.llm.step()
         except Exception as e:

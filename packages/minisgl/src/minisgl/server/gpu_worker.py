@@ -5,7 +5,8 @@ forward, samples one token per sample row and returns them in a `StepResult`.
 
 What sampling needs of a request (its params, key, prompt and the tokens sampled so far) lives
 here, keyed by request id. A plan input of -1 is a decode token the service does not know yet
-(it sent this step before the previous one came back): it is the request's last sampled token.
+(it sent this step before the previous one came back): it is the last token sampled in that
+row's page-table slot.
 Steps run strictly in the order they arrive. No scheduling logic and no PyO3 module here.
 """
 
@@ -29,10 +30,9 @@ from minisgl.message.schema import (
     StepReq,
     StepResult,
     WorkerHello,
+    wire_logprob,
 )
 from minisgl.server import ipc
-
-FAULT_STEP_DELAY_S = float(os.environ.get("MINISGL_FAULT_STEP_DELAY_MS", "0")) / 1000.0
 
 
 @dataclass(eq=False)
@@ -46,13 +46,6 @@ class WorkerReq:
     output_ids: list[int] = field(default_factory=list)
 
 
-def wire_logprob(lp) -> list | None:
-    """A `TokenLogprob` as it travels: [logprob, top ids, top logprobs]."""
-    if lp is None:
-        return None
-    return [lp.logprob, [t for t, _ in lp.top], [v for _, v in lp.top]]
-
-
 class StepRunner:
     """Runs steps on an `Engine`; holds the per-request sampling state."""
 
@@ -60,6 +53,7 @@ class StepRunner:
         self.engine = engine
         self.eos = eos_token_ids
         self.reqs: dict[int, WorkerReq] = {}
+        self.last = np.zeros(0, np.int32)  # page-table slot -> the last token sampled there
 
     def admit(self, new: list) -> None:
         from minisgl.sampler import request_key
@@ -71,15 +65,21 @@ class StepRunner:
                 r.rid, np.asarray(r.input_ids, np.int32), params, request_key(params.seed)
             )
 
-    def resolve_inputs(self, step: Step, plan) -> None:
-        """Replace each -1 input by the last token sampled for that row's request."""
+    def resolve_inputs(self, plan) -> None:
+        """Replace each -1 input by the last token sampled for that row's slot (the service
+        never hands a slot to another request while a step that holds it is unconfirmed)."""
         unknown = np.flatnonzero(plan.input_ids < 0)
-        if not len(unknown):
-            return
-        row_of = np.repeat(np.arange(len(plan.extend_lens)), plan.extend_lens)
-        for t in unknown.tolist():
-            req = self.reqs[int(step.rids[row_of[t]])]
-            plan.input_ids[t] = req.output_ids[-1]
+        if len(unknown):
+            row_of = np.repeat(np.arange(len(plan.extend_lens)), plan.extend_lens)
+            plan.input_ids[unknown] = self.last[plan.slots[row_of[unknown]]]
+
+    def remember(self, plan, tokens: np.ndarray) -> None:
+        slots = plan.slots[plan.sample_rows]
+        if len(slots) and int(slots.max()) >= len(self.last):
+            grown = np.zeros(int(slots.max()) + 1, np.int32)
+            grown[: len(self.last)] = self.last
+            self.last = grown
+        self.last[slots] = tokens
 
     def run(self, step: Step) -> StepResult:
         from minisgl.scheduler.plan import FlatStep, PlanLayout
@@ -89,16 +89,17 @@ class StepRunner:
         self.admit(step.new)
         data = np.array(step.plan, dtype=np.int32)  # writable: -1 inputs are filled in
         plan = FlatStep(bool(step.is_prefill), PlanLayout(*step.sizes), data).plan()
-        self.resolve_inputs(step, plan)
-        if FAULT_STEP_DELAY_S:  # fault injection: a slow engine, for deterministic tests
-            time.sleep(FAULT_STEP_DELAY_S)
+        self.resolve_inputs(plan)
+        ipc.fault_step_delay()
         rows = [self.reqs[int(step.rids[r])] for r in plan.sample_rows.tolist()]
         res = self.engine.sample_step(plan, rows, self.eos)
         for req, tok in zip(rows, res.tokens, strict=True):
             req.output_ids.append(tok)
+        tokens = np.asarray(res.tokens, dtype=np.int32)
+        self.remember(plan, tokens)
         errors = res.errors if any(res.errors) else []
         lps = [wire_logprob(lp) for lp in res.logprobs] if any(res.logprobs) else []
-        return StepResult(step.step, np.asarray(res.tokens, dtype=np.int32), errors, lps)
+        return StepResult(step.step, tokens, errors, lps)
 
 
 def engine_info(engine) -> dict:

@@ -7,6 +7,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 
 import zmq
 
@@ -63,6 +64,17 @@ def drain(sock: zmq.Socket, first_timeout_ms: int, limit: int = 4096) -> list[by
         except zmq.Again:
             break
     return out
+
+
+# `MINISGL_FAULT_STEP_DELAY_MS`: a worker sleeps before every engine step (tests of disconnects
+# and timeouts that must not depend on how fast the machine generates). Never set in production.
+FAULT_STEP_DELAY_S = float(os.environ.get("MINISGL_FAULT_STEP_DELAY_MS", "0")) / 1000.0
+
+
+def fault_step_delay() -> None:
+    """Fault injection: a slow engine (no-op unless MINISGL_FAULT_STEP_DELAY_MS is set)."""
+    if FAULT_STEP_DELAY_S:
+        time.sleep(FAULT_STEP_DELAY_S)
 
 
 class WorkerExit(BaseException):
