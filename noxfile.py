@@ -40,7 +40,8 @@ def install_runtime(session: nox.Session) -> None:
             "cargo", "build", "--release", "--quiet", "-p", "minisgl-cpu-service",
             "--manifest-path", "rust/Cargo.toml", external=True,
         )  # fmt: skip
-        binary = os.path.join("rust", "target", "release", "minisgl-cpu-service")
+        target = os.environ.get("CARGO_TARGET_DIR", os.path.join("rust", "target"))
+        binary = os.path.join(target, "release", "minisgl-cpu-service")
         shutil.copy2(binary, os.path.join(session.bin, "minisgl-cpu-service"))
 
 
