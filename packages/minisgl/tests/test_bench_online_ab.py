@@ -174,9 +174,10 @@ def test_ab_flags_different_outputs(monkeypatch, tmp_path, tiny_model_dir):
         (["--ab", "python"], "at least two distinct"),
         (["--ab", "python,python"], "at least two distinct"),
         (["--ab", "python,fortran"], "fortran"),
-        (["--ab", "python,rust_hotpath", "--sim-device", "fast"], "BASE_MS"),
+        (["--ab", "python,rust_service", "--sim-device", "fast"], "BASE_MS"),
+        (["--ab", "python,rust_hotpath"], "runs in process only"),
         (["--sim-device"], "applies with --ab"),
-        (["--ab", "python,rust_hotpath", "--set", "llm.page_size=16"], "--server-arg"),
+        (["--ab", "python,rust_service", "--set", "llm.page_size=16"], "--server-arg"),
     ],
 )
 def test_usage_errors(argv, message, capsys):

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-
-import pytest
+import sys
 
 from minisgl.benchmark import token_parity
 
@@ -127,8 +126,7 @@ def test_first_diff():
 
 
 def test_unavailable_rust_backend_is_an_error(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    cpu_backend = pytest.importorskip("minisgl.scheduler.cpu_backend")
-    monkeypatch.setattr(cpu_backend, "extension_available", lambda: False)
+    monkeypatch.setitem(sys.modules, "minisgl_cpu", None)  # import raises ImportError
     rc, data = run(
         tmp_path,
         "--model-path",

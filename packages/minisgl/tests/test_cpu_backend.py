@@ -17,8 +17,7 @@ from minisgl.scheduler.scheduler import Scheduler
 
 KW = dict(num_pages=64, page_size=4, max_seq_len=96, max_running_requests=4,
           max_extend_tokens=24, cache_type="radix", eos_token_ids=[0])  # fmt: skip
-HAVE_EXT = cpu_backend.extension_available()
-needs_ext = pytest.mark.skipif(not HAVE_EXT, reason="minisgl_cpu extension not built")
+needs_ext = pytest.mark.rust_ext  # the root conftest registers rust_hotpath for these
 
 
 @pytest.fixture(autouse=True)
@@ -84,6 +83,7 @@ def test_env_selects_rust_and_counts(monkeypatch):
 
 
 @pytest.mark.card("P0-004", "a-missing-or-failing-extension-falls-back-to-python-and-is-counted")
+@needs_ext
 def test_missing_extension_falls_back_once(monkeypatch, caplog):
     monkeypatch.setenv(cpu_backend.ENV_BACKEND, "rust_hotpath")
     monkeypatch.setitem(sys.modules, "minisgl_cpu", None)  # import raises ImportError

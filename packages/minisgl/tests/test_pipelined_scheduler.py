@@ -17,16 +17,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-pytest.importorskip("minisgl_cpu")
-
-import minisgl_cpu
-
 from minisgl.core import SamplingParams
 from minisgl.scheduler.plan import FlatStep, PlanLayout
 from minisgl.scheduler.replay import main as replay_main
 from minisgl.scheduler.replay import replay_trace
 from minisgl.scheduler.request import DROPPED, FINISH_REASONS, RequestError, validate_request
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.testing.rust_hotpath import extension
 
 pytestmark = pytest.mark.card(
     "P1-011", "one-step-in-flight-ahead-pages-freed-only-after-confirmation"
@@ -126,7 +123,7 @@ class Rs:
 
     def __init__(self, c: Cfg) -> None:
         self.cfg = c
-        self.c = minisgl_cpu.SchedulerCore(num_pages=c.num_pages, page_size=c.page_size,
+        self.c = extension().SchedulerCore(num_pages=c.num_pages, page_size=c.page_size,
                                            max_seq_len=c.max_seq_len,
                                            max_running_requests=c.max_running,
                                            max_extend_tokens=c.max_extend, radix=c.radix,
@@ -270,11 +267,11 @@ class PipelinedMachine(RuleBasedStateMachine):
             assert not (_page_set(s, self.cfg.page_size) & free)
 
 
-TestPipelinedEquivalence = PipelinedMachine.TestCase
+TestPipelinedEquivalence = pytest.mark.rust_ext(PipelinedMachine.TestCase)
 TestPipelinedEquivalence.settings = SETTINGS
 
 
-@pytest.mark.parametrize("impl", [Py, Rs])
+@pytest.mark.parametrize("impl", [Py, pytest.param(Rs, marks=pytest.mark.rust_ext)])
 @pytest.mark.parametrize("radix", [True, False])
 def test_retired_pages_stay_reserved_until_the_reading_step_commits(impl, radix):
     """A request that stops in step N (detected at commit N) while step N+1 is in flight,
@@ -317,7 +314,7 @@ def test_retired_pages_stay_reserved_until_the_reading_step_commits(impl, radix)
     assert s.state()["cached"] == (6 + 3 + 12 if radix else 0)
 
 
-@pytest.mark.parametrize("impl", [Py, Rs])
+@pytest.mark.parametrize("impl", [Py, pytest.param(Rs, marks=pytest.mark.rust_ext)])
 @pytest.mark.parametrize("radix", [True, False])
 def test_stop_string_retire_with_two_steps_in_flight_caches_only_known_tokens(impl, radix):
     """Retired (not aborted) while two decode steps contain it: both samples are dropped and
@@ -336,11 +333,12 @@ def test_stop_string_retire_with_two_steps_in_flight_caches_only_known_tokens(im
     assert st_["cached"] == (5 if radix else 0)  # prompt + the one committed token
 
 
+@pytest.mark.rust_ext
 def test_codes_and_trace_version_agree_with_the_extension():
     from minisgl.scheduler import replay
 
-    assert FINISH_REASONS.index(DROPPED) == minisgl_cpu.FINISH_DROPPED == 3
-    assert replay.TRACE_VERSION == minisgl_cpu.TRACE_VERSION
+    assert FINISH_REASONS.index(DROPPED) == extension().FINISH_DROPPED == 3
+    assert replay.TRACE_VERSION == extension().TRACE_VERSION
 
 
 def _drive(s, depth: int, reqs: list[tuple[list[int], int]]) -> dict[int, list[int]]:
@@ -371,6 +369,7 @@ def _drive(s, depth: int, reqs: list[tuple[list[int], int]]) -> dict[int, list[i
     return outs
 
 
+@pytest.mark.rust_ext
 @pytest.mark.parametrize("radix", [True, False])
 def test_pipelined_outputs_equal_serial_when_finishing_by_length(radix):
     rng = np.random.default_rng(3)
@@ -427,6 +426,7 @@ def _traced_run(tmp_path, tamper=None):
     return path, lines
 
 
+@pytest.mark.rust_ext
 def test_trace_replay_round_trip(tmp_path):
     path, lines = _traced_run(tmp_path)
     events = [json.loads(x)["ev"] for x in lines]
@@ -459,6 +459,7 @@ def _tamper_plan(lines):
     raise AssertionError("fewer than 4 steps")
 
 
+@pytest.mark.rust_ext
 def test_tampered_trace_is_a_mismatch(tmp_path, capsys):
     path, _ = _traced_run(tmp_path, _tamper_plan)
     report = replay_trace(path)

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("minisgl_cpu")
-
 from minisgl.benchmark.micro import bench_admission, bench_decode, bench_radix, make_workload
 
 NUM_SEQS = 3000
 RADIX_REPEATS = 5  # medians of 5: one preempted repeat does not move the result
 
-pytestmark = pytest.mark.bench
+pytestmark = [pytest.mark.bench, pytest.mark.rust_ext]
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-pytest.importorskip("minisgl_cpu")
-
 from minisgl.core import SamplingParams
 from minisgl.kvcache import RadixCache
 from minisgl.scheduler.backend import SchedulerConfig
 from minisgl.scheduler.factory import make_scheduler
 from minisgl.scheduler.plan import PLAN_FIELDS, PlanLayout, build_step_plan
-from minisgl.scheduler.rust_backend import RustRadixCache, RustScheduler
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.testing.rust_hotpath import RustRadixCache, RustScheduler
+
+pytestmark = pytest.mark.rust_ext  # the whole module compares with the PyO3 core
 
 SETTINGS = settings(max_examples=150, stateful_step_count=50, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])  # fmt: skip

@@ -4,9 +4,6 @@ API scenarios of the core tests, re-run with `MINISGL_CPU_BACKEND=rust_hotpath`.
 from __future__ import annotations
 
 import pytest
-
-pytest.importorskip("minisgl_cpu")
-
 from test_llm_api import (  # noqa: F401
     test_abort_frees_everything,
     test_seeded_sampling_is_reproducible,
@@ -24,20 +21,23 @@ from test_parity_hf import (  # noqa: F401
 
 from minisgl import LLM
 from minisgl.scheduler import cpu_backend
-from minisgl.scheduler.rust_backend import RustScheduler
+from minisgl.testing.rust_hotpath import RustScheduler
 
 # every test collected here (the imported P0-010 scenarios) is evidence for P0-004 as well
-pytestmark = pytest.mark.card(
-    "P0-004", "greedy-generation-and-the-offline-api-scenarios-exact-with-the-rust-backend"
-)
+pytestmark = [
+    pytest.mark.card(
+        "P0-004", "greedy-generation-and-the-offline-api-scenarios-exact-with-the-rust-backend"
+    ),
+    pytest.mark.rust_ext,
+]
 
 
 @pytest.fixture(autouse=True)
 def _rust_backend(monkeypatch):
     monkeypatch.setenv("MINISGL_CPU_BACKEND", "rust_hotpath")
-    before = cpu_backend.stats()["served"]["rust_hotpath"].get("schedule", 0)
+    before = cpu_backend.stats()["served"].get("rust_hotpath", {}).get("schedule", 0)
     yield
-    after = cpu_backend.stats()["served"]["rust_hotpath"].get("schedule", 0)
+    after = cpu_backend.stats()["served"].get("rust_hotpath", {}).get("schedule", 0)
     assert after > before, "the rust backend served no step"
 
 

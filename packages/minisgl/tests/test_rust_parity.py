@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from minisgl.benchmark import token_parity
-from minisgl.scheduler import cpu_backend
 
 SMALL = ["--max-tokens", "8", "--token-prompt-count", "4", "--text-prompt-count", "4",
          "--min-input-len", "8", "--max-input-len", "40", "--isolation", "in-process",
@@ -76,7 +75,7 @@ def test_python_radix_vs_naive_parity(tiny_model_dir, tmp_path, parity):
     check_report(parity, data, path, "parity_mismatches_python_radix_vs_naive")
 
 
-@pytest.mark.skipif(not cpu_backend.extension_available(), reason="minisgl_cpu not built")
+@pytest.mark.rust_ext
 @pytest.mark.card("P0-004", "token-parity-report-python-vs-rust-hotpath-with-0-mismatches")
 @pytest.mark.parametrize("page_size", ["1", "4"])
 def test_python_vs_rust_token_parity(tiny_model_dir, tmp_path, parity, page_size):

@@ -224,6 +224,7 @@ def test_generate_returns_logprobs_and_penalized_text(llm):
     assert out["error"] is None and out["finish_reason"] == "length"
 
 
+@pytest.mark.rust_ext
 def test_both_scheduler_backends_sample_the_same_tokens(tiny_model_dir, monkeypatch):
     from minisgl import LLM
 

@@ -17,7 +17,7 @@ import pytest
 
 import minisgl.scheduler
 from minisgl.core import SamplingParams
-from minisgl.scheduler import cpu_backend, factory, rust_backend
+from minisgl.scheduler import cpu_backend, factory
 from minisgl.scheduler.backend import ScheduledReq, SchedulerBackend, SchedulerConfig
 from minisgl.scheduler.factory import available_backends, make_scheduler, register_backend
 from minisgl.scheduler.plan import (
@@ -31,11 +31,11 @@ from minisgl.scheduler.plan import (
 from minisgl.scheduler.request import FINISH_REASONS, RequestError, validate_request
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.shadow import ShadowScheduler
+from minisgl.testing import rust_hotpath
 
 CFG = SchedulerConfig(num_pages=64, page_size=4, max_seq_len=96, max_running_requests=4,
                       max_extend_tokens=24, cache_type="radix", eos_token_ids=(0,))  # fmt: skip
-HAVE_EXT = cpu_backend.extension_available()
-needs_ext = pytest.mark.skipif(not HAVE_EXT, reason="minisgl_cpu extension not built")
+needs_ext = pytest.mark.rust_ext  # the root conftest registers rust_hotpath for these
 SCHED_DIR = Path(minisgl.scheduler.__file__).parent
 PACKAGE = "minisgl.scheduler"
 
@@ -116,8 +116,9 @@ class _Counting:
 
 @pytest.mark.card("P1-011", "schedulerbackend-protocol-and-a-plain-factory-no-import-cycles")
 def test_registry(monkeypatch):
-    monkeypatch.setattr(factory, "_registry", dict(factory._registry))
-    assert available_backends()[:2] == ("python", "rust_hotpath")
+    # the runtime's registry, whatever tests registered in this process before
+    monkeypatch.setattr(factory, "_registry", {"python": factory._registry["python"]})
+    assert available_backends() == ("python",)
     register_backend("counting", _Counting)
     with pytest.raises(ValueError, match="already registered"):
         register_backend("counting", _Counting)
@@ -130,7 +131,7 @@ def test_registry(monkeypatch):
     assert s.schedules > 0
     monkeypatch.setenv(cpu_backend.ENV_BACKEND, "fortran")
     with pytest.raises(ValueError, match="MINISGL_CPU_BACKEND='fortran': expected one of "
-                                         "python, rust_hotpath, counting"):  # fmt: skip
+                                         "python, counting in process, or rust_service"):  # fmt: skip
         make_scheduler(CFG)
 
 
@@ -246,9 +247,9 @@ def test_extension_with_another_layout_is_refused_and_python_serves(monkeypatch)
             segs = minisgl_cpu.plan_segments(bs, t, kv, ns)
             return [segs[1], segs[0], *segs[2:]]  # two segments swapped
 
-    monkeypatch.setattr(rust_backend, "_ext", lambda: Skewed)
+    monkeypatch.setattr(rust_hotpath, "extension", lambda: Skewed)
     with pytest.raises(RuntimeError, match="0.0-skewed lays step plans out as"):
-        rust_backend.RustScheduler(**vars(CFG))
+        rust_hotpath.RustScheduler(**vars(CFG))
     s = make_scheduler(CFG, "rust_hotpath", shadow=False)
     assert type(s) is Scheduler
     assert cpu_backend.stats()["fallback_reasons"] == {"init": 1}
@@ -314,7 +315,7 @@ def test_no_import_cycle_among_scheduler_modules():
     sources = {m: (SCHED_DIR / f"{m.rsplit('.', 1)[1]}.py").read_text()
                for m in scheduler_modules()}  # fmt: skip
     graph = import_graph(sources)
-    assert graph[f"{PACKAGE}.factory"] >= {f"{PACKAGE}.scheduler", f"{PACKAGE}.rust_backend"}
+    assert graph[f"{PACKAGE}.factory"] >= {f"{PACKAGE}.scheduler", f"{PACKAGE}.shadow"}
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph) or [])}"
 
 

@@ -85,6 +85,7 @@ def test_no_weights_are_loaded(tiny_model_dir, monkeypatch):
         engine.forward(None)
 
 
+@pytest.mark.rust_ext
 def test_greedy_outputs_equal_across_backends_and_logprobs(monkeypatch, tiny_model_dir):
     prompts = [[5, 6, 7, 8], [5, 6, 7, 8], "hello world", [9] * 40]
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=2)

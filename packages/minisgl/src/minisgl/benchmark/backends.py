@@ -1,12 +1,12 @@
 """Which CPU backends (`MINISGL_CPU_BACKEND`) can run here; a clear error instead of a silent
-fallback (the runtime falls back to Python when the Rust extension is missing)."""
+fallback. `rust_hotpath` (the in-process PyO3 core) is a benchmark arm only: the runtime does
+not know it, so it is registered here, on demand (`minisgl.testing.rust_hotpath`)."""
 
 from __future__ import annotations
 
-import importlib
-
 ENV = "MINISGL_CPU_BACKEND"
-KNOWN = ("python", "rust_hotpath")
+IN_PROCESS_RUST = "rust_hotpath"  # tests and benchmarks only (P1-012)
+KNOWN = ("python", IN_PROCESS_RUST)
 SERVICE = "rust_service"  # server only: the Rust CPU service process
 
 
@@ -15,30 +15,35 @@ class BackendUnavailable(RuntimeError):
 
 
 def check_cpu_backend(name: str) -> None:
-    """Raise `BackendUnavailable` unless `MINISGL_CPU_BACKEND=name` would really be used."""
+    """Raise `BackendUnavailable` unless `MINISGL_CPU_BACKEND=name` would really be used in
+    this process (registering `rust_hotpath` when asked for)."""
     if name == "python":
         return
-    try:
-        factory = importlib.import_module("minisgl.scheduler.factory")
-        cpu_backend = importlib.import_module("minisgl.scheduler.cpu_backend")
-    except ImportError as exc:
-        raise BackendUnavailable(
-            f"{ENV}={name} requested, but minisgl.scheduler.factory is not in this "
-            f"checkout ({exc}); the Rust CPU backend has not landed yet"
-        ) from None
+    if name == IN_PROCESS_RUST:
+        from minisgl.testing import rust_hotpath
+
+        try:
+            rust_hotpath.register()
+        except ImportError as exc:
+            raise BackendUnavailable(
+                f"{ENV}={name}: the Rust extension `minisgl_cpu` is not importable ({exc}; "
+                "build it: `maturin develop -m rust/minisgl-cpu-py/Cargo.toml`)"
+            ) from None
+        return
+    from minisgl.scheduler import factory
+
     names = factory.available_backends()
     if name not in names:
         raise BackendUnavailable(f"{ENV}={name}: unknown (available: {', '.join(names)})")
-    if name == "rust_hotpath" and not cpu_backend.extension_available():
-        raise BackendUnavailable(
-            f"{ENV}={name}: the Rust extension `minisgl_cpu` is not importable (not built? "
-            "`maturin develop` in rust/minisgl-cpu-py); the runtime would silently serve "
-            "with the Python scheduler, so this run is refused"
-        )
 
 
 def check_server_backend(name: str) -> None:
     """`check_cpu_backend`, and for `rust_service` (a server-only backend) its binary."""
+    if name == IN_PROCESS_RUST:
+        raise BackendUnavailable(
+            f"{ENV}={name} runs in process only (tests and benchmarks since P1-012); "
+            f"a server runs python or {SERVICE}"
+        )
     if name != SERVICE:
         check_cpu_backend(name)
         return

@@ -5,7 +5,7 @@
         [--ab python,rust_hotpath] [--repeats N] [--plot F.png] [--set key=value ...]
     python -m minisgl.benchmark.harness online --base-url http://127.0.0.1:1919 \
         --out F.json --gate G.yaml [--profile seed-online] [--set key=value ...]
-    python -m minisgl.benchmark.harness online --ab python,rust_hotpath,rust_service \
+    python -m minisgl.benchmark.harness online --ab python,rust_service \
         [--model-path DIR] [--sim-device [BASE_MS,TOKEN_MS]] --profile burst-256 --repeats 3 \
         --out F.json --plot F.png   (starts a server per arm and repeat: `online_ab.py`)
 
@@ -415,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     on.add_argument("--timeout", type=float, default=600.0)
     on.add_argument(
         "--ab",
-        help="comma-separated CPU backends (python, rust_hotpath, rust_service): start a server "
+        help="comma-separated CPU backends (python, rust_service): start a server "
         "per arm and repeat (ABBA order) instead of using --base-url",
     )
     on.add_argument(

@@ -63,7 +63,7 @@ def _median(xs: list[float]) -> float:
 
 # ---------------------------------------------------------------------- radix
 def bench_radix(seqs: list[np.ndarray], page_size: int, repeats: int) -> list[dict]:
-    from minisgl.scheduler.rust_backend import RustRadixCache
+    from minisgl.testing.rust_hotpath import RustRadixCache
 
     ps = page_size
     aligned = [s[: len(s) // ps * ps] for s in seqs]
@@ -130,7 +130,10 @@ def bench_radix(seqs: list[np.ndarray], page_size: int, repeats: int) -> list[di
 
 # ---------------------------------------------------------------------- scheduler
 def _scheduler(backend: str, **kw):
+    from minisgl.benchmark.backends import check_cpu_backend
     from minisgl.scheduler.backend import SchedulerConfig
+
+    check_cpu_backend(backend)  # registers the in-process Rust arm
     from minisgl.scheduler.factory import make_scheduler
 
     return make_scheduler(SchedulerConfig(**kw), backend)
@@ -225,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="1,000 sequences, 1 repeat (smoke)")
     args = ap.parse_args(argv)
-    import minisgl_cpu  # the comparison needs the extension
+    from minisgl.testing.rust_hotpath import extension
+
+    minisgl_cpu = extension()  # the comparison needs the extension
 
     n = 1000 if args.quick else 10_000
     repeats = 1 if args.quick else args.repeats

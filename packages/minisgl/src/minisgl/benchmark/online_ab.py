@@ -1,6 +1,6 @@
 """Online A/B of CPU backends: one server per arm and repeat, the online benchmark against it.
 
-    python -m minisgl.benchmark.harness online --ab python,rust_hotpath,rust_service \
+    python -m minisgl.benchmark.harness online --ab python,rust_service \
         [--model-path DIR] [--sim-device [BASE_MS,TOKEN_MS]] --profile burst-256 \
         --repeats 3 --out F.json --plot F.png [--set key=value] [--server-arg=--page-size=16]
 
@@ -12,7 +12,7 @@ holds every request, and KV pages for every running request's longest sequence.
 
 CPU: psutil CPU time (user + system) of every server process over the measured window, by
 role (`CPU_COUNTING` below). Control plane = every server process except the rust_service
-GPU workers. With `--sim-device` the python / rust_hotpath engine process (scheduler +
+GPU workers. With `--sim-device` the python engine process (scheduler +
 simulated engine, which sleeps through the device time) is all control plane; with a real
 model it also holds the forward, so `cp_cpu_s_per_token` then bounds the control plane from
 above for those arms only.
@@ -53,8 +53,8 @@ PAIRED_AB_KEYS = ("output_tok_s", "ttft_ms.p99", "cpu.cp_cpu_s_per_token")
 CPU_COUNTING = (
     "cpu_s.<role>: CPU seconds (user + system, psutil) over the measured window of each server "
     "process, by role: launcher (the `python -m minisgl` process: launcher + FastAPI API server), "
-    "tokenizer (python / rust_hotpath tokenizer-detokenizer workers), scheduler (python / "
-    "rust_hotpath scheduler + engine process), service (the Rust minisgl-cpu-service), "
+    "tokenizer (python tokenizer-detokenizer workers), scheduler (python "
+    "scheduler + engine process), service (the Rust minisgl-cpu-service), "
     "gpu_worker (rust_service Python GPU workers), other (any other child, e.g. multiprocessing's "
     "resource tracker). cp_cpu_s = every role but gpu_worker; server_cpu_s = all roles; "
     "client_cpu_s = the benchmark client (not counted). *_per_token: divided by output tokens."

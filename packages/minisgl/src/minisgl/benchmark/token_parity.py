@@ -99,6 +99,7 @@ def generate_side(side: dict[str, Any], sets: dict[str, list[list[int]]], max_to
         kwargs["dtype"] = side["dtype"]
     if side.get("num_pages"):
         kwargs["num_pages"] = side["num_pages"]
+    check_cpu_backend(side["backend"])  # registers the in-process Rust arm when asked
     llm = LLM(model_path, **kwargs)
     ensure_backend(llm, side["backend"])
     side["active_backend"] = scheduler_backend(llm)

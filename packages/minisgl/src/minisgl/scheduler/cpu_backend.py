@@ -1,13 +1,16 @@
 """CPU backend environment and path counters (a leaf module: no other scheduler imports).
 
 Environment (read by `minisgl.scheduler.factory.make_scheduler`):
-- `MINISGL_CPU_BACKEND=python|rust_hotpath|<registered name>` (default `python`); the server
-  also takes `rust_service` (`minisgl.server.service`: no scheduler in this process at all).
-- `MINISGL_CPU_BACKEND_SHADOW=1`: run the other backend beside the primary on every decision
+- `MINISGL_CPU_BACKEND=python|<registered name>` (default `python`); the server also takes
+  `rust_service` (`minisgl.server.service`: no scheduler in this process at all). Tests and
+  benchmarks register the in-process Rust core as `rust_hotpath`
+  (`minisgl.testing.rust_hotpath`); the runtime never loads that extension.
+- `MINISGL_CPU_BACKEND_SHADOW=1`: run another registered backend beside the primary on every
+  decision (none in the runtime alone: then the primary serves unshadowed, a logged fallback)
   and write divergences as JSON lines to `MINISGL_CPU_BACKEND_SHADOW_REPORT` (at most
   `MINISGL_CPU_BACKEND_SHADOW_MAX_DIFFS`, default 1000). Serving always uses the primary.
 
-If the extension is missing or raises while building the Rust scheduler, the Python
+If a registered backend's extension is missing or raises while building it, the Python
 scheduler serves instead: one log line, and the fallback is counted. If a Rust call raises
 mid-run while a Python shadow is present, that call and every later one are served by the
 Python shadow (its state is the reference). `stats()` returns the counters.
@@ -24,8 +27,8 @@ from minisgl.utils.log import get_logger
 
 logger = get_logger(__name__)
 
-BACKENDS = ("python", "rust_hotpath")  # built in; `factory.available_backends()` lists all
-ALIASES = {"rust": "rust_hotpath", "rust-hotpath": "rust_hotpath", "rust-service": "rust_service"}
+BACKENDS = ("python",)  # built in; `factory.available_backends()` lists all registered
+ALIASES = {"rust-service": "rust_service"}
 SERVICE = "rust_service"  # not a scheduler: the server runs the Rust service process instead
 ENV_BACKEND = "MINISGL_CPU_BACKEND"
 ENV_SHADOW = "MINISGL_CPU_BACKEND_SHADOW"
@@ -61,7 +64,6 @@ def stats() -> dict[str, Any]:
     """Counters of which backend served each call, fallbacks and shadow comparisons."""
     return {
         "requested": requested_backend(),
-        "extension_available": extension_available(),
         "served": {b: dict(c) for b, c in _served.items()},
         "fallbacks": sum(_fallbacks.values()),
         "fallback_reasons": dict(_fallbacks),
@@ -84,11 +86,3 @@ def requested_backend(explicit: str | None = None) -> str:
 
 def shadow_enabled() -> bool:
     return os.environ.get(ENV_SHADOW, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def extension_available() -> bool:
-    try:
-        import minisgl_cpu  # noqa: F401
-    except ImportError:
-        return False
-    return True

@@ -2,11 +2,13 @@
 
     sched = make_scheduler(SchedulerConfig(num_pages=..., page_size=..., ...))
 
-The name is `backend=` or `MINISGL_CPU_BACKEND` (default `python`); under
+The name is `backend=` or `MINISGL_CPU_BACKEND` (default `python`). The runtime registers
+only `python`: the Rust CPU control plane runs out of process (`rust_service`, a server
+backend: `minisgl.server.service`), and the in-process PyO3 scheduler is a test and benchmark
+tool that registers itself (`minisgl.testing.rust_hotpath.register()`). Under
 `MINISGL_CPU_BACKEND_SHADOW=1` the result is a `ShadowScheduler` over the selected backend and
-its partner (see `cpu_backend` for the environment, the fallback rules and the counters). A
-new backend (the out-of-process `rust_service`) joins with `register_backend(name, factory)`;
-`LLM` and the server never change.
+its partner, when one is registered (see `cpu_backend` for the environment, the fallback rules
+and the counters).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from collections.abc import Callable
 
 from minisgl.scheduler import cpu_backend
 from minisgl.scheduler.backend import SchedulerBackend, SchedulerConfig
-from minisgl.scheduler.rust_backend import RustScheduler
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.shadow import ShadowScheduler
 
@@ -41,9 +42,12 @@ def available_backends() -> tuple[str, ...]:
     return tuple(_registry)
 
 
-def shadow_partner(name: str) -> str:
-    """The backend that shadows `name`: the Rust core for the reference, else the reference."""
-    return "rust_hotpath" if name == REFERENCE else REFERENCE
+def shadow_partner(name: str) -> str | None:
+    """The backend that shadows `name`: the first other registered backend for the reference,
+    else the reference; None when the reference is all there is."""
+    if name != REFERENCE:
+        return REFERENCE
+    return next((other for other in _registry if other != REFERENCE), None)
 
 
 def make_scheduler(
@@ -54,13 +58,20 @@ def make_scheduler(
     name = cpu_backend.requested_backend(backend)
     if name not in _registry:
         raise ValueError(
-            f"{cpu_backend.ENV_BACKEND}={name!r}: expected one of {', '.join(_registry)}"
+            f"{cpu_backend.ENV_BACKEND}={name!r}: expected one of {', '.join(_registry)} "
+            f"in process, or {cpu_backend.SERVICE} (the server's Rust CPU service process)"
         )
     primary = _build_or_fall_back(name, config)
     if not (cpu_backend.shadow_enabled() if shadow is None else shadow):
         return primary
+    partner = shadow_partner(primary.backend)
+    if partner is None:
+        cpu_backend.record_fallback(
+            "shadow_init", LookupError("no in-process backend to shadow the reference with")
+        )
+        return primary
     try:
-        other = _registry[shadow_partner(primary.backend)](config)
+        other = _registry[partner](config)
     except Exception as e:  # no shadow: the primary serves alone
         cpu_backend.record_fallback("shadow_init", e)
         return primary
@@ -85,9 +96,4 @@ def _python(config: SchedulerConfig) -> Scheduler:
     return Scheduler(**dataclasses.asdict(config))
 
 
-def _rust_hotpath(config: SchedulerConfig) -> RustScheduler:
-    return RustScheduler(**dataclasses.asdict(config))
-
-
 register_backend(REFERENCE, _python)
-register_backend("rust_hotpath", _rust_hotpath)

@@ -31,9 +31,7 @@ class ServerArgs:
     max_request_bytes: int = 4 * 1024 * 1024
     log_level: str = "warning"
     sim_device: str | None = None  # "BASE_MS,TOKEN_MS": no model, see engine/sim.py
-    cpu_backend: str = (
-        "python"  # MINISGL_CPU_BACKEND (not a flag): python | rust_hotpath | rust_service
-    )
+    cpu_backend: str = "python"  # MINISGL_CPU_BACKEND (not a flag): python | rust_service
 
     @property
     def queue_limit(self) -> int:

@@ -1,17 +1,22 @@
-"""The `rust_hotpath` CPU backend: the scheduler's CPU state lives in `minisgl_cpu` (Rust).
+"""The in-process `rust_hotpath` scheduler, for tests and benchmarks only (P1-012).
+
+The runtime switch is `python | rust_service`; nothing the runtime imports loads the
+`minisgl_cpu` PyO3 extension, and this is the one module that does. `register()` adds
+`rust_hotpath` to the scheduler registry of the calling process, so equivalence tests, shadow
+mode and the offline A/B benchmark can still run the Rust core in process.
 
 One Python->Rust call per scheduler step (`SchedulerCore.schedule_step`, returning one flat
 int32 numpy array that the plan's fields are views of) and one per commit
-(`SchedulerCore.commit_step`): the step-level interface of `backend.SchedulerBackend`, in
-process. The flat buffer's layout is `plan.PLAN_SEGMENTS`; the extension's own layout
-(`minisgl_cpu.plan_segments`) is checked against it when a scheduler is built. Python keeps
-only the request objects the sampler needs (params, generator) and mirrors the running /
-waiting order; per-request state (KV lengths, outputs) is read from Rust on demand, never
-copied per step.
+(`SchedulerCore.commit_step`): the step-level interface of `backend.SchedulerBackend`. The flat
+buffer's layout is `plan.PLAN_SEGMENTS`; the extension's own layout (`minisgl_cpu.plan_segments`)
+is checked against it when a scheduler is built. Python keeps only the request objects the
+sampler needs (params, generator) and mirrors the running / waiting order; per-request state
+(KV lengths, outputs) is read from Rust on demand, never copied per step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -29,11 +34,33 @@ from minisgl.scheduler.plan import PlanLayout, StepPlan, split_flat
 from minisgl.scheduler.request import FINISH_REASONS, RequestError, StepOutput, validate_request
 from minisgl.scheduler.stats import KvUsage, SchedulerStats
 
+NAME = "rust_hotpath"
 
-def _ext() -> Any:
+
+def extension() -> Any:
     import minisgl_cpu
 
     return minisgl_cpu
+
+
+def available() -> bool:
+    """Whether the extension imports here (built with `maturin develop`)."""
+    try:
+        extension()
+    except ImportError:
+        return False
+    return True
+
+
+def register() -> None:
+    """Make `MINISGL_CPU_BACKEND=rust_hotpath` (and `make_scheduler(cfg, "rust_hotpath")`)
+    build a `RustScheduler` in this process; idempotent. Raises ImportError without the
+    extension."""
+    from minisgl.scheduler import factory
+
+    extension()
+    if NAME not in factory.available_backends():
+        factory.register_backend(NAME, lambda config: RustScheduler(**dataclasses.asdict(config)))
 
 
 def check_plan_layout(ext: Any) -> None:
@@ -55,7 +82,7 @@ class RustRadixCache:
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self._c = _ext().RadixCache(page_size)
+        self._c = extension().RadixCache(page_size)
 
     def match_prefix(self, tokens: np.ndarray) -> MatchResult:
         h, idx = self._c.match_prefix(np.ascontiguousarray(tokens, dtype=np.int32))
@@ -285,7 +312,7 @@ class RustScheduler:
         self.max_extend_tokens = max_extend_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.num_pages = num_pages
-        ext = _ext()
+        ext = extension()
         check_plan_layout(ext)  # once per scheduler: microseconds
         self.core = ext.SchedulerCore(
             num_pages=num_pages,
