@@ -224,6 +224,7 @@ impl SchedulerCore {
                 max_extend_tokens,
                 radix,
                 eos_token_ids,
+                priority_aging_steps: None,
             }),
             codes: Vec::new(),
             rids: Vec::new(),
