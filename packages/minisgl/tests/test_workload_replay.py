@@ -249,11 +249,13 @@ _req = st.fixed_dictionaries(
 @given(reqs=st.lists(_req, min_size=1, max_size=10), num_pages=st.integers(6, 30),
        page_size=st.sampled_from([1, 2, 4]), budget=st.integers(4, 40),
        max_running=st.integers(1, 4), cache=st.sampled_from(["radix", "naive"]),
-       aging=st.integers(1, 6), prio=st.booleans())  # fmt: skip
+       aging=st.integers(1, 6), prio=st.booleans(),
+       max_seq_len=st.one_of(st.none(), st.integers(4, 48)))  # fmt: skip
 def test_random_workloads_agree_across_backends(tmp_path, reqs, num_pages, page_size, budget,
-                                                max_running, cache, aging, prio):  # fmt: skip
+                                                max_running, cache, aging, prio,
+                                                max_seq_len):  # fmt: skip
     """Python and the Rust binary agree on every field of random workloads (prefix sharing,
-    rejections, priorities with and without priority scheduling)."""
+    rejections, context caps, priorities with and without priority scheduling)."""
     stems = [list(range(1, 13)), list(range(50, 58)), [9] * 6]
     out = []
     for i, r in enumerate(reqs):
@@ -267,6 +269,8 @@ def test_random_workloads_agree_across_backends(tmp_path, reqs, num_pages, page_
     w = {"capacity": {"num_pages": num_pages, "page_size": page_size, "prefill_budget": budget,
                       "max_running": max_running, "cache": cache,
                       "priority_aging_steps": aging}, "requests": out}  # fmt: skip
+    if max_seq_len is not None:  # short contexts: rejections and length-capped outputs
+        w["capacity"]["max_seq_len"] = max_seq_len
     path = _write(tmp_path, w, f"w{abs(hash(json.dumps(w)))}.json")
     py = rp.run_replay(path, "python", enable_priority=prio)
     rs = rp.run_replay(path, "rust_service", enable_priority=prio)

@@ -1037,4 +1037,102 @@ mod tests {
         }
         c.check_integrity().unwrap();
     }
+
+    fn prio_core(aging: Option<usize>) -> SchedCore {
+        SchedCore::new(SchedConfig {
+            num_pages: 64,
+            page_size: 4,
+            max_seq_len: 64,
+            max_running: 1,
+            max_extend_tokens: 64,
+            radix: true,
+            eos_token_ids: vec![],
+            priority_aging_steps: aging,
+        })
+    }
+
+    fn waiting_rids(c: &SchedCore) -> Vec<i64> {
+        c.waiting.iter().map(|&i| c.req(i).rid).collect()
+    }
+
+    fn step(c: &mut SchedCore) {
+        let mut buf = PlanBuf::default();
+        c.schedule_step(&mut buf).unwrap().unwrap();
+        let ns = buf.layout.num_sample;
+        let (mut codes, mut rids) = (Vec::new(), Vec::new());
+        c.commit_step(&vec![7; ns], &mut codes, &mut rids).unwrap();
+    }
+
+    /// Lower number first, FIFO within a priority; off, the queue is FIFO (the Python
+    /// `test_lower_number_first_and_fifo_within_a_priority`).
+    #[test]
+    fn priority_order_and_fifo_within() {
+        let p = ReqParams {
+            max_tokens: 2,
+            ignore_eos: true,
+            stop_token_ids: vec![],
+        };
+        for (aging, want) in [
+            (None, vec![0, 1, 2, 3, 4, 5, 6]),
+            (Some(4), vec![3, 6, 1, 4, 0, 2, 5]),
+        ] {
+            let mut c = prio_core(aging);
+            for (rid, prio) in [3, 0, 3, -1, 0, 3, -1].into_iter().enumerate() {
+                let prompt = [1 + rid as i32, 2, 3];
+                c.add_request_with_priority(rid as i64, &prompt, 5, p.clone(), prio)
+                    .unwrap();
+            }
+            assert_eq!(waiting_rids(&c), want);
+        }
+    }
+
+    /// A waiting request gains one level every `k` steps.
+    #[test]
+    fn priority_aging() {
+        let k = 3;
+        let mut c = prio_core(Some(k));
+        let long = ReqParams {
+            max_tokens: 20,
+            ignore_eos: true,
+            stop_token_ids: vec![],
+        };
+        let short = ReqParams {
+            max_tokens: 2,
+            ..long.clone()
+        };
+        c.add_request(0, &[1, 2, 3], 23, long).unwrap();
+        c.add_request_with_priority(1, &[4, 5, 6], 5, short.clone(), 1)
+            .unwrap();
+        for _ in 0..k - 1 {
+            step(&mut c);
+        }
+        c.add_request_with_priority(2, &[7, 8, 9], 5, short.clone(), 0)
+            .unwrap();
+        step(&mut c);
+        c.add_request_with_priority(3, &[10, 11, 12], 5, short, 0)
+            .unwrap();
+        assert_eq!(waiting_rids(&c), vec![2, 1, 3]);
+        c.check_integrity().unwrap();
+    }
+
+    #[test]
+    fn validate_request_messages() {
+        assert_eq!(validate_request(3, 5, 16, 4, 4), Ok(8));
+        assert_eq!(validate_request(3, 50, 16, 4, 4), Ok(16));
+        let e = validate_request(0, 5, 16, 4, 4).unwrap_err();
+        assert!(!e.context_length);
+        assert_eq!(e.message, "prompt is empty: at least one token is required");
+        let e = validate_request(16, 5, 16, 4, 4).unwrap_err();
+        assert_eq!(
+            e.message,
+            "prompt has 16 tokens, the context holds 16 (prompt plus at least one generated \
+             token)"
+        );
+        let e = validate_request(10, 10, 64, 4, 4).unwrap_err();
+        assert!(e.context_length);
+        assert_eq!(
+            e.message,
+            "request needs 20 tokens of KV, the pool holds 16"
+        );
+    }
 }
