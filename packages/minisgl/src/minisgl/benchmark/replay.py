@@ -53,7 +53,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from minisgl.benchmark.workload import Workload, WorkloadError, load_workload, synthetic_token
+from minisgl.benchmark.workload import (
+    Workload,
+    WorkloadError,
+    WorkloadRequest,
+    load_workload,
+    synthetic_token,
+)
 from minisgl.core import SamplingParams
 from minisgl.scheduler.request import RequestError
 from minisgl.scheduler.scheduler import Scheduler
@@ -123,36 +129,65 @@ def replay_python(w: Workload, *, enable_priority: bool = False) -> dict[str, An
         cache_type=c.cache, priority_aging_steps=c.priority_aging_steps if enable_priority
         else None,
     )  # fmt: skip
-    reqs = w.requests
-    ids = [r.id for r in reqs]
-    out = [_outcome(r) for r in reqs]
-    order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival_tick, i))
-    records: list[TickRecord] = []
-    tick = nxt = 0
-    while nxt < len(order) or sched.has_work():
-        if not sched.has_work() and reqs[order[nxt]].arrival_tick > tick:
-            tick = reqs[order[nxt]].arrival_tick
+    run = _PythonReplay(w, sched)
+    records = run.run()
+    return build_report(
+        w, "python", enable_priority, records, run.outcomes, sched.stats.prompt_tokens,
+        sched.stats.cached_prompt_tokens, _drain(sched), time.perf_counter() - t0,
+    )  # fmt: skip
+
+
+class _PythonReplay:
+    """The tick loop of `replay_python` over one scheduler (rid = index in the file)."""
+
+    def __init__(self, w: Workload, sched: Scheduler) -> None:
+        self.reqs = w.requests
+        self.sched = sched
+        self.ids = [r.id for r in w.requests]
+        self.outcomes = [_outcome(r) for r in w.requests]
+
+    def run(self) -> list[TickRecord]:
+        reqs, sched = self.reqs, self.sched
+        order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival_tick, i))
+        records: list[TickRecord] = []
+        tick = nxt = 0
+        while nxt < len(order) or sched.has_work():
+            if not sched.has_work() and reqs[order[nxt]].arrival_tick > tick:
+                tick = reqs[order[nxt]].arrival_tick  # idle: jump to the next arrival
+            due = nxt
+            while nxt < len(order) and reqs[order[nxt]].arrival_tick <= tick:
+                nxt += 1
+            rejected = self.submit(order[due:nxt])
+            record = self.step(tick, rejected)
+            if record is not None:
+                records.append(record)
+            tick += 1
+        return records
+
+    def submit(self, idxs: Sequence[int]) -> tuple[str, ...]:
+        """Queue the requests `idxs`; the ids of those the scheduler refuses."""
         rejected: list[str] = []
-        while nxt < len(order) and reqs[order[nxt]].arrival_tick <= tick:
-            i = order[nxt]
-            nxt += 1
-            r = reqs[i]
+        for i in idxs:
+            r = self.reqs[i]
             params = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
             try:
-                sched.add_request(r.prompt_ids, params, rid=i, priority=r.priority)
+                self.sched.add_request(r.prompt_ids, params, rid=i, priority=r.priority)
             except RequestError as e:
                 rejected.append(r.id)
-                out[i].update(status="rejected", error=str(e))
+                self.outcomes[i].update(status="rejected", error=str(e))
+        return tuple(rejected)
+
+    def step(self, tick: int, rejected: tuple[str, ...]) -> TickRecord | None:
+        """One scheduler step with synthetic tokens; its record (None: nothing happened)."""
+        sched, ids, out = self.sched, self.ids, self.outcomes
         n_waiting = len(sched.waiting)
         step = sched.schedule()
         if step is None:
             if sched.has_work():
                 raise ReplayError(f"tick {tick}: the scheduler has work but scheduled nothing")
-            if rejected:
-                records.append(TickRecord(tick, "idle", (), 0, (), (), tuple(rejected), 0,
-                                          0, _kv_pages(sched)))  # fmt: skip
-            tick += 1
-            continue
+            if not rejected:
+                return None
+            return TickRecord(tick, "idle", (), 0, (), (), rejected, 0, 0, _kv_pages(sched))
         plan, batch = step
         admitted = list(batch[len(batch) - (n_waiting - len(sched.waiting)) :])
         for req in admitted:
@@ -162,28 +197,22 @@ def replay_python(w: Workload, *, enable_priority: bool = False) -> dict[str, An
         tokens = [synthetic_token(ids[r.rid], len(r.output_ids)) for r in rows]
         outputs = sched.commit(batch, plan, tokens)
         for o in outputs:
-            o_ = out[o.rid]
-            o_["output_tokens"] += 1
-            if o_["first_token_tick"] is None:
-                o_["first_token_tick"] = tick
+            rec = out[o.rid]
+            rec["output_tokens"] += 1
+            if rec["first_token_tick"] is None:
+                rec["first_token_tick"] = tick
             if o.finish_reason is not None:
-                o_.update(status="finished", finished_tick=tick)
-        records.append(TickRecord(
+                rec.update(status="finished", finished_tick=tick)
+        return TickRecord(
             tick, "prefill" if plan.is_prefill else "decode",
             tuple(ids[r.rid] for r in admitted), int(plan.extend_lens.sum()) if plan.is_prefill
             else 0, tuple(ids[o.rid] for o in outputs),
-            tuple(ids[o.rid] for o in outputs if o.finish_reason is not None), tuple(rejected),
+            tuple(ids[o.rid] for o in outputs if o.finish_reason is not None), rejected,
             queued, running, kv,
-        ))  # fmt: skip
-        tick += 1
-    drain = _drain(sched)
-    return build_report(
-        w, "python", enable_priority, records, out, sched.stats.prompt_tokens,
-        sched.stats.cached_prompt_tokens, drain, time.perf_counter() - t0,
-    )  # fmt: skip
+        )  # fmt: skip
 
 
-def _outcome(r: Any) -> dict[str, Any]:
+def _outcome(r: WorkloadRequest) -> dict[str, Any]:
     return {
         "id": r.id, "priority": r.priority, "arrival_tick": r.arrival_tick,
         "prompt_len": len(r.prompt_ids), "output_len": r.output_len, "status": "unserved",
