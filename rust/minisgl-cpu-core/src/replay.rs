@@ -306,7 +306,7 @@ fn kv_pages(core: &SchedCore) -> usize {
 /// one is rejected with the validation message).
 pub fn replay(w: &Workload, enable_priority: bool) -> Result<ReplayReport, String> {
     let c = &w.capacity;
-    let mut core = SchedCore::new(SchedConfig {
+    let core = SchedCore::new(SchedConfig {
         num_pages: c.num_pages,
         page_size: c.page_size,
         max_seq_len: c.max_seq_len,
@@ -316,46 +316,98 @@ pub fn replay(w: &Workload, enable_priority: bool) -> Result<ReplayReport, Strin
         eos_token_ids: Vec::new(),
         priority_aging_steps: enable_priority.then_some(c.priority_aging_steps),
     });
+    let mut run = Runner::new(w, core);
     let reqs = &w.requests;
-    let mut out: Vec<RequestOutcome> = reqs
-        .iter()
-        .map(|r| RequestOutcome {
-            id: r.id.clone(),
-            priority: r.priority,
-            arrival_tick: r.arrival_tick,
-            prompt_len: r.prompt_ids.len(),
-            output_len: r.output_len,
-            status: "unserved",
-            error: None,
-            admitted_tick: None,
-            first_token_tick: None,
-            finished_tick: None,
-            cached_tokens: 0,
-            output_tokens: 0,
-        })
-        .collect();
     let mut order: Vec<usize> = (0..reqs.len()).collect();
     order.sort_by_key(|&i| (reqs[i].arrival_tick, i));
-    let id = |rid: i64| reqs[rid as usize].id.clone();
     let mut records = Vec::new();
-    let mut buf = PlanBuf::default();
-    let (mut batch, mut samples, mut codes, mut rids) = (vec![], vec![], vec![], vec![]);
     let (mut tick, mut nxt) = (0u64, 0usize);
-    while nxt < order.len() || core.has_work() {
-        if !core.has_work() && reqs[order[nxt]].arrival_tick > tick {
-            tick = reqs[order[nxt]].arrival_tick;
+    while nxt < order.len() || run.core.has_work() {
+        if !run.core.has_work() && reqs[order[nxt]].arrival_tick > tick {
+            tick = reqs[order[nxt]].arrival_tick; // idle: jump to the next arrival
         }
-        let mut rejected = Vec::new();
+        let due = nxt;
         while nxt < order.len() && reqs[order[nxt]].arrival_tick <= tick {
-            let i = order[nxt];
             nxt += 1;
-            let r = &reqs[i];
+        }
+        let rejected = run.submit(&order[due..nxt]);
+        if let Some(record) = run.step(tick, rejected)? {
+            records.push(record);
+        }
+        tick += 1;
+    }
+    let stats = run.core.stats();
+    Ok(ReplayReport {
+        enable_priority,
+        records,
+        prompt_tokens: stats.prompt_tokens,
+        cached_prompt_tokens: stats.cached_prompt_tokens,
+        drain: drain(&run.core),
+        requests: run.out,
+    })
+}
+
+/// The tick loop's state over one core (rid = index in the file).
+struct Runner<'a> {
+    reqs: &'a [WorkloadRequest],
+    core: SchedCore,
+    out: Vec<RequestOutcome>,
+    buf: PlanBuf,
+    batch: Vec<i64>,
+    samples: Vec<i64>,
+    codes: Vec<u8>,
+    rids: Vec<i64>,
+}
+
+impl<'a> Runner<'a> {
+    fn new(w: &'a Workload, core: SchedCore) -> Self {
+        let out = w
+            .requests
+            .iter()
+            .map(|r| RequestOutcome {
+                id: r.id.clone(),
+                priority: r.priority,
+                arrival_tick: r.arrival_tick,
+                prompt_len: r.prompt_ids.len(),
+                output_len: r.output_len,
+                status: "unserved",
+                error: None,
+                admitted_tick: None,
+                first_token_tick: None,
+                finished_tick: None,
+                cached_tokens: 0,
+                output_tokens: 0,
+            })
+            .collect();
+        Runner {
+            reqs: &w.requests,
+            core,
+            out,
+            buf: PlanBuf::default(),
+            batch: Vec::new(),
+            samples: Vec::new(),
+            codes: Vec::new(),
+            rids: Vec::new(),
+        }
+    }
+
+    fn id(&self, rid: i64) -> String {
+        self.reqs[rid as usize].id.clone()
+    }
+
+    /// Queue the requests `idxs`; the ids of those the scheduler refuses.
+    fn submit(&mut self, idxs: &[usize]) -> Vec<String> {
+        let cfg = self.core.config();
+        let (max_seq_len, num_pages, page_size) = (cfg.max_seq_len, cfg.num_pages, cfg.page_size);
+        let mut rejected = Vec::new();
+        for &i in idxs {
+            let r = &self.reqs[i];
             let added = validate_request(
                 r.prompt_ids.len(),
                 r.output_len,
-                c.max_seq_len,
-                c.num_pages,
-                c.page_size,
+                max_seq_len,
+                num_pages,
+                page_size,
             )
             .map_err(|e| e.message)
             .and_then(|max_total| {
@@ -364,99 +416,99 @@ pub fn replay(w: &Workload, enable_priority: bool) -> Result<ReplayReport, Strin
                     ignore_eos: true,
                     stop_token_ids: Vec::new(),
                 };
-                core.add_request_with_priority(i as i64, &r.prompt_ids, max_total, p, r.priority)
+                self.core
+                    .add_request_with_priority(i as i64, &r.prompt_ids, max_total, p, r.priority)
                     .map_err(|e| e.to_string())
             });
             if let Err(e) = added {
                 rejected.push(r.id.clone());
-                out[i].status = "rejected";
-                out[i].error = Some(e);
+                self.out[i].status = "rejected";
+                self.out[i].error = Some(e);
             }
         }
-        let n_waiting = core.num_waiting();
-        let Some(_) = core.schedule_step(&mut buf).map_err(|e| e.to_string())? else {
-            if core.has_work() {
+        rejected
+    }
+
+    /// One scheduler step with synthetic tokens; its record (`None`: nothing happened).
+    fn step(&mut self, tick: u64, rejected: Vec<String>) -> Result<Option<TickRecord>, String> {
+        let n_waiting = self.core.num_waiting();
+        let scheduled = self
+            .core
+            .schedule_step(&mut self.buf)
+            .map_err(|e| e.to_string())?;
+        if scheduled.is_none() {
+            if self.core.has_work() {
                 return Err(format!(
                     "tick {tick}: the scheduler has work but scheduled nothing"
                 ));
             }
-            if !rejected.is_empty() {
-                records.push(TickRecord {
-                    tick,
-                    kind: TickKind::Idle,
-                    admitted: vec![],
-                    prefill_tokens: 0,
-                    decoded: vec![],
-                    finished: vec![],
-                    rejected,
-                    queued: 0,
-                    running: 0,
-                    kv_pages: kv_pages(&core),
-                });
-            }
-            tick += 1;
-            continue;
-        };
-        core.scheduled_rids(&mut batch, &mut samples);
-        let n_admitted = n_waiting - core.num_waiting();
-        let admitted = &batch[batch.len() - n_admitted..];
-        for &rid in admitted {
-            let o = &mut out[rid as usize];
-            o.admitted_tick = Some(tick);
-            o.cached_tokens = core.request_info(rid).map_or(0, |info| info.4);
+            return Ok((!rejected.is_empty()).then(|| TickRecord {
+                tick,
+                kind: TickKind::Idle,
+                admitted: vec![],
+                prefill_tokens: 0,
+                decoded: vec![],
+                finished: vec![],
+                rejected,
+                queued: 0,
+                running: 0,
+                kv_pages: kv_pages(&self.core),
+            }));
         }
-        let (queued, running, kv) = (core.num_waiting(), core.num_running(), kv_pages(&core));
-        let tokens: Vec<i64> = samples
+        self.core.scheduled_rids(&mut self.batch, &mut self.samples);
+        let n_admitted = n_waiting - self.core.num_waiting();
+        let admitted = self.batch[self.batch.len() - n_admitted..].to_vec();
+        for &rid in &admitted {
+            let o = &mut self.out[rid as usize];
+            o.admitted_tick = Some(tick);
+            o.cached_tokens = self.core.request_info(rid).map_or(0, |info| info.4);
+        }
+        let (queued, running) = (self.core.num_waiting(), self.core.num_running());
+        let kv = kv_pages(&self.core);
+        let tokens: Vec<i64> = self
+            .samples
             .iter()
             .map(|&rid| {
-                let k = core.output_ids(rid).map_or(0, <[i32]>::len);
-                synthetic_token(&reqs[rid as usize].id, k) as i64
+                let k = self.core.output_ids(rid).map_or(0, <[i32]>::len);
+                synthetic_token(&self.reqs[rid as usize].id, k) as i64
             })
             .collect();
-        core.commit_step(&tokens, &mut codes, &mut rids)
+        self.core
+            .commit_step(&tokens, &mut self.codes, &mut self.rids)
             .map_err(|e| e.to_string())?;
         let mut finished = Vec::new();
-        for (&rid, &code) in rids.iter().zip(&codes) {
-            let o = &mut out[rid as usize];
+        for (&rid, &code) in self.rids.iter().zip(&self.codes) {
+            let o = &mut self.out[rid as usize];
             o.output_tokens += 1;
             o.first_token_tick.get_or_insert(tick);
             if code != FINISH_NONE {
                 o.status = "finished";
                 o.finished_tick = Some(tick);
-                finished.push(id(rid));
+                finished.push(o.id.clone());
             }
         }
-        records.push(TickRecord {
+        let prefill = self.buf.is_prefill;
+        Ok(Some(TickRecord {
             tick,
-            kind: if buf.is_prefill {
+            kind: if prefill {
                 TickKind::Prefill
             } else {
                 TickKind::Decode
             },
-            admitted: admitted.iter().map(|&r| id(r)).collect(),
-            prefill_tokens: if buf.is_prefill {
-                buf.layout.num_tokens
+            admitted: admitted.iter().map(|&r| self.id(r)).collect(),
+            prefill_tokens: if prefill {
+                self.buf.layout.num_tokens
             } else {
                 0
             },
-            decoded: rids.iter().map(|&r| id(r)).collect(),
+            decoded: self.rids.iter().map(|&r| self.id(r)).collect(),
             finished,
             rejected,
             queued,
             running,
             kv_pages: kv,
-        });
-        tick += 1;
+        }))
     }
-    let stats = core.stats();
-    Ok(ReplayReport {
-        enable_priority,
-        records,
-        requests: out,
-        prompt_tokens: stats.prompt_tokens,
-        cached_prompt_tokens: stats.cached_prompt_tokens,
-        drain: drain(&core),
-    })
 }
 
 /// The pages after the drain: the integrity check passes and every page is free or held by
