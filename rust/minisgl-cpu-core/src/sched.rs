@@ -406,6 +406,11 @@ impl SchedCore {
         samples.extend(self.sample_rows.iter().map(|&k| batch[k]));
     }
 
+    /// The rids of the waiting queue, in admission order.
+    pub fn waiting_rids(&self) -> Vec<i64> {
+        self.waiting.iter().map(|&i| self.req(i).rid).collect()
+    }
+
     /// Take an admitted request out of the running list (keeping the others' order).
     fn remove_running(&mut self, idx: usize) {
         let p = self
@@ -1051,10 +1056,6 @@ mod tests {
         })
     }
 
-    fn waiting_rids(c: &SchedCore) -> Vec<i64> {
-        c.waiting.iter().map(|&i| c.req(i).rid).collect()
-    }
-
     fn step(c: &mut SchedCore) {
         let mut buf = PlanBuf::default();
         c.schedule_step(&mut buf).unwrap().unwrap();
@@ -1082,7 +1083,7 @@ mod tests {
                 c.add_request_with_priority(rid as i64, &prompt, 5, p.clone(), prio)
                     .unwrap();
             }
-            assert_eq!(waiting_rids(&c), want);
+            assert_eq!(c.waiting_rids(), want);
         }
     }
 
@@ -1111,7 +1112,7 @@ mod tests {
         step(&mut c);
         c.add_request_with_priority(3, &[10, 11, 12], 5, short, 0)
             .unwrap();
-        assert_eq!(waiting_rids(&c), vec![2, 1, 3]);
+        assert_eq!(c.waiting_rids(), vec![2, 1, 3]);
         c.check_integrity().unwrap();
     }
 
