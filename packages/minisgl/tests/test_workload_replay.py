@@ -224,6 +224,16 @@ def test_pages_returned_check_can_fail(tmp_path, monkeypatch, capsys):
     assert "KV pages not returned" in capsys.readouterr().err
 
 
+def test_unwritable_output_is_an_error_not_a_traceback(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "r.json"  # a file where a directory should be
+    path = str(FIXTURES["plain"])
+    assert rp.main(["--input", path, "--output", str(out)]) == 1
+    assert capsys.readouterr().err.startswith(f"error: {out}")
+    rs = _rust("--input", path, "--output", str(out))
+    assert rs.returncode == 1 and rs.stderr.startswith(f"error: {out}")
+
+
 def test_cli_writes_the_report_for_both_backends(tmp_path, capsys):
     for backend in rp.BACKENDS:
         out = tmp_path / backend / "r.json"

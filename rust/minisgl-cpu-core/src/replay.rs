@@ -613,4 +613,26 @@ mod tests {
         assert_eq!(admitted_order(false), ["run1", "run2", "low", "hi1", "hi2"]);
         assert_eq!(admitted_order(true), ["run1", "run2", "hi1", "hi2", "low"]);
     }
+
+    /// The drain check fails when a page is neither free nor in the cache.
+    #[test]
+    fn drain_reports_a_held_page() {
+        let w = workload(vec![("a", synthetic_prompt("a", 10), 3, 0, 0)]);
+        let mut core = SchedCore::new(SchedConfig {
+            num_pages: 16,
+            page_size: 4,
+            max_seq_len: 128,
+            max_running: 2,
+            max_extend_tokens: 16,
+            radix: true,
+            eos_token_ids: vec![],
+            priority_aging_steps: None,
+        });
+        assert!(replay(&w, false).unwrap().pages_returned());
+        assert_eq!(drain(&core).error, None);
+        core.alloc.alloc_pages(0, 0, 1).unwrap(); // a page no request or cache owns
+        let d = drain(&core);
+        assert_eq!(d.free_pages, 15);
+        assert!(d.error.unwrap().contains("owner count"));
+    }
 }

@@ -372,10 +372,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    tmp.replace(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(report, indent=1) + "\n")
+        tmp.replace(out)
+    except OSError as e:
+        print(f"error: {out}: {e}", file=sys.stderr)
+        return 1
     print(json.dumps({"backend": report["backend"], "fingerprint": report["fingerprint"],
                       "totals": report["totals"], "pages_returned": report["pages_returned"]}))  # fmt: skip
     if not report["pages_returned"]:
