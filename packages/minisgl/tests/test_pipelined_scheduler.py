@@ -42,6 +42,7 @@ class Cfg:
     max_running: int
     max_extend: int
     radix: bool
+    aging: int | None = None  # priority scheduling (None: FIFO)
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,10 @@ class Py:
                            max_seq_len=c.max_seq_len, max_running_requests=c.max_running,
                            max_extend_tokens=c.max_extend,
                            cache_type="radix" if c.radix else "naive",
-                           eos_token_ids=[EOS])  # fmt: skip
+                           eos_token_ids=[EOS], priority_aging_steps=c.aging)  # fmt: skip
 
-    def add(self, rid: int, ids: list[int], p: SamplingParams) -> None:
-        self.s.add_request(ids, p, rid=rid)
+    def add(self, rid: int, ids: list[int], p: SamplingParams, priority: int = 0) -> None:
+        self.s.add_request(ids, p, rid=rid, priority=priority)
 
     def schedule(self) -> Step | None:
         a = self.s.schedule_ahead()
@@ -109,6 +110,7 @@ class Py:
             "protected": s.cache.protected_size,
             "running": len(s.running),
             "waiting": len(s.waiting),
+            "waiting_order": [r.rid for r in s.waiting],
             "inflight": s.num_inflight,
             "retiring": s.num_retiring,
             "reqs": reqs,
@@ -127,14 +129,15 @@ class Rs:
                                            max_seq_len=c.max_seq_len,
                                            max_running_requests=c.max_running,
                                            max_extend_tokens=c.max_extend, radix=c.radix,
-                                           eos_token_ids=[EOS])  # fmt: skip
+                                           eos_token_ids=[EOS],
+                                           priority_aging_steps=c.aging)  # fmt: skip
         self.rids: set[int] = set()
 
-    def add(self, rid: int, ids: list[int], p: SamplingParams) -> None:
+    def add(self, rid: int, ids: list[int], p: SamplingParams, priority: int = 0) -> None:
         c = self.cfg
         prompt, max_total = validate_request(ids, p, c.max_seq_len, c.num_pages, c.page_size)
         self.c.add_request(rid, prompt, max_total, p.max_tokens, p.ignore_eos,
-                           list(p.stop_token_ids or ()))  # fmt: skip
+                           list(p.stop_token_ids or ()), priority)  # fmt: skip
         self.rids.add(rid)
 
     def schedule(self) -> Step | None:
@@ -168,6 +171,7 @@ class Rs:
             "protected": c.protected_size,
             "running": c.num_running,
             "waiting": c.num_waiting,
+            "waiting_order": list(c.waiting_rids()),
             "inflight": c.num_inflight,
             "retiring": c.num_retiring,
             "reqs": reqs,
@@ -185,7 +189,8 @@ def _page_set(s: Step, ps: int) -> set[int]:
 
 class PipelinedMachine(RuleBasedStateMachine):
     """add / schedule_ahead / commit_oldest / retire on both implementations, at most two (or
-    three) steps in flight; everything observable must agree after every rule."""
+    three) steps in flight, FIFO or priority scheduling (the waiting order is compared);
+    everything observable must agree after every rule."""
 
     @initialize(
         page_size=st.sampled_from([1, 4]),
@@ -194,9 +199,11 @@ class PipelinedMachine(RuleBasedStateMachine):
         max_extend=st.integers(4, 40),
         radix=st.sampled_from([True, True, False]),
         depth=st.sampled_from([2, 2, 3]),
+        aging=st.sampled_from([None, None, 1, 3]),
     )
-    def setup(self, page_size, num_pages, max_running, max_extend, radix, depth):
-        self.cfg = Cfg(num_pages // page_size, page_size, 64, max_running, max_extend, radix)
+    def setup(self, page_size, num_pages, max_running, max_extend, radix, depth, aging):
+        self.cfg = Cfg(num_pages // page_size, page_size, 64, max_running, max_extend, radix,
+                       aging)  # fmt: skip
         self.py, self.rs = Py(self.cfg), Rs(self.cfg)
         self.stems = [[1, 2, 3, 4, 6, 7, 8, 9], [9, 9, 8, 8, 7, 7]]
         self.next_rid = 0
@@ -206,20 +213,20 @@ class PipelinedMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.py.s.requests) < 5)  # leave room for decode steps
     @rule(stem=st.integers(0, 2), cut=st.integers(0, 8), tail=st.lists(st.integers(1, 9),
           max_size=20), max_tokens=st.integers(1, 10), ignore_eos=st.booleans(),
-          stop=st.booleans())  # fmt: skip
-    def add(self, stem, cut, tail, max_tokens, ignore_eos, stop):
+          stop=st.booleans(), priority=st.integers(-2, 2))  # fmt: skip
+    def add(self, stem, cut, tail, max_tokens, ignore_eos, stop, priority):
         ids = (self.stems[stem][:cut] if stem < 2 else []) + tail
         p = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
                            stop_token_ids=[STOP] if stop else None)  # fmt: skip
         rid = self.next_rid
         self.next_rid += 1
         try:
-            self.py.add(rid, ids, p)
+            self.py.add(rid, ids, p, priority)
         except RequestError:
             with pytest.raises(RequestError):
-                self.rs.add(rid, ids, p)
+                self.rs.add(rid, ids, p, priority)
             return
-        self.rs.add(rid, ids, p)
+        self.rs.add(rid, ids, p, priority)
 
     @precondition(lambda self: len(self.queue) < self.depth)
     @rule()

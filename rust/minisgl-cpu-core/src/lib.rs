@@ -78,14 +78,16 @@ pub mod alloc;
 mod fxhash;
 pub mod plan;
 pub mod radix;
+pub mod replay;
 pub mod sched;
+mod sha256;
 
 pub use alloc::{OutOfPages, PageAllocator};
 pub use plan::{build_step_plan, PlanBuf, PlanLayout, NUM_SEGMENTS, SEGMENT_NAMES};
 pub use radix::{NodeIdx, RadixError, RadixTree, ROOT};
 pub use sched::{
-    pipeline::TRACE_VERSION, AheadStep, CoreStats, ReqParams, SchedConfig, SchedCore, SchedError,
-    FINISH_DROPPED, FINISH_LENGTH, FINISH_NONE, FINISH_STOP,
+    pipeline::TRACE_VERSION, validate_request, AheadStep, CoreStats, ReqParams, RequestError,
+    SchedConfig, SchedCore, SchedError, FINISH_DROPPED, FINISH_LENGTH, FINISH_NONE, FINISH_STOP,
 };
 
 #[cfg(test)]

@@ -38,6 +38,56 @@ pub struct SchedConfig {
     /// `true`: radix prefix cache; `false`: the naive cache (no sharing).
     pub radix: bool,
     pub eos_token_ids: Vec<i32>,
+    /// `Some(k)`: priority scheduling with aging every `k` steps (see [`SchedCore::add_request_with_priority`]);
+    /// `None`: FIFO.
+    pub priority_aging_steps: Option<usize>,
+}
+
+/// Why a request can never be served as asked ([`validate_request`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestError {
+    pub message: String,
+    /// the prompt (plus its generated tokens) does not fit the context or the KV pool
+    /// (`context_length_exceeded`), rather than an invalid request
+    pub context_length: bool,
+}
+
+/// The checks every backend applies to a new request (the rules and messages of the Python
+/// `minisgl.scheduler.request.validate_request`): `Ok(max_total_len)`, the cap on prompt plus
+/// generated tokens, or why the request can never be served.
+pub fn validate_request(
+    prompt_len: usize,
+    max_tokens: usize,
+    max_seq_len: usize,
+    num_pages: usize,
+    page_size: usize,
+) -> Result<usize, RequestError> {
+    if prompt_len == 0 {
+        return Err(RequestError {
+            message: "prompt is empty: at least one token is required".into(),
+            context_length: false,
+        });
+    }
+    if prompt_len >= max_seq_len {
+        return Err(RequestError {
+            message: format!(
+                "prompt has {prompt_len} tokens, the context holds {max_seq_len} (prompt plus \
+                 at least one generated token)"
+            ),
+            context_length: true,
+        });
+    }
+    let max_total = prompt_len.saturating_add(max_tokens).min(max_seq_len);
+    if pages(max_total, page_size) > num_pages {
+        return Err(RequestError {
+            message: format!(
+                "request needs {max_total} tokens of KV, the pool holds {}",
+                num_pages.saturating_mul(page_size)
+            ),
+            context_length: true,
+        });
+    }
+    Ok(max_total)
 }
 
 /// Per-request sampling limits the finish rules need.
@@ -69,6 +119,8 @@ struct ReqState {
     /// pipelined mode: `Some(abort)` once finished or retired while still in flight (out
     /// of `running` and `by_rid`; released when its last unconfirmed step is committed)
     retired: Option<bool>,
+    /// priority mode: waiting-queue order (`priority * aging steps + clock`)
+    key: i64,
 }
 
 impl ReqState {
@@ -172,6 +224,8 @@ pub struct SchedCore {
     retiring: Vec<usize>,
     spare_steps: Vec<pipeline::InflightStep>,
     trace: Option<String>,
+    /// steps scheduled so far (the priority aging clock)
+    clock: u64,
 }
 
 impl SchedCore {
@@ -211,6 +265,7 @@ impl SchedCore {
             retiring: Vec::new(),
             spare_steps: Vec::new(),
             trace: None,
+            clock: 0,
         }
     }
 
@@ -242,13 +297,32 @@ impl SchedCore {
         self.cache.as_ref().map_or(0, |c| c.protected_size())
     }
 
-    /// Queue a request (already validated by the caller).
+    /// Queue a request (already validated by the caller) with priority 0.
     pub fn add_request(
         &mut self,
         rid: i64,
         prompt: &[i32],
         max_total_len: usize,
         params: ReqParams,
+    ) -> Result<(), SchedError> {
+        self.add_request_with_priority(rid, prompt, max_total_len, params, 0)
+    }
+
+    /// Queue a request (already validated by the caller). Without priority scheduling
+    /// (`priority_aging_steps: None`) `priority` is ignored and the queue is FIFO. With
+    /// `Some(k)`, a lower number is served first (vLLM's convention): the waiting queue is
+    /// sorted by `priority * k + clock` (`clock`: steps scheduled so far), a new request going
+    /// after the equal keys: FIFO within a priority, and one level gained every `k` steps
+    /// waited, so a request of priority `p` is never overtaken by one of priority `q` that
+    /// arrives `(p - q) * k` or more steps after it (the Python `Scheduler` orders the same
+    /// way; arithmetic saturates at the `i64` bounds).
+    pub fn add_request_with_priority(
+        &mut self,
+        rid: i64,
+        prompt: &[i32],
+        max_total_len: usize,
+        params: ReqParams,
+        priority: i64,
     ) -> Result<(), SchedError> {
         if self.by_rid.contains_key(&rid) {
             return Err(SchedError::Duplicate(rid));
@@ -269,6 +343,7 @@ impl SchedCore {
             inflight: 0,
             pending_out: 0,
             retired: None,
+            key: 0,
         };
         let idx = if let Some(i) = self.free_req.pop() {
             self.reqs[i] = Some(st);
@@ -278,7 +353,20 @@ impl SchedCore {
             self.reqs.len() - 1
         };
         self.by_rid.insert(rid, idx);
-        self.waiting.push_back(idx);
+        match self.cfg.priority_aging_steps {
+            None => self.waiting.push_back(idx),
+            Some(k) => {
+                let key = priority
+                    .saturating_mul(k as i64)
+                    .saturating_add(self.clock as i64);
+                self.req_mut(idx).key = key;
+                let mut i = self.waiting.len();
+                while i > 0 && self.req(self.waiting[i - 1]).key > key {
+                    i -= 1;
+                }
+                self.waiting.insert(i, idx);
+            }
+        }
         Ok(())
     }
 
@@ -307,6 +395,20 @@ impl SchedCore {
     pub fn output_ids(&self, rid: i64) -> Option<&[i32]> {
         let r = self.req(*self.by_rid.get(&rid)?);
         Some(&r.tokens[r.prompt_len..])
+    }
+
+    /// The request ids of the batch rows and of the sample rows of the last scheduled serial
+    /// step (`schedule_step`, before its `commit_step`), in row order.
+    pub fn scheduled_rids(&self, batch: &mut Vec<i64>, samples: &mut Vec<i64>) {
+        batch.clear();
+        batch.extend(self.batch.iter().map(|&(i, _)| self.req(i).rid));
+        samples.clear();
+        samples.extend(self.sample_rows.iter().map(|&k| batch[k]));
+    }
+
+    /// The rids of the waiting queue, in admission order.
+    pub fn waiting_rids(&self) -> Vec<i64> {
+        self.waiting.iter().map(|&i| self.req(i).rid).collect()
     }
 
     /// Take an admitted request out of the running list (keeping the others' order).
@@ -374,6 +476,7 @@ impl SchedCore {
             self.decode_plan(out, false)?;
         }
         self.has_plan = true;
+        self.clock += 1;
         Ok(Some(admitted))
     }
 
@@ -821,6 +924,7 @@ mod tests {
             max_extend_tokens: 16,
             radix,
             eos_token_ids: vec![0],
+            priority_aging_steps: None,
         })
     }
 
@@ -868,6 +972,7 @@ mod tests {
             max_extend_tokens: 8,
             radix: true,
             eos_token_ids: vec![0],
+            priority_aging_steps: None,
         });
         let p = ReqParams {
             max_tokens: 5,
@@ -914,6 +1019,7 @@ mod tests {
             max_extend_tokens: 64,
             radix: true,
             eos_token_ids: vec![0],
+            priority_aging_steps: None,
         });
         let prompt: Vec<i32> = (40..50).collect();
         c.add_request(1, &prompt, 15, p.clone()).unwrap();
@@ -935,5 +1041,99 @@ mod tests {
             step(&mut c);
         }
         c.check_integrity().unwrap();
+    }
+
+    fn prio_core(aging: Option<usize>) -> SchedCore {
+        SchedCore::new(SchedConfig {
+            num_pages: 64,
+            page_size: 4,
+            max_seq_len: 64,
+            max_running: 1,
+            max_extend_tokens: 64,
+            radix: true,
+            eos_token_ids: vec![],
+            priority_aging_steps: aging,
+        })
+    }
+
+    fn step(c: &mut SchedCore) {
+        let mut buf = PlanBuf::default();
+        c.schedule_step(&mut buf).unwrap().unwrap();
+        let ns = buf.layout.num_sample;
+        let (mut codes, mut rids) = (Vec::new(), Vec::new());
+        c.commit_step(&vec![7; ns], &mut codes, &mut rids).unwrap();
+    }
+
+    /// Lower number first, FIFO within a priority; off, the queue is FIFO (the Python
+    /// `test_lower_number_first_and_fifo_within_a_priority`).
+    #[test]
+    fn priority_order_and_fifo_within() {
+        let p = ReqParams {
+            max_tokens: 2,
+            ignore_eos: true,
+            stop_token_ids: vec![],
+        };
+        for (aging, want) in [
+            (None, vec![0, 1, 2, 3, 4, 5, 6]),
+            (Some(4), vec![3, 6, 1, 4, 0, 2, 5]),
+        ] {
+            let mut c = prio_core(aging);
+            for (rid, prio) in [3, 0, 3, -1, 0, 3, -1].into_iter().enumerate() {
+                let prompt = [1 + rid as i32, 2, 3];
+                c.add_request_with_priority(rid as i64, &prompt, 5, p.clone(), prio)
+                    .unwrap();
+            }
+            assert_eq!(c.waiting_rids(), want);
+        }
+    }
+
+    /// A waiting request gains one level every `k` steps.
+    #[test]
+    fn priority_aging() {
+        let k = 3;
+        let mut c = prio_core(Some(k));
+        let long = ReqParams {
+            max_tokens: 20,
+            ignore_eos: true,
+            stop_token_ids: vec![],
+        };
+        let short = ReqParams {
+            max_tokens: 2,
+            ..long.clone()
+        };
+        c.add_request(0, &[1, 2, 3], 23, long).unwrap();
+        c.add_request_with_priority(1, &[4, 5, 6], 5, short.clone(), 1)
+            .unwrap();
+        for _ in 0..k - 1 {
+            step(&mut c);
+        }
+        c.add_request_with_priority(2, &[7, 8, 9], 5, short.clone(), 0)
+            .unwrap();
+        step(&mut c);
+        c.add_request_with_priority(3, &[10, 11, 12], 5, short, 0)
+            .unwrap();
+        assert_eq!(c.waiting_rids(), vec![2, 1, 3]);
+        c.check_integrity().unwrap();
+    }
+
+    #[test]
+    fn validate_request_messages() {
+        assert_eq!(validate_request(3, 5, 16, 4, 4), Ok(8));
+        assert_eq!(validate_request(3, 50, 16, 4, 4), Ok(16));
+        let e = validate_request(0, 5, 16, 4, 4).unwrap_err();
+        assert!(!e.context_length);
+        assert_eq!(e.message, "prompt is empty: at least one token is required");
+        let e = validate_request(16, 5, 16, 4, 4).unwrap_err();
+        assert_eq!(
+            e.message,
+            "prompt has 16 tokens, the context holds 16 (prompt plus at least one generated \
+             token)"
+        );
+        let e = validate_request(10, 10, 64, 4, 4).unwrap_err();
+        assert!(e.context_length);
+        assert_eq!(
+            e.message,
+            "request needs 20 tokens of KV, the pool holds 16"
+        );
     }
 }

@@ -23,6 +23,7 @@ fn core(ps: usize, radix: bool, pages: usize, max_running: usize, ext: usize) ->
         max_extend_tokens: ext,
         radix,
         eos_token_ids: vec![0],
+        priority_aging_steps: None,
     })
 }
 

@@ -65,6 +65,7 @@ proptest! {
             max_extend_tokens: 16,
             radix,
             eos_token_ids: vec![0],
+            priority_aging_steps: None,
         });
         let mut buf = PlanBuf::default();
         let (mut codes, mut rids) = (Vec::new(), Vec::new());
@@ -118,6 +119,7 @@ proptest! {
             max_extend_tokens: max_extend,
             radix: true,
             eos_token_ids: vec![0],
+            priority_aging_steps: None,
         });
         let mut buf = PlanBuf::default();
         let (mut codes, mut rids) = (Vec::new(), Vec::new());

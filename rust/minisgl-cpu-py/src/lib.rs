@@ -201,8 +201,9 @@ type CommitResult = (u64, Vec<u8>, Vec<i64>, Vec<(usize, Vec<i32>)>);
 #[pymethods]
 impl SchedulerCore {
     #[new]
+    #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (*, num_pages, page_size, max_seq_len, max_running_requests,
-                        max_extend_tokens, radix, eos_token_ids))]
+                        max_extend_tokens, radix, eos_token_ids, priority_aging_steps=None))]
     fn new(
         num_pages: usize,
         page_size: usize,
@@ -211,9 +212,13 @@ impl SchedulerCore {
         max_extend_tokens: usize,
         radix: bool,
         eos_token_ids: Vec<i32>,
+        priority_aging_steps: Option<usize>,
     ) -> PyResult<Self> {
         if page_size == 0 {
             return Err(PyValueError::new_err("page_size must be > 0"));
+        }
+        if priority_aging_steps == Some(0) {
+            return Err(PyValueError::new_err("priority_aging_steps must be > 0"));
         }
         Ok(SchedulerCore {
             core: SchedCore::new(SchedConfig {
@@ -224,6 +229,7 @@ impl SchedulerCore {
                 max_extend_tokens,
                 radix,
                 eos_token_ids,
+                priority_aging_steps,
             }),
             codes: Vec::new(),
             rids: Vec::new(),
@@ -231,7 +237,8 @@ impl SchedulerCore {
     }
 
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (rid, prompt, max_total_len, max_tokens, ignore_eos, stop_token_ids))]
+    #[pyo3(signature = (rid, prompt, max_total_len, max_tokens, ignore_eos, stop_token_ids,
+                        priority=0))]
     fn add_request(
         &mut self,
         rid: i64,
@@ -240,6 +247,7 @@ impl SchedulerCore {
         max_tokens: usize,
         ignore_eos: bool,
         stop_token_ids: Vec<i32>,
+        priority: i64,
     ) -> PyResult<()> {
         let params = ReqParams {
             max_tokens,
@@ -247,8 +255,13 @@ impl SchedulerCore {
             stop_token_ids,
         };
         self.core
-            .add_request(rid, prompt.as_slice()?, max_total_len, params)
+            .add_request_with_priority(rid, prompt.as_slice()?, max_total_len, params, priority)
             .map_err(sched_err)
+    }
+
+    /// The rids of the waiting queue, in admission order.
+    fn waiting_rids(&self) -> Vec<i64> {
+        self.core.waiting_rids()
     }
 
     /// One step: `None` when idle, else `(is_prefill, admitted, bs, num_tokens, num_kv,

@@ -7,7 +7,8 @@ use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 
 use minisgl_cpu_core::{
-    PlanBuf, ReqParams, SchedConfig, SchedCore, FINISH_DROPPED, FINISH_LENGTH, FINISH_STOP,
+    validate_request, PlanBuf, ReqParams, SchedConfig, SchedCore, FINISH_DROPPED, FINISH_LENGTH,
+    FINISH_STOP,
 };
 
 use crate::wire::WireParams;
@@ -111,6 +112,7 @@ fn new_core(cfg: &EngineConfig) -> SchedCore {
         max_extend_tokens: cfg.max_extend_tokens,
         radix: cfg.radix,
         eos_token_ids: cfg.eos_token_ids.clone(),
+        priority_aging_steps: None,
     })
 }
 
@@ -161,33 +163,18 @@ impl Engine {
 
     /// Validate (empty, longer than the context, more KV than the pool) and queue.
     pub fn add(&mut self, rid: i64, ids: &[i32], params: &WireParams) -> Result<(), AddError> {
-        let (ms, ps, np) = (self.cfg.max_seq_len, self.cfg.page_size, self.cfg.num_pages);
-        if ids.is_empty() {
-            return Err(AddError {
-                message: "prompt is empty: at least one token is required".into(),
-                context_length: false,
-            });
-        }
-        if ids.len() >= ms {
-            return Err(AddError {
-                message: format!(
-                    "prompt has {} tokens, the context holds {ms} (prompt plus at least one \
-                     generated token)",
-                    ids.len()
-                ),
-                context_length: true,
-            });
-        }
-        let max_total = (ids.len() + params.max_tokens).min(ms);
-        if max_total.div_ceil(ps) > np {
-            return Err(AddError {
-                message: format!(
-                    "request needs {max_total} tokens of KV, the pool holds {}",
-                    np * ps
-                ),
-                context_length: true,
-            });
-        }
+        let c = &self.cfg;
+        let max_total = validate_request(
+            ids.len(),
+            params.max_tokens,
+            c.max_seq_len,
+            c.num_pages,
+            c.page_size,
+        )
+        .map_err(|e| AddError {
+            message: e.message,
+            context_length: e.context_length,
+        })?;
         let rp = ReqParams {
             max_tokens: params.max_tokens,
             ignore_eos: params.ignore_eos,

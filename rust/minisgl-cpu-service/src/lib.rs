@@ -7,6 +7,7 @@
 
 pub mod engine;
 pub mod metrics;
+pub mod replay;
 pub mod service;
 pub mod text;
 pub mod wire;

@@ -1,18 +1,22 @@
 //! `minisgl-cpu-service serve --ipc-dir DIR --model-path DIR [...]`: the CPU service process
 //! (started by `python -m minisgl` with `MINISGL_CPU_BACKEND=rust_service`);
-//! `minisgl-cpu-service text --model DIR`: the text layer over stdin / stdout (parity tests).
+//! `minisgl-cpu-service text --model DIR`: the text layer over stdin / stdout (parity tests);
+//! `minisgl-cpu-service replay --input W.json --output R.json [--enable-priority]`: workload
+//! replay through the scheduler core (`python -m minisgl.benchmark.replay` documents it).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use minisgl_cpu_service::replay::run_replay_cli;
 use minisgl_cpu_service::service::{self, Config, Exit};
 use minisgl_cpu_service::text::run_text_cli;
 
 const USAGE: &str = "usage: minisgl-cpu-service serve --ipc-dir DIR --model-path DIR \
 [--num-workers 1] [--page-size N] [--max-running-requests N] [--max-prefill-length N] \
 [--cache-type radix|naive] [--parent-pid PID] [--trace FILE] [--depth 1|2] \
-[--startup-timeout S]\n       minisgl-cpu-service text --model DIR";
+[--startup-timeout S]\n       minisgl-cpu-service text --model DIR\n       \
+minisgl-cpu-service replay --input W.json --output R.json [--enable-priority]";
 
 fn parse_serve(args: &[String]) -> Result<Config, String> {
     let mut cfg = Config {
@@ -96,6 +100,7 @@ fn main() -> ExitCode {
             }
         },
         Some("text") => run_text_cli(&args[1..]),
+        Some("replay") => run_replay_cli(&args[1..]),
         _ => {
             eprintln!("{USAGE}");
             ExitCode::from(2)

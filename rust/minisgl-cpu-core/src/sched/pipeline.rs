@@ -98,6 +98,7 @@ impl SchedCore {
             }
             return Ok(None);
         }
+        self.clock += 1;
         let mut st = self.spare_steps.pop().unwrap_or_default();
         st.batch.clear();
         st.batch.extend_from_slice(&self.batch);

@@ -74,6 +74,7 @@ class Req:
     generator: Any = None
     inflight: int = 0  # pipelined mode: unconfirmed steps that contain this request
     pending_out: int = 0  # pipelined mode: its samples in unconfirmed steps
+    sched_key: int = 0  # priority mode: waiting-queue order (priority * aging steps + clock)
 
     @property
     def prefill_len(self) -> int:

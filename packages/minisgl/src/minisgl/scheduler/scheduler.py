@@ -24,6 +24,15 @@ flight, and a finished / retired request with none left is released. A request f
 retired while a later unconfirmed step contains it leaves `running` and `requests` at once
 but keeps its slot, pages and cache lock until then. One step in flight at a time is exactly
 `schedule` + `commit`.
+
+Priority scheduling (`priority_aging_steps=K`; off, i.e. FIFO, when None): `add_request(...,
+priority=p)`, a lower number is served first (vLLM's convention). The waiting queue is kept
+sorted by `p * K + clock` (`clock`: steps scheduled so far), new requests going after the
+equal keys, so the order is FIFO within a priority and a waiting request gains one level
+every K steps (aging). Bound: a request of priority p is never overtaken by one of priority
+q that arrives `(p - q) * K` or more steps after it, so it waits at most for the requests
+that arrived before it or within `(p - q_min) * K` steps after it. Admission is unchanged
+(the head of the queue, stopping at the first refusal); the Rust core orders the same way.
 """
 
 from __future__ import annotations
@@ -101,7 +110,18 @@ class Scheduler:
         max_extend_tokens: int,
         cache_type: str,
         eos_token_ids: Sequence[int] = (),
+        priority_aging_steps: int | None = None,
     ) -> None:
+        if priority_aging_steps is not None and (
+            isinstance(priority_aging_steps, bool)
+            or not isinstance(priority_aging_steps, int)
+            or priority_aging_steps <= 0
+        ):
+            raise ValueError(
+                f"priority_aging_steps must be a positive int or None, got {priority_aging_steps!r}"
+            )
+        self.priority_aging_steps = priority_aging_steps
+        self._clock = 0  # steps scheduled so far (the priority aging clock)
         self.page_size = page_size
         self.max_seq_len = max_seq_len
         self.max_running = max_running_requests
@@ -126,6 +146,7 @@ class Scheduler:
         params: SamplingParams,
         rid: int | None = None,
         generator: Any = None,
+        priority: int = 0,
     ) -> int:
         ids, max_total = validate_request(
             input_ids, params, self.max_seq_len, self.alloc.num_pages, self.page_size
@@ -136,8 +157,20 @@ class Scheduler:
         req = Req(rid, ids, params, max_total, generator=generator)
         req.fill_ids = ids
         self.requests[rid] = req
-        self.waiting.append(req)
+        self._enqueue(req, priority)
         return rid
+
+    def _enqueue(self, req: Req, priority: int) -> None:
+        """FIFO, or (priority mode) after every waiting request whose key is <= its own."""
+        k = self.priority_aging_steps
+        if k is None:
+            self.waiting.append(req)
+            return
+        req.sched_key = int(priority) * k + self._clock
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].sched_key > req.sched_key:
+            i -= 1
+        self.waiting.insert(i, req)
 
     def abort(self, rid: int) -> bool:
         """Finish a request now (client gone, stop string hit...); frees all it holds."""
@@ -171,6 +204,7 @@ class Scheduler:
         self._served["schedule"] += 1
         batch = self._schedule_prefill()
         plan = self._prefill_plan(batch) if batch else self._decode_plan()
+        self._clock += plan is not None
         self.stats.schedule_s.append(time.perf_counter() - t0)
         return plan
 
@@ -235,6 +269,7 @@ class Scheduler:
             step = self._decode_plan(rows) if rows else None
         if step is None:
             return None
+        self._clock += 1
         plan, reqs = step.plan, list(step.reqs)
         ps = self.page_size
         lens = plan.extend_lens.tolist()
