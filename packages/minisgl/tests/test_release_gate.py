@@ -438,6 +438,7 @@ def test_cli_promote_report(tmp_path, capsys):
     assert report["counts"] == {
         "baseline_observations": N, "candidate_observations": N, "baseline_requests": N,
         "candidate_requests": N, "matched": N, "missing_in_candidate": 0, "missing_in_baseline": 0,
+        "workload_conflicts": 0,
     }  # fmt: skip
 
 
@@ -471,3 +472,17 @@ def test_cli_bad_inputs_exit_3(tmp_path, capsys):
     rc = release_gate.main(["--baseline", str(tmp_path / "nope.jsonl"), "--candidate",
                             str(tmp_path / "cand.jsonl")])  # fmt: skip
     assert rc == 3 and "cannot read" in capsys.readouterr().err
+
+
+def test_same_ids_for_a_different_workload_do_not_join():
+    base = [dataclasses.replace(o, workload_fingerprint=f"workload:{o.index}") for o in run()]
+    other = {i: {"workload_fingerprint": "workload:seed7"} for i in range(3)}
+    c = [dataclasses.replace(o, workload_fingerprint=f"workload:{o.index}") for o in cand()]
+    c = [dataclasses.replace(o, **other.get(o.index, {})) for o in c]
+    for o in c[:3]:  # different prompts under the same ids: other outputs, not a regression
+        c[o.index] = dataclasses.replace(o, output_token_ids=(9, 9))
+    ev = evaluate(base, c, POLICY, "request_id")
+    assert ev.counts["workload_conflicts"] == 3 and ev.counts["matched"] == N - 3
+    assert ev.decision == "hold" and "output_mismatch" not in failed(ev)
+    sig = next(s for s in ev.signals if s.name == "baseline_match_fraction")
+    assert "3 present on both sides with a different workload" in sig.detail

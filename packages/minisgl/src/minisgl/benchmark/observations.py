@@ -11,6 +11,8 @@ by the release gate (`release_gate.py`); vLLM / SGLang result files convert into
     device          "cpu", the GPU name, or "sim:<host>" for the simulated device
     model           model name (and version when known)
     output_token_ids / output_text / output_fingerprint   any of them, or none
+    workload_fingerprint  what was asked (prompt token ids + max tokens): when both sides
+                    carry one for a request id and they differ, the request is not matched
     error           None, or the failure's message
     ttft_s, itl_s (per-token gaps after the first), e2e_s
     prompt_tokens, output_tokens, kv_pages_in_use (peak KV pages used while it ran)
@@ -45,6 +47,7 @@ class Observation:
     output_token_ids: tuple[int, ...] | None = None
     output_text: str | None = None
     output_fingerprint: str | None = None
+    workload_fingerprint: str | None = None
     error: str | None = None
     ttft_s: float | None = None
     itl_s: tuple[float, ...] = ()
@@ -73,6 +76,12 @@ def request_id(profile: str, index: int) -> str:
     return f"{profile}-{index}"
 
 
+def workload_fingerprint(prompt_ids: Iterable[int], max_tokens: int) -> str:
+    """Identifies a request of a workload: its prompt token ids and its output length."""
+    payload = json.dumps([[int(t) for t in prompt_ids], int(max_tokens)])
+    return f"workload:{hashlib.sha256(payload.encode()).hexdigest()[:16]}"
+
+
 def fingerprint(token_ids: Iterable[int] | None = None, text: str | None = None) -> str | None:
     """`tokens:<sha256[:16]>` of the ids, else `text:<...>` of the text, else None."""
     if token_ids is not None:
@@ -85,7 +94,7 @@ def fingerprint(token_ids: Iterable[int] | None = None, text: str | None = None)
 
 
 _STR = ("request_id", "backend", "device", "model")
-_OPT_STR = ("output_text", "output_fingerprint", "error")
+_OPT_STR = ("output_text", "output_fingerprint", "workload_fingerprint", "error")
 _OPT_INT = ("index", "prompt_tokens", "output_tokens", "kv_pages_in_use")
 _OPT_FLOAT = ("ttft_s", "e2e_s")
 _KNOWN = {f.name for f in fields(Observation)}
@@ -142,6 +151,7 @@ def from_dict(data: Any) -> Observation:
         output_token_ids=tuple(ids) if ids is not None else None,
         output_text=data.get("output_text"),
         output_fingerprint=data.get("output_fingerprint"),
+        workload_fingerprint=data.get("workload_fingerprint"),
         error=data.get("error"),
         ttft_s=data.get("ttft_s"),
         itl_s=tuple(float(x) for x in itl),

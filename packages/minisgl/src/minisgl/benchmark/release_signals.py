@@ -96,10 +96,11 @@ class Joined:
     join: str
     baseline: dict[str, list[Observation]]
     candidate: dict[str, list[Observation]]
+    conflicts: list[str] = field(default_factory=list)  # same key, different workload
 
     @property
     def matched(self) -> set[str]:
-        return set(self.baseline) & set(self.candidate)
+        return (set(self.baseline) & set(self.candidate)) - set(self.conflicts)
 
 
 def join_key(obs: Observation, join: str) -> str:
@@ -119,7 +120,12 @@ def join(baseline: list[Observation], candidate: list[Observation], how: str) ->
             side[join_key(obs, how)].append(obs)
         for obs_list in side.values():
             obs_list.sort(key=lambda o: o.repeat)
-    return Joined(how, dict(sides[0]), dict(sides[1]))
+    conflicts = []
+    for key in sorted(set(sides[0]) & set(sides[1])):
+        prints = {o.workload_fingerprint for o in sides[0][key] + sides[1][key]}
+        if len(prints - {None}) > 1:
+            conflicts.append(key)
+    return Joined(how, dict(sides[0]), dict(sides[1]), conflicts)
 
 
 @dataclass
@@ -237,8 +243,8 @@ def evaluate_segment(
     th, scopes = policy.for_segment(backend, device, models)
     seg = SegmentResult(name, backend, device, models, scopes, th)
     keys = {k for k, _ in cand_obs}
-    matched = sorted(keys & set(joined.baseline))
-    cand = [o for k, o in cand_obs if k in joined.baseline]
+    matched = sorted(keys & joined.matched)
+    cand = [o for k, o in cand_obs if k in joined.matched]
     base = [o for k in matched for o in joined.baseline[k]]
     sig = seg.signals
 
@@ -262,7 +268,7 @@ def evaluate_segment(
     pairs = 0
     for key, obs in cand_obs:
         ref = next((b for b in joined.baseline.get(key, []) if b.ok), None)
-        if ref is None or not obs.ok:
+        if ref is None or not obs.ok or key in joined.conflicts:
             continue
         pairs += 1
         comparisons.append(compare_output(ref, obs, key))
@@ -371,10 +377,15 @@ def evaluate(
     th = policy.base
     missing_b = sorted(set(joined.baseline) - matched)
     frac = len(matched) / len(joined.baseline) if joined.baseline else 0.0
+    detail = f"{len(missing_b)} baseline request(s) not matched in the candidate"
+    if joined.conflicts:
+        detail += (
+            f" ({len(joined.conflicts)} present on both sides with a different workload "
+            "fingerprint: other prompts or lengths under the same id)"
+        )
     signals = [
         Signal("baseline_match_fraction", "evidence", "all", None, None, frac,
-               th.min_match_fraction, ">=", frac >= th.min_match_fraction, "hold",
-               f"{len(missing_b)} baseline request(s) missing in the candidate",
+               th.min_match_fraction, ">=", frac >= th.min_match_fraction, "hold", detail,
                tuple({"request": k} for k in missing_b[:EXAMPLES]))
     ]  # fmt: skip
     if not segments:
@@ -393,6 +404,7 @@ def evaluate(
         "matched": len(matched),
         "missing_in_candidate": len(missing_b),
         "missing_in_baseline": len(set(joined.candidate) - matched),
+        "workload_conflicts": len(joined.conflicts),
     }
     return Evaluation(decide(signals), signals, segments, counts)
 
