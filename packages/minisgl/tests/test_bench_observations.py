@@ -38,6 +38,14 @@ def test_build_timings_and_failures():
     assert a.workload_fingerprint == workload_fingerprint([1, 2, 3], 3)
     assert (a.prompt_tokens, a.output_tokens) == (3, 3)
     assert b.error == "no output token" and b.ttft_s is None and b.output_token_ids is None
+    assert a.extra["host_cpu"]  # the device is "cpu"; the CPU model rides along
+
+
+def test_offline_ab_arms_write_their_own_observations():
+    args = harness.build_parser().parse_args(["offline", "--ab", "python,rust_hotpath"])
+    cmd = harness._arm_command(args, get_profile("seed-offline"), "o.json", "o.python.jsonl")
+    assert cmd[cmd.index("--observations") + 1] == "o.python.jsonl"
+    assert "--observations" not in harness._arm_command(args, get_profile("seed-offline"), "o")
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from minisgl.benchmark.common import cpu_model
 from minisgl.benchmark.observations import (
     Observation,
     fingerprint,
@@ -74,6 +75,7 @@ def build(
     prompt_tokens: Sequence[int | None] | None = None,
     kv_samples: Sequence[tuple[float, int]] | None = None,
 ) -> list[Observation]:
+    extra = {"host_cpu": cpu_model(), **labels.extra}  # device says "cpu"; this says which
     out = []
     for k, (item, times) in enumerate(zip(items, token_times, strict=True)):
         arrival = arrivals[k] if arrivals is not None else item.arrival_s
@@ -107,7 +109,7 @@ def build(
                     kv_peak(kv_samples, arrival, times[-1]) if kv_samples and times else None
                 ),
                 source=labels.source,
-                extra=dict(labels.extra),
+                extra=extra,
             )
         )
     return out

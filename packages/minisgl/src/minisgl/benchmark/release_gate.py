@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 from minisgl.benchmark.common import now_iso, write_json
 from minisgl.benchmark.observations import ObservationError
 from minisgl.benchmark.release_adapters import FORMATS, load
-from minisgl.benchmark.release_policy import PolicyError, load_policy
+from minisgl.benchmark.release_policy import Policy, PolicyError, load_policy
 from minisgl.benchmark.release_signals import Evaluation, evaluate, triage
 
 EXIT = {"promote": 0, "hold": 1, "rollback": 2}
@@ -51,7 +51,9 @@ def reasons(ev: Evaluation) -> list[str]:
     return out or ["every signal within policy"]
 
 
-def build_report(ev: Evaluation, args: argparse.Namespace, formats: dict[str, str], policy):
+def build_report(
+    ev: Evaluation, args: argparse.Namespace, formats: dict[str, str], policy: Policy
+) -> dict[str, Any]:
     inputs = {
         side: {
             "path": str(getattr(args, side)),
