@@ -277,7 +277,8 @@ def test_release_gate_python_vs_rust_service(servers, tiny_llama, tmp_path):
     policy = tmp_path / "p.yaml"  # outputs and errors only: latency on a shared box is noise
     policy.write_text(
         "version: 1\nevidence: {min_matched_requests: 8, min_match_fraction: 1.0}\n"
-        "latency: {e2e: {max_ratio: null}, ttft: {max_ratio: null}, itl: {max_ratio: null}}\n"
+        "latency: {e2e: {max_ratio: null}, ttft: {max_ratio: null}, itl: {max_ratio: null},"
+        " tpot: {max_ratio: null}}\n"
         "kv_pressure: {peak: {max_ratio: null}, p95: {max_ratio: null}}\n"
     )
     out = tmp_path / "r.json"

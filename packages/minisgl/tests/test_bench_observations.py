@@ -87,7 +87,7 @@ def test_offline_observations_gate_against_themselves(offline_obs, tmp_path):
     path, _ = offline_obs
     policy = tmp_path / "p.yaml"
     policy.write_text("evidence: {min_matched_requests: 3}\nlatency: {e2e: {max_ratio: null},"
-                      " ttft: {max_ratio: null}, itl: {max_ratio: null}}\n")  # fmt: skip
+                      " ttft: {max_ratio: null}, itl: {max_ratio: null}, tpot: {max_ratio: null}}\n")  # fmt: skip
     out = tmp_path / "r.json"
     argv = ["--baseline", str(path), "--candidate", str(path), "--policy", str(policy),
             "--out", str(out), "--quiet"]  # fmt: skip

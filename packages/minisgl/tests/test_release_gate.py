@@ -135,6 +135,7 @@ def test_error_rate_tolerance():
         ({"e2e_s": 0.030}, "e2e_q0.95"),
         ({"ttft_s": 0.030}, "ttft_q0.95"),
         ({"itl_s": (0.009, 0.009, 0.009)}, "itl_q0.95"),
+        ({"e2e_s": 0.0175, "ttft_s": 0.0085}, "tpot_q0.95"),  # same e2e, slower decode
         ({"kv_pages_in_use": 150}, "kv_pages_peak"),
     ],
 )
@@ -148,11 +149,12 @@ def test_latency_and_kv_regressions_hold(change, signal):
 
 
 def test_latency_slack_absorbs_tiny_absolute_regressions():
+    e2e_only = Policy(dataclasses.replace(POLICY.base, tpot_max_ratio=None))
     slow = cand({i: {"e2e_s": 0.0175} for i in range(N)})  # +1.5 ms = 1.09x... then 1.2x:
     slower = cand({i: {"e2e_s": 0.0192} for i in range(N)})  # +3.2 ms = 1.2x
-    assert evaluate(run(), slow, POLICY, "request_id").decision == "promote"
-    assert evaluate(run(), slower, POLICY, "request_id").decision == "hold"
-    slack = Policy(dataclasses.replace(POLICY.base, e2e_slack_s=0.005))
+    assert evaluate(run(), slow, e2e_only, "request_id").decision == "promote"
+    assert evaluate(run(), slower, e2e_only, "request_id").decision == "hold"
+    slack = Policy(dataclasses.replace(e2e_only.base, e2e_slack_s=0.005))
     assert evaluate(run(), slower, slack, "request_id").decision == "promote"
 
 
@@ -189,7 +191,9 @@ def test_rollback_wins_over_hold():
     changes[0] = {"e2e_s": 0.5, "output_token_ids": (7,)}
     ev = evaluate(run(), cand(changes), POLICY, "request_id")
     assert ev.decision == "rollback"
-    assert [t["response"] for t in triage(ev.signals)] == ["rollback", "hold"]
+    assert [(t["response"], t["signal"]) for t in triage(ev.signals)] == [
+        ("rollback", "output_mismatch"), ("hold", "e2e_q0.95"), ("hold", "tpot_q0.95")
+    ]  # fmt: skip
 
 
 def test_repeats_join_on_request_id():
@@ -373,6 +377,16 @@ def test_shipped_policy_parses():
     th, scopes = policy.for_segment("rust_service", "sim:cpu", ["x"])
     assert scopes == ["simulated-device"] and th.ttft_max_ratio == 1.10
     assert policy.for_segment("rust_service", "cpu", ["x"])[1] == []
+    assert policy.base.itl_max_ratio is None and policy.base.tpot_max_ratio == 1.15
+
+
+def test_tpot_does_not_depend_on_chunking():
+    from minisgl.benchmark.release_signals import tpot
+
+    one_chunk = obs(0, ttft_s=0.01, itl_s=(), e2e_s=0.01, output_tokens=4)
+    streamed = obs(0, ttft_s=0.004, itl_s=(0.002, 0.002, 0.002), e2e_s=0.01, output_tokens=4)
+    assert tpot(one_chunk) == 0.0 and tpot(streamed) == pytest.approx(0.002)
+    assert tpot(obs(0, output_tokens=1)) is None
 
 
 @pytest.mark.parametrize(
@@ -429,7 +443,7 @@ def test_cli_promote_report(tmp_path, capsys):
     )
     assert report["policy"]["sha256"] and report["policy"]["base"]["ttft_max_ratio"] == 1.25
     names = {s["name"] for s in report["signals"]}
-    assert {"output_mismatch", "error_rate", "e2e_q0.95", "ttft_q0.95", "itl_q0.95",
+    assert {"output_mismatch", "error_rate", "e2e_q0.95", "ttft_q0.95", "itl_q0.95", "tpot_q0.95",
             "kv_pages_peak", "kv_pages_p95", "matched_requests", "baseline_match_fraction",
             "candidate_match_fraction", "outputs_compared_fraction"} <= names  # fmt: skip
     sig = next(s for s in report["signals"] if s["name"] == "ttft_q0.95")

@@ -18,7 +18,8 @@ Format (YAML, `worklog/gates/release.cpu.yaml` documents every key with the CPU 
       quantile: 0.95              # the quantile compared (0 < q <= 1)
       e2e:  {max_ratio: 1.10, slack_s: 0.0}   # candidate / baseline above max_ratio AND
       ttft: {max_ratio: 1.10, slack_s: 0.0}   #   candidate - baseline above slack_s: hold;
-      itl:  {max_ratio: 1.10, slack_s: 0.0}   #   max_ratio null: not checked
+      tpot: {max_ratio: 1.10, slack_s: 0.0}   #   max_ratio null: not checked. tpot: decode
+      itl:  {max_ratio: 1.10, slack_s: 0.0}   #   s/token per request; itl: pooled gaps
     kv_pressure:
       peak: {max_ratio: 1.10}     # peak kv_pages_in_use, candidate / baseline: hold above
       p95:  {max_ratio: 1.10}     # its p95
@@ -63,6 +64,8 @@ class Thresholds:
     e2e_slack_s: float = 0.0
     ttft_max_ratio: float | None = 1.10
     ttft_slack_s: float = 0.0
+    tpot_max_ratio: float | None = 1.10
+    tpot_slack_s: float = 0.0
     itl_max_ratio: float | None = 1.10
     itl_slack_s: float = 0.0
     kv_peak_max_ratio: float | None = 1.10
@@ -158,7 +161,7 @@ SCHEMA: dict[tuple[str, ...], tuple[str, Check]] = {
     ("kv_pressure", "p95", "max_ratio"): ("kv_p95_max_ratio", _ratio),
     ("kv_pressure", "required"): ("kv_required", _bool),
 }
-for _metric in ("e2e", "ttft", "itl"):
+for _metric in ("e2e", "ttft", "tpot", "itl"):
     SCHEMA[("latency", _metric, "max_ratio")] = (f"{_metric}_max_ratio", _ratio)
     SCHEMA[("latency", _metric, "slack_s")] = (f"{_metric}_slack_s", _seconds)
 SECTIONS = {path[0] for path in SCHEMA}

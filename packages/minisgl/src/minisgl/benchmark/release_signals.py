@@ -13,8 +13,10 @@ Signals and what a failure means:
   successful one for the request: token ids if both have them, else text, else fingerprints
   of the same kind; mismatched / compared above `max_mismatch_fraction`;
 - errors (rollback): candidate error rate - baseline error rate above `max_error_rate_delta`;
-- latency (hold): the `latency.quantile` of e2e, TTFT and inter-token latency (every gap of
-  every request pooled), candidate / baseline;
+- latency (hold): the `latency.quantile` of e2e, TTFT, TPOT (decode time per token after the
+  first, per request) and inter-token latency (every gap of every request pooled; online a gap
+  is between stream chunks, so backends that group tokens differently differ here), candidate /
+  baseline;
 - kv_pressure (hold): peak and p95 of `kv_pages_in_use`, candidate / baseline.
 """
 
@@ -207,9 +209,19 @@ def _values(observations: Sequence[Observation], get: Callable[[Observation], An
     return out
 
 
-LATENCY = (
+def tpot(obs: Observation) -> float | None:
+    """Decode time per output token after the first: (e2e - TTFT) / (tokens - 1); unlike the
+    pooled ITL it does not depend on how tokens were grouped into stream chunks."""
+    n = obs.output_tokens if obs.output_tokens is not None else len(obs.itl_s) + 1
+    if obs.e2e_s is None or obs.ttft_s is None or n < 2:
+        return None
+    return max(obs.e2e_s - obs.ttft_s, 0.0) / (n - 1)
+
+
+LATENCY: tuple[tuple[str, Callable[[Observation], Any]], ...] = (
     ("e2e", lambda o: o.e2e_s),
     ("ttft", lambda o: o.ttft_s),
+    ("tpot", tpot),
     ("itl", lambda o: o.itl_s),
 )
 
