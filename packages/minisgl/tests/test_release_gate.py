@@ -467,6 +467,12 @@ def test_cli_exit_codes(tmp_path):
     write_pair(tmp_path, cand({i: {"ttft_s": 0.05} for i in range(N)}))
     rc, report = gate(tmp_path)
     assert rc == 1 and report["decision"] == "hold"
+    slow = {i: {"ttft_s": 0.05} for i in range(N)}
+    slow[N - 1] = {"ttft_s": 0.05, "error": "boom"}
+    write_pair(tmp_path, cand(slow))
+    rc, report = gate(tmp_path)
+    assert rc == 2 and report["reasons"][0].startswith("rollback: error_rate")
+    assert report["reasons"][1].startswith("hold: ")
 
 
 def test_cli_bad_inputs_exit_3(tmp_path, capsys):

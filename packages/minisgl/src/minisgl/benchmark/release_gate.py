@@ -44,10 +44,8 @@ def sha256_of(path: str | Path) -> str:
 
 
 def reasons(ev: Evaluation) -> list[str]:
-    out = []
-    for s in ev.signals:
-        if s.failed:
-            out.append(f"{s.on_fail}: {s.name} [{s.segment}]: {s.detail}")
+    failed = sorted((s for s in ev.signals if s.failed), key=lambda s: s.on_fail != "rollback")
+    out = [f"{s.on_fail}: {s.name} [{s.segment}]: {s.detail}" for s in failed]
     return out or ["every signal within policy"]
 
 
@@ -92,9 +90,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m minisgl.benchmark.release_gate", description=__doc__.split("\n")[0])
-    p.add_argument("--baseline", required=True, type=Path)
-    p.add_argument("--candidate", required=True, type=Path)
+    p = _Parser(
+        prog="python -m minisgl.benchmark.release_gate",
+        description="Promote, hold or roll back a candidate against a baseline (docs: "
+        "docs/release_gate.md).",
+        epilog="exit status: 0 promote, 1 hold, 2 rollback, 3 bad input",
+    )
+    p.add_argument("--baseline", required=True, type=Path, help="observations or result file")
+    p.add_argument("--candidate", required=True, type=Path, help="observations or result file")
     p.add_argument("--policy", type=Path, default=None, help="policy YAML (default: built-in)")
     p.add_argument("--out", type=Path, default=None, help="report JSON")
     choices = ["auto", *FORMATS]
@@ -102,7 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--candidate-format", choices=choices, default="auto")
     p.add_argument("--baseline-device", default="unknown", help="device of adapter files")
     p.add_argument("--candidate-device", default="unknown", help="device of adapter files")
-    p.add_argument("--join", choices=["auto", "request_id", "index"], default="auto")
+    p.add_argument(
+        "--join",
+        choices=["auto", "request_id", "index"],
+        default="auto",
+        help="auto: request_id when both sides are minisgl observations, else index",
+    )
     p.add_argument("--quiet", action="store_true")
     return p
 
