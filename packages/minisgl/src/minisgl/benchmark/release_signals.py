@@ -243,39 +243,27 @@ def _summary(observations: Sequence[Observation], q: float) -> dict[str, Any]:
     return out
 
 
-def evaluate_segment(
-    joined: Joined,
-    backend: str,
-    device: str,
-    cand_obs: list[tuple[str, Observation]],
-    policy: Policy,
-) -> SegmentResult:
-    name = f"{backend}@{device}"
-    models = sorted({o.model for _, o in cand_obs})
-    th, scopes = policy.for_segment(backend, device, models)
-    seg = SegmentResult(name, backend, device, models, scopes, th)
-    keys = {k for k, _ in cand_obs}
-    matched = sorted(keys & joined.matched)
-    cand = [o for k, o in cand_obs if k in joined.matched]
-    base = [o for k in matched for o in joined.baseline[k]]
-    sig = seg.signals
-
-    # evidence
-    sig.append(
+def _evidence_signals(
+    name: str, keys: set[str], matched: list[str], th: Thresholds
+) -> list[Signal]:
+    frac = len(matched) / len(keys) if keys else 0.0
+    missing = sorted(keys - set(matched))
+    return [
         Signal("matched_requests", "evidence", name, None, float(len(matched)),
                float(len(matched)), float(th.min_matched_requests), ">=",
                len(matched) >= th.min_matched_requests, "hold",
-               f"{len(matched)} of the segment's {len(keys)} request(s) found in the baseline")
-    )  # fmt: skip
-    frac = len(matched) / len(keys) if keys else 0.0
-    sig.append(
+               f"{len(matched)} of the segment's {len(keys)} request(s) found in the baseline"),
         Signal("candidate_match_fraction", "evidence", name, None, None, frac,
                th.min_match_fraction, ">=", frac >= th.min_match_fraction, "hold",
-               f"{len(keys) - len(matched)} candidate request(s) missing in the baseline",
-               tuple({"request": k} for k in sorted(keys - set(matched))[:EXAMPLES]))
-    )  # fmt: skip
+               f"{len(missing)} candidate request(s) missing in the baseline",
+               tuple({"request": k} for k in missing[:EXAMPLES])),
+    ]  # fmt: skip
 
-    # outputs
+
+def _output_signals(
+    name: str, joined: Joined, cand_obs: list[tuple[str, Observation]], th: Thresholds
+) -> tuple[list[Signal], dict[str, Any]]:
+    """Every successful candidate observation against the baseline's first success."""
     comparisons: list[Comparison] = []
     pairs = 0
     for key, obs in cand_obs:
@@ -286,13 +274,6 @@ def evaluate_segment(
         comparisons.append(compare_output(ref, obs, key))
     compared = [c for c in comparisons if c.unit is not None]
     cfrac = len(compared) / pairs if pairs else None
-    sig.append(
-        Signal("outputs_compared_fraction", "evidence", name, None, None, cfrac,
-               th.min_compared_fraction, ">=",
-               cfrac is not None and cfrac >= th.min_compared_fraction, "hold",
-               f"{len(compared)} of {pairs} successful pair(s) had comparable outputs "
-               "(token ids, text, or fingerprints of the same kind on both sides)")
-    )  # fmt: skip
     limit = th.ignore_divergence_after
     mismatched = [c for c in compared if not c.equal]
     counted = [c for c in mismatched if limit is None or (c.divergence or 0) < limit]
@@ -300,67 +281,96 @@ def evaluate_segment(
     detail = f"{len(counted)} of {len(compared)} compared output(s) differ"
     if len(mismatched) > len(counted):
         detail += f" ({len(mismatched) - len(counted)} more diverge at or after {limit}: tolerated)"
-    sig.append(
+    signals = [
+        Signal("outputs_compared_fraction", "evidence", name, None, None, cfrac,
+               th.min_compared_fraction, ">=",
+               cfrac is not None and cfrac >= th.min_compared_fraction, "hold",
+               f"{len(compared)} of {pairs} successful pair(s) had comparable outputs "
+               "(token ids, text, or fingerprints of the same kind on both sides)"),
         Signal("output_mismatch", "outputs", name, None, None, mfrac, th.max_mismatch_fraction,
                "<=", mfrac <= th.max_mismatch_fraction, "rollback", detail,
                tuple({"request": c.request, "unit": c.unit, "first_divergence": c.divergence}
-                     for c in counted[:EXAMPLES]))
-    )  # fmt: skip
+                     for c in counted[:EXAMPLES])),
+    ]  # fmt: skip
+    summary = {
+        "pairs": pairs,
+        "compared": len(compared),
+        "mismatched": len(mismatched),
+        "mismatches_counted": len(counted),
+        "units": sorted({c.unit for c in compared if c.unit}),
+    }
+    return signals, summary
 
-    # errors
+
+def _error_signal(
+    name: str, base: list[Observation], cand: list[Observation], th: Thresholds
+) -> Signal:
     b_rate = sum(1 for o in base if not o.ok) / len(base) if base else None
     c_rate = sum(1 for o in cand if not o.ok) / len(cand) if cand else None
     if b_rate is None or c_rate is None:
-        sig.append(Signal("error_rate", "errors", name, b_rate, c_rate, None,
-                          th.max_error_rate_delta, "<=", None, "rollback",
-                          "no matched observations"))  # fmt: skip
-    else:
-        delta = c_rate - b_rate
-        errs = [o for o in cand if not o.ok][:EXAMPLES]
-        sig.append(
-            Signal("error_rate", "errors", name, b_rate, c_rate, delta, th.max_error_rate_delta,
-                   "<=", delta <= th.max_error_rate_delta + 1e-12, "rollback",
-                   f"error rate {c_rate:.4f} vs {b_rate:.4f} (delta {delta:+.4f})",
-                   tuple({"request": o.request_id, "repeat": o.repeat, "error": o.error}
-                         for o in errs))
-        )  # fmt: skip
+        return Signal("error_rate", "errors", name, b_rate, c_rate, None,
+                      th.max_error_rate_delta, "<=", None, "rollback",
+                      "no matched observations")  # fmt: skip
+    delta = c_rate - b_rate
+    errs = [o for o in cand if not o.ok][:EXAMPLES]
+    return Signal("error_rate", "errors", name, b_rate, c_rate, delta, th.max_error_rate_delta,
+                  "<=", delta <= th.max_error_rate_delta + 1e-12, "rollback",
+                  f"error rate {c_rate:.4f} vs {b_rate:.4f} (delta {delta:+.4f})",
+                  tuple({"request": o.request_id, "repeat": o.repeat, "error": o.error}
+                        for o in errs))  # fmt: skip
 
-    # latency
+
+def _latency_and_kv_signals(
+    name: str, base: list[Observation], cand: list[Observation], th: Thresholds
+) -> list[Signal]:
     q = th.latency_quantile
-    for metric, get in LATENCY:
-        bq = quantile(_values(base, get), q)
-        cq = quantile(_values(cand, get), q)
-        sig.append(
-            _ratio_signal(f"{metric}_q{q:g}", "latency", name, bq, cq,
-                          getattr(th, f"{metric}_max_ratio"), getattr(th, f"{metric}_slack_s"),
-                          True, "s")
-        )  # fmt: skip
-
-    # KV pressure
+    out = [
+        _ratio_signal(f"{metric}_q{q:g}", "latency", name, quantile(_values(base, get), q),
+                      quantile(_values(cand, get), q), getattr(th, f"{metric}_max_ratio"),
+                      getattr(th, f"{metric}_slack_s"), True, "s")
+        for metric, get in LATENCY
+    ]  # fmt: skip
     bkv = _values(base, lambda o: o.kv_pages_in_use)
     ckv = _values(cand, lambda o: o.kv_pages_in_use)
-    sig.append(
+    out += [
         _ratio_signal("kv_pages_peak", "kv_pressure", name, max(bkv) if bkv else None,
                       max(ckv) if ckv else None, th.kv_peak_max_ratio, 0.0, th.kv_required,
-                      "pages")
-    )  # fmt: skip
-    sig.append(
+                      "pages"),
         _ratio_signal("kv_pages_p95", "kv_pressure", name, quantile(bkv, 0.95),
-                      quantile(ckv, 0.95), th.kv_p95_max_ratio, 0.0, th.kv_required, "pages")
-    )  # fmt: skip
+                      quantile(ckv, 0.95), th.kv_p95_max_ratio, 0.0, th.kv_required, "pages"),
+    ]  # fmt: skip
+    return out
 
+
+def evaluate_segment(
+    joined: Joined,
+    backend: str,
+    device: str,
+    cand_obs: list[tuple[str, Observation]],
+    policy: Policy,
+) -> SegmentResult:
+    """Every signal of one candidate segment against the baseline's same requests."""
+    name = f"{backend}@{device}"
+    models = sorted({o.model for _, o in cand_obs})
+    th, scopes = policy.for_segment(backend, device, models)
+    keys = {k for k, _ in cand_obs}
+    matched = sorted(keys & joined.matched)
+    cand = [o for k, o in cand_obs if k in joined.matched]
+    base = [o for k in matched for o in joined.baseline[k]]
+    output_signals, outputs = _output_signals(name, joined, cand_obs, th)
+    seg = SegmentResult(name, backend, device, models, scopes, th)
+    seg.signals = [
+        *_evidence_signals(name, keys, matched, th),
+        *output_signals,
+        _error_signal(name, base, cand, th),
+        *_latency_and_kv_signals(name, base, cand, th),
+    ]
     seg.summary = {
         "requests": len(keys),
         "matched": len(matched),
-        "outputs": {
-            "pairs": pairs,
-            "compared": len(compared),
-            "mismatched": len(mismatched),
-            "mismatches_counted": len(counted),
-            "units": sorted({c.unit for c in compared if c.unit}),
-        },
-        "baseline": _summary(base, q),
-        "candidate": _summary(cand, q),
+        "outputs": outputs,
+        "baseline": _summary(base, th.latency_quantile),
+        "candidate": _summary(cand, th.latency_quantile),
     }
     return seg
 
