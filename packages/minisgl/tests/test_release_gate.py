@@ -73,7 +73,8 @@ def test_identical_runs_promote():
     (seg,) = ev.segments
     assert seg.name == "rust_service@cpu" and seg.decision == "promote"
     assert seg.summary["outputs"] == {
-        "pairs": N, "compared": N, "mismatched": 0, "mismatches_counted": 0, "units": ["tokens"]
+        "pairs": N, "compared": N, "mismatched": 0, "mismatches_counted": 0, "units": ["tokens"],
+        "baseline_unstable_requests": 0,
     }  # fmt: skip
     assert triage(ev.signals) == []
 
@@ -378,6 +379,7 @@ def test_shipped_policy_parses():
     assert scopes == ["simulated-device"] and th.ttft_max_ratio == 1.10
     assert policy.for_segment("rust_service", "cpu", ["x"])[1] == []
     assert policy.base.itl_max_ratio is None and policy.base.tpot_max_ratio == 1.15
+    assert policy.base.match_any_baseline_repeat is True
 
 
 def test_tpot_does_not_depend_on_chunking():
@@ -406,6 +408,7 @@ def test_tpot_does_not_depend_on_chunking():
         ("latency: [1, 2]\n", 1, "latency must be a mapping"),
         ("evidence: {min_matched_requests: [3}\n", 1, "invalid YAML"),
         ("kv_pressure:\n  required: yes please\n", 2, "expected true or false"),
+        ("outputs:\n  match_any_baseline_repeat: 1\n", 2, "expected true or false"),
     ],
 )  # fmt: skip
 def test_policy_errors_name_the_line(text, line, message):
@@ -506,3 +509,22 @@ def test_same_ids_for_a_different_workload_do_not_join():
     assert ev.decision == "hold" and "output_mismatch" not in failed(ev)
     sig = next(s for s in ev.signals if s.name == "baseline_match_fraction")
     assert "3 present on both sides with a different workload" in sig.detail
+
+
+def test_a_baseline_that_varies_across_repeats_sets_the_bar():
+    base = run() + [dataclasses.replace(o, repeat=1) for o in run()]
+    base[N + 2] = dataclasses.replace(base[N + 2], output_token_ids=(2, 3, 7, 7))  # repeat 1
+    c = cand({2: {"output_token_ids": (2, 3, 7, 7)}})  # equal to the baseline's 2nd repeat
+    ev = evaluate(base, c, POLICY, "request_id")
+    assert ev.decision == "promote"
+    outputs = ev.segments[0].summary["outputs"]
+    assert outputs["baseline_unstable_requests"] == 1 and outputs["mismatched"] == 0
+    sig = next(s for s in ev.signals if s.name == "output_mismatch")
+    assert "the baseline itself gave different outputs across repeats for 1" in sig.detail
+    first_only = Policy(dataclasses.replace(POLICY.base, match_any_baseline_repeat=False))
+    assert evaluate(base, c, first_only, "request_id").decision == "rollback"
+    # an output equal to no baseline repeat: the closest one gives the divergence
+    c = cand({2: {"output_token_ids": (2, 3, 7, 9)}})
+    ev = evaluate(base, c, POLICY, "request_id")
+    sig = next(s for s in ev.signals if s.name == "output_mismatch")
+    assert ev.decision == "rollback" and sig.examples[0]["first_divergence"] == 3

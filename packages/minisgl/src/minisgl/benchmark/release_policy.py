@@ -12,6 +12,8 @@ Format (YAML, `worklog/gates/release.cpu.yaml` documents every key with the CPU 
       ignore_divergence_after: null  # int: a mismatch whose first divergence is at or after
                                   #   this position (tokens, or characters for text) is
                                   #   tolerated (reported, not counted)
+      match_any_baseline_repeat: true  # a candidate output equal to any baseline repeat's
+                                  #   matches (false: only the first successful repeat)
     errors:
       max_error_rate_delta: 0.0   # candidate error rate - baseline's above it: rollback
     latency:
@@ -58,6 +60,7 @@ class Thresholds:
     min_compared_fraction: float = 0.95
     max_mismatch_fraction: float = 0.0
     ignore_divergence_after: int | None = None
+    match_any_baseline_repeat: bool = True
     max_error_rate_delta: float = 0.0
     latency_quantile: float = 0.95
     e2e_max_ratio: float | None = 1.10
@@ -155,6 +158,7 @@ SCHEMA: dict[tuple[str, ...], tuple[str, Check]] = {
     ("evidence", "min_compared_fraction"): ("min_compared_fraction", _fraction),
     ("outputs", "max_mismatch_fraction"): ("max_mismatch_fraction", _fraction),
     ("outputs", "ignore_divergence_after"): ("ignore_divergence_after", _opt_count),
+    ("outputs", "match_any_baseline_repeat"): ("match_any_baseline_repeat", _bool),
     ("errors", "max_error_rate_delta"): ("max_error_rate_delta", _fraction),
     ("latency", "quantile"): ("latency_quantile", _quantile),
     ("kv_pressure", "peak", "max_ratio"): ("kv_peak_max_ratio", _ratio),

@@ -9,9 +9,12 @@ thresholds for that segment (`Policy.for_segment`).
 Signals and what a failure means:
 - evidence (hold): matched requests, the fraction of each side's requests matched, the
   fraction of successful pairs whose outputs could be compared;
-- outputs (rollback): every successful candidate observation against the baseline's first
-  successful one for the request: token ids if both have them, else text, else fingerprints
-  of the same kind; mismatched / compared above `max_mismatch_fraction`;
+- outputs (rollback): every successful candidate observation against the baseline's
+  successful ones for the request (token ids if both have them, else text, else fingerprints
+  of the same kind): equal to any baseline repeat counts as a match (`match_any_baseline_repeat`,
+  default true: a baseline that is not deterministic across repeats, e.g. batch-dependent int4
+  kernels, sets the bar; such requests are reported); mismatched / compared above
+  `max_mismatch_fraction`;
 - errors (rollback): candidate error rate - baseline error rate above `max_error_rate_delta`;
 - latency (hold): the `latency.quantile` of e2e, TTFT, TPOT (decode time per token after the
   first, per request) and inter-token latency (every gap of every request pooled; online a gap
@@ -89,6 +92,24 @@ def compare_output(base: Observation, cand: Observation, key: str) -> Comparison
     if fa and fb and fa.split(":", 1)[0] == fb.split(":", 1)[0]:
         return Comparison(key, "fingerprint", fa == fb, None if fa == fb else 0)
     return Comparison(key, None, False)
+
+
+def best_comparison(refs: Sequence[Observation], cand: Observation, key: str) -> Comparison:
+    """The candidate against each reference: an equal one if any, else the latest divergence
+    among the comparable ones (the closest baseline output)."""
+    comps = [compare_output(r, cand, key) for r in refs]
+    comparable = [c for c in comps if c.unit is not None]
+    if not comparable:
+        return comps[0]
+    equal = next((c for c in comparable if c.equal), None)
+    return equal or max(comparable, key=lambda c: c.divergence or 0)
+
+
+def baseline_unstable(observations: Sequence[Observation]) -> bool:
+    """True when the baseline's own successful repeats of a request produced different outputs."""
+    ok = [o for o in observations if o.ok]
+    comps = [compare_output(ok[0], o, "") for o in ok[1:]]
+    return any(c.unit is not None and not c.equal for c in comps)
 
 
 @dataclass
@@ -267,11 +288,14 @@ def _output_signals(
     comparisons: list[Comparison] = []
     pairs = 0
     for key, obs in cand_obs:
-        ref = next((b for b in joined.baseline.get(key, []) if b.ok), None)
-        if ref is None or not obs.ok or key in joined.conflicts:
+        refs = [b for b in joined.baseline.get(key, []) if b.ok]
+        if not refs or not obs.ok or key in joined.conflicts:
             continue
         pairs += 1
-        comparisons.append(compare_output(ref, obs, key))
+        comparisons.append(best_comparison(refs if th.match_any_baseline_repeat else refs[:1],
+                                           obs, key))  # fmt: skip
+    unstable = sorted(k for k in joined.matched & {k for k, _ in cand_obs}
+                      if baseline_unstable(joined.baseline[k]))  # fmt: skip
     compared = [c for c in comparisons if c.unit is not None]
     cfrac = len(compared) / pairs if pairs else None
     limit = th.ignore_divergence_after
@@ -281,6 +305,11 @@ def _output_signals(
     detail = f"{len(counted)} of {len(compared)} compared output(s) differ"
     if len(mismatched) > len(counted):
         detail += f" ({len(mismatched) - len(counted)} more diverge at or after {limit}: tolerated)"
+    if unstable:
+        detail += (
+            f"; the baseline itself gave different outputs across repeats for {len(unstable)} "
+            f"request(s), e.g. {', '.join(unstable[:EXAMPLES])}"
+        )
     signals = [
         Signal("outputs_compared_fraction", "evidence", name, None, None, cfrac,
                th.min_compared_fraction, ">=",
@@ -298,6 +327,7 @@ def _output_signals(
         "mismatched": len(mismatched),
         "mismatches_counted": len(counted),
         "units": sorted({c.unit for c in compared if c.unit}),
+        "baseline_unstable_requests": len(unstable),
     }
     return signals, summary
 
