@@ -252,3 +252,47 @@ def test_service_counters_in_metrics(servers):
     for name in ("ingress_us", "schedule_us", "commit_us", "requests", "rejected_frames"):
         metric(text, "minisgl_cpu_backend", f'{{path="service.{name}"}}')
     assert metric(text, "minisgl_scheduler_steps_total") >= steps
+
+
+def test_release_gate_python_vs_rust_service(servers, tiny_llama, tmp_path):
+    """The cutover's flow in small: the online harness writes observations against each
+    backend's server, the release gate joins them by request id: promote on identical
+    outputs; a tampered candidate output rolls back (exit 2)."""
+    import json
+
+    from minisgl.benchmark import harness, release_gate
+    from minisgl.benchmark.observations import read_jsonl
+
+    small = ["--set", "num_requests=8", "--set", "output_len=6", "--set", "input_len_min=8",
+             "--set", "input_len_max=24", "--set", "warmup_requests=1", "--no-progress"]  # fmt: skip
+    files = {}
+    for name in ("python", "service"):
+        files[name] = tmp_path / f"obs.{name}.jsonl"
+        rc = harness.main(
+            ["online", "--base-url", servers[name].get().base_url, "--model-path",
+             str(tiny_llama), "--observations", str(files[name]), *small]
+        )  # fmt: skip
+        assert rc == 0, name
+    assert {o.backend for o in read_jsonl(files["service"])} == {"rust_service"}
+    policy = tmp_path / "p.yaml"  # outputs and errors only: latency on a shared box is noise
+    policy.write_text(
+        "version: 1\nevidence: {min_matched_requests: 8, min_match_fraction: 1.0}\n"
+        "latency: {e2e: {max_ratio: null}, ttft: {max_ratio: null}, itl: {max_ratio: null},"
+        " tpot: {max_ratio: null}}\n"
+        "kv_pressure: {peak: {max_ratio: null}, p95: {max_ratio: null}}\n"
+    )
+    out = tmp_path / "r.json"
+    argv = ["--baseline", str(files["python"]), "--candidate", str(files["service"]),
+            "--policy", str(policy), "--out", str(out), "--quiet"]  # fmt: skip
+    assert release_gate.main(argv) == 0, json.loads(out.read_text())["reasons"]
+    report = json.loads(out.read_text())
+    assert report["counts"]["matched"] == 8
+    assert report["segments"][0]["summary"]["outputs"]["compared"] == 8
+    rows = [json.loads(line) for line in files["service"].read_text().splitlines()]
+    rows[5]["output_text"] = rows[5]["output_text"][:3] + "#" + rows[5]["output_text"][4:]
+    tampered = tmp_path / "tampered.jsonl"
+    tampered.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv[3] = str(tampered)
+    assert release_gate.main(argv) == 2
+    (item,) = json.loads(out.read_text())["triage"]
+    assert item["signal"] == "output_mismatch" and item["examples"][0]["first_divergence"] == 3

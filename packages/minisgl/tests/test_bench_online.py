@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "server"))
 from minisgl.benchmark import harness
+from minisgl.benchmark.observations import read_jsonl
 from minisgl.testing.server import running_server
 
 SMALL = ["--set", "num_requests=4", "--set", "output_len=5", "--set", "input_len_min=8",
@@ -52,3 +53,25 @@ def test_online_run_and_gates(bench_server, tiny_model_dir, tmp_path, capsys):
         assert m[key]["p50"] is not None and m[key]["p50"] > 0, key
     assert m["cpu"]["server_cpu_pct"] >= 0 and "client_cpu_pct" in m["cpu"]
     assert data["gate_metrics"]["output_tok_s"] == m["output_tok_s"] > 0
+
+
+def test_online_run_writes_observations(bench_server, tiny_model_dir, tmp_path):
+    path = tmp_path / "on.jsonl"
+    rc = harness.main(
+        ["online", "--base-url", bench_server.base_url, "--model-path",
+         str(tiny_model_dir("llama")), "--out", str(tmp_path / "on.json"),
+         "--observations", str(path), *SMALL, "--set", "output_len=4", "--repeats", "2"]
+    )  # fmt: skip
+    assert rc == 0
+    observations = read_jsonl(path)
+    assert [(o.request_id, o.repeat) for o in observations] == [
+        (f"seed-online-{i}", r) for r in (0, 1) for i in range(4)
+    ]
+    for o in observations:
+        assert (o.backend, o.device, o.source) == ("python", "cpu", "minisgl-online")
+        assert o.error is None and o.output_text and o.output_token_ids is None
+        assert o.output_tokens == 4 and o.prompt_tokens > 0  # the server's count (template)
+        assert 0 < o.ttft_s <= o.e2e_s and o.e2e_s == pytest.approx(o.ttft_s + sum(o.itl_s))
+        assert o.workload_fingerprint is not None
+    # greedy decoding: the same text in both repeats
+    assert [o.output_text for o in observations[:4]] == [o.output_text for o in observations[4:]]

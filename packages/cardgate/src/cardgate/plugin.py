@@ -6,7 +6,8 @@
   narrows to items and their children); `--cardgate-report PATH` writes a JSON report of every
   test phase, with bound items and metrics, collected on the xdist controller.
 - `metric(name, value, unit=..., higher_is_better=...)` records a benchmark metric (tests
-  marked `bench`); `parity(path)` asserts a parity JSON and records its mismatch count.
+  marked `bench`); `parity(path)` asserts a parity JSON and records its mismatch count;
+  `release_gate(path)` asserts a release-gate report decided `promote` and records the decision.
 - `gpu` tests are skipped without a CUDA device (torch imported lazily; no torch = no GPU).
 - `--cardgate-timeout S` fails any test phase running longer than S seconds (SIGALRM).
 - `--cardgate-testpaths` adds the ini `testpaths` to explicit path arguments (the gate's
@@ -35,6 +36,7 @@ from cardgate import hardware
 from cardgate.board import KANBAN_DIR, Board, load_board, rel
 from cardgate.evidence import write_json
 from cardgate.parity import ParityResult, assert_parity_json
+from cardgate.release import ReleaseResult, check_release_json, failure_message
 from cardgate.verify import verify_card
 
 BINDING_PROP = "cardgate_items"
@@ -311,6 +313,24 @@ def parity(request: pytest.FixtureRequest) -> Iterator[Any]:
         result = assert_parity_json(path)
         recorder = MetricRecorder(request.node)
         recorder(metric_name, float(result.mismatches or 0), unit="count", higher_is_better=False)
+        return result
+
+    yield check
+
+
+@pytest.fixture
+def release_gate(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """`release_gate(path)`: fail unless the release-gate report's decision is `promote`;
+    records `release_decision` (0 promote, 1 hold, 2 rollback; lower is better) whenever the
+    report has a decision, so a hold or rollback is evidence too."""
+
+    def check(path: Path | str, metric_name: str = "release_decision") -> ReleaseResult:
+        result = check_release_json(path)
+        if result.code is not None:
+            recorder = MetricRecorder(request.node)
+            recorder(metric_name, float(result.code), unit="decision", higher_is_better=False)
+        if not result.passed:
+            raise AssertionError(failure_message(result))
         return result
 
     yield check

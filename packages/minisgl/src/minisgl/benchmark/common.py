@@ -128,19 +128,23 @@ def percentiles(values: Sequence[float], scale: float = 1.0) -> dict[str, float 
     if not values:
         return {"p50": None, "p95": None, "p99": None, "mean": None, "max": None}
     xs = sorted(float(v) * scale for v in values)
-
-    def pct(q: float) -> float:
-        pos = (len(xs) - 1) * q
-        lo, hi = math.floor(pos), math.ceil(pos)
-        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
     return {
-        "p50": pct(0.50),
-        "p95": pct(0.95),
-        "p99": pct(0.99),
+        "p50": quantile(xs, 0.50),
+        "p95": quantile(xs, 0.95),
+        "p99": quantile(xs, 0.99),
         "mean": sum(xs) / len(xs),
         "max": xs[-1],
     }
+
+
+def quantile(values: Sequence[float], q: float) -> float | None:
+    """The `q` quantile (0..1) of `values`, linear interpolation; None when empty."""
+    xs = sorted(float(v) for v in values)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def median(values: Iterable[float]) -> float | None:

@@ -9,6 +9,11 @@
         [--model-path DIR] [--sim-device [BASE_MS,TOKEN_MS]] --profile burst-256 --repeats 3 \
         --out F.json --plot F.png   (starts a server per arm and repeat: `online_ab.py`)
 
+`--observations F.jsonl` writes one observation per request and repeat (`observations.py`,
+`observe.py`) for the release gate (`release_gate.py`); with `--ab`, one file per arm:
+`F.<arm>.jsonl` (e.g. F.python.jsonl, F.rust_service.jsonl). Request ids are
+`<profile>-<index>`, the same for every run and backend of one workload.
+
 `--sim-device`: no model runs; each step takes a fixed time and returns deterministic tokens
 (`engine/sim.py`); the results are labelled `simulated_device: true`.
 
@@ -30,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from minisgl.benchmark import common
+from minisgl.benchmark import common, observe
 from minisgl.benchmark.backends import (
     ENV,
     BackendUnavailable,
@@ -38,9 +43,11 @@ from minisgl.benchmark.backends import (
     ensure_backend,
     scheduler_backend,
 )
+from minisgl.benchmark.observations import Observation, arm_path, read_jsonl, write_jsonl
 from minisgl.benchmark.profiles import (
     PROFILES,
     Profile,
+    WorkItem,
     build_workload,
     get_profile,
     parse_sets,
@@ -123,6 +130,35 @@ def model_info(model_path: str | None) -> dict[str, Any]:
             }
         )
     return info  # no absolute paths: results are committed (privacy guardrail)
+
+
+def offline_observations(
+    record: dict[str, Any],
+    profile: Profile,
+    items: list[WorkItem],
+    out: dict[str, Any],
+    repeat: int,
+    honor_arrivals: bool,
+) -> list[Observation]:
+    """The observations of one offline repeat (`observe.py` says what the timings mean)."""
+    labels = observe.RunLabels(
+        profile=profile.name,
+        backend=record["cpu_backend"],
+        device=observe.device_label(record["simulated_device"]),
+        model=record["model"]["name"],
+        source="minisgl-offline",
+        repeat=repeat,
+        extra={"dtype": record["model"].get("dtype"), "seed": profile.seed},
+    )
+    arrivals = [i.arrival_s if honor_arrivals else 0.0 for i in items]
+    return observe.build(
+        items,
+        out["token_times"],
+        labels,
+        arrivals=arrivals,
+        token_ids=out["token_ids"],
+        kv_samples=out["kv_samples"],
+    )
 
 
 def base_record(kind: str, args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
@@ -227,6 +263,7 @@ def run_offline(args: argparse.Namespace) -> int:
         runs["hf"] = []
     samples: dict[str, Any] = {}
     honor = not args.ignore_arrivals
+    observed: list[Observation] = []
     with Progress(not args.no_progress) as prog:
         run_minisgl(llm, warm, honor_arrivals=False)
         if hf_model is not None:
@@ -235,6 +272,8 @@ def run_offline(args: argparse.Namespace) -> int:
             out = run_minisgl(llm, items, prog.task(f"minisgl #{rep + 1}", len(items)), honor)
             runs["minisgl"].append(out["metrics"])
             samples["minisgl"] = latency_samples(items, out["token_times"])
+            if args.observations:
+                observed += offline_observations(record, profile, items, out, rep, honor)
             if hf_model is not None:
                 adv = prog.task(f"hf #{rep + 1}", len(items))
                 out = run_hf(hf_model, hf_items, profile.hf_batch_size, pad, adv)
@@ -261,6 +300,8 @@ def run_offline(args: argparse.Namespace) -> int:
             k: v for k, v in paired.items() if not k.endswith("_per_repeat")
         }
     record["gate_metrics"] = gate_metrics
+    if args.observations:
+        record["observations"] = str(write_jsonl(args.observations, observed))
     try:
         from minisgl.scheduler import cpu_backend
 
@@ -281,7 +322,9 @@ def run_offline(args: argparse.Namespace) -> int:
     return finish(record, args, results)
 
 
-def _arm_command(args: argparse.Namespace, profile: Profile, out: str) -> list[str]:
+def _arm_command(
+    args: argparse.Namespace, profile: Profile, out: str, obs_out: str | None = None
+) -> list[str]:
     cmd = [sys.executable, "-m", "minisgl.benchmark.harness", "offline", "--out", out]
     cmd += ["--profile", profile.name, "--repeats", "1", "--no-progress"]
     if args.model_path:
@@ -292,6 +335,8 @@ def _arm_command(args: argparse.Namespace, profile: Profile, out: str) -> list[s
         cmd += ["--ignore-arrivals"]
     if args.sim_device is not None:
         cmd += ["--sim-device", args.sim_device]
+    if obs_out is not None:
+        cmd += ["--observations", obs_out]
     for item in args.set or []:
         cmd += ["--set", item]
     return cmd
@@ -310,14 +355,17 @@ def run_ab(args: argparse.Namespace, profile: Profile) -> int:
     per_arm: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
     samples: dict[str, Any] = {}
     arm_env: dict[str, Any] = {}
+    observed: dict[str, list[Observation]] = {a: [] for a in arms}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
             order = arms if rep % 2 == 0 else arms[::-1]  # ABBA: cancels drift
             for arm in order:
                 out = os.path.join(tmp, f"{arm}-{rep}.json")
+                obs_out = os.path.join(tmp, f"{arm}-{rep}.jsonl") if args.observations else None
                 env = {**os.environ, ENV: arm}
                 print(f"[ab] repeat {rep + 1}/{args.repeats}: {ENV}={arm}", flush=True)
-                proc = subprocess.run(_arm_command(args, profile, out), env=env, check=False)
+                cmd = _arm_command(args, profile, out, obs_out)
+                proc = subprocess.run(cmd, env=env, check=False)
                 if proc.returncode != 0:
                     print(f"arm {arm} failed with exit status {proc.returncode}", file=sys.stderr)
                     return 2
@@ -326,12 +374,21 @@ def run_ab(args: argparse.Namespace, profile: Profile) -> int:
                 per_arm[arm].append(res["metrics"])
                 samples[arm] = res["samples"]
                 arm_env[arm] = data["backend_env"]
+                if obs_out is not None:
+                    observed[arm] += [
+                        dataclasses.replace(o, repeat=rep) for o in read_jsonl(obs_out)
+                    ]
     results = {
         arm: {"metrics": median_nested(reps), "repeats": reps, "samples": samples[arm]}
         for arm, reps in per_arm.items()
     }
     record["results"] = results
     record["arm_env"] = arm_env
+    if args.observations:
+        record["observations"] = {
+            arm: str(write_jsonl(arm_path(args.observations, arm), obs))
+            for arm, obs in observed.items()
+        }
     base = arms[0]
     gate_metrics = common.flatten(results[base]["metrics"])
     ratio_tables = {}
@@ -375,6 +432,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--no-progress", action="store_true")
         p.add_argument("--model-path", default=None, help="model dir (default: embedded)")
         p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+        p.add_argument(
+            "--observations",
+            metavar="F.jsonl",
+            default=None,
+            help="per-request observations for the release gate (--ab: F.<arm>.jsonl per arm)",
+        )
         p.add_argument(
             "--sim-device",
             nargs="?",

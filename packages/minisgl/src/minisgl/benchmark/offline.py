@@ -108,6 +108,8 @@ def run_minisgl(
     p0, cp0 = stats.prompt_tokens, stats.cached_prompt_tokens
     order = sorted(range(len(items)), key=lambda i: items[i].arrival_s)
     token_times: list[list[float]] = [[] for _ in items]
+    token_ids: list[list[int]] = [[] for _ in items]
+    kv_samples: list[tuple[float, int]] = []  # (time, KV pages used) after every step
     out_tokens = [0] * len(items)
     index: dict[int, int] = {}
     peak_used = peak_running = peak_waiting = 0
@@ -133,7 +135,9 @@ def run_minisgl(
             outs = llm.step()
             t = time.perf_counter() - t0
             usage = sched.kv_usage()
-            peak_used = max(peak_used, usage["total_pages"] - usage["free_pages"])
+            used = usage["total_pages"] - usage["free_pages"]
+            kv_samples.append((t, used))
+            peak_used = max(peak_used, used)
             peak_running = max(peak_running, usage["running"])
             peak_waiting = max(peak_waiting, usage["waiting"])
             finished = 0
@@ -142,6 +146,7 @@ def run_minisgl(
                 if i is None:
                     continue
                 token_times[i].append(t)
+                token_ids[i].append(out.token_id)
                 out_tokens[i] += 1
                 if out.finish_reason is not None:
                     finished += 1
@@ -173,7 +178,12 @@ def run_minisgl(
         }
     )
     add_cpu_efficiency(metrics)
-    return {"metrics": metrics, "token_times": token_times}
+    return {
+        "metrics": metrics,
+        "token_times": token_times,
+        "token_ids": token_ids,
+        "kv_samples": kv_samples,
+    }
 
 
 def run_hf(

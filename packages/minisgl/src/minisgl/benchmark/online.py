@@ -8,14 +8,44 @@ stamps every content chunk, which yields TTFT, TPOT, ITL and end-to-end latency 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minisgl.benchmark import common
+from minisgl.benchmark import common, observe
+from minisgl.benchmark.observations import Observation, write_jsonl
 from minisgl.benchmark.offline import request_metrics
 from minisgl.benchmark.profiles import Profile, WorkItem, build_workload, get_profile
 from minisgl.benchmark.report import Progress, latency_samples, print_summary
+
+KV_POLL_S = 0.2  # /metrics polling period for observations' KV pages (only with --observations)
+
+
+@dataclass(frozen=True)
+class StreamOutcome:
+    """One streamed request as the client saw it."""
+
+    times: list[float]  # arrival of every content chunk, seconds from the run's start
+    text: str
+    error: str | None
+    prompt_tokens: int | None  # what the server counted (usage), chat template included
+    completion_tokens: int | None
+
+
+async def poll_kv(base_url: str, t0: float, samples: list[tuple[float, int]]) -> None:
+    """Append (time, minisgl_kv_pages_used) from /metrics every KV_POLL_S until cancelled."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=5) as client:
+        while True:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                text = (await client.get(f"{base_url}/metrics")).text
+                for line in text.splitlines():
+                    if line.startswith("minisgl_kv_pages_used "):
+                        samples.append((time.perf_counter() - t0, int(float(line.split()[1]))))
+            await asyncio.sleep(KV_POLL_S)
 
 
 def _tokenizer(model_path: str | None, served_name: str):
@@ -103,8 +133,12 @@ async def _run(args, profile: Profile, items, prog, meter=None) -> dict[str, Any
         advance = prog.task(f"online {profile.name}", len(items))
         if meter is None:
             meter = common.CpuMeter([args.server_pid] if args.server_pid else [])
+        kv_samples: list[tuple[float, int]] = []
         with meter:
             t0 = time.perf_counter()
+            poller = None
+            if getattr(args, "observations", None):
+                poller = asyncio.create_task(poll_kv(base, t0, kv_samples))
             outs = await asyncio.gather(
                 *[
                     _one(client, model, it, m, t0, sem, advance)
@@ -112,7 +146,12 @@ async def _run(args, profile: Profile, items, prog, meter=None) -> dict[str, Any
                 ]
             )
             duration = time.perf_counter() - t0
+            if poller is not None:
+                poller.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await poller
     token_times, out_tokens, errors, texts = [], [], [], []
+    requests: list[StreamOutcome] = []
     in_tokens = 0
     for times, usage, error, text in outs:
         token_times.append(times)
@@ -121,6 +160,15 @@ async def _run(args, profile: Profile, items, prog, meter=None) -> dict[str, Any
         in_tokens += usage.prompt_tokens if usage else 0
         if error:
             errors.append(error)
+        requests.append(
+            StreamOutcome(
+                times,
+                text,
+                error,
+                usage.prompt_tokens if usage else None,
+                usage.completion_tokens if usage else None,
+            )
+        )
     metrics = request_metrics(items, token_times, out_tokens, duration)
     if in_tokens:  # what the server counted (chat template included)
         metrics["input_tokens"] = in_tokens
@@ -137,6 +185,8 @@ async def _run(args, profile: Profile, items, prog, meter=None) -> dict[str, Any
         "tokenizer": Path(tok_path).name,
         "error_samples": errors[:5],
         "texts": texts,
+        "requests": requests,
+        "kv_samples": kv_samples,
     }
 
 
@@ -152,11 +202,21 @@ def run_online(args) -> int:
     reps: list[dict[str, Any]] = []
     last: dict[str, Any] = {}
     last_items: list[WorkItem] = []
+    observed: list[Observation] = []
     with Progress(not args.no_progress) as prog:
-        for _ in range(args.repeats):
+        for rep in range(args.repeats):
             last = asyncio.run(_run_with_items(args, profile, prog))
+            if args.observations:
+                backend = server_backend(args.base_url)
+                labels = observe.RunLabels(
+                    profile.name, backend, observe.device_label(False),
+                    Path(last["model"]).name, "minisgl-online", rep,
+                )  # fmt: skip
+                observed += stream_observations(last, labels)
             last_items = last.pop("items")
             reps.append(last["metrics"])
+    if args.observations:
+        record["observations"] = str(write_jsonl(args.observations, observed))
     metrics = median_nested(reps)
     record["model"] = {"name": Path(last["model"]).name, "tokenizer": last["tokenizer"]}
     record["results"] = {
@@ -178,6 +238,31 @@ def run_online(args) -> int:
         print(f"error: {metrics['errors']} request(s) failed, e.g. {last['error_samples'][0]}")
         status = status or 1
     return status
+
+
+def stream_observations(out: dict[str, Any], labels: observe.RunLabels) -> list[Observation]:
+    """Observations of one online run (`_run_with_items`'s output; see `observe.py`)."""
+    reqs: list[StreamOutcome] = out["requests"]
+    return observe.build(
+        out["items"],
+        [r.times for r in reqs],
+        labels,
+        texts=[r.text for r in reqs],
+        errors=[r.error for r in reqs],
+        output_tokens=[r.completion_tokens for r in reqs],
+        prompt_tokens=[r.prompt_tokens for r in reqs],
+        kv_samples=out["kv_samples"],
+    )
+
+
+def server_backend(base_url: str) -> str:
+    """The CPU backend a running server reports on /health ("unknown" when it does not)."""
+    import httpx
+
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        health = httpx.get(base_url.rstrip("/") + "/health", timeout=5).json()
+        return str(health.get("cpu_backend") or "unknown")
+    return "unknown"
 
 
 async def _run_with_items(args, profile: Profile, prog, meter=None) -> dict[str, Any]:

@@ -33,8 +33,9 @@ from typing import Any
 
 import psutil
 
-from minisgl.benchmark import common
+from minisgl.benchmark import common, observe
 from minisgl.benchmark.backends import ENV, check_server_backend
+from minisgl.benchmark.observations import Observation, arm_path, write_jsonl
 from minisgl.benchmark.profiles import Profile
 from minisgl.server import ipc
 
@@ -207,6 +208,7 @@ def server_info(server) -> dict[str, Any]:
 
 def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
     from minisgl.benchmark.harness import base_record, finish, median_nested, model_info
+    from minisgl.benchmark.online import stream_observations
     from minisgl.benchmark.report import Progress, latency_samples, print_summary
 
     arms = [a.strip() for a in args.ab.split(",") if a.strip()]
@@ -238,6 +240,8 @@ def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
     errors: dict[str, list[str]] = {}
     digests: dict[str, list[str]] = {a: [] for a in arms}
     info: dict[str, Any] = {}
+    observed: dict[str, list[Observation]] = {a: [] for a in arms}
+    device = observe.device_label(args.sim_device is not None)
     with tempfile.TemporaryDirectory(prefix="ab-logs") as tmp, Progress(not args.no_progress) as p:
         for rep in range(args.repeats):
             order = arms if rep % 2 == 0 else arms[::-1]  # ABBA: cancels drift
@@ -249,6 +253,12 @@ def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
                 errors[arm] = out["error_samples"]
                 digests[arm].append(output_digest(out["texts"]))
                 info[arm] = {"roles": out["roles"], **out["info"]}
+                if args.observations:
+                    model = Path(out["model"]).name
+                    labels = observe.RunLabels(
+                        profile.name, arm, device, model, "minisgl-online", rep
+                    )
+                    observed[arm] += stream_observations(out, labels)
     results = {
         arm: {
             "metrics": median_nested(reps),
@@ -260,6 +270,11 @@ def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
         for arm, reps in per_arm.items()
     }
     record["results"] = results
+    if args.observations:
+        record["observations"] = {
+            arm: str(write_jsonl(arm_path(args.observations, arm), obs))
+            for arm, obs in observed.items()
+        }
     record["outputs_identical"] = len({d for ds in digests.values() for d in ds}) == 1
     record["servers"] = info
     base = arms[0]

@@ -1,0 +1,530 @@
+"""The release gate: observations JSONL, adapters (vLLM / SGLang fixture files), the policy
+format, every decision path, segments, triage and the CLI's exit codes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from minisgl.benchmark import release_gate
+from minisgl.benchmark.observations import (
+    Observation,
+    ObservationError,
+    arm_path,
+    fingerprint,
+    read_jsonl,
+    write_jsonl,
+)
+from minisgl.benchmark.release_adapters import detect_format, load_sglang, load_vllm
+from minisgl.benchmark.release_policy import Policy, PolicyError, Thresholds, parse_policy
+from minisgl.benchmark.release_signals import evaluate, first_divergence, triage
+
+DATA = Path(__file__).parent / "data" / "release"
+REPO = Path(__file__).resolve().parents[3]
+N = 10
+
+
+def obs(i: int, backend: str = "python", device: str = "cpu", **kw) -> Observation:
+    base = dict(
+        request_id=f"seed-online-{i}",
+        index=i,
+        backend=backend,
+        device=device,
+        model="tiny",
+        output_token_ids=(i, i + 1, i + 2, i + 3),
+        output_text=f"text {i}",
+        ttft_s=0.010,
+        itl_s=(0.002, 0.002, 0.002),
+        e2e_s=0.016,
+        prompt_tokens=8,
+        output_tokens=4,
+        kv_pages_in_use=100,
+    )
+    base.update(kw)
+    return Observation(**base)
+
+
+def run(n: int = N, **kw) -> list[Observation]:
+    return [obs(i, **kw) for i in range(n)]
+
+
+def cand(changes: dict[int, dict] | None = None, n: int = N, **kw) -> list[Observation]:
+    out = run(n, backend="rust_service", **kw)
+    for i, c in (changes or {}).items():
+        out[i] = dataclasses.replace(out[i], **c)
+    return out
+
+
+POLICY = Policy(Thresholds(min_matched_requests=5, min_match_fraction=0.9))
+
+
+def failed(ev) -> set[str]:
+    return {s.name for s in ev.signals if s.failed}
+
+
+# --------------------------------------------------------------------------- decisions
+def test_identical_runs_promote():
+    ev = evaluate(run(), cand(), POLICY, "request_id")
+    assert ev.decision == "promote" and failed(ev) == set()
+    assert ev.counts["matched"] == N and ev.counts["missing_in_candidate"] == 0
+    (seg,) = ev.segments
+    assert seg.name == "rust_service@cpu" and seg.decision == "promote"
+    assert seg.summary["outputs"] == {
+        "pairs": N, "compared": N, "mismatched": 0, "mismatches_counted": 0, "units": ["tokens"],
+        "baseline_unstable_requests": 0,
+    }  # fmt: skip
+    assert triage(ev.signals) == []
+
+
+def test_output_mismatch_rolls_back_with_first_divergence():
+    ev = evaluate(run(), cand({3: {"output_token_ids": (3, 4, 99, 6)}}), POLICY, "request_id")
+    assert ev.decision == "rollback" and failed(ev) == {"output_mismatch"}
+    sig = next(s for s in ev.signals if s.name == "output_mismatch")
+    assert sig.value == pytest.approx(0.1) and sig.threshold == 0.0
+    assert sig.examples == ({"request": "seed-online-3", "unit": "tokens", "first_divergence": 2},)
+    (item,) = triage(ev.signals)
+    assert item["response"] == "rollback" and "token_parity" in item["next_action"]
+    assert item["value"] == pytest.approx(0.1) and item["threshold"] == 0.0
+
+
+def test_text_then_fingerprint_are_compared_when_token_ids_are_missing():
+    base = [dataclasses.replace(o, output_token_ids=None) for o in run()]
+    c = [dataclasses.replace(o, output_token_ids=None) for o in cand()]
+    c[0] = dataclasses.replace(c[0], output_text="text X")
+    ev = evaluate(base, c, POLICY, "request_id")
+    assert ev.decision == "rollback"
+    assert ev.segments[0].summary["outputs"]["units"] == ["text"]
+    fp = [dataclasses.replace(o, output_text=None, output_fingerprint=fingerprint(text=o.output_text))
+          for o in base]  # fmt: skip
+    cfp = [dataclasses.replace(o, output_text=None, output_fingerprint=fingerprint(text=o.output_text))
+           for o in cand()]  # fmt: skip
+    assert evaluate(fp, cfp, POLICY, "request_id").decision == "promote"
+    # a token fingerprint and a text fingerprint are not comparable: hold, not a false mismatch
+    tok = [dataclasses.replace(o, output_fingerprint=fingerprint(token_ids=o.output_token_ids),
+                               output_token_ids=None, output_text=None) for o in cand()]  # fmt: skip
+    ev = evaluate(fp, tok, POLICY, "request_id")
+    assert ev.decision == "hold" and failed(ev) == {"outputs_compared_fraction"}
+
+
+def test_error_increase_rolls_back():
+    ev = evaluate(run(), cand({1: {"error": "boom"}, 2: {"error": "boom"}}), POLICY, "request_id")
+    assert ev.decision == "rollback" and "error_rate" in failed(ev)
+    sig = next(s for s in ev.signals if s.name == "error_rate")
+    assert (sig.baseline, sig.candidate, sig.value) == pytest.approx((0.0, 0.2, 0.2))
+    assert [e["request"] for e in sig.examples] == ["seed-online-1", "seed-online-2"]
+    # the same errors on the baseline: no increase, and the failed pairs are not compared
+    base = run()
+    base[1] = dataclasses.replace(base[1], error="boom")
+    base[2] = dataclasses.replace(base[2], error="boom")
+    ev = evaluate(base, cand({1: {"error": "x"}, 2: {"error": "x"}}), POLICY, "request_id")
+    assert ev.decision == "promote"
+
+
+def test_error_rate_tolerance():
+    policy = Policy(dataclasses.replace(POLICY.base, max_error_rate_delta=0.1))
+    assert evaluate(run(), cand({1: {"error": "e"}}), policy, "request_id").decision == "promote"
+    ev = evaluate(run(), cand({1: {"error": "e"}, 2: {"error": "e"}}), policy, "request_id")
+    assert ev.decision == "rollback"
+
+
+@pytest.mark.parametrize(
+    ("change", "signal"),
+    [
+        ({"e2e_s": 0.030}, "e2e_q0.95"),
+        ({"ttft_s": 0.030}, "ttft_q0.95"),
+        ({"itl_s": (0.009, 0.009, 0.009)}, "itl_q0.95"),
+        ({"e2e_s": 0.0175, "ttft_s": 0.0085}, "tpot_q0.95"),  # same e2e, slower decode
+        ({"kv_pages_in_use": 150}, "kv_pages_peak"),
+    ],
+)
+def test_latency_and_kv_regressions_hold(change, signal):
+    ev = evaluate(run(), cand({i: change for i in range(N)}), POLICY, "request_id")
+    assert ev.decision == "hold" and signal in failed(ev)
+    sig = next(s for s in ev.signals if s.name == signal)
+    assert sig.value > sig.threshold and sig.on_fail == "hold"
+    (item,) = [t for t in triage(ev.signals) if t["signal"] == signal]
+    assert item["response"] == "hold" and item["next_action"]
+
+
+def test_latency_slack_absorbs_tiny_absolute_regressions():
+    e2e_only = Policy(dataclasses.replace(POLICY.base, tpot_max_ratio=None))
+    slow = cand({i: {"e2e_s": 0.0175} for i in range(N)})  # +1.5 ms = 1.09x... then 1.2x:
+    slower = cand({i: {"e2e_s": 0.0192} for i in range(N)})  # +3.2 ms = 1.2x
+    assert evaluate(run(), slow, e2e_only, "request_id").decision == "promote"
+    assert evaluate(run(), slower, e2e_only, "request_id").decision == "hold"
+    slack = Policy(dataclasses.replace(e2e_only.base, e2e_slack_s=0.005))
+    assert evaluate(run(), slower, slack, "request_id").decision == "promote"
+
+
+def test_kv_checks_skip_without_data_unless_required():
+    base = [dataclasses.replace(o, kv_pages_in_use=None) for o in run()]
+    ev = evaluate(base, cand(), POLICY, "request_id")
+    assert ev.decision == "promote"
+    kv = next(s for s in ev.signals if s.name == "kv_pages_peak")
+    assert kv.ok is None and "no data on the baseline" in kv.detail
+    strict = Policy(dataclasses.replace(POLICY.base, kv_required=True))
+    ev = evaluate(base, cand(), strict, "request_id")
+    assert ev.decision == "hold" and "kv_pages_peak" in failed(ev)
+
+
+def test_missing_traffic_holds():
+    ev = evaluate(run(), cand(n=8), POLICY, "request_id")  # 8 of 10 baseline requests
+    assert ev.decision == "hold" and failed(ev) == {"baseline_match_fraction"}
+    assert ev.counts["missing_in_candidate"] == 2
+    extra = cand() + [obs(i, backend="rust_service") for i in range(N, N + 3)]
+    ev = evaluate(run(), extra, POLICY, "request_id")
+    assert ev.decision == "hold" and failed(ev) == {"candidate_match_fraction"}
+    assert ev.counts["missing_in_baseline"] == 3
+
+
+def test_too_few_matched_requests_hold():
+    ev = evaluate(run(4), cand(n=4), POLICY, "request_id")
+    assert ev.decision == "hold" and failed(ev) == {"matched_requests"}
+    ev = evaluate(run(), [], POLICY, "request_id")
+    assert ev.decision == "hold" and "matched_requests" in failed(ev)
+
+
+def test_rollback_wins_over_hold():
+    changes = {i: {"e2e_s": 0.5} for i in range(N)}
+    changes[0] = {"e2e_s": 0.5, "output_token_ids": (7,)}
+    ev = evaluate(run(), cand(changes), POLICY, "request_id")
+    assert ev.decision == "rollback"
+    assert [(t["response"], t["signal"]) for t in triage(ev.signals)] == [
+        ("rollback", "output_mismatch"), ("hold", "e2e_q0.95"), ("hold", "tpot_q0.95")
+    ]  # fmt: skip
+
+
+def test_repeats_join_on_request_id():
+    base = run() + [dataclasses.replace(o, repeat=1) for o in run()]
+    c = cand() + [dataclasses.replace(o, repeat=1) for o in cand({2: {"output_token_ids": (0,)}})]
+    ev = evaluate(base, c, POLICY, "request_id")
+    assert ev.counts["matched"] == N and ev.counts["candidate_observations"] == 2 * N
+    sig = next(s for s in ev.signals if s.name == "output_mismatch")
+    assert sig.value == pytest.approx(1 / (2 * N))  # a divergence in one repeat counts
+
+
+def test_segments_by_backend_and_device_with_scoped_tolerance():
+    gpu = cand(device="NVIDIA H100 80GB HBM3")
+    gpu[0] = dataclasses.replace(gpu[0], output_token_ids=(0, 1, 2, 99))  # diverges at 3
+    policy = parse_policy(
+        "version: 1\nevidence: {min_matched_requests: 5}\n"
+        "scopes:\n"
+        "  - name: h100-bf16-drift\n"
+        "    match: {device: '*H100*', backend: rust_*, model: tiny}\n"
+        "    outputs: {max_mismatch_fraction: 0.0, ignore_divergence_after: 3}\n"
+    )
+    cpu = cand({1: {"output_token_ids": (1, 2, 3, 99)}})  # the same divergence on the CPU
+    ev = evaluate(
+        run(), gpu + [dataclasses.replace(o, repeat=1) for o in cpu], policy, "request_id"
+    )
+    segs = {s.name: s for s in ev.segments}
+    assert set(segs) == {"rust_service@cpu", "rust_service@NVIDIA H100 80GB HBM3"}
+    h100 = segs["rust_service@NVIDIA H100 80GB HBM3"]
+    assert h100.scopes == ["h100-bf16-drift"] and h100.decision == "promote"
+    assert h100.summary["outputs"]["mismatched"] == 1
+    assert h100.summary["outputs"]["mismatches_counted"] == 0
+    assert segs["rust_service@cpu"].scopes == [] and segs["rust_service@cpu"].decision == "rollback"
+    assert ev.decision == "rollback"
+    (item,) = triage(ev.signals)
+    assert item["segment"] == "rust_service@cpu"
+    # a scope whose model glob does not match every model of the segment does not apply
+    other = parse_policy(
+        "scopes:\n  - match: {model: llama*}\n    outputs: {max_mismatch_fraction: 1}\n"
+    )
+    assert other.for_segment("rust_service", "cpu", ["tiny"]) == (other.base, [])
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    assert first_divergence("abc", "abd") == 2
+
+
+# --------------------------------------------------------------------------- observations
+def test_observations_roundtrip_and_arm_paths(tmp_path):
+    path = write_jsonl(tmp_path / "o.jsonl", run(3))
+    assert read_jsonl(path) == run(3)
+    assert arm_path(tmp_path / "F.jsonl", "rust_service") == tmp_path / "F.rust_service.jsonl"
+    assert fingerprint(token_ids=[1, 2]).startswith("tokens:")
+    assert fingerprint(text="a").startswith("text:") and fingerprint() is None
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"request_id": "a", "backend": "b", "device": "c"}', "'model' must be a non-empty"),
+        ('{"request_id": "a", "backend": "b", "device": "c", "model": "m", "ttft_s": -1}',
+         "'ttft_s' must be a non-negative number"),
+        ('{"request_id": "a", "backend": "b", "device": "c", "model": "m", "itl_s": ["x"]}',
+         "'itl_s' must be a list"),
+        ('{"request_id": "a", "backend": "b", "device": "c", "model": "m", "colour": 1}',
+         "unknown field(s) ['colour']"),
+        ('{"request_id": "a", "backend": "b", "device": "c", "model": "m", '
+         '"output_token_ids": [1, "2"]}', "'output_token_ids' must be a list of integers"),
+    ],
+)  # fmt: skip
+def test_malformed_observation_lines_name_file_and_line(tmp_path, line, message):
+    path = write_jsonl(tmp_path / "o.jsonl", run(2))
+    path.write_text(path.read_text() + "\n" + line + "\n")  # line 3 is blank, line 4 is bad
+    with pytest.raises(ObservationError) as exc:
+        read_jsonl(path)
+    assert str(exc.value).startswith(f"{path}:4: ") and message in str(exc.value)
+
+
+def test_duplicate_request_and_repeat_is_an_error(tmp_path):
+    path = write_jsonl(tmp_path / "o.jsonl", [*run(2), obs(1)])
+    with pytest.raises(ObservationError, match=r"o.jsonl:3: .*'seed-online-1' repeat 0 .*line 2"):
+        read_jsonl(path)
+
+
+# --------------------------------------------------------------------------- adapters
+def test_vllm_adapter_on_a_save_detailed_result():
+    assert detect_format(DATA / "vllm_serve_detailed.json") == "vllm"
+    out = load_vllm(DATA / "vllm_serve_detailed.json", device="NVIDIA H100")
+    assert [o.request_id for o in out] == ["0", "1", "2", "3"]
+    assert [o.index for o in out] == [0, 1, 2, 3]
+    first = out[0]
+    assert (first.backend, first.device, first.model) == (
+        "vllm", "NVIDIA H100", "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )  # fmt: skip
+    assert first.output_text == " the cat" and first.ttft_s == 0.021
+    assert first.itl_s == (0.010, 0.011) and first.e2e_s == 0.042
+    assert (first.prompt_tokens, first.output_tokens) == (12, 3)
+    assert out[3].error == "Bad Request" and out[3].ttft_s is None and out[3].output_text is None
+
+
+def test_vllm_adapter_without_latencies_sums_ttft_and_itls(tmp_path):
+    data = json.loads((DATA / "vllm_serve_detailed.json").read_text())
+    del data["latencies"], data["start_times"]  # the older benchmark_serving.py
+    data["errors"][3] = ""  # a failure that recorded no message
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    out = load_vllm(path)
+    assert out[1].e2e_s == pytest.approx(0.025 + 0.012 + 0.010)
+    assert out[3].error == "failed without a message"
+
+
+def test_vllm_adapter_needs_details(tmp_path):
+    data = json.loads((DATA / "vllm_serve_detailed.json").read_text())
+    for key in ("ttfts", "itls", "generated_texts", "errors", "input_lens", "output_lens"):
+        del data[key]
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps(data, indent=1))
+    with pytest.raises(ObservationError, match=r"summary.json:1: .*--save-detailed"):
+        load_vllm(path)
+    data = json.loads((DATA / "vllm_serve_detailed.json").read_text())
+    data["itls"] = data["itls"][:2]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ObservationError, match="'itls' must be a list of 4 entries"):
+        load_vllm(path)
+
+
+def test_sglang_adapter_on_an_output_details_file(tmp_path):
+    path = DATA / "sglang_bench_serving_details.jsonl"
+    assert detect_format(path) == "sglang"
+    out = load_sglang(path, device="NVIDIA H100")
+    assert len(out) == 8 and {o.repeat for o in out} == {0, 1}  # one line per run
+    first = out[0]
+    assert (first.request_id, first.index, first.repeat) == ("0", 0, 0)
+    assert first.model == "SmolLM2-135M-Instruct" and first.backend == "sglang"
+    assert first.e2e_s == pytest.approx(0.020 + 0.011 + 0.010)
+    assert first.output_text == " the cat" and first.error is None
+    lines = path.read_text().splitlines()
+    bad = json.loads(lines[1])
+    del bad["generated_texts"]
+    broken = tmp_path / "s.jsonl"
+    broken.write_text(lines[0] + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(ObservationError, match=r"s.jsonl:2: .*--output-details"):
+        load_sglang(broken)
+
+
+def test_unknown_format_is_an_error(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text('{"hello": 1}')
+    with pytest.raises(ObservationError, match="cannot tell the format"):
+        detect_format(path)
+
+
+def test_minisgl_candidate_against_a_vllm_baseline_joins_by_index(tmp_path):
+    vllm = DATA / "vllm_serve_detailed.json"
+    texts = [" the cat", " a dog", " hello world", " late"]
+    c = [obs(i, backend="rust_service", output_token_ids=None, output_text=t, ttft_s=0.02,
+             e2e_s=0.04, itl_s=(0.011,)) for i, t in enumerate(texts)]  # fmt: skip
+    path = write_jsonl(tmp_path / "c.jsonl", c)
+    out = tmp_path / "r.json"
+    policy = tmp_path / "p.yaml"
+    policy.write_text("evidence: {min_matched_requests: 3}\n")
+    rc = release_gate.main(["--baseline", str(vllm), "--candidate", str(path), "--policy",
+                            str(policy), "--out", str(out), "--quiet"])  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["join"] == "index" and report["inputs"]["baseline"]["format"] == "vllm"
+    assert report["counts"]["matched"] == 4
+    # request 3 failed on vLLM (not compared); the candidate served it: no error increase
+    seg = report["segments"][0]
+    assert seg["summary"]["outputs"]["compared"] == 3
+    assert report["decision"] == "promote" and rc == 0
+
+
+# --------------------------------------------------------------------------- policy
+def test_shipped_policy_parses():
+    policy = parse_policy((REPO / "worklog/gates/release.cpu.yaml").read_text(), "release.cpu")
+    assert policy.base.max_mismatch_fraction == 0.0 and policy.base.ttft_max_ratio == 1.25
+    th, scopes = policy.for_segment("rust_service", "sim:cpu", ["x"])
+    assert scopes == ["simulated-device"] and th.ttft_max_ratio == 1.10
+    assert policy.for_segment("rust_service", "cpu", ["x"])[1] == []
+    assert policy.base.itl_max_ratio is None and policy.base.tpot_max_ratio == 1.15
+    assert policy.base.match_any_baseline_repeat is True
+
+
+def test_tpot_does_not_depend_on_chunking():
+    from minisgl.benchmark.release_signals import tpot
+
+    one_chunk = obs(0, ttft_s=0.01, itl_s=(), e2e_s=0.01, output_tokens=4)
+    streamed = obs(0, ttft_s=0.004, itl_s=(0.002, 0.002, 0.002), e2e_s=0.01, output_tokens=4)
+    assert tpot(one_chunk) == 0.0 and tpot(streamed) == pytest.approx(0.002)
+    assert tpot(obs(0, output_tokens=1)) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "message"),
+    [
+        ("version: 1\nlatency:\n  e2e: {max_ratio: fast}\n", 3, "latency.e2e.max_ratio"),
+        ("version: 1\nlatency:\n  quantile: 1.5\n", 3, "expected a number in (0, 1]"),
+        ("version: 1\nevidence:\n  min_matched: 3\n", 3, "unknown key 'evidence.min_matched'"),
+        ("version: 2\n", 1, "unsupported version"),
+        ("version: 1\nthresholds: {}\n", 2, "unknown top-level key 'thresholds'"),
+        ("outputs:\n  max_mismatch_fraction: 0\n  max_mismatch_fraction: 1\n", 3, "duplicate"),
+        ("evidence:\n  min_matched_requests: -1\n", 2, "non-negative integer"),
+        ("scopes:\n  - outputs: {}\n", 2, "needs 'match'"),
+        ("scopes:\n  - match: {gpu: x}\n", 2, "unknown key 'gpu'"),
+        ("scopes:\n  - match: {device: cpu}\n    latency: {e2e: {ratio: 2}}\n", 3,
+         "unknown key 'latency.e2e.ratio'"),
+        ("latency: [1, 2]\n", 1, "latency must be a mapping"),
+        ("evidence: {min_matched_requests: [3}\n", 1, "invalid YAML"),
+        ("kv_pressure:\n  required: yes please\n", 2, "expected true or false"),
+        ("outputs:\n  match_any_baseline_repeat: 1\n", 2, "expected true or false"),
+    ],
+)  # fmt: skip
+def test_policy_errors_name_the_line(text, line, message):
+    with pytest.raises(PolicyError) as exc:
+        parse_policy(text, "p.yaml")
+    assert str(exc.value).startswith(f"p.yaml:{line}: "), str(exc.value)
+    assert message in str(exc.value)
+
+
+# --------------------------------------------------------------------------- CLI
+def write_pair(tmp_path: Path, candidate: list[Observation]) -> tuple[Path, Path]:
+    return (
+        write_jsonl(tmp_path / "base.jsonl", run()),
+        write_jsonl(tmp_path / "cand.jsonl", candidate),
+    )
+
+
+def gate(tmp_path: Path, *extra: str) -> tuple[int, dict]:
+    base, c = tmp_path / "base.jsonl", tmp_path / "cand.jsonl"
+    out = tmp_path / "r.json"
+    policy = REPO / "worklog/gates/release.cpu.yaml"
+    rc = release_gate.main(["--baseline", str(base), "--candidate", str(c), "--policy",
+                            str(policy), "--out", str(out), *extra])  # fmt: skip
+    return rc, json.loads(out.read_text()) if out.exists() else {}
+
+
+def test_cli_promote_report(tmp_path, capsys):
+    write_pair(tmp_path, cand())
+    rc, report = gate(tmp_path)
+    assert rc == 0 and report["decision"] == "promote" and report["exit_code"] == 0
+    assert report["reasons"] == ["every signal within policy"]
+    assert "PROMOTE" in capsys.readouterr().out
+    assert report["inputs"]["candidate"]["sha256"] == release_gate.sha256_of(
+        tmp_path / "cand.jsonl"
+    )
+    assert report["policy"]["sha256"] and report["policy"]["base"]["ttft_max_ratio"] == 1.25
+    names = {s["name"] for s in report["signals"]}
+    assert {"output_mismatch", "error_rate", "e2e_q0.95", "ttft_q0.95", "itl_q0.95", "tpot_q0.95",
+            "kv_pages_peak", "kv_pages_p95", "matched_requests", "baseline_match_fraction",
+            "candidate_match_fraction", "outputs_compared_fraction"} <= names  # fmt: skip
+    sig = next(s for s in report["signals"] if s["name"] == "ttft_q0.95")
+    assert set(sig) >= {"name", "baseline", "candidate", "value", "threshold", "ok"}
+    assert report["segments"][0]["summary"]["candidate"]["ttft_s"]["q0.95"] == pytest.approx(0.01)
+    assert report["counts"] == {
+        "baseline_observations": N, "candidate_observations": N, "baseline_requests": N,
+        "candidate_requests": N, "matched": N, "missing_in_candidate": 0, "missing_in_baseline": 0,
+        "workload_conflicts": 0,
+    }  # fmt: skip
+
+
+def test_cli_exit_codes(tmp_path):
+    write_pair(tmp_path, cand({0: {"output_text": "tampered", "output_token_ids": (1,)}}))
+    rc, report = gate(tmp_path)
+    assert (
+        rc == 2
+        and report["decision"] == "rollback"
+        and report["triage"][0]["signal"] == ("output_mismatch")
+    )
+    write_pair(tmp_path, cand({i: {"ttft_s": 0.05} for i in range(N)}))
+    rc, report = gate(tmp_path)
+    assert rc == 1 and report["decision"] == "hold"
+    slow = {i: {"ttft_s": 0.05} for i in range(N)}
+    slow[N - 1] = {"ttft_s": 0.05, "error": "boom"}
+    write_pair(tmp_path, cand(slow))
+    rc, report = gate(tmp_path)
+    assert rc == 2 and report["reasons"][0].startswith("rollback: error_rate")
+    assert report["reasons"][1].startswith("hold: ")
+
+
+def test_cli_bad_inputs_exit_3(tmp_path, capsys):
+    write_pair(tmp_path, cand())
+    (tmp_path / "cand.jsonl").write_text("{oops\n")
+    rc, _ = gate(tmp_path)
+    assert rc == 3 and "cand.jsonl:1: not valid JSON" in capsys.readouterr().err
+    write_pair(tmp_path, cand())
+    bad = tmp_path / "p.yaml"
+    bad.write_text("version: 1\nerrors:\n  max_error_rate_delta: lots\n")
+    rc = release_gate.main(["--baseline", str(tmp_path / "base.jsonl"), "--candidate",
+                            str(tmp_path / "cand.jsonl"), "--policy", str(bad)])  # fmt: skip
+    assert rc == 3 and "p.yaml:3: errors.max_error_rate_delta" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        release_gate.main(["--baseline", "x"])
+    assert exc.value.code == 3
+    rc = release_gate.main(["--baseline", str(tmp_path / "nope.jsonl"), "--candidate",
+                            str(tmp_path / "cand.jsonl")])  # fmt: skip
+    assert rc == 3 and "cannot read" in capsys.readouterr().err
+
+
+def test_same_ids_for_a_different_workload_do_not_join():
+    base = [dataclasses.replace(o, workload_fingerprint=f"workload:{o.index}") for o in run()]
+    other = {i: {"workload_fingerprint": "workload:seed7"} for i in range(3)}
+    c = [dataclasses.replace(o, workload_fingerprint=f"workload:{o.index}") for o in cand()]
+    c = [dataclasses.replace(o, **other.get(o.index, {})) for o in c]
+    for o in c[:3]:  # different prompts under the same ids: other outputs, not a regression
+        c[o.index] = dataclasses.replace(o, output_token_ids=(9, 9))
+    ev = evaluate(base, c, POLICY, "request_id")
+    assert ev.counts["workload_conflicts"] == 3 and ev.counts["matched"] == N - 3
+    assert ev.decision == "hold" and "output_mismatch" not in failed(ev)
+    sig = next(s for s in ev.signals if s.name == "baseline_match_fraction")
+    assert "3 present on both sides with a different workload" in sig.detail
+
+
+def test_a_baseline_that_varies_across_repeats_sets_the_bar():
+    base = run() + [dataclasses.replace(o, repeat=1) for o in run()]
+    base[N + 2] = dataclasses.replace(base[N + 2], output_token_ids=(2, 3, 7, 7))  # repeat 1
+    c = cand({2: {"output_token_ids": (2, 3, 7, 7)}})  # equal to the baseline's 2nd repeat
+    ev = evaluate(base, c, POLICY, "request_id")
+    assert ev.decision == "promote"
+    outputs = ev.segments[0].summary["outputs"]
+    assert outputs["baseline_unstable_requests"] == 1 and outputs["mismatched"] == 0
+    sig = next(s for s in ev.signals if s.name == "output_mismatch")
+    assert "the baseline itself gave different outputs across repeats for 1" in sig.detail
+    first_only = Policy(dataclasses.replace(POLICY.base, match_any_baseline_repeat=False))
+    assert evaluate(base, c, first_only, "request_id").decision == "rollback"
+    # an output equal to no baseline repeat: the closest one gives the divergence
+    c = cand({2: {"output_token_ids": (2, 3, 7, 9)}})
+    ev = evaluate(base, c, POLICY, "request_id")
+    sig = next(s for s in ev.signals if s.name == "output_mismatch")
+    assert ev.decision == "rollback" and sig.examples[0]["first_divergence"] == 3
