@@ -28,9 +28,10 @@ class Engine:
         self.config = config
         self.model_config = cfg = ModelConfig.from_dir(config.model_path)
         self.device = resolve_device(config.device)
-        self.quantization = resolve_quantization(
-            config.quantization, config.model_path, self.device
-        )
+        quantization = config.quantization
+        if config.dummy_weights and quantization == "auto":
+            quantization = "none"  # random float weights: nothing to take a precision from
+        self.quantization = resolve_quantization(quantization, config.model_path, self.device)
         self.dtype = resolve_dtype(config.dtype, cfg, self.device, self.quantization)
         if self.device.type == "cpu" and config.cuda_graph_max_bs is not None:
             logger.debug("cuda_graph_max_bs=%s ignored on CPU", config.cuda_graph_max_bs)
@@ -38,7 +39,13 @@ class Engine:
         if config.max_seq_len_override is not None:
             self.max_seq_len = min(self.max_seq_len, config.max_seq_len_override)
         self.model = load_model(
-            config.model_path, cfg, self.dtype, self.device, self.max_seq_len, self.quantization
+            config.model_path,
+            cfg,
+            self.dtype,
+            self.device,
+            self.max_seq_len,
+            self.quantization,
+            dummy_weights=config.dummy_weights,
         )
         self.num_pages = plan_num_pages(config, cfg, self.dtype, self.device, self.max_seq_len)
         self.pool = KVPool(
