@@ -41,6 +41,9 @@ def shallow_copy(name: str, dest: Path, layers: int = 2) -> Path:
     return dest
 
 
+@pytest.mark.card(
+    "P2-001", "shipped-qwen-configs-load-dummy-weights-of-the-right-shapes-on-the-cpu"
+)
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_shipped_config_loads_dummy_weights_and_generates(name, tmp_path):
     path = shallow_copy(name, tmp_path / name)
@@ -76,6 +79,9 @@ def test_shipped_config_loads_dummy_weights_and_generates(name, tmp_path):
     assert all(0 <= t < e["vocab"] for o in out for t in o["token_ids"])
 
 
+@pytest.mark.card(
+    "P2-001", "shipped-qwen-configs-load-dummy-weights-of-the-right-shapes-on-the-cpu"
+)
 def test_dummy_weights_are_deterministic_per_parameter_name(tiny_model_dir):
     from minisgl.config import ModelConfig
     from minisgl.models.loader import load_model
@@ -94,6 +100,9 @@ def test_dummy_weights_are_deterministic_per_parameter_name(tiny_model_dir):
     assert not torch.equal(embed[: qkv.shape[0], : qkv.shape[1]], qkv)  # one stream per name
 
 
+@pytest.mark.card(
+    "P2-001", "shipped-qwen-configs-load-dummy-weights-of-the-right-shapes-on-the-cpu"
+)
 def test_dummy_weights_without_config_is_a_clear_error(tmp_path):
     for f in TOKENIZER:
         shutil.copy(MODELS / "Qwen3-0.6B" / f, tmp_path / f)

@@ -21,8 +21,8 @@ from minisgl.engine.staging import PlanStager
 from minisgl.engine.sync_guard import HostSyncError, SyncGuard
 from minisgl.kvcache.allocator import OutOfPages, PageAllocator
 from minisgl.sampler import sample
-from minisgl.scheduler.plan import build_step_plan
 from minisgl.testing.hf_reference import hf_greedy, load_hf_model
+from minisgl.testing.plans import GreedyRow, PlannedBatch
 from minisgl.testing.scenarios import random_prompts
 
 MAX_LEN = 96
@@ -30,6 +30,9 @@ NUM_PAGES = 256
 PER_REQ = 32  # tokens a test request may reach
 
 
+@pytest.mark.card(
+    "P2-001", "cpu-stand-in-bucket-choice-padding-isolation-hf-parity-no-host-reads-in-replay"
+)
 def test_buckets_are_powers_then_steps_of_eight():
     assert graph_buckets(0) == ()
     assert graph_buckets(1) == (1,)
@@ -71,35 +74,8 @@ def make_engine(path, runner="replay", max_bs=8, page_size=1) -> Engine:
     )  # fmt: skip
 
 
-class Batch:
-    """Requests laid out in a page table by a real allocator: prefill, then decode plans."""
-
-    def __init__(self, engine: Engine, lens: list[int], seed: int = 0) -> None:
-        ps = engine.config.page_size
-        self.alloc = PageAllocator(engine.num_pages, ps, 8, MAX_LEN)
-        rng = np.random.default_rng(seed)
-        self.vocab = engine.model_config.vocab_size
-        self.ids = [list(rng.integers(0, self.vocab, n)) for n in lens]
-        self.slots = []
-        for _ in self.ids:
-            slot = self.alloc.alloc_slot()
-            self.alloc.alloc_pages(slot, 0, -(-PER_REQ // ps))
-            self.slots.append(slot)
-
-    def plan(self, is_prefill: bool, rows=None):
-        rows = range(len(self.ids)) if rows is None else rows
-        ids = [self.ids[r] for r in rows]
-        if is_prefill:
-            starts, ext, feed = [0] * len(ids), [len(t) for t in ids], [t for r in ids for t in r]
-        else:
-            starts, ext, feed = [len(t) - 1 for t in ids], [1] * len(ids), [t[-1] for t in ids]
-        return build_step_plan(self.alloc.page_table, np.array([self.slots[r] for r in rows]),
-                               np.array(starts), np.array(ext), np.array(feed),
-                               np.ones(len(ids), bool), is_prefill)  # fmt: skip
-
-    def push(self, tokens) -> None:
-        for t, new in zip(self.ids, tokens, strict=True):
-            t.append(int(new))
+def make_batch(engine: Engine, lens: list[int], seed: int = 0) -> PlannedBatch:
+    return PlannedBatch.for_engine(engine, lens, PER_REQ, seed)
 
 
 def scramble_pool(engine: Engine, seed: int = 1) -> None:
@@ -109,6 +85,9 @@ def scramble_pool(engine: Engine, seed: int = 1) -> None:
         t.copy_(torch.randn(t.shape, generator=gen) * 100)
 
 
+@pytest.mark.card(
+    "P2-001", "cpu-stand-in-bucket-choice-padding-isolation-hf-parity-no-host-reads-in-replay"
+)
 def test_spare_slot_is_outside_every_allocatable_page(tiny_model_dir):
     engine = make_engine(tiny_model_dir("llama"), runner="none", page_size=4)
     ps = engine.config.page_size
@@ -123,6 +102,9 @@ def test_spare_slot_is_outside_every_allocatable_page(tiny_model_dir):
     assert engine.spare_loc not in set(alloc.page_table[slot].tolist())
 
 
+@pytest.mark.card(
+    "P2-001", "cpu-stand-in-bucket-choice-padding-isolation-hf-parity-no-host-reads-in-replay"
+)
 def test_padding_rows_never_change_real_rows_and_write_only_the_spare_slot(tiny_model_dir):
     path = tiny_model_dir("qwen2")
     graph, eager = make_engine(path, max_bs=8), make_engine(path, runner="none")
@@ -131,10 +113,10 @@ def test_padding_rows_never_change_real_rows_and_write_only_the_spare_slot(tiny_
     lens = [5, 17, 9]  # 3 requests: bucket 4, one padding row
     for engine in (graph, eager):
         scramble_pool(engine)
-    batches = {id(e): Batch(e, lens) for e in (graph, eager)}
+    batches = {id(e): make_batch(e, lens) for e in (graph, eager)}
     for engine in (graph, eager):
         b = batches[id(engine)]
-        b.push(sample(engine.forward(b.plan(True)), [_Greedy()] * 3).tokens)
+        b.push(sample(engine.forward(b.plan(True)), [GreedyRow()] * 3).tokens)
     for step in range(4):
         plans = {id(e): batches[id(e)].plan(False) for e in (graph, eager)}
         plan = plans[id(graph)]
@@ -167,15 +149,9 @@ def test_padding_rows_never_change_real_rows_and_write_only_the_spare_slot(tiny_
             batches[id(engine)].push(out.tokens.tolist())
 
 
-class _Greedy:
-    """A sample row (`SampleRow`) of a plain greedy request."""
-
-    params = SamplingParams(temperature=0.0)
-    generator = 0
-    input_ids = np.zeros(1, np.int32)
-    output_ids: tuple[int, ...] = ()
-
-
+@pytest.mark.card(
+    "P2-001", "cpu-stand-in-bucket-choice-padding-isolation-hf-parity-no-host-reads-in-replay"
+)
 def test_graph_steps_are_taken_and_match_hf(tiny_model_dir):
     """End to end through LLM.generate: decode batches of 1..5 ride buckets 1, 2, 4, 8 while
     requests finish at different lengths; fp32 tokens equal HF's."""
@@ -201,6 +177,9 @@ def test_graph_steps_are_taken_and_match_hf(tiny_model_dir):
     ]
 
 
+@pytest.mark.card(
+    "P2-001", "cpu-one-staged-copy-per-step-forward-and-sampling-under-the-sync-detector"
+)
 def test_sync_guard_flags_every_host_read():
     x = torch.randn(6)
     reads = [
@@ -226,11 +205,14 @@ def test_sync_guard_flags_every_host_read():
     assert y.item() == int(torch.where(x > 0, x, 0).argmax())
 
 
+@pytest.mark.card(
+    "P2-001", "cpu-stand-in-bucket-choice-padding-isolation-hf-parity-no-host-reads-in-replay"
+)
 def test_replay_fails_when_a_sync_is_introduced(tiny_model_dir, monkeypatch):
     """The stand-in's replay runs under SyncGuard: a host read in the forward is caught."""
     engine = make_engine(tiny_model_dir("llama"), max_bs=4)
-    batch = Batch(engine, [4, 6])
-    batch.push(sample(engine.forward(batch.plan(True)), [_Greedy()] * 2).tokens)
+    batch = make_batch(engine, [4, 6])
+    batch.push(sample(engine.forward(batch.plan(True)), [GreedyRow()] * 2).tokens)
     plan = batch.plan(False)
     engine.graphs.run(plan, engine.stager.stage(plan))  # clean
     norm = type(engine.model.model.norm)
@@ -246,13 +228,16 @@ def test_replay_fails_when_a_sync_is_introduced(tiny_model_dir, monkeypatch):
         engine.graphs.run(plan, engine.stager.stage(plan))
 
 
+@pytest.mark.card(
+    "P2-001", "cpu-one-staged-copy-per-step-forward-and-sampling-under-the-sync-detector"
+)
 def test_eager_decode_forward_and_greedy_sample_read_nothing_back(tiny_model_dir):
     """Inputs without syncs: staging + forward + sampling of an eager decode step (and of a
     prefill) under SyncGuard; the one read is the result's token copy, outside it."""
     for arch in ("llama", "mistral"):
         engine = make_engine(tiny_model_dir(arch), runner="none")
-        batch = Batch(engine, [7, 3, 11])
-        rows = [_Greedy()] * 3
+        batch = make_batch(engine, [7, 3, 11])
+        rows = [GreedyRow()] * 3
         with SyncGuard():
             pending = engine.launch_step(batch.plan(True), rows, frozenset())
         batch.push(pending.result().tokens)
@@ -262,7 +247,7 @@ def test_eager_decode_forward_and_greedy_sample_read_nothing_back(tiny_model_dir
             batch.push(pending.result().tokens)
 
         # a sampled row with penalties and logprobs: its parameters go host -> device only
-        class Row(_Greedy):
+        class Row(GreedyRow):
             params = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.2, logprobs=2)
             output_ids = (1, 2)
 
@@ -272,9 +257,12 @@ def test_eager_decode_forward_and_greedy_sample_read_nothing_back(tiny_model_dir
         assert len(res.tokens) == 3 and all(lp is not None for lp in res.logprobs)
 
 
+@pytest.mark.card(
+    "P2-001", "cpu-one-staged-copy-per-step-forward-and-sampling-under-the-sync-detector"
+)
 def test_staging_is_one_copy_of_the_flat_plan(tiny_model_dir):
     engine = make_engine(tiny_model_dir("llama"), runner="none")
-    batch = Batch(engine, [5, 8])
+    batch = make_batch(engine, [5, 8])
     stager = PlanStager(torch.device("cpu"), capacity=4)  # grows on demand
     plans = [batch.plan(True), batch.plan(False), batch.plan(False, rows=[1])]
     staged = []

@@ -64,7 +64,7 @@ class PlanStager:
             self._alloc(max(n, 2 * self.capacity))
         i = self._i = 1 - self._i
         done = self._copied[i]
-        if done is not None:
+        if done is not None and not done.query():
             done.synchronize()  # the copy that read this host buffer two steps ago
         np.concatenate([getattr(plan, f) for f in PLAN_FIELDS], out=self._host_np[i][:n],
                        casting="same_kind")  # fmt: skip
