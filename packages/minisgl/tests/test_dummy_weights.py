@@ -121,3 +121,36 @@ def test_dummy_weights_refuse_quantization(tmp_path):
     with pytest.raises(ModelLoadError, match="float only"):
         LLM(path, dummy_weights=True, device="cpu", quantization="int8",
             max_seq_len_override=64, num_pages=128)  # fmt: skip
+
+
+def test_server_flag_reaches_the_engine_config():
+    from minisgl.server.args import parse_args
+
+    assert parse_args(["--dummy-weights"]).llm_kwargs()["dummy_weights"] is True
+    assert parse_args([]).llm_kwargs()["dummy_weights"] is False
+
+
+@pytest.mark.card(
+    "P2-001", "shipped-qwen-configs-load-dummy-weights-of-the-right-shapes-on-the-cpu"
+)
+@pytest.mark.slow
+def test_harness_runs_a_dummy_weight_model_against_hf(tmp_path):
+    """`harness offline --dummy-weights --engine hf`: minisgl on dummy weights, HF from its own
+    random init of the same config (a speed baseline), one JSON record."""
+    import subprocess
+    import sys
+
+    path = shallow_copy("Qwen2.5-0.5B-Instruct", tmp_path / "q25", layers=1)
+    out = tmp_path / "run.json"
+    cmd = [sys.executable, "-m", "minisgl.benchmark.harness", "offline", "--no-progress",
+           "--model-path", str(path), "--dummy-weights", "--engine", "hf", "--dtype", "float32",
+           "--set", "num_requests=2", "--set", "output_len=3", "--set", "input_len_min=8",
+           "--set", "input_len_max=8", "--set", "warmup_requests=1",
+           "--set", "llm.max_seq_len_override=64", "--set", "llm.num_pages=64",
+           "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["llm_kwargs"]["dummy_weights"] is True
+    assert record["results"]["minisgl"]["metrics"]["output_tokens"] == 6
+    assert record["results"]["hf"]["metrics"]["output_tokens"] == 6
