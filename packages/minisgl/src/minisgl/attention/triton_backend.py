@@ -75,6 +75,7 @@ class TritonBackend(AttentionBackend):
         # split-stage scratch of every batch size: views at the start of one flat buffer, which
         # only grows (capturing the largest batch first keeps all addresses stable)
         self._scratch = torch.empty(0, dtype=torch.float32, device=self.device)
+        self._retired: list[torch.Tensor] = []
 
     def num_kv_splits(self, bs: int) -> int:
         """Splits per (request, KV head) of a decode step: a function of the batch size only."""
@@ -87,6 +88,8 @@ class TritonBackend(AttentionBackend):
         dims = (bs, self.num_heads, self.num_kv_splits(bs), self.head_dim)
         need = DecodeBuffers.numel(*dims)
         if self._scratch.numel() < need:
+            # a captured graph may still point into the old buffer: keep it alive
+            self._retired.append(self._scratch)
             self._scratch = torch.empty(need, dtype=torch.float32, device=self.device)
         return DecodeBuffers.carve(self._scratch, *dims)
 
