@@ -15,6 +15,9 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 
+GRAPH_RUNNERS = ("auto", "cuda", "replay", "none")  # see engine/graph_runner.py
+
+
 class ModelLoadError(RuntimeError):
     """The model directory cannot be served (missing files, unknown architecture...)."""
 
@@ -158,9 +161,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be auto/none/int8/int4, got {self.quantization!r}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
-        if self.graph_runner not in ("auto", "cuda", "replay", "none"):
+        if self.graph_runner not in GRAPH_RUNNERS:
             raise ValueError(
-                f"graph_runner must be auto/cuda/replay/none, got {self.graph_runner!r}"
+                f"graph_runner must be one of {GRAPH_RUNNERS}, got {self.graph_runner!r}"
             )
         if self.sim_device is not None:
             SimDevice.parse(self.sim_device)  # a bad spec fails here, with the flag's syntax

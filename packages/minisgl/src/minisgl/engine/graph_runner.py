@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from minisgl.attention.base import GraphInputs
+from minisgl.config import GRAPH_RUNNERS
 from minisgl.engine.staging import DevicePlan
 from minisgl.engine.sync_guard import SyncGuard
 from minisgl.sampler import greedy_device
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 DEFAULT_MAX_BS = 256
-RUNNERS = ("auto", "cuda", "replay", "none")
 
 
 def graph_buckets(max_bs: int) -> tuple[int, ...]:
@@ -228,8 +228,8 @@ class CudaGraphRunner(_BucketRunner):
 def resolve_runner(kind: str, device: torch.device, max_bs: int | None) -> tuple[str, int]:
     """(`cuda` / `replay` / `none`, max batch size): `auto` captures CUDA graphs on a CUDA
     device unless max_bs is 0; the stand-in runs only when asked for."""
-    if kind not in RUNNERS:
-        raise ValueError(f"graph_runner must be one of {RUNNERS}, got {kind!r}")
+    if kind not in GRAPH_RUNNERS:
+        raise ValueError(f"graph_runner must be one of {GRAPH_RUNNERS}, got {kind!r}")
     bs = DEFAULT_MAX_BS if max_bs is None else max_bs
     if kind == "auto":
         kind = "cuda" if device.type == "cuda" else "none"
