@@ -46,7 +46,12 @@ def test_profiles_are_deterministic_from_seed(name):
         n = len(w.prompt_ids) - p.prefix_len * (w.prefix_id >= 0)
         assert p.input_len_min <= n <= p.input_len_max
         assert all(0 <= t < 384 for t in w.prompt_ids)
-        assert w.max_tokens == p.output_len
+        if p.output_len_min:  # a length range: every length inside it
+            assert p.output_len_min <= w.max_tokens <= p.output_len
+        else:
+            assert w.max_tokens == p.output_len
+    if p.output_len_min:
+        assert len({w.max_tokens for w in a}) > 1
     assert len(warmup_workload(p, 384)) >= 1
 
 
@@ -225,3 +230,15 @@ def test_cli_rejects_bad_usage(tiny_model_dir, capsys):
     assert "unknown profile parameter" in capsys.readouterr().err
     assert harness.main(["offline", "--ab", "python,nonexistent", "--no-progress"]) == 2
     assert "nonexistent" in capsys.readouterr().err
+
+
+def test_nano_vllm_profile_has_uniform_input_and_output_lengths():
+    p = get_profile("nano-vllm")
+    items = build_workload(p, 151936)
+    assert len(items) == 256 and all(w.arrival_s == 0.0 for w in items)
+    ins, outs = [len(w.prompt_ids) for w in items], [w.max_tokens for w in items]
+    assert min(ins) >= 100 and max(ins) <= 1024 and min(outs) >= 100 and max(outs) <= 1024
+    assert min(ins) < 200 and max(ins) > 900 and min(outs) < 200 and max(outs) > 900
+    assert [w.max_tokens for w in build_workload(p, 151936)] == outs  # seeded
+    with pytest.raises(ValueError, match="output_len_min"):
+        get_profile("nano-vllm", {"output_len_min": "2000"})

@@ -316,6 +316,33 @@ def test_greedy_parity_with_hf(arch, page_size, tiny_model_dir):
     assert_kv_clean(llm)
 
 
+@pytest.mark.card(
+    "P2-001", "cpu-stand-in-bucket-choice-padding-isolation-hf-parity-no-host-reads-in-replay"
+)
+@pytest.mark.parametrize(("arch", "page_size"), [("qwen2", 4), ("mistral", 1)])
+def test_decode_graphs_with_triton_match_hf(arch, page_size, tiny_model_dir):
+    """The triton backend's graph metadata (`graph_prepare`: the fixed buffers, the split
+    scratch of each bucket) through the graph stand-in: 3 requests on bucket 4, then 1 and 2
+    as they finish; Mistral decodes past its sliding window."""
+    from minisgl.engine.graph_runner import ReplayGraphRunner
+
+    path = tiny_model_dir(arch)
+    lo, hi = (8, 16) if arch == "qwen2" else (44, 50)
+    prompts = random_prompts(3, lo, hi, seed=5)
+    lengths = [2, 6, 4]
+    ref = hf_greedy(load_hf_model(path), prompts, max(lengths))
+    llm = LLM(path, device=DEVICE.type, dtype="float32", attention_backend="triton",
+              graph_runner="replay", cuda_graph_max_bs=4, page_size=page_size,
+              num_pages=512 // page_size, max_seq_len_override=64)  # fmt: skip
+    runner = llm.engine.graphs
+    assert isinstance(runner, ReplayGraphRunner) and runner.buckets == (1, 2, 4)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    out = llm.generate(prompts, params)
+    assert [o["token_ids"] for o in out] == [r[:n] for r, n in zip(ref, lengths, strict=True)]
+    assert runner.replays == max(lengths) - 1
+    assert_kv_clean(llm)
+
+
 # --- GPU: compiled kernels at realistic sizes -------------------------------------------------
 
 

@@ -15,6 +15,9 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 
+GRAPH_RUNNERS = ("auto", "cuda", "replay", "none")  # see engine/graph_runner.py
+
+
 class ModelLoadError(RuntimeError):
     """The model directory cannot be served (missing files, unknown architecture...)."""
 
@@ -128,7 +131,9 @@ class EngineConfig:
     max_seq_len_override: int | None = None
     max_extend_tokens: int = 4096
     max_running_requests: int = 256
-    cuda_graph_max_bs: int | None = None
+    cuda_graph_max_bs: int | None = None  # None: the default on CUDA (engine/graph_runner.py)
+    graph_runner: str = "auto"  # auto (cuda on CUDA) / cuda / replay (the CPU stand-in) / none
+    dummy_weights: bool = False  # random weights of the config's shapes, no checkpoint read
     page_size: int = 1
     num_pages: int | None = None
     memory_ratio: float | None = None
@@ -154,5 +159,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto/float32/float16/bfloat16, got {self.dtype!r}")
         if self.quantization not in ("auto", "none", "int8", "int4"):
             raise ValueError(f"quantization must be auto/none/int8/int4, got {self.quantization!r}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
+            raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
+        if self.graph_runner not in GRAPH_RUNNERS:
+            raise ValueError(
+                f"graph_runner must be one of {GRAPH_RUNNERS}, got {self.graph_runner!r}"
+            )
         if self.sim_device is not None:
             SimDevice.parse(self.sim_device)  # a bad spec fails here, with the flag's syntax

@@ -159,11 +159,49 @@ def filter_min_p(y: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return y.masked_fill(~keep, float("-inf"))
 
 
+@dataclass(frozen=True)
+class DeviceSample:
+    """A step's sampled tokens, still on the device (nothing read back yet)."""
+
+    tokens: torch.Tensor  # [n] int64
+    bad: torch.Tensor  # [n] bool: non-finite logits or no allowed token
+    lp_rows: list[int]  # rows that asked for logprobs
+    lp_vals: torch.Tensor | None = None  # [len(lp_rows)] the sampled tokens' logprobs
+    lp_top: tuple[torch.Tensor, torch.Tensor] | None = None  # (indices, values) [.., k]
+
+
+def is_plain_greedy(rows: Sequence[SampleRow]) -> bool:
+    """Every row takes the argmax of its raw logits (what a graph computes in-graph): greedy,
+    no logit bias, no active min_tokens, no penalties, no logprobs."""
+    for r in rows:
+        p = r.params
+        if not p.is_greedy or p.logit_bias or p.has_penalties or p.logprobs is not None:
+            return False
+        if p.min_tokens and len(r.output_ids) < p.min_tokens:
+            return False
+    return True
+
+
+def greedy_device(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Argmax and the bad-row flag of raw logits (device ops only: graph-capturable)."""
+    raw = logits.float()
+    bad = torch.isnan(raw).any(dim=-1) | torch.isposinf(raw).any(dim=-1)
+    return torch.argmax(raw, dim=-1), bad | ~(raw > float("-inf")).any(dim=-1)
+
+
 def sample(
     logits: torch.Tensor, rows: Sequence[SampleRow], eos_ids: frozenset[int] = frozenset()
 ) -> SampleResult:
     """logits: [len(rows), vocab]; one request per row."""
-    n, vocab = logits.shape
+    return to_host(sample_device(logits, rows, eos_ids), rows)
+
+
+def sample_device(
+    logits: torch.Tensor, rows: Sequence[SampleRow], eos_ids: frozenset[int] = frozenset()
+) -> DeviceSample:
+    """The sampling of `sample`, left on the device: per-request parameters go host -> device,
+    nothing comes back."""
+    vocab = logits.shape[1]
     dev = logits.device
     raw = logits.float()
     params = [r.params for r in rows]
@@ -227,21 +265,41 @@ def sample(
         tokens = tokens.index_copy(0, idx, torch.argmax(y + gumbel, dim=-1))
         bad = bad.index_copy(0, idx, bad[idx] | y.isnan().any(dim=-1))
     lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    lp_vals = lp_top = None
-    if lp_rows:
-        idx = _host(lp_rows, torch.int64, dev)
-        lps = torch.log_softmax(raw[idx], dim=-1)
-        lp_vals = lps.gather(1, tokens[idx][:, None])[:, 0].tolist()
-        k = max(params[i].logprobs for i in lp_rows)
-        if k:
-            top = lps.topk(k, dim=-1)
-            lp_top = (top.indices.tolist(), top.values.tolist())
-    token_list, bad_list = tokens.tolist(), bad.tolist()
+    if not lp_rows:
+        return DeviceSample(tokens, bad, lp_rows)
+    idx = _host(lp_rows, torch.int64, dev)
+    lps = torch.log_softmax(raw[idx], dim=-1)
+    lp_vals = lps.gather(1, tokens[idx][:, None])[:, 0]
+    k = max(params[i].logprobs for i in lp_rows)
+    lp_top = None
+    if k:
+        top = lps.topk(k, dim=-1)
+        lp_top = (top.indices, top.values)
+    return DeviceSample(tokens, bad, lp_rows, lp_vals, lp_top)
+
+
+def pack_for_host(ds: DeviceSample) -> torch.Tensor:
+    """[2, n] int64 (tokens, bad flags): what a step reads back, as one copy."""
+    return torch.stack((ds.tokens, ds.bad.to(torch.int64)))
+
+
+def to_host(
+    ds: DeviceSample, rows: Sequence[SampleRow], packed: torch.Tensor | None = None
+) -> SampleResult:
+    """The one device -> host read of a step: tokens and bad flags in one copy (`packed`: that
+    copy, already on the host), plus the logprobs of the rows that asked for them."""
+    host = (pack_for_host(ds) if packed is None else packed).cpu().numpy()
+    token_list, bad_list = host[0].tolist(), host[1].tolist()
+    n = len(token_list)
     logprobs: list[TokenLogprob | None] = [None] * n
-    for j, i in enumerate(lp_rows):
-        k = params[i].logprobs
-        top = tuple(zip(lp_top[0][j][:k], lp_top[1][j][:k], strict=True)) if k else ()
-        logprobs[i] = TokenLogprob(token_list[i], lp_vals[j], top)
+    if ds.lp_rows:
+        assert ds.lp_vals is not None
+        lp_vals = ds.lp_vals.tolist()
+        lp_top = (ds.lp_top[0].tolist(), ds.lp_top[1].tolist()) if ds.lp_top is not None else None
+        for j, i in enumerate(ds.lp_rows):
+            k = rows[i].params.logprobs
+            top = tuple(zip(lp_top[0][j][:k], lp_top[1][j][:k], strict=True)) if k else ()
+            logprobs[i] = TokenLogprob(token_list[i], lp_vals[j], top)
     errors = [
         "the model produced non-finite logits (or no allowed token) for this request" if b else None
         for b in bad_list

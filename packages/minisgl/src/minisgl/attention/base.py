@@ -1,20 +1,41 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from minisgl.engine.staging import DevicePlan, PlanStager
 from minisgl.kvcache.pool import KVPool
 from minisgl.scheduler.plan import StepPlan
+
+
+@dataclass(frozen=True)
+class GraphInputs:
+    """The fixed device buffers a decode graph reads (int32, sized for the largest batch):
+    row i of a bucket of `bs` rows is entry i; `kv_indices` holds every row's KV locations
+    back to back (`kv_indptr`), padding rows included."""
+
+    input_ids: torch.Tensor  # [max_bs]
+    positions: torch.Tensor  # [max_bs]
+    out_loc: torch.Tensor  # [max_bs]
+    seq_lens: torch.Tensor  # [max_bs]
+    kv_indptr: torch.Tensor  # [max_bs + 1]
+    kv_indices: torch.Tensor  # [kv capacity]
+    max_seq_len: int
 
 
 class AttentionBackend(ABC):
     """Computes attention for one layer over the paged KV pool.
 
-    `prepare` turns a StepPlan into backend metadata once per step; `forward` is called by
-    every layer with that metadata. The backend writes the new K/V to the pool itself.
+    `prepare` turns a StepPlan (and its staged device copy) into backend metadata once per
+    step; `forward` is called by every layer with that metadata. The backend writes the new
+    K/V to the pool itself. A backend that can run decode steps from a CUDA graph implements
+    `graph_prepare`: device ops only, fixed shapes for a batch size.
     """
+
+    graph_friendly = False  # `--graph-runner auto` captures graphs only for such backends
 
     def __init__(
         self,
@@ -33,7 +54,20 @@ class AttentionBackend(ABC):
         self.device = device
 
     @abstractmethod
-    def prepare(self, plan: StepPlan) -> Any: ...
+    def prepare(self, plan: StepPlan, dev: DevicePlan | None = None) -> Any:
+        """`dev`: the plan staged on the device (`engine/staging.py`); staged here if None."""
+
+    def stage(self, plan: StepPlan) -> DevicePlan:
+        """The plan on the device, for callers that did not stage it (tests, tools)."""
+        return PlanStager(self.device, capacity=1).stage(plan)
+
+    def graph_prepare(self, inputs: GraphInputs, bs: int) -> Any:
+        """Metadata of a decode step of `bs` rows read from `inputs`, computed by device ops
+        only (run inside the captured region, every replay)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run decode graphs")
+
+    def before_replay(self) -> None:  # noqa: B027 (optional hook, nothing to do by default)
+        """Called on the host before a graph step replaces an eager decode step."""
 
     @abstractmethod
     def forward(

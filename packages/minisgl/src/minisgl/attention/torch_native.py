@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.attention import register_backend
-from minisgl.attention.base import AttentionBackend
+from minisgl.attention.base import AttentionBackend, GraphInputs
 from minisgl.attention.decode_workspace import DecodeWorkspace
+from minisgl.engine.staging import DevicePlan
 from minisgl.scheduler.plan import StepPlan
 
 
@@ -71,11 +72,12 @@ class TorchNativeBackend(AttentionBackend):
         self.workspace = DecodeWorkspace(len(pool.k), self.num_kv_heads, self.head_dim,
                                          pool.k[0].dtype, self.device)  # fmt: skip
 
-    def prepare(self, plan: StepPlan) -> _Meta:
-        dev = self.device
-        out_loc = torch.from_numpy(plan.out_loc).to(dev, torch.int64)
-        kv_indices = torch.from_numpy(plan.kv_indices).to(dev, torch.int64)
-        seq_lens = plan.seq_lens.tolist()
+    def prepare(self, plan: StepPlan, staged: DevicePlan | None = None) -> _Meta:
+        """Decode reads only the staged device arrays (host values: numpy, never the device);
+        prefill still builds its padded group indices and masks on the host."""
+        staged = staged or self.stage(plan)
+        out_loc = staged.out_loc.long()
+        kv_indices = staged.kv_indices.long()
         ext = plan.extend_lens
         if plan.is_prefill:
             self.workspace.invalidate()
@@ -84,21 +86,44 @@ class TorchNativeBackend(AttentionBackend):
                 for rows in _prefill_groups(plan.extend_lens, plan.seq_lens)
             ]
             return _Meta(out_loc, True, groups)
-        lens = torch.from_numpy(plan.seq_lens).to(dev, torch.int64)
-        lmax = max(seq_lens)
-        ar = torch.arange(lmax, device=dev)[None, :]
+        lens = staged.seq_lens.long()
+        lmax = int(plan.seq_lens.max())
+        mode = self.workspace.mode(plan.slots, plan.seq_lens)
+        return self._decode_meta(out_loc, lens, staged.kv_indptr, kv_indices, lmax, mode)
+
+    def _decode_meta(
+        self,
+        out_loc: torch.Tensor,
+        lens: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        lmax: int,
+        mode: str | None,
+    ) -> _Meta:
+        """Decode metadata from device arrays only (KV padded to `lmax` per request)."""
+        ar = torch.arange(lmax, device=self.device)[None, :]
         valid = ar < lens[:, None]
         if self.sliding_window is not None:
             valid &= ar >= lens[:, None] - self.sliding_window
-        mode = self.workspace.mode(plan.slots, plan.seq_lens)
         if mode == "append":
             return _Meta(out_loc, False, [], None, valid[:, None, None, :], mode, lens - 1)
-        indptr = torch.from_numpy(plan.kv_indptr[:-1]).to(dev, torch.int64)
+        indptr = kv_indptr[:-1].long()
         # padding reads the request's last (written) location, so masked values stay finite
         last = indptr + lens - 1
         gather = torch.where(valid, indptr[:, None] + ar, last[:, None])
         kv_index = kv_indices[gather]
         return _Meta(out_loc, False, [], kv_index, valid[:, None, None, :], mode)
+
+    def graph_prepare(self, inputs: GraphInputs, bs: int) -> _Meta:
+        """A decode step over the graph buffers: KV padded to the longest possible sequence
+        (fixed shape), gathered, no workspace (the graph does not see host state)."""
+        return self._decode_meta(
+            inputs.out_loc[:bs].long(), inputs.seq_lens[:bs].long(), inputs.kv_indptr[: bs + 1],
+            inputs.kv_indices, inputs.max_seq_len, None,
+        )  # fmt: skip
+
+    def before_replay(self) -> None:
+        self.workspace.invalidate()  # the graph step appends KV the workspace does not hold
 
     def _prefill_group(
         self, plan: StepPlan, rows: np.ndarray, kv_indices: torch.Tensor, single: bool

@@ -14,11 +14,12 @@ import numpy as np
 import torch
 
 from minisgl.attention import register_backend
-from minisgl.attention.base import AttentionBackend
+from minisgl.attention.base import AttentionBackend, GraphInputs
 from minisgl.attention.triton_kernels import INTERPRETED
 from minisgl.attention.triton_kernels.decode import DecodeBuffers, decode_attention
 from minisgl.attention.triton_kernels.extend import extend_attention, extend_blocks
 from minisgl.attention.triton_kernels.kv_store import store_kv
+from minisgl.engine.staging import DevicePlan
 from minisgl.scheduler.plan import StepPlan
 
 # Split-KV target: about this many decode programs per streaming multiprocessor.
@@ -42,6 +43,8 @@ class TritonMeta:
 
 @register_backend("triton")
 class TritonBackend(AttentionBackend):
+    graph_friendly = True  # decode grid and reads bounded by each request's own length
+
     def __init__(
         self,
         *args,
@@ -72,6 +75,7 @@ class TritonBackend(AttentionBackend):
         # split-stage scratch of every batch size: views at the start of one flat buffer, which
         # only grows (capturing the largest batch first keeps all addresses stable)
         self._scratch = torch.empty(0, dtype=torch.float32, device=self.device)
+        self._retired: list[torch.Tensor] = []
 
     def num_kv_splits(self, bs: int) -> int:
         """Splits per (request, KV head) of a decode step: a function of the batch size only."""
@@ -84,15 +88,18 @@ class TritonBackend(AttentionBackend):
         dims = (bs, self.num_heads, self.num_kv_splits(bs), self.head_dim)
         need = DecodeBuffers.numel(*dims)
         if self._scratch.numel() < need:
+            # a captured graph may still point into the old buffer: keep it alive
+            self._retired.append(self._scratch)
             self._scratch = torch.empty(need, dtype=torch.float32, device=self.device)
         return DecodeBuffers.carve(self._scratch, *dims)
 
-    def prepare(self, plan: StepPlan) -> TritonMeta:
+    def prepare(self, plan: StepPlan, staged: DevicePlan | None = None) -> TritonMeta:
+        staged = staged or self.stage(plan)
         meta = TritonMeta(
-            out_loc=self._dev(plan.out_loc),
-            kv_indptr=self._dev(plan.kv_indptr),
-            kv_indices=self._dev(plan.kv_indices),
-            seq_lens=self._dev(plan.seq_lens),
+            out_loc=staged.out_loc,
+            kv_indptr=staged.kv_indptr,
+            kv_indices=staged.kv_indices,
+            seq_lens=staged.seq_lens,
             decode=None,
         )
         bs = plan.batch_size
@@ -106,6 +113,17 @@ class TritonBackend(AttentionBackend):
         meta.block_req = self._dev(block_req)
         meta.block_start = self._dev(block_start)
         return meta
+
+    def graph_prepare(self, inputs: GraphInputs, bs: int) -> TritonMeta:
+        """The decode kernels read per-request ranges of the fixed buffers; their grid and
+        split scratch depend on `bs` only (capture the largest batch first: see `_scratch`)."""
+        return TritonMeta(
+            out_loc=inputs.out_loc[:bs],
+            kv_indptr=inputs.kv_indptr[: bs + 1],
+            kv_indices=inputs.kv_indices,
+            seq_lens=inputs.seq_lens[:bs],
+            decode=self.decode_buffers(bs),
+        )
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonMeta

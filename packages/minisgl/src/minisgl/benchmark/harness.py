@@ -228,6 +228,8 @@ def run_offline(args: argparse.Namespace) -> int:
         llm_kwargs.setdefault("quantization", args.quantization)
     if args.cuda_graph_max_bs is not None:
         llm_kwargs.setdefault("cuda_graph_max_bs", args.cuda_graph_max_bs)
+    if args.dummy_weights:
+        llm_kwargs.setdefault("dummy_weights", True)
     if args.sim_device is not None:
         llm_kwargs.setdefault("sim_device", args.sim_device)
     requested = os.environ.get(ENV, "python").strip() or "python"
@@ -254,7 +256,8 @@ def run_offline(args: argparse.Namespace) -> int:
     hf_model = None
     if args.engine == "hf":
         hf_dtype = args.hf_dtype or str(llm.engine.dtype).split(".")[-1]
-        hf_model = load_hf(llm.config.model_path, dtype=hf_dtype)
+        hf_model = load_hf(llm.config.model_path, hf_dtype, llm.config.dummy_weights,
+                           str(llm.engine.device))  # fmt: skip
         record["hf_dtype"] = hf_dtype
         pad = llm.tokenizer.pad_token_id
         pad = 0 if pad is None else int(pad)
@@ -337,6 +340,8 @@ def _arm_command(
         cmd += ["--sim-device", args.sim_device]
     if obs_out is not None:
         cmd += ["--observations", obs_out]
+    if getattr(args, "dummy_weights", False):
+        cmd += ["--dummy-weights"]
     for item in args.set or []:
         cmd += ["--set", item]
     return cmd
@@ -463,6 +468,11 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--ab", help="comma-separated CPU backends, e.g. python,rust_hotpath")
     off.add_argument("--ignore-arrivals", action="store_true", help="submit all at t=0")
     off.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    off.add_argument(
+        "--dummy-weights",
+        action="store_true",
+        help="random weights of config.json's shapes (LLM dummy_weights=True; HF: its own init)",
+    )
 
     on = sub.add_parser("online", help="OpenAI-API benchmark against a running server")
     common_args(on, "seed-online")

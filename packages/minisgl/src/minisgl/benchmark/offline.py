@@ -253,7 +253,7 @@ def run_hf(
     return {"metrics": metrics, "token_times": token_times}
 
 
-def load_hf(model_path: str, dtype: str = "float32"):
+def load_hf(model_path: str, dtype: str = "float32", dummy: bool = False, device: str = "cpu"):
     from minisgl.testing.hf_reference import load_hf_model
 
-    return load_hf_model(model_path, dtype=dtype)
+    return load_hf_model(model_path, dtype=dtype, device=device, dummy=dummy)

@@ -23,6 +23,7 @@ class Profile:
     input_len_min: int = 64
     input_len_max: int = 256
     output_len: int = 64
+    output_len_min: int = 0  # > 0: output lengths uniform in [output_len_min, output_len]
     ignore_eos: bool = True
     # shared prefixes ("system prompts"): 0 = none
     num_prefixes: int = 0
@@ -127,6 +128,19 @@ PROFILES: dict[str, Profile] = {
             max_running_requests=256,
         ),
         Profile(
+            "nano-vllm",
+            "nano-vllm's bench.py: 256 requests, input and output lengths uniform in 100-1024, "
+            "all at t=0 (GPU throughput)",
+            seed=0,
+            num_requests=256,
+            input_len_min=100,
+            input_len_max=1024,
+            output_len_min=100,
+            output_len=1024,
+            max_running_requests=256,
+            max_extend_tokens=16384,
+        ),
+        Profile(
             "decode-heavy",
             "256 concurrent requests, 16 token prompts, 256 output tokens",
             num_requests=256,
@@ -180,6 +194,8 @@ def validate(p: Profile) -> None:
         raise ValueError("need 1 <= input_len_min <= input_len_max")
     if p.output_len <= 0:
         raise ValueError("output_len must be > 0")
+    if not 0 <= p.output_len_min <= p.output_len:
+        raise ValueError("need 0 <= output_len_min <= output_len")
     if p.arrival not in {"all", "poisson", "burst"}:
         raise ValueError("arrival must be all, poisson or burst")
     if p.arrival == "poisson" and p.request_rate <= 0:
@@ -251,7 +267,8 @@ def build_workload(p: Profile, vocab_size: int) -> list[WorkItem]:
         n_in = rng.randint(p.input_len_min, p.input_len_max)
         prefix_id = rng.randrange(p.num_prefixes) if p.num_prefixes else -1
         prompt = (prefixes[prefix_id] if prefix_id >= 0 else []) + tokens(n_in)
-        items.append(WorkItem(i, prompt, p.output_len, arrivals[i], prefix_id))
+        n_out = rng.randint(p.output_len_min, p.output_len) if p.output_len_min else p.output_len
+        items.append(WorkItem(i, prompt, n_out, arrivals[i], prefix_id))
     return items
 
 
@@ -265,6 +282,7 @@ def warmup_workload(p: Profile, vocab_size: int) -> list[WorkItem]:
         input_len_min=min(p.input_len_min, 32),
         input_len_max=min(p.input_len_max, 32),
         output_len=min(p.output_len, 4),
+        output_len_min=0,
         arrival="all",
     )
     return build_workload(w, vocab_size)

@@ -1,4 +1,9 @@
-"""The engine: model weights, the KV pool and the attention backend; runs one StepPlan."""
+"""The engine: model weights, the KV pool and the attention backend; runs one StepPlan.
+
+A step's inputs reach the device as one staged copy (`staging.py`); decode steps that fit a
+graph bucket replay a captured graph (`graph_runner.py`); the sampled tokens come back in one
+copy (`PendingStep.result`), the only device -> host read of a step.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +13,25 @@ import torch
 
 from minisgl.attention import create_backend
 from minisgl.config import EngineConfig, ModelConfig
+from minisgl.engine.graph_runner import GraphRunner, make_graph_runner, resolve_runner
 from minisgl.engine.memory import (
     plan_num_pages,
     resolve_device,
     resolve_dtype,
     resolve_quantization,
 )
+from minisgl.engine.staging import PlanStager
 from minisgl.kvcache.pool import KVPool
 from minisgl.models.loader import load_model
-from minisgl.sampler import SampleResult, SampleRow, sample
+from minisgl.sampler import (
+    DeviceSample,
+    SampleResult,
+    SampleRow,
+    is_plain_greedy,
+    pack_for_host,
+    sample_device,
+    to_host,
+)
 from minisgl.scheduler.plan import StepPlan
 from minisgl.utils.log import get_logger
 
@@ -28,22 +43,30 @@ class Engine:
         self.config = config
         self.model_config = cfg = ModelConfig.from_dir(config.model_path)
         self.device = resolve_device(config.device)
-        self.quantization = resolve_quantization(
-            config.quantization, config.model_path, self.device
-        )
+        quantization = config.quantization
+        if config.dummy_weights and quantization == "auto":
+            quantization = "none"  # random float weights: nothing to take a precision from
+        self.quantization = resolve_quantization(quantization, config.model_path, self.device)
         self.dtype = resolve_dtype(config.dtype, cfg, self.device, self.quantization)
-        if self.device.type == "cpu" and config.cuda_graph_max_bs is not None:
-            logger.debug("cuda_graph_max_bs=%s ignored on CPU", config.cuda_graph_max_bs)
         self.max_seq_len = cfg.max_position_embeddings
         if config.max_seq_len_override is not None:
             self.max_seq_len = min(self.max_seq_len, config.max_seq_len_override)
         self.model = load_model(
-            config.model_path, cfg, self.dtype, self.device, self.max_seq_len, self.quantization
+            config.model_path,
+            cfg,
+            self.dtype,
+            self.device,
+            self.max_seq_len,
+            self.quantization,
+            dummy_weights=config.dummy_weights,
         )
         self.num_pages = plan_num_pages(config, cfg, self.dtype, self.device, self.max_seq_len)
+        # one page more than the scheduler allocates: its first location is the spare KV slot
+        # that graph padding rows write to (the allocator hands out pages < num_pages only)
+        self.spare_loc = self.num_pages * config.page_size
         self.pool = KVPool(
             cfg.num_layers,
-            self.num_pages,
+            self.num_pages + 1,
             config.page_size,
             cfg.num_kv_heads,
             cfg.head_dim,
@@ -60,18 +83,67 @@ class Engine:
             device=self.device,
         )
 
+        self.stager = PlanStager(self.device)
+        self.graphs: GraphRunner | None = self._graph_runner(config)
+
+    def _graph_runner(self, config: EngineConfig) -> GraphRunner | None:
+        kind, max_bs = resolve_runner(config.graph_runner, self.device, config.cuda_graph_max_bs)
+        max_bs = min(max_bs, config.max_running_requests)
+        if kind == "none":
+            return None
+        if config.graph_runner == "auto" and not getattr(self.backend, "graph_friendly", False):
+            logger.info("no decode graphs: the %s attention backend pads every decode to the "
+                        "longest sequence in a graph (use --attention-backend triton)",
+                        config.attention_backend)  # fmt: skip
+            return None
+        return make_graph_runner(kind, self.model, self.backend, self.spare_loc, max_bs,
+                                 self.max_seq_len, self.device)  # fmt: skip
+
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
-        """Run one step; returns float32 logits [len(plan.sample_rows), vocab]."""
-        dev = self.device
-        meta = self.backend.prepare(plan)
-        input_ids = torch.from_numpy(plan.input_ids).to(dev, torch.int64, non_blocking=True)
-        positions = torch.from_numpy(plan.positions).to(dev, torch.int64, non_blocking=True)
-        rows = torch.from_numpy(plan.logits_indices).to(dev, torch.int64, non_blocking=True)
-        return self.model(input_ids, positions, rows, self.backend, meta)
+        """Run one step eagerly; returns float32 logits [len(plan.sample_rows), vocab]."""
+        staged = self.stager.stage(plan)
+        meta = self.backend.prepare(plan, staged)
+        return self.model(staged.input_ids, staged.positions, staged.logits_indices,
+                          self.backend, meta)  # fmt: skip
+
+    @torch.inference_mode()
+    def launch_step(
+        self, plan: StepPlan, rows: Sequence[SampleRow], eos_ids: frozenset[int]
+    ) -> PendingStep:
+        """Enqueue forward and sampling; nothing is read back until `result()`."""
+        if self.graphs is not None and self.graphs.can_run(plan):
+            out = self.graphs.run(plan, self.stager.stage(plan))
+            if is_plain_greedy(rows):
+                return PendingStep(DeviceSample(out.tokens, out.bad, []), rows)
+            return PendingStep(sample_device(out.logits, rows, eos_ids), rows)
+        return PendingStep(sample_device(self.forward(plan), rows, eos_ids), rows)
 
     def sample_step(
         self, plan: StepPlan, rows: Sequence[SampleRow], eos_ids: frozenset[int]
     ) -> SampleResult:
         """Forward and sample: one token per sample row (`rows[i]` is sample row i)."""
-        return sample(self.forward(plan), rows, eos_ids)
+        return self.launch_step(plan, rows, eos_ids).result()
+
+
+class PendingStep:
+    """A launched step: its tokens are copied to the host asynchronously (one non-blocking
+    copy into pinned memory, started here); `result()` waits for that copy only."""
+
+    def __init__(self, sampled: DeviceSample, rows: Sequence[SampleRow]) -> None:
+        self.sampled, self.rows = sampled, rows
+        packed = pack_for_host(sampled)
+        self._event: torch.cuda.Event | None = None
+        if packed.device.type == "cuda":
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = packed
+
+    def result(self) -> SampleResult:
+        """Wait for the step's token copy and build the result."""
+        if self._event is not None:
+            self._event.synchronize()
+        return to_host(self.sampled, self.rows, self._host)

@@ -1,8 +1,10 @@
-"""Build a model on the target device and fill it from safetensors, one tensor at a time."""
+"""Build a model on the target device and fill it from safetensors, one tensor at a time, or
+with deterministic random weights (`--dummy-weights`: a folder with only config.json)."""
 
 from __future__ import annotations
 
 import json
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -41,25 +43,12 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def load_model(
-    model_path: str | Path,
-    cfg: ModelConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    max_positions: int,
-    quantization: str = "none",
-):
-    """Build the model and fill it from safetensors. Checkpoint q/k/v and gate/up projections
-    land in row slices of the fused `qkv_proj` / `gate_up_proj`. With `quantization` int8 or
-    int4 the linears are then swapped for packed ones, taken from the folder's packed cache
-    when it has them (their float tensors are then not even read)."""
-    from safetensors import safe_open
+DUMMY_SEED = 0
+DUMMY_STD = 0.02  # HF's default initializer_range
 
-    from minisgl.quantization.cache import read_packed
 
-    model_path = Path(model_path)
-    files = weight_files(model_path)
-    packed = read_packed(model_path, quantization) if quantization != "none" else None
+def _build(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int):
+    """The model with uninitialised parameters on `device` (RoPE tables computed, ties set)."""
     cls = MODEL_REGISTRY[cfg.architecture]
     with _default_dtype(dtype), torch.device("meta"):
         model = cls(cfg, max_positions)
@@ -68,6 +57,55 @@ def load_model(
     with _default_dtype(dtype), torch.device(device):
         model.rotary = type(model.rotary)(cfg, max_positions, dtype)
     model.tie_weights()
+    return model
+
+
+def fill_dummy_weights(model: torch.nn.Module, cfg: ModelConfig, seed: int = DUMMY_SEED) -> None:
+    """Random weights of the right shapes: norms 1, biases 0, every other tensor
+    N(0, initializer_range), drawn on the CPU from a generator seeded by (seed, parameter
+    name), so a parameter's values do not depend on the device, the dtype or the depth."""
+    std = float(getattr(cfg.hf_config, "initializer_range", None) or DUMMY_STD)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # tied parameters once
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
+                param.copy_(values)
+
+
+def load_model(
+    model_path: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    quantization: str = "none",
+    dummy_weights: bool = False,
+):
+    """Build the model and fill it from safetensors. Checkpoint q/k/v and gate/up projections
+    land in row slices of the fused `qkv_proj` / `gate_up_proj`. With `quantization` int8 or
+    int4 the linears are then swapped for packed ones, taken from the folder's packed cache
+    when it has them (their float tensors are then not even read). `dummy_weights`: no
+    checkpoint is read, see `fill_dummy_weights`."""
+    if dummy_weights:
+        if quantization != "none":
+            raise ModelLoadError(f"dummy weights are float only, not quantization={quantization!r}")
+        model = _build(cfg, dtype, device, max_positions)
+        fill_dummy_weights(model, cfg)
+        logger.info("dummy weights for %s (seed %d)", cfg.architecture, DUMMY_SEED)
+        return model.eval()
+    from safetensors import safe_open
+
+    from minisgl.quantization.cache import read_packed
+
+    model_path = Path(model_path)
+    files = weight_files(model_path)
+    packed = read_packed(model_path, quantization) if quantization != "none" else None
+    model = _build(cfg, dtype, device, max_positions)
     targets = _load_targets(model, cfg)
     pending = set(targets) - set(packed or ())
     for file in files:

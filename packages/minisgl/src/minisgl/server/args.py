@@ -24,6 +24,7 @@ class ServerArgs:
     max_prefill_length: int = 4096
     max_seq_len_override: int | None = None
     cuda_graph_max_bs: int | None = None
+    dummy_weights: bool = False
     num_tokenizer: int = 1
     transport: str = "typed"
     startup_timeout: float = 300.0
@@ -54,6 +55,7 @@ class ServerArgs:
             max_extend_tokens=self.max_prefill_length,
             max_seq_len_override=self.max_seq_len_override,
             cuda_graph_max_bs=self.cuda_graph_max_bs,
+            dummy_weights=self.dummy_weights,
             sim_device=self.sim_device,
         )
 
@@ -101,7 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=4096,
     )
     p.add_argument("--max-seq-len-override", type=int, default=None)
-    p.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    p.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=None,
+        help="largest decode batch replayed from a CUDA graph (0: no graphs; default: 256)",
+    )
+    p.add_argument(
+        "--dummy-weights",
+        action="store_true",
+        help="random weights of config.json's shapes (benchmarks without a checkpoint)",
+    )
     p.add_argument("--num-tokenizer", type=int, default=1)
     p.add_argument(
         "--transport",

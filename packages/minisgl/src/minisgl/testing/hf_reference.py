@@ -6,11 +6,19 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-def load_hf_model(model_path: str | Path, dtype: str = "float32", device: str = "cpu"):
+def load_hf_model(
+    model_path: str | Path, dtype: str = "float32", device: str = "cpu", dummy: bool = False
+):
+    """The HF model of a folder; `dummy`: HF's own random init from config.json (a speed
+    baseline: its weights are not minisgl's dummy weights)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, dtype))
+    if dummy:
+        cfg = AutoConfig.from_pretrained(str(model_path))
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, dtype))
     model.generation_config.eos_token_id = None  # compare fixed-length continuations
     return model.to(device).eval()
 

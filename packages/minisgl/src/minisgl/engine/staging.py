@@ -1,0 +1,78 @@
+"""Step inputs on the device without syncs: one host memcpy + one non-blocking H2D copy.
+
+`PlanStager.stage(plan)` gathers the plan's segments (the flat int32 layout of
+`scheduler/plan.py`) into a pinned host buffer with one `np.concatenate`, then copies that
+buffer to the device with one non-blocking copy; the segments are views of the device buffer
+(`DevicePlan`). Two host/device buffer pairs alternate: step N+1 fills its host buffer while
+step N's copy may still be reading the other one (before reusing a buffer, the stager waits
+for the copy that read it two steps ago, which has long finished). On the CPU the buffers are
+plain memory and the copy a memcpy: the same code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from minisgl.scheduler.plan import PLAN_FIELDS, PlanLayout, StepPlan
+
+_MIN_CAPACITY = 1 << 14
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """The segments of one staged plan: int32 device views, named as the `StepPlan` fields."""
+
+    slots: torch.Tensor
+    extend_lens: torch.Tensor
+    seq_lens: torch.Tensor
+    kv_indptr: torch.Tensor
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_loc: torch.Tensor
+    kv_indices: torch.Tensor
+    logits_indices: torch.Tensor
+    sample_rows: torch.Tensor
+
+
+class PlanStager:
+    def __init__(self, device: torch.device, capacity: int = _MIN_CAPACITY) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._i = 0
+        self._alloc(capacity)
+        self.copies = 0  # H2D copies issued (one per staged plan)
+
+    def _alloc(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._host = [
+            torch.empty(capacity, dtype=torch.int32, pin_memory=self.pinned) for _ in range(2)
+        ]
+        self._host_np = [h.numpy() for h in self._host]
+        self._dev = [torch.empty(capacity, dtype=torch.int32, device=self.device) for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+
+    def stage(self, plan: StepPlan) -> DevicePlan:
+        layout = PlanLayout.of(plan)
+        segments = layout.segments()[: len(PLAN_FIELDS)]  # not the scheduler's batch_pos
+        n = segments[-1][1] + segments[-1][2]
+        if n > self.capacity:
+            if self.pinned:
+                torch.cuda.current_stream(self.device).synchronize()  # in-flight copies
+            self._alloc(max(n, 2 * self.capacity))
+        i = self._i = 1 - self._i
+        done = self._copied[i]
+        if done is not None and not done.query():
+            done.synchronize()  # the copy that read this host buffer two steps ago
+        np.concatenate([getattr(plan, f) for f in PLAN_FIELDS], out=self._host_np[i][:n],
+                       casting="same_kind")  # fmt: skip
+        dev = self._dev[i]
+        dev[:n].copy_(self._host[i][:n], non_blocking=True)
+        self.copies += 1
+        if self.pinned:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._copied[i] = event
+        return DevicePlan(*(dev[off : off + length] for _, off, length in segments))
