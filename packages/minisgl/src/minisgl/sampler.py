@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -159,11 +159,11 @@ def filter_min_p(y: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return y.masked_fill(~keep, float("-inf"))
 
 
-def sample(
+def sample_on_device(
     logits: torch.Tensor, rows: Sequence[SampleRow], eos_ids: frozenset[int] = frozenset()
-) -> SampleResult:
-    """logits: [len(rows), vocab]; one request per row."""
-    n, vocab = logits.shape
+) -> DeviceSample:
+    """`sample` without reading anything back: the tokens stay on the logits' device."""
+    vocab = logits.shape[-1]
     dev = logits.device
     raw = logits.float()
     params = [r.params for r in rows]
@@ -228,22 +228,73 @@ def sample(
         bad = bad.index_copy(0, idx, bad[idx] | y.isnan().any(dim=-1))
     lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     lp_vals = lp_top = None
+    ks = [params[i].logprobs or 0 for i in lp_rows]
     if lp_rows:
         idx = _host(lp_rows, torch.int64, dev)
         lps = torch.log_softmax(raw[idx], dim=-1)
-        lp_vals = lps.gather(1, tokens[idx][:, None])[:, 0].tolist()
-        k = max(params[i].logprobs for i in lp_rows)
-        if k:
-            top = lps.topk(k, dim=-1)
-            lp_top = (top.indices.tolist(), top.values.tolist())
-    token_list, bad_list = tokens.tolist(), bad.tolist()
-    logprobs: list[TokenLogprob | None] = [None] * n
-    for j, i in enumerate(lp_rows):
-        k = params[i].logprobs
-        top = tuple(zip(lp_top[0][j][:k], lp_top[1][j][:k], strict=True)) if k else ()
-        logprobs[i] = TokenLogprob(token_list[i], lp_vals[j], top)
-    errors = [
-        "the model produced non-finite logits (or no allowed token) for this request" if b else None
-        for b in bad_list
-    ]
-    return SampleResult(token_list, errors, logprobs)
+        lp_vals = lps.gather(1, tokens[idx][:, None])[:, 0]
+        if max(ks):
+            lp_top = lps.topk(max(ks), dim=-1)
+    return DeviceSample(tokens, bad, tuple(lp_rows), tuple(ks), lp_vals, lp_top)
+
+
+def sample(
+    logits: torch.Tensor, rows: Sequence[SampleRow], eos_ids: frozenset[int] = frozenset()
+) -> SampleResult:
+    """logits: [len(rows), vocab]; one request per row."""
+    return sample_on_device(logits, rows, eos_ids).result()
+
+
+class DeviceSample:
+    """A step's samples still on the device: `tokens` (int64 [rows]) feed the next step's
+    inputs there; `start_copy` starts the step's one asynchronous device-to-host copy (tokens
+    and error flags), `result` waits for it (logprobs, when asked, are copied then)."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        bad: torch.Tensor,
+        lp_rows: tuple[int, ...] = (),
+        lp_ks: tuple[int, ...] = (),
+        lp_vals: torch.Tensor | None = None,
+        lp_top: Any = None,  # torch.return_types.topk over the logprob rows
+    ) -> None:
+        self.tokens = tokens
+        self.bad = bad
+        self.lp_rows, self.lp_ks, self.lp_vals, self.lp_top = lp_rows, lp_ks, lp_vals, lp_top
+        self._host: torch.Tensor | None = None
+
+    def start_copy(self) -> None:
+        """Queue the copy of tokens and error flags to the host (pinned and non-blocking on
+        CUDA: the caller waits for it with an event before `result`)."""
+        packed = torch.stack([self.tokens, self.bad.to(torch.int64)])
+        if packed.device.type == "cpu":
+            self._host = packed
+            return
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        self._host = host.copy_(packed, non_blocking=True)
+
+    def result(self) -> SampleResult:
+        """The host result; after `start_copy`, only once the device finished the copy."""
+        host = self._host
+        if host is None:  # no copy queued: a blocking one
+            host = torch.stack([self.tokens, self.bad.to(torch.int64)]).cpu()
+        token_list, bad_list = host.tolist()
+        n = len(token_list)
+        logprobs: list[TokenLogprob | None] = [None] * n
+        if self.lp_rows:
+            assert self.lp_vals is not None
+            vals = self.lp_vals.tolist()
+            top = (
+                (self.lp_top.indices.tolist(), self.lp_top.values.tolist()) if self.lp_top else None
+            )
+            for j, (i, k) in enumerate(zip(self.lp_rows, self.lp_ks, strict=True)):
+                pairs = tuple(zip(top[0][j][:k], top[1][j][:k], strict=True)) if k else ()
+                logprobs[i] = TokenLogprob(token_list[i], vals[j], pairs)
+        errors = [
+            "the model produced non-finite logits (or no allowed token) for this request"
+            if b
+            else None
+            for b in bad_list
+        ]
+        return SampleResult(token_list, errors, logprobs)

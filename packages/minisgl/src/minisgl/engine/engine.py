@@ -16,7 +16,7 @@ from minisgl.engine.memory import (
 )
 from minisgl.kvcache.pool import KVPool
 from minisgl.models.loader import load_model
-from minisgl.sampler import SampleResult, SampleRow, sample
+from minisgl.sampler import DeviceSample, SampleResult, SampleRow, sample, sample_on_device
 from minisgl.scheduler.plan import StepPlan
 from minisgl.utils.log import get_logger
 
@@ -61,11 +61,14 @@ class Engine:
         )
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan) -> torch.Tensor:
-        """Run one step; returns float32 logits [len(plan.sample_rows), vocab]."""
+    def forward(self, plan: StepPlan, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step; returns float32 logits [len(plan.sample_rows), vocab]. `input_ids`:
+        the step's inputs already on the device (overlap scheduling resolves the in-flight
+        ones there), else `plan.input_ids` is copied."""
         dev = self.device
         meta = self.backend.prepare(plan)
-        input_ids = torch.from_numpy(plan.input_ids).to(dev, torch.int64, non_blocking=True)
+        if input_ids is None:
+            input_ids = torch.from_numpy(plan.input_ids).to(dev, torch.int64, non_blocking=True)
         positions = torch.from_numpy(plan.positions).to(dev, torch.int64, non_blocking=True)
         rows = torch.from_numpy(plan.logits_indices).to(dev, torch.int64, non_blocking=True)
         return self.model(input_ids, positions, rows, self.backend, meta)
@@ -75,3 +78,13 @@ class Engine:
     ) -> SampleResult:
         """Forward and sample: one token per sample row (`rows[i]` is sample row i)."""
         return sample(self.forward(plan), rows, eos_ids)
+
+    def sample_on_device(
+        self,
+        plan: StepPlan,
+        rows: Sequence[SampleRow],
+        eos_ids: frozenset[int],
+        input_ids: torch.Tensor | None = None,
+    ) -> DeviceSample:
+        """`sample_step` without reading back: the tokens stay on the device."""
+        return sample_on_device(self.forward(plan, input_ids), rows, eos_ids)
