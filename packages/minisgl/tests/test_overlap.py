@@ -22,7 +22,7 @@ from minisgl.testing.hf_reference import hf_greedy, load_hf_model
 from minisgl.testing.scenarios import assert_kv_clean, random_prompts
 from minisgl.testing.tiny_models import write_tiny_model
 
-STREAMS = ("inline", "thread", "slow:2")
+STREAMS = ("thread", "slow:2")  # `inline`: every other LLM test runs it (the CPU default)
 # two requests of 20 + 40 tokens fill the slot table and nearly the pool (15 pages each)
 TIGHT = dict(num_pages=32, max_seq_len_override=64, page_size=4, max_running_requests=2)
 
@@ -34,6 +34,8 @@ def make_llm(path, stream: str | None, **kw) -> LLM:
         return LLM(path, overlap=False, **kw)
     llm = LLM(path, overlap=True, device_stream=stream, **kw)
     assert llm.overlap is not None and llm.overlap.stream.name == stream
+    llm.overlap.close()
+    watch(llm, stream)  # KV integrity after every schedule and commit
     return llm
 
 
@@ -62,10 +64,13 @@ def test_make_stream_specs():
 
 
 def test_env_switches_overlap_off(tiny_model_dir, monkeypatch):
+    kw = dict(num_pages=64, max_seq_len_override=64, sim_device="0,0")
     monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "1")
-    assert LLM(tiny_model_dir("llama"), num_pages=64, max_seq_len_override=64).overlap is None
+    assert LLM(tiny_model_dir("llama"), **kw).overlap is None
     monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0")
-    assert LLM(tiny_model_dir("llama"), num_pages=64, max_seq_len_override=64).overlap
+    llm = LLM(tiny_model_dir("llama"), **kw)
+    assert llm.overlap is not None and llm.overlap.stream.name == "thread"  # sim: auto
+    llm.overlap.close()
 
 
 # --------------------------------------------------------------------------- parity
@@ -252,10 +257,9 @@ def abort_scenario(llm: LLM, abort_after: int) -> dict[int, list[int]]:
 @pytest.mark.parametrize("abort_after", [1, 2, 5])
 def test_abort_in_flight_never_frees_pages_a_step_reads(tiny_model_dir, stream, abort_after):
     want = abort_scenario(make_llm(tiny_model_dir("llama"), None, **TIGHT), abort_after)
-    llm = make_llm(tiny_model_dir("llama"), "inline", **TIGHT)
-    w = watch(llm, stream)
+    llm = make_llm(tiny_model_dir("llama"), stream, **TIGHT)
     got = abort_scenario(llm, abort_after)
-    assert w.steps > 40
+    assert llm.overlap.sched.steps > 40
     assert got == want
     assert len(got[max(got)]) == 40
     llm.overlap.close()
@@ -292,6 +296,42 @@ def test_the_watch_catches_pages_freed_under_an_inflight_step(tiny_model_dir):
     llm.overlap.close()
 
 
+class Failing:
+    """An engine whose device step `fail_at` raises (in the stream's thread)."""
+
+    def __init__(self, engine, fail_at: int) -> None:
+        self.engine, self.fail_at, self.steps = engine, fail_at, 0
+        self.device = engine.device
+
+    def sample_on_device(self, *args):
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise RuntimeError("device lost")
+        return self.engine.sample_on_device(*args)
+
+
+@pytest.mark.parametrize("stream", ["inline", "slow:1"])
+def test_a_failing_device_step_aborts_everything_and_returns_every_page(tiny_model_dir, stream):
+    llm = make_llm(tiny_model_dir("llama"), None, sim_device="0,0", num_pages=128, page_size=4)
+    prompts = random_prompts(4, 5, 30, seed=12)
+    want = llm.generate(prompts, SamplingParams(max_tokens=9, ignore_eos=True))
+    engine = Failing(llm.engine, fail_at=4)
+    loop = OverlapLoop(
+        llm.scheduler,
+        engine,
+        llm.eos_token_ids,
+        make_stream(stream, engine.device),
+        llm.config.max_running_requests,
+    )
+    llm.overlap = loop
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate(prompts, SamplingParams(max_tokens=9, ignore_eos=True))
+    assert_kv_clean(llm)
+    assert llm.generate(prompts, SamplingParams(max_tokens=9, ignore_eos=True)) == want
+    assert_kv_clean(llm)
+    loop.close()
+
+
 # --------------------------------------------------------------------------- property
 @pytest.fixture(scope="module")
 def sim_pair(tiny_model_dir):
@@ -304,10 +344,7 @@ def sim_pair(tiny_model_dir):
         max_running_requests=4,
     )
     serial = LLM(tiny_model_dir("llama"), overlap=False, **cfg)
-    overlap = {
-        s: LLM(tiny_model_dir("llama"), overlap=True, device_stream=s, **cfg)
-        for s in ("thread", "slow:1")
-    }
+    overlap = {s: make_llm(tiny_model_dir("llama"), s, **cfg) for s in ("thread", "slow:1")}
     yield serial, overlap
     for llm in overlap.values():
         llm.overlap.close()

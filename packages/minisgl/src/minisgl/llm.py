@@ -101,6 +101,7 @@ class LLM:
             self.overlap = OverlapLoop(
                 self.scheduler, self.engine, self.eos_token_ids, stream, max_running_requests
             )
+            logger.info("overlap scheduling on (%s device stream)", stream.name)
         elif overlap:
             logger.info(
                 "overlap scheduling off: backend %s has no pipelined mode", self.scheduler.backend

@@ -163,9 +163,7 @@ class OverlapLoop:
         token 0 (the caller has aborted its requests: every token is dropped)."""
         done = []
         while self._steps:
-            c = self._commit(fail)
-            if c is not None:
-                done.append(c)
+            done.append(self._commit(fail))
         return done
 
     def close(self) -> None:
@@ -212,7 +210,7 @@ class OverlapLoop:
             self.last_tokens[at] = sample.tokens
         return sample
 
-    def _commit(self, fail: bool = False) -> Committed | None:
+    def _commit(self, fail: bool = False) -> Committed:
         step = self._steps[0]
         try:
             res = step.handle.result()

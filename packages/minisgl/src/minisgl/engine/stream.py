@@ -2,7 +2,8 @@
 
 A `DeviceStream` takes a job (forward + sample of one step, returning a `PendingSample`
 whose tokens are still on the device) and returns a `StepHandle` at once; `handle.result()`
-waits for the step's one device-to-host copy. Jobs run in submission order: a step reads
+waits for the step's one device-to-host copy (or raises what the job raised: `submit` never
+does, so a step the scheduler planned is always one the caller can commit). Jobs run in submission order: a step reads
 the tokens the previous step left on the device.
 
 - `CudaStream`: the job's kernels are queued on a side CUDA stream, the host copy is
@@ -67,11 +68,24 @@ class _Done:
         return self.sample.result()
 
 
+class _Failed:
+    """A job that raised: its handle raises it (the step stays a step: it is committed)."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    def result(self) -> SampleResult:
+        raise self.exc
+
+
 class InlineStream:
     name = "inline"
 
     def submit(self, job: Job) -> StepHandle:
-        return _Done(job())
+        try:
+            return _Done(job())
+        except Exception as e:
+            return _Failed(e)
 
     def close(self) -> None:
         pass
@@ -127,11 +141,14 @@ class CudaStream:
 
     def submit(self, job: Job) -> StepHandle:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            sample = job()
-            sample.start_copy()
-            event = torch.cuda.Event()
-            event.record(self.stream)
+        try:
+            with torch.cuda.stream(self.stream):
+                sample = job()
+                sample.start_copy()
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        except Exception as e:
+            return _Failed(e)
         return _CudaHandle(sample, event)
 
     def close(self) -> None:
