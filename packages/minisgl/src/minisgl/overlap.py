@@ -12,10 +12,11 @@ So at most two steps are in flight, and the scheduler's pipelined mode keeps wha
 unconfirmed step reads: a request finished or aborted meanwhile keeps its slot and pages until
 its last step is committed (`Scheduler.check_integrity` checks no read page is free).
 
-What the sampler reads of a request is snapshotted when its step is submitted: the number of
-its outputs (committed + in flight: `min_tokens`, the noise counter of a seeded draw) and,
-for a request with penalties, their values, which needs every earlier step committed: while
-such a request has a sample in flight the loop commits before scheduling (no overlap then).
+What the sampler reads of a request is snapshotted when its step is submitted (a greedy row
+without `min_tokens` or penalties reads only its immutable params): the number of its
+outputs (committed + in flight: `min_tokens`, the noise counter of a seeded draw) and, for a
+request with penalties, their values, which needs every earlier step committed: while such a
+request has a sample in flight the loop commits before scheduling (no overlap then).
 
 Any backend with `schedule_ahead` / `commit_oldest` / `num_inflight` (the Python `Scheduler`)
 can be driven; `LLM` runs the serial loop for the others, or under
@@ -118,7 +119,7 @@ class Committed:
 @dataclass
 class _Step:
     handle: StepHandle
-    rows: list[SampleView]
+    rows: list[Any]  # the sample rows: a `SampleView`, or the request (greedy, no history)
 
 
 class OverlapLoop:
@@ -171,15 +172,17 @@ class OverlapLoop:
 
     # ------------------------------------------------------------------ internals
     def _submit(self, plan: StepPlan, reqs: Sequence[ScheduledReq]) -> None:
-        rows = []
-        for r in plan.sample_rows.tolist():
-            req = reqs[r]
+        rows: list[Any] = [reqs[r] for r in plan.sample_rows.tolist()]
+        for k, req in enumerate(rows):
+            p = req.params
+            if p.is_greedy and not p.min_tokens and not p.has_penalties:
+                continue  # the sampler reads only its params (immutable): no snapshot
             rid = req.rid
             n = len(req.output_ids) + self._pending[rid]
-            hist = tuple(req.output_ids) if req.params.has_penalties else _Outputs(n)
-            rows.append(SampleView(rid, req.params, req.generator, req.input_ids, hist))
+            hist = tuple(req.output_ids) if p.has_penalties else _Outputs(n)
+            rows[k] = SampleView(rid, p, req.generator, req.input_ids, hist)
             self._pending[rid] += 1
-            if req.params.has_penalties:
+            if p.has_penalties:
                 self._penalized[rid] += 1
         unknown, slots = unknown_inputs(plan)
         sample_slots = plan.slots[plan.sample_rows]
@@ -191,7 +194,7 @@ class OverlapLoop:
     def _device_step(
         self,
         plan: StepPlan,
-        rows: list[SampleView],
+        rows: list[Any],
         unknown: np.ndarray,
         slots: np.ndarray,
         sample_slots: np.ndarray,
@@ -221,6 +224,8 @@ class OverlapLoop:
             res = SampleResult([0] * n, ["the device step failed"] * n, [None] * n)
         self._steps.popleft()
         for row in step.rows:
+            if not isinstance(row, SampleView):
+                continue
             for counter in (self._pending, self._penalized):
                 if row.rid in counter:
                     counter[row.rid] -= 1

@@ -33,12 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sim-device", default=None, help="BASE_MS,TOKEN_MS (engine/sim.py)")
     p.add_argument("--device-stream", default=None, help="engine.stream.make_stream spec")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--requests", type=int, default=None, help="override num_requests")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--out", help="result JSON path")
     args = p.parse_args(argv)
     if args.threads:
         common.set_threads(args.threads)
-    profile = get_profile(args.profile)
+    profile = get_profile(args.profile, {"num_requests": args.requests} if args.requests else {})
     kw: dict[str, Any] = {"sim_device": args.sim_device} if args.sim_device else {}
     arms = {
         "serial": make_llm(args.model_path, profile, {**kw, "overlap": False}),
