@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -17,10 +20,17 @@ from hypothesis import strategies as st
 from minisgl import LLM, SamplingParams
 from minisgl.engine.stream import InlineStream, ThreadStream, make_stream
 from minisgl.overlap import OverlapLoop
+from minisgl.scheduler.plan import FlatStep, PlanLayout
+from minisgl.scheduler.request import DROPPED, FINISH_REASONS, StepOutput, validate_request
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.testing.hf_reference import hf_greedy, load_hf_model
 from minisgl.testing.scenarios import assert_kv_clean, random_prompts
 from minisgl.testing.tiny_models import write_tiny_model
+
+try:
+    import minisgl_cpu
+except ImportError:  # the Rust core test is skipped without the extension
+    minisgl_cpu = None
 
 STREAMS = ("thread", "slow:2")  # `inline`: every other LLM test runs it (the CPU default)
 # two requests of 20 + 40 tokens fill the slot table and nearly the pool (15 pages each)
@@ -401,3 +411,117 @@ def test_property_overlap_equals_serial_on_the_sim_device(sim_pair, reqs, shared
         assert len(want[i]) <= k
     for llm in overlap.values():
         assert drive(llm, built, aborts) == want
+
+
+# --------------------------------------------------------------------------- the Rust core
+@dataclass(eq=False)
+class CoreReq:
+    """What the overlap loop reads of a request the Rust core schedules."""
+
+    rid: int
+    params: SamplingParams
+    generator: int
+    input_ids: np.ndarray
+    output_ids: list[int] = field(default_factory=list)
+
+
+class CorePipelined:
+    """`minisgl_cpu.SchedulerCore`'s pipelined mode (`schedule_ahead` / `commit_oldest` /
+    `retire`) behind the overlap loop's interface. The Python wrapper of the Rust core
+    (`rust_backend.RustScheduler`) has no pipelined mode, so `LLM` runs it serially; this
+    drives the core itself."""
+
+    def __init__(self, **cfg) -> None:
+        self.cfg = cfg
+        self.c = minisgl_cpu.SchedulerCore(radix=True, eos_token_ids=[], **cfg)
+        self.reqs: dict[int, CoreReq] = {}
+
+    def add(self, rid: int, ids: list[int], p: SamplingParams) -> None:
+        c = self.cfg
+        prompt, cap = validate_request(ids, p, c["max_seq_len"], c["num_pages"], c["page_size"])
+        self.c.add_request(
+            rid, prompt, cap, p.max_tokens, p.ignore_eos, list(p.stop_token_ids or ())
+        )
+        self.reqs[rid] = CoreReq(rid, p, 0, prompt)
+
+    def schedule_ahead(self):
+        a = self.c.schedule_ahead()
+        if a is None:
+            return None
+        _, is_prefill, _, sizes, flat, rids = a
+        plan = FlatStep(bool(is_prefill), PlanLayout(*sizes), np.array(flat, np.int32)).plan()
+        return SimpleNamespace(plan=plan, reqs=[self.reqs[r] for r in rids])
+
+    def commit_oldest(self, tokens: Sequence[int]):
+        _, codes, rids, _ = self.c.commit_oldest([int(t) for t in tokens])
+        outs = [
+            StepOutput(int(r), int(t), FINISH_REASONS[k])
+            for r, t, k in zip(rids, tokens, codes, strict=True)
+        ]
+        for o in outs:
+            if o.finish_reason != DROPPED:
+                self.reqs[o.rid].output_ids.append(o.token_id)
+        return SimpleNamespace(outputs=outs)
+
+    @property
+    def num_inflight(self) -> int:
+        return self.c.num_inflight
+
+
+def drive_loop(loop: OverlapLoop, add, retire, reqs, aborts) -> dict[int, list[int]]:
+    for rid, (p, sp) in enumerate(reqs):
+        add(rid, p, sp)
+    got: dict[int, list[int]] = {i: [] for i in range(len(reqs))}
+    live = set(got)
+    while live:
+        done = loop.step()
+        for o in [] if done is None else done.outputs:
+            got[o.rid].append(o.token_id)
+            if o.finish_reason is not None:
+                live.discard(o.rid)
+            elif aborts.get(o.rid) == len(got[o.rid]):
+                assert retire(o.rid)
+                live.discard(o.rid)
+    loop.drain()
+    return got
+
+
+@pytest.mark.parametrize("stream", ["thread", "slow:1"])
+def test_the_rust_core_pipelined_mode_drives_the_overlap_loop(tiny_model_dir, stream):
+    pytest.importorskip("minisgl_cpu")
+    cfg = dict(
+        num_pages=96, page_size=4, max_seq_len=128, max_running_requests=4, max_extend_tokens=24
+    )
+    engine = LLM(
+        tiny_model_dir("llama"),
+        sim_device="0,0",
+        overlap=False,
+        max_seq_len_override=128,
+        num_pages=96,
+    ).engine
+    stem = [7] * 16
+    prompts = [stem + p for p in random_prompts(6, 1, 30, seed=21)]
+    reqs = [
+        (p, SamplingParams(max_tokens=3 + 2 * i, ignore_eos=True)) for i, p in enumerate(prompts)
+    ]
+    reqs[1] = (prompts[1], SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[0]))
+    aborts = {2: 3, 4: 1}
+    py = Scheduler(**cfg, cache_type="radix", eos_token_ids=[])
+    core = CorePipelined(**cfg)
+    outs = []
+    for sched, add, retire, check in (
+        (
+            py,
+            lambda r, p, sp: py.add_request(p, sp, rid=r),
+            lambda r: py.retire(r, True),
+            py.check_integrity,
+        ),
+        (core, core.add, lambda r: core.c.retire(r, True), core.c.check_integrity),
+    ):
+        loop = OverlapLoop(sched, engine, frozenset(), make_stream(stream, engine.device), 4)
+        outs.append(drive_loop(loop, add, retire, reqs, aborts))
+        loop.close()
+        check()
+    assert outs[0] == outs[1]
+    assert [len(outs[0][i]) for i in range(6)] == [3, 12, 3, 9, 1, 13]
+    assert core.c.free_pages().size + core.c.evictable_size // 4 == 96
