@@ -427,9 +427,9 @@ class CoreReq:
 
 class CorePipelined:
     """`minisgl_cpu.SchedulerCore`'s pipelined mode (`schedule_ahead` / `commit_oldest` /
-    `retire`) behind the overlap loop's interface. The Python wrapper of the Rust core
-    (`rust_backend.RustScheduler`) has no pipelined mode, so `LLM` runs it serially; this
-    drives the core itself."""
+    `retire`) behind the overlap loop's interface. The Python wrapper of the Rust core (the
+    `rust_hotpath` scheduler, `RustScheduler`) has no pipelined mode, so `LLM` runs it
+    serially; this drives the core itself."""
 
     def __init__(self, **cfg) -> None:
         self.cfg = cfg
