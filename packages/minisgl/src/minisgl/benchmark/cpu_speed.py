@@ -3,7 +3,12 @@ one run, medians of repeats, with the quality of every minisgl configuration bes
 
     python -m minisgl.benchmark.cpu_speed --out F.json [--plot F.png] [--repeats 3] \
         [--threads 2] [--configs fp32,bf16,int8,int4] [--hf fp32,bf16] \
-        [--profiles single,seed-offline,many-short] [--set many-short.num_requests=128]
+        [--profiles single,seed-offline,many-short] [--set many-short.num_requests=128] \
+        [--llamacpp]
+
+`--llamacpp` adds llama-cpp-python on the GGUF file the embedded model ships (same threads,
+greedy, one request at a time: its Python API has no batching); an opt-in extra
+(`benchmark/llamacpp.py`).
 
 Quality (against HF fp32 on the GGUF's de-quantized weights, the float form of the shipped
 file): greedy agreement over 32 tokens on the parity prompts with the first divergence per
@@ -14,9 +19,11 @@ the measured memory bandwidth.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -119,17 +126,21 @@ def quality(llm, prompts: list[list[int]], ref: list[list[int]], ppl_ids) -> dic
     ppl = perplexity_minisgl(llm, ppl_ids)  # first: the pool is still empty
     sp = SamplingParams(temperature=0.0, max_tokens=AGREE_TOKENS, ignore_eos=True)
     got = [o["token_ids"] for o in llm.generate(prompts, sp)]
+    return {"perplexity": ppl, **agreement(got, ref)}
+
+
+def agreement(got: list[list[int]], ref: list[list[int]]) -> dict[str, Any]:
+    """Greedy agreement of `got` with the reference tokens, prompt by prompt."""
     firsts = [first_diff(a, b) for a, b in zip(got, ref, strict=True)]
     return {
-        "perplexity": ppl,
         "prompts_identical": sum(f is None for f in firsts),
-        "prompts": len(prompts),
-        "agreement": sum(f is None for f in firsts) / len(prompts),
+        "prompts": len(got),
+        "agreement": sum(f is None for f in firsts) / len(got),
         "first_divergence": firsts,
         "token_agreement": sum(
             sum(x == y for x, y in zip(a, b, strict=False)) for a, b in zip(got, ref, strict=True)
         )
-        / (AGREE_TOKENS * len(prompts)),
+        / (AGREE_TOKENS * len(got)),
     }
 
 
@@ -150,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profiles", default="single,seed-offline,many-short")
     p.add_argument("--set", action="append", metavar="PROFILE.KEY=VALUE")
     p.add_argument("--no-quality", action="store_true")
+    p.add_argument("--llamacpp", action="store_true", help="add the llama.cpp arm (opt-in extra)")
     args = p.parse_args(argv)
     if args.threads:
         common.set_threads(args.threads)
@@ -221,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         del hf
         gc.collect()
 
+    if args.llamacpp:
+        run_llamacpp_arm(record, profiles, args, prompts, ref_tokens, ppl_ids, add)
+
     for name in configs:
         dtype, quant = CONFIGS[name]
         t0 = time.perf_counter()
@@ -243,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         del llm
         gc.collect()
 
+    with contextlib.suppress(OSError):
+        record["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     summarize(record)
     if args.plot:
         plot(args.plot, record)
@@ -250,6 +267,38 @@ def main(argv: list[str] | None = None) -> int:
     common.write_json(args.out, record)
     print(f"wrote {args.out}")
     return 0
+
+
+def run_llamacpp_arm(record, profiles, args, prompts, ref_tokens, ppl_ids, add) -> None:
+    """The `llamacpp` arm: speed on every profile, agreement with HF fp32 and perplexity."""
+    import torch
+
+    from minisgl.benchmark import llamacpp
+    from minisgl.default_model import gguf_path
+
+    gguf = gguf_path()
+    threads = torch.get_num_threads()
+    model = llamacpp.load_llamacpp(gguf, threads, n_ctx=2048)
+    record["llamacpp"] = {
+        "gguf": gguf.name,
+        "file_mb": gguf.stat().st_size / 1e6,
+        "threads": threads,
+        **llamacpp.llamacpp_info(),
+    }
+    if not args.no_quality and ref_tokens is not None:
+        got = [llamacpp.generate(model, p, AGREE_TOKENS) for p in prompts]
+        q = agreement(got, ref_tokens)
+        scorer = llamacpp.load_llamacpp(gguf, threads, n_ctx=512, logits_all=True)
+        q["perplexity"] = llamacpp.perplexity(scorer, ppl_ids)
+        del scorer
+        record["quality"]["llamacpp"] = q
+    for prof in profiles:
+        llamacpp.run_llamacpp(model, warmup_workload(prof, 49152))
+        items = build_workload(prof, 49152)
+        reps = [llamacpp.run_llamacpp(model, items)["metrics"] for _ in range(args.repeats)]
+        add(prof.name, "llamacpp", reps)
+    del model
+    gc.collect()
 
 
 def summarize(record: dict[str, Any]) -> None:
@@ -260,7 +309,7 @@ def summarize(record: dict[str, Any]) -> None:
         for arm, m in arms.items():
             if not arm.startswith("minisgl-"):
                 continue
-            for hf in ("hf-fp32", "hf-bf16"):
+            for hf in ("hf-fp32", "hf-bf16", "llamacpp"):
                 if hf in arms and arms[hf]["output_tok_s"]:
                     ratios[f"{prof}.{arm}/{hf}"] = m["output_tok_s"] / arms[hf]["output_tok_s"]
     record["ratios"] = ratios
@@ -294,7 +343,10 @@ def plot(path: str, record: dict[str, Any]) -> None:
     for ax, (prof, arms) in zip(axes, res.items(), strict=True):
         names = list(arms)
         vals = [arms[n]["output_tok_s"] for n in names]
-        colors = ["tab:gray" if n.startswith("hf") else "tab:blue" for n in names]
+        colors = [
+            "tab:gray" if n.startswith("hf") else "tab:orange" if n == "llamacpp" else "tab:blue"
+            for n in names
+        ]
         ax.bar(range(len(names)), vals, color=colors)
         ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
         ax.set_title(f"{prof} (output tok/s, median)")
