@@ -156,3 +156,35 @@ def test_harness_engine_llamacpp_without_the_package_is_a_usage_error(
     assert "llama-cpp-python" in err and "GGML_NATIVE=ON" in err
     rc = harness.main([*argv, "--no-progress", *SMALL])  # a --model-path needs its GGUF
     assert rc == 2 and "--gguf" in capsys.readouterr().err
+
+
+def test_cpu_speed_summary_ratios_and_bounds():
+    """cpu_speed's summary: minisgl / llama.cpp and / HF ratios per profile, the bandwidth bound
+    of single stream and the GEMM bound of batched profiles (values from a synthetic record)."""
+    from minisgl.benchmark.cpu_speed import summarize
+
+    def arm(tok_s, n_in, n_out):
+        return {"output_tok_s": tok_s, "input_tokens": n_in, "output_tokens": n_out}
+
+    record = {
+        "results": {
+            "single": {"minisgl-int4": arm(60.0, 32, 128), "llamacpp": arm(120.0, 32, 128)},
+            "seed-offline": {"minisgl-int4": arm(90.0, 100, 100), "hf-fp32": arm(30.0, 100, 100)},
+        },
+        "bandwidth": {"read_gb_s": 20.0},
+        "bytes_per_token": {"int4": 100e6},
+        "linear_params": {"layers": 1e8, "lm_head": 2e7},
+        "matmul": {"fp32_gflop_s": 100.0, "bf16_gflop_s": 200.0},
+    }
+    summarize(record)
+    assert record["ratios"] == {
+        "single.minisgl-int4/llamacpp": 0.5,
+        "seed-offline.minisgl-int4/hf-fp32": 3.0,
+    }
+    bound = record["single_stream_bound"]["int4"]
+    assert bound["bandwidth_bound_tok_s"] == pytest.approx(200.0)
+    assert bound["fraction_of_bound"] == pytest.approx(0.3)
+    c = record["compute_bound"]["seed-offline.minisgl-int4"]
+    assert c["gflop_per_output_token"] == pytest.approx(2 * (1e8 * 2 + 2e7) / 1e9)
+    assert c["compute_bound_tok_s"] == pytest.approx(200e9 / (2 * (2e8 + 2e7)))
+    assert "single.llamacpp" not in record["compute_bound"]

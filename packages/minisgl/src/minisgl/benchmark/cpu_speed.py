@@ -72,6 +72,38 @@ def measure_bandwidth() -> dict[str, float]:
     return out
 
 
+def measure_matmul() -> dict[str, float]:
+    """GFLOP/s of a prefill-sized GEMM ([512, 576] x [576, 1536], the model's MLP shape) in
+    fp32 and bf16, median of 5: the compute bound of batched steps."""
+    import torch
+
+    out = {}
+    for name, dtype in (("fp32_gflop_s", torch.float32), ("bf16_gflop_s", torch.bfloat16)):
+        a = torch.randn(512, 576, dtype=dtype)
+        b = torch.randn(1536, 576, dtype=dtype)
+        torch.nn.functional.linear(a, b)
+        ts = []
+        for _ in range(5):
+            t = time.perf_counter()
+            torch.nn.functional.linear(a, b)
+            ts.append(time.perf_counter() - t)
+        out[name] = 2 * 512 * 576 * 1536 / common.median(ts) / 1e9
+    return out
+
+
+def linear_params(model_path: str) -> dict[str, int]:
+    """Weights every token multiplies (decoder linears) and every sampled token (lm_head)."""
+    from minisgl.config import ModelConfig
+
+    c = ModelConfig.from_dir(model_path)
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    h, i = c.hidden_size, c.intermediate_size
+    return {
+        "layers": c.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * i),
+        "lm_head": c.vocab_size * h,
+    }
+
+
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights a decode step reads: every linear (the lm_head included) once, plus one
     embedding row (negligible, not counted)."""
@@ -188,10 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "model": "embedded:SmolLM2-135M-Instruct (Q4_1 GGUF)",
         "bandwidth": measure_bandwidth(),
+        "matmul": measure_matmul(),
         "profiles": {p.name: p.to_dict() for p in profiles},
         "results": {},
         "quality": {},
         "bytes_per_token": {},
+        "linear_params": linear_params(model_path),
     }
     from transformers import AutoTokenizer
 
@@ -206,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             "output_tok_s": tok_s,
             "output_tok_s_per_repeat": [r["output_tok_s"] for r in reps],
             "tpot_ms_p50": common.median(r.get("tpot_ms", {}).get("p50", 0.0) for r in reps),
+            "input_tokens": reps[0]["input_tokens"],
+            "output_tokens": reps[0]["output_tokens"],
         }
         print(f"{profile:14s} {arm:12s} {tok_s:8.1f} tok/s", flush=True)
 
@@ -323,6 +359,23 @@ def summarize(record: dict[str, Any]) -> None:
             entry["fraction_of_bound"] = single["output_tok_s"] / (bw / nbytes)
         bound[name] = entry
     record["single_stream_bound"] = bound
+    # batched: FLOPs per output token (every prompt and output token through the linears, the
+    # lm_head once per output token) against the measured GEMM throughput of the arm's dtype
+    lp, mm = record["linear_params"], record["matmul"]
+    compute = {}
+    for prof, arms in res.items():
+        for arm, m in arms.items():
+            n_in, n_out = m.get("input_tokens"), m.get("output_tokens")
+            if not n_out or arm == "llamacpp":
+                continue
+            flops = 2 * (lp["layers"] * (n_in + n_out) / n_out + lp["lm_head"])
+            rate = mm["fp32_gflop_s" if arm.endswith("fp32") else "bf16_gflop_s"] * 1e9
+            compute[f"{prof}.{arm}"] = {
+                "gflop_per_output_token": flops / 1e9,
+                "compute_bound_tok_s": rate / flops,
+                "fraction_of_bound": m["output_tok_s"] / (rate / flops),
+            }
+    record["compute_bound"] = compute
     print("\nratios:")
     for k, v in ratios.items():
         print(f"  {k:40s} {v:6.2f}x")
