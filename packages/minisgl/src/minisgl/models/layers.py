@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minisgl.config import ModelConfig
@@ -17,8 +16,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if dtype != torch.float32:  # one fused kernel (fp32 inside); fp32 keeps HF's op order
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
