@@ -128,8 +128,8 @@ class Engine:
         staged = self._stage(plan, input_ids)
         if self.graphs is not None and self.graphs.can_run(plan):
             out = self.graphs.run(plan, staged)
-            if is_plain_greedy(rows):
-                return DeviceSample(out.tokens, out.bad)
+            if is_plain_greedy(rows):  # copies: the next replay overwrites the graph's outputs
+                return DeviceSample(out.tokens.clone(), out.bad.clone())
             return sample_on_device(out.logits, rows, eos_ids)
         return sample_on_device(self._forward(plan, staged), rows, eos_ids)
 
