@@ -231,6 +231,21 @@ def gpu(session: nox.Session) -> None:
     session.run("python", "tools/ci/gpu_cards.py", "--gate", *cards)
 
 
+@nox.session(python=PYTHON)
+def llamacpp(session: nox.Session) -> None:
+    """The llama.cpp benchmark arm, opt-in (never part of `tests` or CI): llama-cpp-python built
+    from source with native CPU flags ($CMAKE_ARGS, default -DGGML_NATIVE=ON; minutes on 2
+    cores, cached afterwards), then `python -m minisgl.benchmark.cpu_speed --llamacpp` on the
+    embedded model's GGUF; extra args replace the default ones (`nox -s llamacpp -- --help`)."""
+    install_runtime(session)
+    env = {"CMAKE_ARGS": os.environ.get("CMAKE_ARGS", "-DGGML_NATIVE=ON")}
+    # the `llamacpp` extra of packages/minisgl, without replacing its editable install
+    session.install("--no-binary", "llama-cpp-python", "llama-cpp-python>=0.3", env=env)
+    out = os.path.join("llamacpp-out", "cpu-speed.json")
+    args = session.posargs or ["--llamacpp", "--configs", "int4", "--hf", "fp32", "--out", out]
+    session.run("python", "-m", "minisgl.benchmark.cpu_speed", *args)
+
+
 @nox.session(venv_backend="none")
 def rust(session: nox.Session) -> None:
     """cargo fmt --check, clippy -D warnings, cargo test for the rust/ workspace."""

@@ -8,7 +8,14 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.config import EngineConfig
-from minisgl.quantization.gguf import _q4_1, _q8_0, _unpermute_rows
+from minisgl.quantization.gguf import (
+    _q4_0,
+    _q4_1,
+    _q4_k,
+    _q8_0,
+    _q8_0_int8,
+    _unpermute_rows,
+)
 from minisgl.quantization.linear import Int4Linear, Int8Embedding, Int8Linear
 from minisgl.quantization.packed import quantize_int4, quantize_int8
 from minisgl.quantization.reference import fake_quantize_hf
@@ -70,6 +77,79 @@ def test_gguf_blocks_convert_exactly():
     raw8 = gguf.quants.quantize(x, kinds.Q8_0)
     ref8 = torch.from_numpy(gguf.quants.dequantize(raw8, kinds.Q8_0))
     assert torch.equal(_q8_0(raw8, 16, 96), ref8)
+
+
+def _q4_k_blocks(n_blocks: int, seed: int = 0) -> np.ndarray:
+    """Random Q4_K super-blocks (any bit pattern is a valid block once d / dmin are finite):
+    fp16 d and dmin, 12 bytes of packed 6-bit scales / mins, 128 bytes of nibbles."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n_blocks, 144), dtype=np.uint8)
+    d = (rng.random(n_blocks) * 0.01 + 1e-4).astype(np.float16)
+    dmin = (rng.random(n_blocks) * 0.01).astype(np.float16)
+    raw[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+    raw[:, 2:4] = dmin.view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+def test_gguf_4bit_blocks_convert_to_int4_without_rounding():
+    """Q4_0 / Q4_K blocks keep their codes and scales: the int4 weight de-quantizes to exactly
+    gguf-py's reference values."""
+    gguf = pytest.importorskip("gguf")
+    kinds = gguf.GGMLQuantizationType
+    x = np.random.default_rng(1).standard_normal((16, 96)).astype(np.float32)
+    raw0 = gguf.quants.quantize(x, kinds.Q4_0)
+    w0 = _q4_0(raw0, 16, 96)
+    assert torch.equal(w0.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw0, kinds.Q4_0)))
+    assert not bool(w0.zero.any())
+    n, k = 6, 512  # 2 super-blocks per row
+    rawk = _q4_k_blocks(n * k // 256).reshape(n, -1)
+    wk = _q4_k(rawk, n, k)
+    refk = torch.from_numpy(gguf.quants.dequantize(rawk, kinds.Q4_K)).reshape(n, k)
+    assert wk.q.shape == (n, k // 2) and wk.scale.shape == (n, k // 32)
+    assert torch.equal(wk.dequantize(), refk)
+    # the scales are the blocks' d times their 6-bit sub-block scales (0..63)
+    d0 = float(torch.from_numpy(rawk[0, 0:2].copy().view(np.float16)).float())
+    ratios = wk.scale[0, :8] / d0
+    assert torch.equal(ratios, ratios.round()) and float(ratios.max()) <= 63
+
+
+def test_read_gguf_weights_takes_q4_k_and_q8_0_blocks_directly(tmp_path):
+    """A GGUF file with a Q4_K linear and a Q8_0 embedding: int4 mode serves the Q4_K codes as
+    they are (no min/max re-quantization), the embedding int8 from its blocks."""
+    gguf = pytest.importorskip("gguf")
+    from minisgl.quantization.gguf import read_gguf_weights
+
+    kinds = gguf.GGMLQuantizationType
+    n, k = 8, 256
+    rawk = _q4_k_blocks(n).reshape(n, 144)
+    emb = np.random.default_rng(3).standard_normal((16, 256)).astype(np.float32)
+    raw8 = gguf.quants.quantize(emb, kinds.Q8_0)
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2")  # not `llama`: no Q/K row permutation
+    writer.add_tensor("blk.0.ffn_down.weight", rawk, raw_dtype=kinds.Q4_K)
+    writer.add_tensor("token_embd.weight", raw8, raw_dtype=kinds.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    got = read_gguf_weights(path, "int4", num_heads=1, num_kv_heads=1)
+    down = got["model.layers.0.mlp.down_proj.weight"]
+    ref = torch.from_numpy(gguf.quants.dequantize(rawk, kinds.Q4_K)).reshape(n, k)
+    assert torch.equal(down.dequantize(), ref)
+    e = got["model.embed_tokens.weight"]
+    ref8 = quantize_int8(torch.from_numpy(gguf.quants.dequantize(raw8, kinds.Q8_0)))
+    assert torch.equal(e.q, ref8.q) and torch.equal(e.scale, ref8.scale)
+
+
+def test_gguf_q8_0_converts_to_int8_like_quantize_int8_of_its_values():
+    gguf = pytest.importorskip("gguf")
+    kinds = gguf.GGMLQuantizationType
+    x = np.random.default_rng(2).standard_normal((16, 96)).astype(np.float32)
+    x[3] *= 20  # rows of very different ranges
+    raw8 = gguf.quants.quantize(x, kinds.Q8_0)
+    got = _q8_0_int8(raw8, 16, 96)
+    ref = quantize_int8(torch.from_numpy(gguf.quants.dequantize(raw8, kinds.Q8_0)))
+    assert torch.equal(got.q, ref.q) and torch.equal(got.scale, ref.scale)
 
 
 def test_unpermute_rows_matches_transformers():

@@ -10,6 +10,8 @@ from typing import Any
 from minisgl.config import EngineConfig
 from minisgl.core import SamplingParams
 from minisgl.engine.sim import make_engine
+from minisgl.engine.stream import DeviceStream, make_stream
+from minisgl.overlap import OverlapLoop, overlap_disabled, pipelined
 from minisgl.sampler import TokenLogprob, request_key
 from minisgl.scheduler.backend import SchedulerBackend, SchedulerConfig
 from minisgl.scheduler.factory import make_scheduler
@@ -45,7 +47,12 @@ class LLM:
         device: str = "auto",
         quantization: str = "auto",
         sim_device: str | None = None,
+        overlap: bool | None = None,
+        device_stream: str | DeviceStream | None = None,
     ) -> None:
+        """`overlap`: schedule the next step while the device runs this one (default: on,
+        unless `MINISGL_DISABLE_OVERLAP_SCHEDULING=1`; the serial loop for a backend without a
+        pipelined mode). `device_stream`: where steps run then (`engine.stream.make_stream`)."""
         if model_path is None:
             from minisgl.default_model import default_model_path
 
@@ -87,6 +94,22 @@ class LLM:
                 eos_token_ids=tuple(eos),
             )
         )
+        self.overlap: OverlapLoop | None = None
+        if overlap is None:
+            overlap = not overlap_disabled()
+        if overlap and pipelined(self.scheduler):
+            stream = device_stream
+            if stream is None or isinstance(stream, str):
+                simulated = getattr(self.engine, "simulated", False)
+                stream = make_stream(stream, self.engine.device, simulated)
+            self.overlap = OverlapLoop(
+                self.scheduler, self.engine, self.eos_token_ids, stream, max_running_requests
+            )
+            logger.info("overlap scheduling on (%s device stream)", stream.name)
+        elif overlap:
+            logger.info(
+                "overlap scheduling off: backend %s has no pipelined mode", self.scheduler.backend
+            )
         self.last_run: dict[str, float] = {}
         self.last_logprobs: dict[int, TokenLogprob] = {}  # rid -> the last step's logprobs
         self.last_errors: dict[int, str] = {}  # rid -> why the last step failed it
@@ -161,34 +184,40 @@ class LLM:
         ]
         errors: list[str | None] = [None] * len(choices)
         t0 = time.perf_counter()
-        while any(r is None for r in reasons):
-            if not sched.has_work():  # never spin: a request vanished without finishing
-                lost = [rid for rid, c in index.items() if reasons[c] is None]
-                raise RuntimeError(f"requests {lost} left the scheduler without finishing")
-            step_out = self.step()
-            for rid, err in self.last_errors.items():
-                c = index.get(rid)
-                if c is not None:
-                    reasons[c], errors[c] = "error", err
-            for out in step_out:
-                c = index.get(out.rid)
-                if c is None:
-                    continue
-                outputs[c].append(out.token_id)
-                reasons[c] = out.finish_reason
-                lp = self.last_logprobs.get(out.rid)
-                if lp is not None and logprobs[c] is not None:
-                    logprobs[c].append(lp)
-                stops = params[choices[c][0]].stop_strings
-                if stops and out.finish_reason is None:
-                    text, hit = self._check_stop(outputs[c], stops)
-                    if hit:
-                        sched.finish(out.rid, "stop")
-                        reasons[c], texts[c] = "stop", text
-            for rid in [r for r in held if r in self.last_errors or r not in sched.requests or
-                        sched.requests[r].output_ids]:  # fmt: skip
-                for c in held.pop(rid):
-                    add(c)
+        try:
+            while any(r is None for r in reasons):
+                if not self.has_work():  # never spin: a request vanished without finishing
+                    lost = [rid for rid, c in index.items() if reasons[c] is None]
+                    raise RuntimeError(f"requests {lost} left the scheduler without finishing")
+                step_out = self.step()
+                for rid, err in self.last_errors.items():
+                    c = index.get(rid)
+                    if c is not None:
+                        reasons[c], errors[c] = "error", err
+                for out in step_out:
+                    c = index.get(out.rid)
+                    if c is None:
+                        continue
+                    outputs[c].append(out.token_id)
+                    reasons[c] = out.finish_reason
+                    lp = self.last_logprobs.get(out.rid)
+                    if lp is not None and logprobs[c] is not None:
+                        logprobs[c].append(lp)
+                    stops = params[choices[c][0]].stop_strings
+                    if stops and out.finish_reason is None:
+                        text, hit = self._check_stop(outputs[c], stops)
+                        if hit:
+                            sched.finish(out.rid, "stop")
+                            reasons[c], texts[c] = "stop", text
+                for rid in [r for r in held if r in self.last_errors or r not in sched.requests
+                            or sched.requests[r].output_ids]:  # fmt: skip
+                    for c in held.pop(rid):
+                        add(c)
+            if self.overlap is not None:
+                self.overlap.drain()  # steps after the last finish: their tokens are dropped
+        except BaseException:
+            self.fail_all()
+            raise
         elapsed = time.perf_counter() - t0
         self.last_run = {"elapsed_s": elapsed, "output_tokens": sum(map(len, outputs))}
         samples = []
@@ -212,8 +241,37 @@ class LLM:
             results.append({**outs[0], "prompt_tokens": len(encoded[i]), "outputs": outs})
         return results
 
+    def has_work(self) -> bool:
+        """Requests waiting or running, or steps in flight (overlap scheduling)."""
+        return self.scheduler.has_work() or (
+            self.overlap is not None and self.overlap.num_inflight > 0
+        )
+
+    def sync(self) -> list[StepOutput]:
+        """Wait for every step in flight and commit it (overlap scheduling; nothing to do in
+        the serial loop): the outputs of live requests, the pages of finished or aborted
+        ones back. The step loop does this itself; a caller driving `step` by hand and then
+        aborting uses it to see the pages come back."""
+        if self.overlap is None:
+            return []
+        return [o for done in self.overlap.drain() for o in done.outputs]
+
+    def fail_all(self) -> list[int]:
+        """Abort every live request (the device failed); with overlap scheduling, the steps in
+        flight are then committed, their tokens dropped, so every page comes back. Returns
+        the ids aborted."""
+        rids = list(self.scheduler.requests)
+        for rid in rids:
+            self.scheduler.abort(rid)
+        if self.overlap is not None:
+            self.overlap.drain(fail=True)
+        return rids
+
     def step(self) -> Sequence[StepOutput]:
-        """One scheduler step: plan, forward, sample, commit."""
+        """One scheduler step: plan, forward, sample, commit (with overlap scheduling:
+        schedule and submit the next step, commit the oldest; see `minisgl.overlap`)."""
+        if self.overlap is not None:
+            return self._overlap_step(self.overlap)
         planned = self.scheduler.schedule()
         if planned is None:
             return []
@@ -230,6 +288,18 @@ class LLM:
                 self.scheduler.abort(rid)
             outs = [o for o in outs if o.rid not in self.last_errors]
         return outs
+
+    def _overlap_step(self, loop: OverlapLoop) -> Sequence[StepOutput]:
+        done = loop.step()
+        if done is None:
+            self.last_logprobs, self.last_errors = {}, {}
+            return []
+        self.last_logprobs, self.last_errors = done.logprobs, done.errors
+        if not done.errors:
+            return done.outputs
+        for rid in done.errors:  # such a request fails alone; the others go on
+            self.scheduler.abort(rid)
+        return [o for o in done.outputs if o.rid not in done.errors]
 
     def _check_stop(self, ids: list[int], stops: tuple[str, ...]) -> tuple[str, bool]:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)

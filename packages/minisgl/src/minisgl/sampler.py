@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -159,17 +159,6 @@ def filter_min_p(y: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return y.masked_fill(~keep, float("-inf"))
 
 
-@dataclass(frozen=True)
-class DeviceSample:
-    """A step's sampled tokens, still on the device (nothing read back yet)."""
-
-    tokens: torch.Tensor  # [n] int64
-    bad: torch.Tensor  # [n] bool: non-finite logits or no allowed token
-    lp_rows: list[int]  # rows that asked for logprobs
-    lp_vals: torch.Tensor | None = None  # [len(lp_rows)] the sampled tokens' logprobs
-    lp_top: tuple[torch.Tensor, torch.Tensor] | None = None  # (indices, values) [.., k]
-
-
 def is_plain_greedy(rows: Sequence[SampleRow]) -> bool:
     """Every row takes the argmax of its raw logits (what a graph computes in-graph): greedy,
     no logit bias, no active min_tokens, no penalties, no logprobs."""
@@ -189,19 +178,11 @@ def greedy_device(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.argmax(raw, dim=-1), bad | ~(raw > float("-inf")).any(dim=-1)
 
 
-def sample(
-    logits: torch.Tensor, rows: Sequence[SampleRow], eos_ids: frozenset[int] = frozenset()
-) -> SampleResult:
-    """logits: [len(rows), vocab]; one request per row."""
-    return to_host(sample_device(logits, rows, eos_ids), rows)
-
-
-def sample_device(
+def sample_on_device(
     logits: torch.Tensor, rows: Sequence[SampleRow], eos_ids: frozenset[int] = frozenset()
 ) -> DeviceSample:
-    """The sampling of `sample`, left on the device: per-request parameters go host -> device,
-    nothing comes back."""
-    vocab = logits.shape[1]
+    """`sample` without reading anything back: the tokens stay on the logits' device."""
+    vocab = logits.shape[-1]
     dev = logits.device
     raw = logits.float()
     params = [r.params for r in rows]
@@ -265,43 +246,79 @@ def sample_device(
         tokens = tokens.index_copy(0, idx, torch.argmax(y + gumbel, dim=-1))
         bad = bad.index_copy(0, idx, bad[idx] | y.isnan().any(dim=-1))
     lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if not lp_rows:
-        return DeviceSample(tokens, bad, lp_rows)
-    idx = _host(lp_rows, torch.int64, dev)
-    lps = torch.log_softmax(raw[idx], dim=-1)
-    lp_vals = lps.gather(1, tokens[idx][:, None])[:, 0]
-    k = max(params[i].logprobs for i in lp_rows)
-    lp_top = None
-    if k:
-        top = lps.topk(k, dim=-1)
-        lp_top = (top.indices, top.values)
-    return DeviceSample(tokens, bad, lp_rows, lp_vals, lp_top)
+    lp_vals = lp_top = None
+    ks = [params[i].logprobs or 0 for i in lp_rows]
+    if lp_rows:
+        idx = _host(lp_rows, torch.int64, dev)
+        lps = torch.log_softmax(raw[idx], dim=-1)
+        lp_vals = lps.gather(1, tokens[idx][:, None])[:, 0]
+        if max(ks):
+            lp_top = lps.topk(max(ks), dim=-1)
+    return DeviceSample(tokens, bad, tuple(lp_rows), tuple(ks), lp_vals, lp_top)
 
 
-def pack_for_host(ds: DeviceSample) -> torch.Tensor:
-    """[2, n] int64 (tokens, bad flags): what a step reads back, as one copy."""
-    return torch.stack((ds.tokens, ds.bad.to(torch.int64)))
-
-
-def to_host(
-    ds: DeviceSample, rows: Sequence[SampleRow], packed: torch.Tensor | None = None
+def sample(
+    logits: torch.Tensor, rows: Sequence[SampleRow], eos_ids: frozenset[int] = frozenset()
 ) -> SampleResult:
-    """The one device -> host read of a step: tokens and bad flags in one copy (`packed`: that
-    copy, already on the host), plus the logprobs of the rows that asked for them."""
-    host = (pack_for_host(ds) if packed is None else packed).cpu().numpy()
-    token_list, bad_list = host[0].tolist(), host[1].tolist()
-    n = len(token_list)
-    logprobs: list[TokenLogprob | None] = [None] * n
-    if ds.lp_rows:
-        assert ds.lp_vals is not None
-        lp_vals = ds.lp_vals.tolist()
-        lp_top = (ds.lp_top[0].tolist(), ds.lp_top[1].tolist()) if ds.lp_top is not None else None
-        for j, i in enumerate(ds.lp_rows):
-            k = rows[i].params.logprobs
-            top = tuple(zip(lp_top[0][j][:k], lp_top[1][j][:k], strict=True)) if k else ()
-            logprobs[i] = TokenLogprob(token_list[i], lp_vals[j], top)
-    errors = [
-        "the model produced non-finite logits (or no allowed token) for this request" if b else None
-        for b in bad_list
-    ]
-    return SampleResult(token_list, errors, logprobs)
+    """logits: [len(rows), vocab]; one request per row."""
+    return sample_on_device(logits, rows, eos_ids).result()
+
+
+class DeviceSample:
+    """A step's samples still on the device: `tokens` (int64 [rows]) feed the next step's
+    inputs there; `start_copy` starts the step's one asynchronous device-to-host copy (tokens
+    and error flags), `result` waits for it (logprobs, when asked, are copied then)."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        bad: torch.Tensor,
+        lp_rows: tuple[int, ...] = (),
+        lp_ks: tuple[int, ...] = (),
+        lp_vals: torch.Tensor | None = None,
+        lp_top: Any = None,  # torch.return_types.topk over the logprob rows
+    ) -> None:
+        self.tokens = tokens
+        self.bad = bad
+        self.lp_rows, self.lp_ks, self.lp_vals, self.lp_top = lp_rows, lp_ks, lp_vals, lp_top
+        self._host: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def start_copy(self) -> None:
+        """Queue the copy of tokens and error flags to the host (pinned and non-blocking on
+        CUDA: the caller waits for it with an event before `result`)."""
+        packed = torch.stack([self.tokens, self.bad.to(torch.int64)])
+        if packed.device.type == "cpu":
+            self._host = packed
+            return
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        self._host = host.copy_(packed, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def result(self) -> SampleResult:
+        """The host result; after `start_copy`, only once the device finished the copy."""
+        host = self._host
+        if self._copied is not None:
+            self._copied.synchronize()  # the copy `start_copy` queued
+        if host is None:  # no copy queued: a blocking one
+            host = torch.stack([self.tokens, self.bad.to(torch.int64)]).cpu()
+        token_list, bad_list = host.tolist()
+        n = len(token_list)
+        logprobs: list[TokenLogprob | None] = [None] * n
+        if self.lp_rows:
+            assert self.lp_vals is not None
+            vals = self.lp_vals.tolist()
+            top = (
+                (self.lp_top.indices.tolist(), self.lp_top.values.tolist()) if self.lp_top else None
+            )
+            for j, (i, k) in enumerate(zip(self.lp_rows, self.lp_ks, strict=True)):
+                pairs = tuple(zip(top[0][j][:k], top[1][j][:k], strict=True)) if k else ()
+                logprobs[i] = TokenLogprob(token_list[i], vals[j], pairs)
+        errors = [
+            "the model produced non-finite logits (or no allowed token) for this request"
+            if b
+            else None
+            for b in bad_list
+        ]
+        return SampleResult(token_list, errors, logprobs)

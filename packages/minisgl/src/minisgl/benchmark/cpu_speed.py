@@ -3,7 +3,12 @@ one run, medians of repeats, with the quality of every minisgl configuration bes
 
     python -m minisgl.benchmark.cpu_speed --out F.json [--plot F.png] [--repeats 3] \
         [--threads 2] [--configs fp32,bf16,int8,int4] [--hf fp32,bf16] \
-        [--profiles single,seed-offline,many-short] [--set many-short.num_requests=128]
+        [--profiles single,seed-offline,many-short] [--set many-short.num_requests=128] \
+        [--llamacpp]
+
+`--llamacpp` adds llama-cpp-python on the GGUF file the embedded model ships (same threads,
+greedy, one request at a time: its Python API has no batching); an opt-in extra
+(`benchmark/llamacpp.py`).
 
 Quality (against HF fp32 on the GGUF's de-quantized weights, the float form of the shipped
 file): greedy agreement over 32 tokens on the parity prompts with the first divergence per
@@ -14,9 +19,11 @@ the measured memory bandwidth.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -63,6 +70,38 @@ def measure_bandwidth() -> dict[str, float]:
             ts.append(time.perf_counter() - t)
         out[name] = nbytes / common.median(ts) / 1e9
     return out
+
+
+def measure_matmul() -> dict[str, float]:
+    """GFLOP/s of a prefill-sized GEMM ([512, 576] x [576, 1536], the model's MLP shape) in
+    fp32 and bf16, median of 5: the compute bound of batched steps."""
+    import torch
+
+    out = {}
+    for name, dtype in (("fp32_gflop_s", torch.float32), ("bf16_gflop_s", torch.bfloat16)):
+        a = torch.randn(512, 576, dtype=dtype)
+        b = torch.randn(1536, 576, dtype=dtype)
+        torch.nn.functional.linear(a, b)
+        ts = []
+        for _ in range(5):
+            t = time.perf_counter()
+            torch.nn.functional.linear(a, b)
+            ts.append(time.perf_counter() - t)
+        out[name] = 2 * 512 * 576 * 1536 / common.median(ts) / 1e9
+    return out
+
+
+def linear_params(model_path: str) -> dict[str, int]:
+    """Weights every token multiplies (decoder linears) and every sampled token (lm_head)."""
+    from minisgl.config import ModelConfig
+
+    c = ModelConfig.from_dir(model_path)
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    h, i = c.hidden_size, c.intermediate_size
+    return {
+        "layers": c.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * i),
+        "lm_head": c.vocab_size * h,
+    }
 
 
 def weight_bytes_per_token(model) -> int:
@@ -119,17 +158,21 @@ def quality(llm, prompts: list[list[int]], ref: list[list[int]], ppl_ids) -> dic
     ppl = perplexity_minisgl(llm, ppl_ids)  # first: the pool is still empty
     sp = SamplingParams(temperature=0.0, max_tokens=AGREE_TOKENS, ignore_eos=True)
     got = [o["token_ids"] for o in llm.generate(prompts, sp)]
+    return {"perplexity": ppl, **agreement(got, ref)}
+
+
+def agreement(got: list[list[int]], ref: list[list[int]]) -> dict[str, Any]:
+    """Greedy agreement of `got` with the reference tokens, prompt by prompt."""
     firsts = [first_diff(a, b) for a, b in zip(got, ref, strict=True)]
     return {
-        "perplexity": ppl,
         "prompts_identical": sum(f is None for f in firsts),
-        "prompts": len(prompts),
-        "agreement": sum(f is None for f in firsts) / len(prompts),
+        "prompts": len(got),
+        "agreement": sum(f is None for f in firsts) / len(got),
         "first_divergence": firsts,
         "token_agreement": sum(
             sum(x == y for x, y in zip(a, b, strict=False)) for a, b in zip(got, ref, strict=True)
         )
-        / (AGREE_TOKENS * len(prompts)),
+        / (AGREE_TOKENS * len(got)),
     }
 
 
@@ -150,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profiles", default="single,seed-offline,many-short")
     p.add_argument("--set", action="append", metavar="PROFILE.KEY=VALUE")
     p.add_argument("--no-quality", action="store_true")
+    p.add_argument("--llamacpp", action="store_true", help="add the llama.cpp arm (opt-in extra)")
     args = p.parse_args(argv)
     if args.threads:
         common.set_threads(args.threads)
@@ -176,10 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "model": "embedded:SmolLM2-135M-Instruct (Q4_1 GGUF)",
         "bandwidth": measure_bandwidth(),
+        "matmul": measure_matmul(),
         "profiles": {p.name: p.to_dict() for p in profiles},
         "results": {},
         "quality": {},
         "bytes_per_token": {},
+        "linear_params": linear_params(model_path),
     }
     from transformers import AutoTokenizer
 
@@ -194,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             "output_tok_s": tok_s,
             "output_tok_s_per_repeat": [r["output_tok_s"] for r in reps],
             "tpot_ms_p50": common.median(r.get("tpot_ms", {}).get("p50", 0.0) for r in reps),
+            "input_tokens": reps[0]["input_tokens"],
+            "output_tokens": reps[0]["output_tokens"],
         }
         print(f"{profile:14s} {arm:12s} {tok_s:8.1f} tok/s", flush=True)
 
@@ -221,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         del hf
         gc.collect()
 
+    if args.llamacpp:
+        run_llamacpp_arm(record, profiles, args, prompts, ref_tokens, ppl_ids, add)
+
     for name in configs:
         dtype, quant = CONFIGS[name]
         t0 = time.perf_counter()
@@ -243,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         del llm
         gc.collect()
 
+    with contextlib.suppress(OSError):
+        record["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     summarize(record)
     if args.plot:
         plot(args.plot, record)
@@ -250,6 +303,38 @@ def main(argv: list[str] | None = None) -> int:
     common.write_json(args.out, record)
     print(f"wrote {args.out}")
     return 0
+
+
+def run_llamacpp_arm(record, profiles, args, prompts, ref_tokens, ppl_ids, add) -> None:
+    """The `llamacpp` arm: speed on every profile, agreement with HF fp32 and perplexity."""
+    import torch
+
+    from minisgl.benchmark import llamacpp
+    from minisgl.default_model import gguf_path
+
+    gguf = gguf_path()
+    threads = torch.get_num_threads()
+    model = llamacpp.load_llamacpp(gguf, threads, n_ctx=2048)
+    record["llamacpp"] = {
+        "gguf": gguf.name,
+        "file_mb": gguf.stat().st_size / 1e6,
+        "threads": threads,
+        **llamacpp.llamacpp_info(),
+    }
+    if not args.no_quality and ref_tokens is not None:
+        got = [llamacpp.generate(model, p, AGREE_TOKENS) for p in prompts]
+        q = agreement(got, ref_tokens)
+        scorer = llamacpp.load_llamacpp(gguf, threads, n_ctx=512, logits_all=True)
+        q["perplexity"] = llamacpp.perplexity(scorer, ppl_ids)
+        del scorer
+        record["quality"]["llamacpp"] = q
+    for prof in profiles:
+        llamacpp.run_llamacpp(model, warmup_workload(prof, 49152))
+        items = build_workload(prof, 49152)
+        reps = [llamacpp.run_llamacpp(model, items)["metrics"] for _ in range(args.repeats)]
+        add(prof.name, "llamacpp", reps)
+    del model
+    gc.collect()
 
 
 def summarize(record: dict[str, Any]) -> None:
@@ -260,7 +345,7 @@ def summarize(record: dict[str, Any]) -> None:
         for arm, m in arms.items():
             if not arm.startswith("minisgl-"):
                 continue
-            for hf in ("hf-fp32", "hf-bf16"):
+            for hf in ("hf-fp32", "hf-bf16", "llamacpp"):
                 if hf in arms and arms[hf]["output_tok_s"]:
                     ratios[f"{prof}.{arm}/{hf}"] = m["output_tok_s"] / arms[hf]["output_tok_s"]
     record["ratios"] = ratios
@@ -274,6 +359,23 @@ def summarize(record: dict[str, Any]) -> None:
             entry["fraction_of_bound"] = single["output_tok_s"] / (bw / nbytes)
         bound[name] = entry
     record["single_stream_bound"] = bound
+    # batched: FLOPs per output token (every prompt and output token through the linears, the
+    # lm_head once per output token) against the measured GEMM throughput of the arm's dtype
+    lp, mm = record["linear_params"], record["matmul"]
+    compute = {}
+    for prof, arms in res.items():
+        for arm, m in arms.items():
+            n_in, n_out = m.get("input_tokens"), m.get("output_tokens")
+            if not n_out or arm == "llamacpp":
+                continue
+            flops = 2 * (lp["layers"] * (n_in + n_out) / n_out + lp["lm_head"])
+            rate = mm["fp32_gflop_s" if arm.endswith("fp32") else "bf16_gflop_s"] * 1e9
+            compute[f"{prof}.{arm}"] = {
+                "gflop_per_output_token": flops / 1e9,
+                "compute_bound_tok_s": rate / flops,
+                "fraction_of_bound": m["output_tok_s"] / (rate / flops),
+            }
+    record["compute_bound"] = compute
     print("\nratios:")
     for k, v in ratios.items():
         print(f"  {k:40s} {v:6.2f}x")
@@ -294,7 +396,10 @@ def plot(path: str, record: dict[str, Any]) -> None:
     for ax, (prof, arms) in zip(axes, res.items(), strict=True):
         names = list(arms)
         vals = [arms[n]["output_tok_s"] for n in names]
-        colors = ["tab:gray" if n.startswith("hf") else "tab:blue" for n in names]
+        colors = [
+            "tab:gray" if n.startswith("hf") else "tab:orange" if n == "llamacpp" else "tab:blue"
+            for n in names
+        ]
         ax.bar(range(len(names)), vals, color=colors)
         ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
         ax.set_title(f"{prof} (output tok/s, median)")

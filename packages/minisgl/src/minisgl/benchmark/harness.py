@@ -1,7 +1,7 @@
 """The benchmark harness.
 
     python -m minisgl.benchmark.harness offline --out F.json --gate G.yaml \
-        [--profile seed-offline] [--model-path DIR] [--engine minisgl|hf] \
+        [--profile seed-offline] [--model-path DIR] [--engine minisgl|hf|llamacpp] \
         [--ab python,rust_hotpath] [--repeats N] [--plot F.png] [--set key=value ...]
     python -m minisgl.benchmark.harness online --base-url http://127.0.0.1:1919 \
         --out F.json --gate G.yaml [--profile seed-online] [--set key=value ...]
@@ -43,6 +43,7 @@ from minisgl.benchmark.backends import (
     ensure_backend,
     scheduler_backend,
 )
+from minisgl.benchmark.llamacpp import LlamaCppUnavailable
 from minisgl.benchmark.observations import Observation, arm_path, read_jsonl, write_jsonl
 from minisgl.benchmark.profiles import (
     PROFILES,
@@ -219,7 +220,7 @@ def run_offline(args: argparse.Namespace) -> int:
     profile = get_profile(args.profile, profile_sets)
     if args.ab:
         return run_ab(args, profile)
-    from minisgl.benchmark.offline import load_hf, make_llm, run_hf, run_minisgl
+    from minisgl.benchmark.offline import make_llm, run_minisgl
 
     llm_kwargs = dict(llm_sets)
     if args.dtype is not None:
@@ -251,37 +252,34 @@ def run_offline(args: argparse.Namespace) -> int:
     }
     record["engine_config"]["model_path"] = Path(llm.config.model_path).name  # no abs. paths
     items = build_workload(profile, vocab)
-    hf_items = [dataclasses.replace(i, arrival_s=0.0) for i in items]  # HF runs all at t=0
+    at_zero = [dataclasses.replace(i, arrival_s=0.0) for i in items]  # baselines: all at t=0
     warm = warmup_workload(profile, vocab)
-    hf_model = None
+    run_base = None  # the baseline engine's run(items, progress): --engine hf / llamacpp
     if args.engine == "hf":
-        hf_dtype = args.hf_dtype or str(llm.engine.dtype).split(".")[-1]
-        hf_model = load_hf(llm.config.model_path, hf_dtype, llm.config.dummy_weights,
-                           str(llm.engine.device))  # fmt: skip
-        record["hf_dtype"] = hf_dtype
-        pad = llm.tokenizer.pad_token_id
-        pad = 0 if pad is None else int(pad)
+        run_base = _hf_runner(args, profile, record, llm)
+    elif args.engine == "llamacpp":
+        run_base = _llamacpp_runner(args, profile, record)
+    base = args.engine
     runs: dict[str, list[dict[str, Any]]] = {"minisgl": []}
-    if hf_model is not None:
-        runs["hf"] = []
+    if run_base is not None:
+        runs[base] = []
     samples: dict[str, Any] = {}
     honor = not args.ignore_arrivals
     observed: list[Observation] = []
     with Progress(not args.no_progress) as prog:
         run_minisgl(llm, warm, honor_arrivals=False)
-        if hf_model is not None:
-            run_hf(hf_model, warm, profile.hf_batch_size, pad)
+        if run_base is not None:
+            run_base(warm)
         for rep in range(args.repeats):
             out = run_minisgl(llm, items, prog.task(f"minisgl #{rep + 1}", len(items)), honor)
             runs["minisgl"].append(out["metrics"])
             samples["minisgl"] = latency_samples(items, out["token_times"])
             if args.observations:
                 observed += offline_observations(record, profile, items, out, rep, honor)
-            if hf_model is not None:
-                adv = prog.task(f"hf #{rep + 1}", len(items))
-                out = run_hf(hf_model, hf_items, profile.hf_batch_size, pad, adv)
-                runs["hf"].append(out["metrics"])
-                samples["hf"] = latency_samples(hf_items, out["token_times"])
+            if run_base is not None:
+                out = run_base(at_zero, prog.task(f"{base} #{rep + 1}", len(items)))
+                runs[base].append(out["metrics"])
+                samples[base] = latency_samples(at_zero, out["token_times"])
     results = {
         name: {"metrics": median_nested(reps), "repeats": reps, "samples": samples[name]}
         for name, reps in runs.items()
@@ -289,17 +287,17 @@ def run_offline(args: argparse.Namespace) -> int:
     record["results"] = results
     gate_metrics = common.flatten(results["minisgl"]["metrics"])
     ratio_tables: dict[str, dict[str, float]] = {}
-    if "hf" in results:
-        hf_m = results["hf"]["metrics"]
-        gate_metrics.update(common.flatten(hf_m, "hf."))
-        speed = common.ratios(hf_m, results["minisgl"]["metrics"], RATIO_KEYS)
-        record["speedup_vs_hf"] = speed
-        paired = common.paired_ratios(runs["hf"], runs["minisgl"], PAIRED_KEYS)
-        record["speedup_vs_hf_paired"] = paired
-        gate_metrics.update(common.flatten(speed, "speedup_vs_hf."))
-        gate_metrics.update(common.flatten(paired, "speedup_vs_hf_paired."))
-        ratio_tables["minisgl / hf (ratio of medians)"] = speed
-        ratio_tables["minisgl / hf (median of paired repeats)"] = {
+    if base in results:
+        base_m = results[base]["metrics"]
+        gate_metrics.update(common.flatten(base_m, f"{base}."))
+        speed = common.ratios(base_m, results["minisgl"]["metrics"], RATIO_KEYS)
+        record[f"speedup_vs_{base}"] = speed
+        paired = common.paired_ratios(runs[base], runs["minisgl"], PAIRED_KEYS)
+        record[f"speedup_vs_{base}_paired"] = paired
+        gate_metrics.update(common.flatten(speed, f"speedup_vs_{base}."))
+        gate_metrics.update(common.flatten(paired, f"speedup_vs_{base}_paired."))
+        ratio_tables[f"minisgl / {base} (ratio of medians)"] = speed
+        ratio_tables[f"minisgl / {base} (median of paired repeats)"] = {
             k: v for k, v in paired.items() if not k.endswith("_per_repeat")
         }
     record["gate_metrics"] = gate_metrics
@@ -316,13 +314,54 @@ def run_offline(args: argparse.Namespace) -> int:
         {k: v["metrics"] for k, v in results.items()},
         ratio_tables,
     )
-    if "hf" in results:
-        s = record["speedup_vs_hf_paired"].get("output_tok_s")
-        c = record["speedup_vs_hf_paired"].get("output_tok_per_cpu_s")
+    if base in results:
+        s = record[f"speedup_vs_{base}_paired"].get("output_tok_s")
+        c = record[f"speedup_vs_{base}_paired"].get("output_tok_per_cpu_s")
         if s:
-            print(f"minisgl / HF output tok/s = {s:.2f}x (median of paired repeats)", end="")
+            print(f"minisgl / {base} output tok/s = {s:.2f}x (median of paired repeats)", end="")
             print(f"; per CPU-second {c:.2f}x" if c else "")
     return finish(record, args, results)
+
+
+def _hf_runner(args: argparse.Namespace, profile: Profile, record: dict[str, Any], llm):
+    from minisgl.benchmark.offline import load_hf, run_hf
+
+    hf_dtype = args.hf_dtype or str(llm.engine.dtype).split(".")[-1]
+    hf_model = load_hf(llm.config.model_path, hf_dtype, llm.config.dummy_weights,
+                       str(llm.engine.device))  # fmt: skip
+    record["hf_dtype"] = hf_dtype
+    pad = llm.tokenizer.pad_token_id
+    pad = 0 if pad is None else int(pad)
+
+    def run(work, adv=None):
+        return run_hf(hf_model, work, profile.hf_batch_size, pad, adv)
+
+    return run
+
+
+def _llamacpp_runner(args: argparse.Namespace, profile: Profile, record: dict[str, Any]):
+    """`run(items, progress)` of the llama.cpp arm on the embedded model's GGUF (or --gguf)."""
+    import torch
+
+    from minisgl.benchmark.llamacpp import llamacpp_info, load_llamacpp, run_llamacpp
+
+    if args.gguf:
+        gguf = Path(args.gguf)
+    elif args.model_path is None:
+        from minisgl.default_model import gguf_path
+
+        gguf = gguf_path()
+    else:
+        raise ValueError("--engine llamacpp with --model-path needs --gguf FILE (same weights)")
+    threads = args.threads or torch.get_num_threads()
+    n_ctx = profile.prefix_len + profile.input_len_max + profile.output_len + 64
+    model = load_llamacpp(gguf, threads, n_ctx=max(n_ctx, 512))
+    record["llamacpp"] = {"gguf": gguf.name, "threads": threads, **llamacpp_info()}
+
+    def run(work, adv=None):
+        return run_llamacpp(model, work, adv)
+
+    return run
 
 
 def _arm_command(
@@ -456,10 +495,12 @@ def build_parser() -> argparse.ArgumentParser:
     common_args(off, "seed-offline")
     off.add_argument(
         "--engine",
-        choices=["minisgl", "hf"],
+        choices=["minisgl", "hf", "llamacpp"],
         default="minisgl",
-        help="hf: also run HF transformers generate on the same workload",
+        help="hf: also run HF transformers generate on the same workload; llamacpp: also "
+        "llama-cpp-python on the GGUF (opt-in extra: minisgl[llamacpp])",
     )
+    off.add_argument("--gguf", default=None, help="llamacpp: GGUF file (default: embedded)")
     off.add_argument("--dtype", default=None, help="minisgl dtype (LLM dtype=...)")
     off.add_argument(
         "--quantization", default=None, choices=["auto", "none", "int8", "int4"], help="minisgl"
@@ -527,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         from minisgl.benchmark.online import run_online
 
         return run_online(args)
-    except (ValueError, BackendUnavailable) as exc:
+    except (ValueError, BackendUnavailable, LlamaCppUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -129,7 +129,7 @@ def run_minisgl(
                 rid = sched.add_request(item.prompt_ids, params, generator=key)
                 index[rid] = order[pos]
                 pos += 1
-            if not sched.has_work():
+            if not llm.has_work():  # requests, or steps in flight (overlap scheduling)
                 time.sleep(max(0.0, min(items[order[pos]].arrival_s - now, 0.05)))
                 continue
             outs = llm.step()
@@ -154,6 +154,7 @@ def run_minisgl(
             if finished and progress:
                 progress(finished)
         duration = time.perf_counter() - t0
+        llm.sync()  # overlap scheduling: commit the steps after the last finish (all dropped)
     sched_s = stats.schedule_s[s0:]
     commit_s = stats.commit_s[c0:]
     steps = [a + b for a, b in zip(sched_s, commit_s, strict=False)]

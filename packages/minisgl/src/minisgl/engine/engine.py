@@ -20,7 +20,7 @@ from minisgl.engine.memory import (
     resolve_dtype,
     resolve_quantization,
 )
-from minisgl.engine.staging import PlanStager
+from minisgl.engine.staging import DevicePlan, PlanStager
 from minisgl.kvcache.pool import KVPool
 from minisgl.models.loader import load_model
 from minisgl.sampler import (
@@ -28,9 +28,7 @@ from minisgl.sampler import (
     SampleResult,
     SampleRow,
     is_plain_greedy,
-    pack_for_host,
-    sample_device,
-    to_host,
+    sample_on_device,
 )
 from minisgl.scheduler.plan import StepPlan
 from minisgl.utils.log import get_logger
@@ -100,50 +98,51 @@ class Engine:
                                  self.max_seq_len, self.device)  # fmt: skip
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan) -> torch.Tensor:
-        """Run one step eagerly; returns float32 logits [len(plan.sample_rows), vocab]."""
+    def forward(self, plan: StepPlan, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step eagerly; returns float32 logits [len(plan.sample_rows), vocab].
+        `input_ids`: the step's inputs already on the device (overlap scheduling resolves the
+        in-flight ones there), else the staged `plan.input_ids`."""
+        return self._forward(plan, self._stage(plan, input_ids))
+
+    def _stage(self, plan: StepPlan, input_ids: torch.Tensor | None) -> DevicePlan:
         staged = self.stager.stage(plan)
+        if input_ids is not None:
+            staged.input_ids.copy_(input_ids)
+        return staged
+
+    def _forward(self, plan: StepPlan, staged: DevicePlan) -> torch.Tensor:
         meta = self.backend.prepare(plan, staged)
         return self.model(staged.input_ids, staged.positions, staged.logits_indices,
                           self.backend, meta)  # fmt: skip
 
     @torch.inference_mode()
+    def sample_on_device(
+        self,
+        plan: StepPlan,
+        rows: Sequence[SampleRow],
+        eos_ids: frozenset[int],
+        input_ids: torch.Tensor | None = None,
+    ) -> DeviceSample:
+        """Forward and sample with nothing read back (a decode graph runs the step when one
+        fits): the tokens stay on the device; `result()` reads them."""
+        staged = self._stage(plan, input_ids)
+        if self.graphs is not None and self.graphs.can_run(plan):
+            out = self.graphs.run(plan, staged)
+            if is_plain_greedy(rows):  # copies: the next replay overwrites the graph's outputs
+                return DeviceSample(out.tokens.clone(), out.bad.clone())
+            return sample_on_device(out.logits, rows, eos_ids)
+        return sample_on_device(self._forward(plan, staged), rows, eos_ids)
+
     def launch_step(
         self, plan: StepPlan, rows: Sequence[SampleRow], eos_ids: frozenset[int]
-    ) -> PendingStep:
-        """Enqueue forward and sampling; nothing is read back until `result()`."""
-        if self.graphs is not None and self.graphs.can_run(plan):
-            out = self.graphs.run(plan, self.stager.stage(plan))
-            if is_plain_greedy(rows):
-                return PendingStep(DeviceSample(out.tokens, out.bad, []), rows)
-            return PendingStep(sample_device(out.logits, rows, eos_ids), rows)
-        return PendingStep(sample_device(self.forward(plan), rows, eos_ids), rows)
+    ) -> DeviceSample:
+        """`sample_on_device` with the step's one token copy to the host already started."""
+        sampled = self.sample_on_device(plan, rows, eos_ids)
+        sampled.start_copy()
+        return sampled
 
     def sample_step(
         self, plan: StepPlan, rows: Sequence[SampleRow], eos_ids: frozenset[int]
     ) -> SampleResult:
         """Forward and sample: one token per sample row (`rows[i]` is sample row i)."""
         return self.launch_step(plan, rows, eos_ids).result()
-
-
-class PendingStep:
-    """A launched step: its tokens are copied to the host asynchronously (one non-blocking
-    copy into pinned memory, started here); `result()` waits for that copy only."""
-
-    def __init__(self, sampled: DeviceSample, rows: Sequence[SampleRow]) -> None:
-        self.sampled, self.rows = sampled, rows
-        packed = pack_for_host(sampled)
-        self._event: torch.cuda.Event | None = None
-        if packed.device.type == "cuda":
-            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            self._host.copy_(packed, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = packed
-
-    def result(self) -> SampleResult:
-        """Wait for the step's token copy and build the result."""
-        if self._event is not None:
-            self._event.synchronize()
-        return to_host(self.sampled, self.rows, self._host)

@@ -89,11 +89,17 @@ class SimEngine:
         raise NotImplementedError("the simulated device computes no logits; use sample_step")
 
     def sample_step(
-        self, plan: StepPlan, rows: Sequence[SampleRow], eos_ids: frozenset[int]
+        self,
+        plan: StepPlan,
+        rows: Sequence[SampleRow],
+        eos_ids: frozenset[int],
+        input_ids: np.ndarray | None = None,
     ) -> SampleResult:
-        """One step: the device time, then one token per sample row."""
+        """One step: the device time, then one token per sample row (`input_ids`: the plan's
+        inputs with the in-flight ones resolved)."""
         time.sleep(self.sim.step_s(plan.num_tokens))
         idx = plan.logits_indices
+        ids = plan.input_ids if input_ids is None else input_ids
         keys = None
         if any(not r.params.is_greedy for r in rows):
             keys = np.array(
@@ -101,7 +107,7 @@ class SimEngine:
                 dtype=np.uint64,
             )
         tokens = sim_tokens(
-            plan.input_ids[idx],
+            ids[idx],
             plan.positions[idx] + 1,
             self.model_config.vocab_size,
             eos_ids,
@@ -116,6 +122,32 @@ class SimEngine:
                 top = tuple((t, 0.0) if j == 0 else ((t + j) % vocab, NO_LOGPROB) for j in range(k))
                 logprobs[i] = TokenLogprob(t, 0.0, top)
         return SampleResult(tokens, [None] * len(rows), logprobs)
+
+    def sample_on_device(
+        self,
+        plan: StepPlan,
+        rows: Sequence[SampleRow],
+        eos_ids: frozenset[int],
+        input_ids: torch.Tensor | None = None,
+    ) -> HostSample:
+        """`sample_step` behind the `Engine.sample_on_device` interface (the host is the
+        device: nothing to copy)."""
+        ids = None if input_ids is None else input_ids.numpy()
+        return HostSample(self.sample_step(plan, rows, eos_ids, ids))
+
+
+class HostSample:
+    """A sample the simulated device already holds on the host (`DeviceSample`'s interface)."""
+
+    def __init__(self, res: SampleResult) -> None:
+        self.res = res
+        self.tokens = torch.tensor(res.tokens, dtype=torch.int64)
+
+    def start_copy(self) -> None:
+        pass
+
+    def result(self) -> SampleResult:
+        return self.res
 
 
 def make_engine(config: EngineConfig) -> Engine | SimEngine:

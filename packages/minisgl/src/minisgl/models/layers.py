@@ -23,7 +23,11 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """RoPE with a precomputed cos/sin table; inverse frequencies come from transformers'
-    own initialisers so every `rope_type` (default, linear, llama3, yarn, ...) matches HF."""
+    own initialisers so every `rope_type` (default, linear, llama3, yarn, ...) matches HF.
+
+    The sin table carries rotate_half's sign (-sin on the first half): `apply_rope` then swaps
+    the halves (one flip) instead of slicing, negating and concatenating; the products are the
+    same numbers, so fp32 parity with HF is kept bit for bit."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -32,10 +36,13 @@ class RotaryEmbedding(nn.Module):
         freqs = pos[:, None] * inv_freq[None, :].float()
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
-        self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
+        sin = emb.sin() * scaling
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # rotate_half's sign folded in
+        self.register_buffer("sin", sin.to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] for the step's positions (looked up once, used by every layer)."""
+        """cos, signed sin [T, 1, D] for the step's positions (looked up once per step)."""
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
 
@@ -43,12 +50,13 @@ def apply_rope(
     q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = cos_sin
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return q * cos + _swap_halves(q) * sin, k * cos + _swap_halves(k) * sin
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """cat(x2, x1) of the last dimension: rotate_half without its sign (it is in the table)."""
+    *lead, d = x.shape
+    return x.reshape(*lead, 2, d // 2).flip(-2).reshape(*lead, d)
 
 
 def _rope_init(cfg: ModelConfig) -> tuple[torch.Tensor, float]:

@@ -1,8 +1,12 @@
 """GGUF tensors -> packed int4 / int8 weights under HF parameter names, block by block.
 
-Q4_1 blocks become int4 groups exactly (scale = d, zero = m + 8 d); Q8_0 rows are re-quantized
-per output channel for int8. Other block types (Q4_K, Q6_K, F16...) go through gguf-py's
-de-quantizer and are re-quantized. Q and K projections of `llama` files are un-permuted the way
+4-bit blocks become int4 groups of 32 without re-quantization, codes copied as they are:
+Q4_0 (w = d (q - 8): scale = d, zero = 0), Q4_1 (w = d q + m: scale = d, zero = m + 8 d) and
+Q4_K (super-blocks of 8 groups, w = d sc_j q - dmin m_j with 6-bit sc_j / m_j: scale = d sc_j,
+zero = 8 d sc_j - dmin m_j). Q8_0 rows are re-quantized per output channel for int8 (the packed
+int8 kernel has one scale per channel) straight from the int8 blocks. Other block types (Q5_*,
+Q6_K, F16...) and the cross-class cases (Q8_0 in int4 mode, 4-bit blocks in int8 mode) go
+through an in-memory de-quantization and are re-quantized; nothing float is written to disk. Q and K projections of `llama` files are un-permuted the way
 transformers' GGUF loader does (llama.cpp stores them in its interleaved RoPE order), rows only, so the
 blocks stay intact.
 """
@@ -63,6 +67,57 @@ def _q4_1(raw: np.ndarray, n: int, k: int) -> Int4Weight:
     return Int4Weight(pack_nibbles(torch.from_numpy(codes)), scale, mn + 8 * scale)
 
 
+def _q4_0(raw: np.ndarray, n: int, k: int) -> Int4Weight:
+    blocks = raw.reshape(n, k // _BLOCK, 18)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 2:]  # the Q4_1 nibble order
+    codes = np.concatenate((qs & 0x0F, qs >> 4), axis=-1).reshape(n, k)
+    scale = torch.from_numpy(d)
+    return Int4Weight(pack_nibbles(torch.from_numpy(codes)), scale, torch.zeros_like(scale))
+
+
+_QK_K = 256  # k-quant super-block
+
+
+def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit scales and mins of each Q4_K super-block ([..., 12] bytes -> 2 x [..., 8]):
+    bytes 0-3 hold sc 0-3 (low 6 bits) and the top 2 bits of sc 4-7, bytes 4-7 the same for
+    the mins, bytes 8-11 the low 4 bits of sc 4-7 (low nibble) and m 4-7 (high nibble)."""
+    a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate((a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)), axis=-1)
+    mn = np.concatenate((b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)), axis=-1)
+    return sc, mn
+
+
+def _q4_k(raw: np.ndarray, n: int, k: int) -> Int4Weight:
+    blocks = raw.reshape(n, k // _QK_K, 144)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, nb, 1]
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = _q4_k_scales(blocks[..., 4:16])
+    scale = d * sc.astype(np.float32)  # [n, nb, 8]: exact (11-bit d times a 6-bit integer)
+    low = dmin * mn.astype(np.float32)
+    # qs: 4 chunks of 32 bytes; chunk c holds group 2c in its low nibbles, 2c + 1 in its high
+    qs = blocks[..., 16:].reshape(n, k // _QK_K, 4, 1, 32)
+    codes = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
+    scale_t = torch.from_numpy(scale.reshape(n, -1))
+    zero = torch.from_numpy((8 * scale - low).reshape(n, -1))
+    return Int4Weight(pack_nibbles(torch.from_numpy(codes.reshape(n, k))), scale_t, zero)
+
+
+_INT4_BLOCKS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
+
+
+def _q8_0_int8(raw: np.ndarray, n: int, k: int) -> Int8Weight:
+    """Q8_0 rows -> int8 per output channel, block by block: w = q d (exact in fp32), then
+    `quantize_int8`'s rounding (s = max |w| / 127, q' = round(w / s)), one row at a time."""
+    blocks = raw.reshape(n, k // _BLOCK, 34)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, nb, 1]
+    w = blocks[..., 2:].copy().view(np.int8).astype(np.float32) * d
+    s = np.maximum(np.abs(w).max(axis=(1, 2)) / np.float32(127.0), np.float32(1e-10))
+    codes = np.clip(np.round(w / s[:, None, None]), -127, 127).astype(np.int8).reshape(n, k)
+    return Int8Weight(torch.from_numpy(codes), torch.from_numpy(s.astype(np.float32)))
+
+
 def _q8_0(raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     blocks = raw.reshape(n, k // _BLOCK, 34)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -88,13 +143,16 @@ def read_gguf_weights(path: Path, method: str, num_heads: int, num_kv_heads: int
         k, n = (int(x) for x in t.shape[:2])  # GGUF lists dims innermost first
         kind = t.tensor_type.name
         dense = method == "int8" or name in ("model.embed_tokens.weight", "lm_head.weight")
-        if kind == "Q4_1" and not dense:
-            w: Int4Weight | Int8Weight = _q4_1(np.asarray(t.data), n, k)
+        raw = np.asarray(t.data)
+        if kind in _INT4_BLOCKS and not dense:
+            w: Int4Weight | Int8Weight = _INT4_BLOCKS[kind](raw, n, k)
+        elif kind == "Q8_0" and dense:
+            w = _q8_0_int8(raw, n, k)
         else:
             if kind == "Q8_0":
-                f = _q8_0(np.asarray(t.data), n, k)
-            elif kind == "Q4_1":
-                f = _q4_1(np.asarray(t.data), n, k).dequantize()
+                f = _q8_0(raw, n, k)
+            elif kind in _INT4_BLOCKS:
+                f = _INT4_BLOCKS[kind](raw, n, k).dequantize()
             else:
                 f = torch.from_numpy(
                     np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)

@@ -25,11 +25,10 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(self.scales.dtype)
-        y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        y = torch.ops.aten._weight_int8pack_mm(
+            _rows(x, self.scales.dtype), self.qweight, self.scales
+        )
+        return _out(y, self.bias, x)
 
 
 class Int4Linear(nn.Module):
@@ -44,13 +43,28 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(self.scales_zeros.dtype)
+        x2 = _rows(x, self.scales_zeros.dtype)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.qweight, INT4_GROUP, self.scales_zeros
         )
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return _out(y, self.bias, x)
+
+
+# decode runs ~120 of these per token: skip the no-op reshape / casts (each a dispatch)
+def _rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a 2-D [rows, in_features] matrix in the kernel's activation dtype."""
+    if x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1])
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _out(y: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """The kernel's [rows, out] result (+ bias) in x's leading shape and dtype."""
+    if bias is not None:
+        y += bias
+    if x.dim() != 2:
+        y = y.view(*x.shape[:-1], y.shape[-1])
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 class Int8Embedding(nn.Module):

@@ -147,6 +147,16 @@ class FlatStep:
         return cls(plan.is_prefill, layout, data)
 
 
+def unknown_inputs(plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
+    """`(token index, slot)` of each input still in flight (`-1`: a pipelined decode input,
+    the last token sampled in that row's page-table slot)."""
+    unknown = np.flatnonzero(plan.input_ids < 0)
+    if not len(unknown):
+        return unknown, unknown
+    row_of = np.repeat(np.arange(len(plan.extend_lens)), plan.extend_lens)
+    return unknown, plan.slots[row_of[unknown]]
+
+
 def build_step_plan(
     page_table: np.ndarray,
     slots: np.ndarray,

@@ -273,9 +273,9 @@ class Scheduler:
         plan, reqs = step.plan, list(step.reqs)
         ps = self.page_size
         lens = plan.extend_lens.tolist()
-        read = [self.alloc.page_table[r.slot, : r.kv_len + n : ps] // ps
-                for r, n in zip(reqs, lens, strict=True)]  # fmt: skip
-        batch_pos = np.array([self.running.index(r) for r in reqs], dtype=np.int32)
+        pages_read = plan.kv_indices.astype(np.int64) // ps  # every page the step reads
+        at = {r: i for i, r in enumerate(self.running)}
+        batch_pos = np.fromiter((at[r] for r in reqs), dtype=np.int32, count=len(reqs))
         for req, n in zip(reqs, lens, strict=True):
             req.kv_len += n
             req.inflight += 1
@@ -288,7 +288,6 @@ class Scheduler:
                 self._cache_prefix(req, deferred)
         sid = self._next_step
         self._next_step += 1
-        pages_read = np.concatenate(read).astype(np.int64)
         self._inflight.append(_Inflight(sid, reqs, lens, sample_rows, pages_read, deferred))
         self.stats.schedule_s.append(time.perf_counter() - t0)
         return AheadStep(sid, plan, reqs, batch_pos, n_waiting - len(self.waiting))

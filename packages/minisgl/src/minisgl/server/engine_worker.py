@@ -1,7 +1,9 @@
 """The scheduler + engine process: owns an `LLM` and runs its step loop.
 
 Each turn: take every queued message (new requests, aborts, stop-string finishes), run one
-`LLM.step()` if there is work, send the sampled tokens to the detokenizer that owns each request
+`LLM.step()` if there is work (with overlap scheduling: submit the next step, commit the
+oldest; an abort or finish of a request in a step in flight frees its pages at that step's
+commit), send the sampled tokens to the detokenizer that owns each request
 (uid % num_tokenizer), and now and then a stats snapshot to the API server.
 """
 
@@ -157,8 +159,7 @@ class EngineLoop:
             outs = self.llm.step()
         except Exception as e:
             traceback.print_exc()
-            for rid in list(self.sched.requests):
-                self.sched.abort(rid)
+            for rid in self.llm.fail_all():  # every request aborted, steps in flight dropped
                 self.reject(rid, f"engine error: {e!r}", 500, "internal_error")
             return
         for rid, err in self.llm.last_errors.items():  # failed alone; the others go on
@@ -183,7 +184,7 @@ class EngineLoop:
     # ------------------------------------------------------------------ stats
     def maybe_send_stats(self, force: bool = False) -> None:
         now = time.monotonic()
-        busy = self.sched.has_work()
+        busy = self.llm.has_work()
         idle_edge = self.was_busy and not busy
         self.was_busy = busy
         period = STATS_BUSY_S if busy else STATS_IDLE_S
@@ -261,13 +262,13 @@ def run_engine_worker(
     try:
         running = True
         while running and alive():
-            busy = loop.sched.has_work()
+            busy = llm.has_work()  # requests, or steps in flight (overlap scheduling)
             frames = ipc.drain(inbox, 0 if busy else 100)
             for f in frames:
                 if not loop.handle(codec.decode(f)):
                     running = False
             loop.flush_admitted()
-            if running and loop.sched.has_work():
+            if running and llm.has_work():
                 loop.step()
             if loop.held:
                 loop.release_held()
@@ -276,4 +277,6 @@ def run_engine_worker(
     except ipc.WorkerExit:
         pass
     finally:
+        if llm.overlap is not None:
+            llm.overlap.close()
         ctx.destroy(linger=0)

@@ -68,10 +68,11 @@ class StepRunner:
     def resolve_inputs(self, plan) -> None:
         """Replace each -1 input by the last token sampled for that row's slot (the service
         never hands a slot to another request while a step that holds it is unconfirmed)."""
-        unknown = np.flatnonzero(plan.input_ids < 0)
+        from minisgl.scheduler.plan import unknown_inputs
+
+        unknown, slots = unknown_inputs(plan)
         if len(unknown):
-            row_of = np.repeat(np.arange(len(plan.extend_lens)), plan.extend_lens)
-            plan.input_ids[unknown] = self.last[plan.slots[row_of[unknown]]]
+            plan.input_ids[unknown] = self.last[slots]
 
     def remember(self, plan, tokens: np.ndarray) -> None:
         slots = plan.slots[plan.sample_rows]

@@ -14,6 +14,7 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int = 300, seed: int = 0) ->
 def assert_kv_clean(llm) -> None:
     """After a scenario: integrity holds and every page is free or owned by the cache."""
     sched = llm.scheduler
+    assert not llm.has_work(), "a scenario ends with no request and no step in flight"
     sched.check_integrity()
     usage = sched.kv_usage()
     assert usage["running"] == 0 and usage["waiting"] == 0, usage
