@@ -39,15 +39,23 @@ def _count(value: Any) -> int | None:
     return None
 
 
-def check_parity_json(path: Path | str) -> ParityResult:
-    """Read a parity report; never raises (a missing or bad file is a failed result)."""
-    where = str(path)
+def read_json_report(path: Path | str, what: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The JSON object in `path`, or None and why (`what` names the report); never raises."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        return ParityResult(where, False, None, [f"cannot read parity report: {exc}"])
+        return None, f"cannot read {what}: {exc}"
     if not isinstance(data, dict):
-        return ParityResult(where, False, None, ["parity report is not a JSON object"])
+        return None, f"{what} is not a JSON object"
+    return data, None
+
+
+def check_parity_json(path: Path | str) -> ParityResult:
+    """Read a parity report; never raises (a missing or bad file is a failed result)."""
+    where = str(path)
+    data, error = read_json_report(path, "parity report")
+    if data is None:
+        return ParityResult(where, False, None, [str(error)])
     reasons: list[str] = []
     if data.get("parity_passed") is not True:
         reasons.append(f"parity_passed is {data.get('parity_passed')!r}, expected true")

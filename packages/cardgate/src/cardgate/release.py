@@ -12,10 +12,11 @@ malformed file is a failed result.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from cardgate.parity import read_json_report
 
 DECISIONS = {"promote": 0, "hold": 1, "rollback": 2}
 
@@ -37,12 +38,9 @@ class ReleaseResult:
 def check_release_json(path: Path | str) -> ReleaseResult:
     """Read a release-gate report; never raises (a missing or bad file is a failed result)."""
     where = str(path)
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        return ReleaseResult(where, False, None, [f"cannot read release-gate report: {exc}"])
-    if not isinstance(data, dict):
-        return ReleaseResult(where, False, None, ["release-gate report is not a JSON object"])
+    data, error = read_json_report(path, "release-gate report")
+    if data is None:
+        return ReleaseResult(where, False, None, [str(error)])
     decision = data.get("decision")
     if decision not in DECISIONS:
         return ReleaseResult(

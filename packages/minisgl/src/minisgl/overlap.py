@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from minisgl.core import SamplingParams
+from minisgl.engine.staging import InputFill
 from minisgl.engine.stream import DeviceStream, PendingSample, StepHandle
 from minisgl.sampler import SampleResult, TokenLogprob
 from minisgl.scheduler.backend import ScheduledReq
@@ -202,12 +203,12 @@ class OverlapLoop:
         """On the device: resolve the in-flight inputs by index, forward, sample, keep the
         tokens for the next step."""
         dev = self.device
-        ids = torch.from_numpy(plan.input_ids).to(dev, torch.int64, non_blocking=True)
+        fill = None
         if len(unknown):
             src = torch.from_numpy(slots.astype(np.int64)).to(dev, non_blocking=True)
             dst = torch.from_numpy(unknown).to(dev, non_blocking=True)
-            ids[dst] = self.last_tokens[src]
-        sample = self.engine.sample_on_device(plan, rows, self.eos, ids)
+            fill = InputFill(dst, self.last_tokens[src])
+        sample = self.engine.sample_on_device(plan, rows, self.eos, fill)
         if len(sample_slots):
             at = torch.from_numpy(sample_slots.astype(np.int64)).to(dev, non_blocking=True)
             self.last_tokens[at] = sample.tokens

@@ -20,7 +20,7 @@ from minisgl.engine.memory import (
     resolve_dtype,
     resolve_quantization,
 )
-from minisgl.engine.staging import DevicePlan, PlanStager
+from minisgl.engine.staging import DevicePlan, InputFill, PlanStager
 from minisgl.kvcache.pool import KVPool
 from minisgl.models.loader import load_model
 from minisgl.sampler import (
@@ -98,16 +98,14 @@ class Engine:
                                  self.max_seq_len, self.device)  # fmt: skip
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Run one step eagerly; returns float32 logits [len(plan.sample_rows), vocab].
-        `input_ids`: the step's inputs already on the device (overlap scheduling resolves the
-        in-flight ones there), else the staged `plan.input_ids`."""
-        return self._forward(plan, self._stage(plan, input_ids))
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """Run one step eagerly; returns float32 logits [len(plan.sample_rows), vocab]."""
+        return self._forward(plan, self._stage(plan, None))
 
-    def _stage(self, plan: StepPlan, input_ids: torch.Tensor | None) -> DevicePlan:
+    def _stage(self, plan: StepPlan, fill: InputFill | None) -> DevicePlan:
         staged = self.stager.stage(plan)
-        if input_ids is not None:
-            staged.input_ids.copy_(input_ids)
+        if fill is not None:  # in place, on the device: no second copy of the inputs
+            staged.input_ids[fill.positions] = fill.tokens.to(staged.input_ids.dtype)
         return staged
 
     def _forward(self, plan: StepPlan, staged: DevicePlan) -> torch.Tensor:
@@ -121,11 +119,12 @@ class Engine:
         plan: StepPlan,
         rows: Sequence[SampleRow],
         eos_ids: frozenset[int],
-        input_ids: torch.Tensor | None = None,
+        fill: InputFill | None = None,
     ) -> DeviceSample:
         """Forward and sample with nothing read back (a decode graph runs the step when one
-        fits): the tokens stay on the device; `result()` reads them."""
-        staged = self._stage(plan, input_ids)
+        fits): the tokens stay on the device; `result()` reads them. `fill`: the inputs of
+        requests whose previous token is still on the device."""
+        staged = self._stage(plan, fill)
         if self.graphs is not None and self.graphs.can_run(plan):
             out = self.graphs.run(plan, staged)
             if is_plain_greedy(rows):  # copies: the next replay overwrites the graph's outputs

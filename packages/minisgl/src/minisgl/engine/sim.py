@@ -25,6 +25,7 @@ import torch
 from minisgl.config import EngineConfig, ModelConfig, SimDevice
 from minisgl.engine.engine import Engine
 from minisgl.engine.memory import plan_num_pages, resolve_dtype
+from minisgl.engine.staging import InputFill
 from minisgl.sampler import SampleResult, SampleRow, TokenLogprob
 from minisgl.scheduler.plan import StepPlan
 
@@ -128,11 +129,14 @@ class SimEngine:
         plan: StepPlan,
         rows: Sequence[SampleRow],
         eos_ids: frozenset[int],
-        input_ids: torch.Tensor | None = None,
+        fill: InputFill | None = None,
     ) -> HostSample:
         """`sample_step` behind the `Engine.sample_on_device` interface (the host is the
         device: nothing to copy)."""
-        ids = None if input_ids is None else input_ids.numpy()
+        ids = None
+        if fill is not None:
+            ids = plan.input_ids.astype(np.int64)
+            ids[fill.positions.numpy()] = fill.tokens.numpy()
         return HostSample(self.sample_step(plan, rows, eos_ids, ids))
 
 

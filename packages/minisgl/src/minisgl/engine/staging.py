@@ -22,6 +22,15 @@ _MIN_CAPACITY = 1 << 14
 
 
 @dataclass(frozen=True)
+class InputFill:
+    """Inputs the host does not know yet (overlap scheduling: decode inputs of a step still in
+    flight): `input_ids[positions] = tokens`, both on the device."""
+
+    positions: torch.Tensor  # int64 indices into the step's input_ids
+    tokens: torch.Tensor  # int64, one per position
+
+
+@dataclass(frozen=True)
 class DevicePlan:
     """The segments of one staged plan: int32 device views, named as the `StepPlan` fields."""
 
