@@ -1,0 +1,177 @@
+"""Decode steps through `torch.compile` on the CPU, and one thread budget (card P2-002).
+
+Compiled steps are checked against HF (fp32, token for token) and against the eager engine
+(bf16 and int4: logits closeness and greedy agreement); the speed gate compares single-stream
+int4 decode of the embedded model with llama.cpp on the GGUF it ships, same run
+(`worklog/gates/P2-002.yaml`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minisgl import LLM, SamplingParams
+from minisgl.testing.hf_reference import hf_greedy, load_hf_model
+from minisgl.testing.plans import GreedyRow, PlannedBatch
+from minisgl.testing.scenarios import assert_kv_clean, random_prompts
+from minisgl.testing.tiny_models import write_tiny_model
+
+SMALL = dict(num_pages=2048, max_seq_len_override=128)
+
+
+@pytest.fixture
+def restore_threads():
+    import torch
+
+    n, env = torch.get_num_threads(), os.environ.get("RAYON_NUM_THREADS")
+    yield
+    torch.set_num_threads(n)
+    if env is None:
+        os.environ.pop("RAYON_NUM_THREADS", None)
+    else:
+        os.environ["RAYON_NUM_THREADS"] = env
+
+
+@pytest.mark.card("P2-002", "compiled-decode-is-token-identical-to-hf-in-fp32")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compiled_decode_matches_hf_fp32(arch, tmp_path):
+    path = write_tiny_model(arch, tmp_path / arch, seed=1)
+    llm = LLM(path, dtype="float32", enable_torch_compile=True, **SMALL)
+    prompts = random_prompts(5, 3, 40, seed=2)
+    # different lengths: the batch shrinks as requests finish (batch sizes 5 .. 1)
+    params = [SamplingParams(max_tokens=8 + 4 * i, ignore_eos=True) for i in range(5)]
+    out = llm.generate(prompts, params)
+    got = [o["token_ids"] for o in out]
+    want = hf_greedy(load_hf_model(path), prompts, 24)
+    assert got == [w[: len(g)] for w, g in zip(want, got, strict=True)]
+    assert llm.engine.compiled is not None and llm.engine.compiled.steps >= 20
+    assert_kv_clean(llm)
+
+
+def _decode_logits(path, compile_: bool, dtype: str, quantization: str, steps: int):
+    """Logits of `steps` decode steps over the same batch (tokens from the eager engine's
+    argmax, fed to both), one [bs, vocab] tensor per step."""
+    from minisgl.config import EngineConfig
+    from minisgl.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model_path=str(path), dtype=dtype, quantization=quantization,
+                                 enable_torch_compile=compile_, **SMALL))  # fmt: skip
+    batch = PlannedBatch.for_engine(engine, [5, 17, 9, 30, 2], per_request=64, seed=3)
+    rows = [GreedyRow()] * 5
+    batch.push(engine.sample_step(batch.plan(True), rows, frozenset()).tokens)
+    out = []
+    for _ in range(steps):
+        logits = engine.forward(batch.plan(False))
+        out.append(logits)
+        batch.push(logits.argmax(-1).tolist())
+    return engine, out
+
+
+@pytest.mark.card("P2-002", "compiled-decode-agrees-with-eager-decode-in-bf16-and-int4")
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_compiled_decode_agrees_with_eager(quantization, tmp_path):
+    import torch
+
+    path = write_tiny_model("llama", tmp_path / "m", seed=0)
+    _, eager = _decode_logits(path, False, "bfloat16", quantization, 6)
+    engine, comp = _decode_logits(path, True, "bfloat16", quantization, 6)
+    assert engine.compiled is not None and engine.compiled.steps == 6
+    agree = total = 0
+    for e, c in zip(eager, comp, strict=True):
+        scale = float(e.abs().max())
+        torch.testing.assert_close(c, e, atol=0.05 * scale, rtol=0.0)
+        agree += int((c.argmax(-1) == e.argmax(-1)).sum())
+        total += e.shape[0]
+    print(f"bf16/{quantization} compiled vs eager greedy agreement: {agree}/{total}")
+    assert agree >= 0.9 * total
+
+
+@pytest.mark.card(
+    "P2-002", "compiled-decode-serves-prefix-hits-aborts-and-mixed-batch-sizes-with-kv-returned"
+)
+def test_compiled_decode_scenario_equals_eager(tmp_path):
+    path = write_tiny_model("llama", tmp_path / "m", seed=5)
+    shared = random_prompts(1, 30, 30, seed=6)[0]
+    prompts = [shared + p for p in random_prompts(6, 1, 12, seed=7)]  # prefix hits
+    params = [SamplingParams(max_tokens=5 + 3 * i, ignore_eos=True) for i in range(6)]
+
+    def run(compile_: bool) -> tuple[list[list[int]], LLM]:
+        llm = LLM(path, dtype="float32", enable_torch_compile=compile_, **SMALL)
+        first = llm.generate(prompts[:2], params[:2])
+        sched = llm.scheduler
+        rids = [sched.add_request(p, sp) for p, sp in zip(prompts[2:], params[2:], strict=True)]
+        got: dict[int, list[int]] = {r: [] for r in rids}
+        aborted = False
+        while llm.has_work():
+            for o in llm.step():
+                got[o.rid].append(o.token_id)
+            if not aborted and len(got[rids[-1]]) >= 3:
+                assert sched.abort(rids[-1])  # aborted with decode steps in flight
+                aborted = True
+        assert_kv_clean(llm)
+        return [o["token_ids"] for o in first] + [got[r] for r in rids], llm
+
+    want, _ = run(False)
+    got, llm = run(True)
+    assert got == want
+    assert llm.engine.compiled is not None and llm.engine.compiled.steps > 0
+    assert llm.scheduler.stats.cached_prompt_tokens >= 4 * 30  # the shared prefix was hit
+
+
+@pytest.mark.card("P2-002", "thread-budget-set-by-llm-and-by-the-server-flag")
+def test_thread_budget(tmp_path, restore_threads):
+    import torch
+
+    from minisgl.config import EngineConfig
+    from minisgl.server.args import parse_args
+
+    path = write_tiny_model("llama", tmp_path / "m", seed=0)
+    torch.set_num_threads(2)
+    LLM(path, threads=1, **SMALL)
+    assert torch.get_num_threads() == 1
+    assert os.environ["RAYON_NUM_THREADS"] == "1"
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+
+    args = parse_args(["--model-path", str(path), "--threads", "1", "--enable-torch-compile"])
+    kwargs = args.llm_kwargs()
+    assert kwargs["threads"] == 1 and kwargs["enable_torch_compile"] is True
+    cfg = EngineConfig(model_path=str(path), **kwargs)  # what the rust_service worker builds
+    assert cfg.threads == 1 and cfg.enable_torch_compile
+    with pytest.raises(ValueError, match="threads"):
+        EngineConfig(model_path=str(path), threads=0)
+
+
+@pytest.mark.bench
+@pytest.mark.card(
+    "P2-002",
+    "single-stream-int4-decode-at-least-llama-cpp-on-the-embedded-gguf-same-machine-same-run",
+)
+def test_single_stream_vs_llamacpp(metric, tmp_path):
+    """`cpu_speed` single profile: minisgl int4 with compiled decode beside llama.cpp (the
+    `llamacpp` extra: `nox -s llamacpp`), 2 threads, median of 3 repeats."""
+    out = tmp_path / "cpu_speed.json"
+    cmd = [sys.executable, "-m", "minisgl.benchmark.cpu_speed", "--out", str(out),
+           "--profiles", "single", "--configs", "int4-compiled", "--hf", "",
+           "--threads", "2", "--repeats", "3", "--llamacpp", "--no-quality"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=2000, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    single = json.loads(out.read_text())["results"]["single"]
+    mini = single["minisgl-int4-compiled"]["output_tok_s"]
+    lcpp = single["llamacpp"]["output_tok_s"]
+    print(f"single stream: minisgl int4 compiled {mini:.1f} tok/s, llama.cpp {lcpp:.1f}, "
+          f"{mini / lcpp:.2f}x")  # fmt: skip
+    metric("single_stream_tok_s_minisgl_int4_compiled", mini, unit="tok/s")
+    metric("single_stream_tok_s_llamacpp", lcpp, unit="tok/s")
+
+
+def test_compiled_decode_is_off_by_default(tmp_path):
+    path = write_tiny_model("llama", tmp_path / "m", seed=0)
+    llm = LLM(path, **SMALL)
+    assert llm.engine.compiled is None
+    assert Path(path).is_dir()
