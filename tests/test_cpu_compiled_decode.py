@@ -25,6 +25,20 @@ from minisgl.testing.tiny_models import write_tiny_model
 SMALL = dict(num_pages=2048, max_seq_len_override=128)
 
 
+def require_options() -> None:
+    """The options this card adds, on the engine's config and the offline API."""
+    import dataclasses
+    import inspect
+
+    from minisgl.config import EngineConfig
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    params = inspect.signature(LLM.__init__).parameters
+    for name in ("enable_torch_compile", "threads"):
+        assert name in fields, f"EngineConfig has no {name!r}"
+        assert name in params, f"LLM(...) takes no {name!r}"
+
+
 @pytest.fixture
 def restore_threads():
     import torch
@@ -43,6 +57,7 @@ def restore_threads():
 @pytest.mark.card("P2-002", "decode-steps-run-through-the-compiled-forward-when-enabled")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_compiled_decode_matches_hf_fp32(arch, tmp_path):
+    require_options()
     path = write_tiny_model(arch, tmp_path / arch, seed=1)
     llm = LLM(path, dtype="float32", enable_torch_compile=True, **SMALL)
     prompts = random_prompts(5, 3, 40, seed=2)
@@ -136,6 +151,7 @@ def test_thread_budget(tmp_path, restore_threads):
     from minisgl.config import EngineConfig
     from minisgl.server.args import parse_args
 
+    require_options()
     path = write_tiny_model("llama", tmp_path / "m", seed=0)
     torch.set_num_threads(2)
     LLM(path, threads=1, **SMALL)
