@@ -49,10 +49,15 @@ class LLM:
         sim_device: str | None = None,
         overlap: bool | None = None,
         device_stream: str | DeviceStream | None = None,
+        enable_torch_compile: bool = False,
+        threads: int | None = None,
     ) -> None:
         """`overlap`: schedule the next step while the device runs this one (default: on,
         unless `MINISGL_DISABLE_OVERLAP_SCHEDULING=1`; the serial loop for a backend without a
-        pipelined mode). `device_stream`: where steps run then (`engine.stream.make_stream`)."""
+        pipelined mode). `device_stream`: where steps run then (`engine.stream.make_stream`).
+        `enable_torch_compile`: decode steps through `torch.compile` (`engine/compiled.py`; the
+        first steps compile, a minute or more on a CPU). `threads`: the process's thread budget
+        for torch and the tokenizer (`utils/threads.py`)."""
         if model_path is None:
             from minisgl.default_model import default_model_path
 
@@ -74,6 +79,8 @@ class LLM:
             attention_backend=attention_backend,
             quantization=quantization,
             sim_device=sim_device,
+            enable_torch_compile=enable_torch_compile,
+            threads=threads,
         )
         self.engine = make_engine(self.config)  # sim_device: no model (engine/sim.py)
         from transformers import AutoTokenizer

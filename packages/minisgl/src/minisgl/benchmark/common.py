@@ -74,18 +74,6 @@ def gpu_info() -> dict[str, Any]:
     return info
 
 
-def set_threads(n: int) -> None:
-    """One budget of `n` threads: torch intra-op and inter-op pools, and the tokenizer (its
-    Rust thread pool would otherwise add a thread per core beside torch's)."""
-    import torch
-
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    os.environ["RAYON_NUM_THREADS"] = str(n)
-    torch.set_num_threads(n)
-    with contextlib.suppress(RuntimeError):  # only settable before the first parallel region
-        torch.set_num_interop_threads(n)
-
-
 def machine_info() -> dict[str, Any]:
     import psutil
 

@@ -2,7 +2,7 @@
 one run, medians of repeats, with the quality of every minisgl configuration beside its speed.
 
     python -m minisgl.benchmark.cpu_speed --out F.json [--plot F.png] [--repeats 3] \
-        [--threads 2] [--configs fp32,bf16,int8,int4] [--hf fp32,bf16] \
+        [--threads 2] [--configs fp32,bf16,int8,int4,int4-compiled] [--hf fp32,bf16] \
         [--profiles single,seed-offline,many-short] [--set many-short.num_requests=128] \
         [--llamacpp]
 
@@ -32,6 +32,7 @@ from minisgl.benchmark import common
 from minisgl.benchmark.offline import load_hf, make_llm, run_hf, run_minisgl
 from minisgl.benchmark.profiles import build_workload, get_profile, parse_sets, warmup_workload
 from minisgl.benchmark.token_parity import TEXT_PROMPTS, first_diff
+from minisgl.utils.threads import set_threads
 
 CONFIGS = {  # name -> LLM(dtype=..., quantization=...)
     "fp32": ("float32", "none"),
@@ -39,6 +40,17 @@ CONFIGS = {  # name -> LLM(dtype=..., quantization=...)
     "int8": ("bfloat16", "int8"),
     "int4": ("bfloat16", "int4"),
 }
+COMPILED = "-compiled"  # `int4-compiled`: the same, decode steps through torch.compile
+
+
+def llm_options(name: str) -> dict[str, Any]:
+    """LLM kwargs of a config name (`CONFIGS`, optionally with the `-compiled` suffix)."""
+    base = name.removesuffix(COMPILED)
+    if base not in CONFIGS:
+        known = ", ".join(f"{c}[{COMPILED}]" for c in CONFIGS)
+        raise SystemExit(f"unknown config {name!r}; expected one of {known}")
+    dtype, quant = CONFIGS[base]
+    return {"dtype": dtype, "quantization": quant, "enable_torch_compile": name != base}
 AGREE_TOKENS = 32
 PPL_TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes "
@@ -196,13 +208,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llamacpp", action="store_true", help="add the llama.cpp arm (opt-in extra)")
     args = p.parse_args(argv)
     if args.threads:
-        common.set_threads(args.threads)
+        set_threads(args.threads)
     import torch
 
     from minisgl.default_model import default_model_path
 
     model_path = str(default_model_path())
     configs = [c for c in args.configs.split(",") if c]
+    for name in configs:  # unknown names fail here, before any arm runs
+        llm_options(name)
     hf_dtypes = [d for d in args.hf.split(",") if d]
     sets = parse_sets(args.set)
     profiles = []
@@ -273,11 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         run_llamacpp_arm(record, profiles, args, prompts, ref_tokens, ppl_ids, add)
 
     for name in configs:
-        dtype, quant = CONFIGS[name]
         t0 = time.perf_counter()
-        llm = make_llm(
-            None, profiles[0], {"dtype": dtype, "quantization": quant, "max_seq_len_override": 2048}
-        )
+        llm = make_llm(None, profiles[0], {**llm_options(name), "max_seq_len_override": 2048})
         init_s = time.perf_counter() - t0
         record["bytes_per_token"][name] = weight_bytes_per_token(llm.engine.model)
         record.setdefault("init_s", {})[name] = init_s
@@ -369,7 +380,8 @@ def summarize(record: dict[str, Any]) -> None:
             if not n_out or arm == "llamacpp":
                 continue
             flops = 2 * (lp["layers"] * (n_in + n_out) / n_out + lp["lm_head"])
-            rate = mm["fp32_gflop_s" if arm.endswith("fp32") else "bf16_gflop_s"] * 1e9
+            fp32 = arm.removesuffix(COMPILED).endswith("fp32")
+            rate = mm["fp32_gflop_s" if fp32 else "bf16_gflop_s"] * 1e9
             compute[f"{prof}.{arm}"] = {
                 "gflop_per_output_token": flops / 1e9,
                 "compute_bound_tok_s": rate / flops,

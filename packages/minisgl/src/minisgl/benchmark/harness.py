@@ -55,6 +55,7 @@ from minisgl.benchmark.profiles import (
     warmup_workload,
 )
 from minisgl.benchmark.report import Progress, latency_samples, plot, print_summary
+from minisgl.utils.threads import set_threads
 
 RATIO_KEYS = (
     "output_tok_s",
@@ -548,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--repeats must be >= 1", file=sys.stderr)
         return 2
     if args.threads:
-        common.set_threads(args.threads)
+        set_threads(args.threads)
     try:
         if args.sim_device is not None:
             from minisgl.config import SimDevice

@@ -22,6 +22,7 @@ from minisgl.benchmark import common
 from minisgl.benchmark.harness import RATIO_KEYS, median_nested
 from minisgl.benchmark.offline import make_llm, run_minisgl
 from minisgl.benchmark.profiles import PROFILES, build_workload, get_profile, warmup_workload
+from minisgl.utils.threads import set_threads
 
 PAIRED = ("output_tok_s", "output_tok_per_cpu_s", "e2e_ms.p50", "tpot_ms.p50")
 
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="result JSON path")
     args = p.parse_args(argv)
     if args.threads:
-        common.set_threads(args.threads)
+        set_threads(args.threads)
     profile = get_profile(args.profile, {"num_requests": args.requests} if args.requests else {})
     kw: dict[str, Any] = {"sim_device": args.sim_device} if args.sim_device else {}
     arms = {

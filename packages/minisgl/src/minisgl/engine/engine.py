@@ -13,6 +13,7 @@ import torch
 
 from minisgl.attention import create_backend
 from minisgl.config import EngineConfig, ModelConfig
+from minisgl.engine.compiled import CompiledDecode
 from minisgl.engine.graph_runner import GraphRunner, make_graph_runner, resolve_runner
 from minisgl.engine.memory import (
     plan_num_pages,
@@ -83,6 +84,11 @@ class Engine:
 
         self.stager = PlanStager(self.device)
         self.graphs: GraphRunner | None = self._graph_runner(config)
+        self.compiled = (
+            CompiledDecode(self.model, self.device) if config.enable_torch_compile else None
+        )
+        # a compiled forward cannot run under inference_mode (see engine/compiled.py)
+        self._grad_mode = torch.no_grad if self.compiled is not None else torch.inference_mode
 
     def _graph_runner(self, config: EngineConfig) -> GraphRunner | None:
         kind, max_bs = resolve_runner(config.graph_runner, self.device, config.cuda_graph_max_bs)
@@ -97,10 +103,10 @@ class Engine:
         return make_graph_runner(kind, self.model, self.backend, self.spare_loc, max_bs,
                                  self.max_seq_len, self.device)  # fmt: skip
 
-    @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
-        """Run one step eagerly; returns float32 logits [len(plan.sample_rows), vocab]."""
-        return self._forward(plan, self._stage(plan, None))
+        """Run one step (no decode graph); returns float32 logits [len(plan.sample_rows), vocab]."""
+        with self._grad_mode():
+            return self._forward(plan, self._stage(plan, None))
 
     def _stage(self, plan: StepPlan, fill: InputFill | None) -> DevicePlan:
         staged = self.stager.stage(plan)
@@ -110,10 +116,9 @@ class Engine:
 
     def _forward(self, plan: StepPlan, staged: DevicePlan) -> torch.Tensor:
         meta = self.backend.prepare(plan, staged)
-        return self.model(staged.input_ids, staged.positions, staged.logits_indices,
-                          self.backend, meta)  # fmt: skip
+        model = self.model if plan.is_prefill or self.compiled is None else self.compiled
+        return model(staged.input_ids, staged.positions, staged.logits_indices, self.backend, meta)
 
-    @torch.inference_mode()
     def sample_on_device(
         self,
         plan: StepPlan,
@@ -124,6 +129,16 @@ class Engine:
         """Forward and sample with nothing read back (a decode graph runs the step when one
         fits): the tokens stay on the device; `result()` reads them. `fill`: the inputs of
         requests whose previous token is still on the device."""
+        with self._grad_mode():
+            return self._sample_on_device(plan, rows, eos_ids, fill)
+
+    def _sample_on_device(
+        self,
+        plan: StepPlan,
+        rows: Sequence[SampleRow],
+        eos_ids: frozenset[int],
+        fill: InputFill | None,
+    ) -> DeviceSample:
         staged = self._stage(plan, fill)
         if self.graphs is not None and self.graphs.can_run(plan):
             out = self.graphs.run(plan, staged)

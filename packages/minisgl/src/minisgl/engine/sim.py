@@ -28,6 +28,7 @@ from minisgl.engine.memory import plan_num_pages, resolve_dtype
 from minisgl.engine.staging import InputFill
 from minisgl.sampler import SampleResult, SampleRow, TokenLogprob
 from minisgl.scheduler.plan import StepPlan
+from minisgl.utils.threads import set_threads
 
 NO_LOGPROB = -1e4
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -155,7 +156,10 @@ class HostSample:
 
 
 def make_engine(config: EngineConfig) -> Engine | SimEngine:
-    """The real `Engine`, or a `SimEngine` when `config.sim_device` is set."""
+    """The real `Engine`, or a `SimEngine` when `config.sim_device` is set; the config's thread
+    budget applies to the calling process first."""
+    if config.threads is not None:
+        set_threads(config.threads)
     if config.sim_device is not None:
         return SimEngine(config, SimDevice.parse(config.sim_device))
     return Engine(config)

@@ -116,8 +116,7 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    @torch.inference_mode()
-    def forward(
+    def forward(  # the engine sets the grad mode (inference_mode, or no_grad when compiled)
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,

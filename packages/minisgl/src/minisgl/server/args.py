@@ -33,6 +33,8 @@ class ServerArgs:
     log_level: str = "warning"
     sim_device: str | None = None  # "BASE_MS,TOKEN_MS": no model, see engine/sim.py
     cpu_backend: str = "python"  # MINISGL_CPU_BACKEND (not a flag): python | rust_service
+    enable_torch_compile: bool = False
+    threads: int | None = None
 
     @property
     def queue_limit(self) -> int:
@@ -57,6 +59,8 @@ class ServerArgs:
             cuda_graph_max_bs=self.cuda_graph_max_bs,
             dummy_weights=self.dummy_weights,
             sim_device=self.sim_device,
+            enable_torch_compile=self.enable_torch_compile,
+            threads=self.threads,
         )
 
     def to_dict(self) -> dict:
@@ -114,6 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="random weights of config.json's shapes (benchmarks without a checkpoint)",
     )
+    p.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="decode steps through torch.compile (the first steps compile: a minute or more "
+        "on a CPU)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch and tokenizer threads of the engine process (default: torch's own)",
+    )
     p.add_argument("--num-tokenizer", type=int, default=1)
     p.add_argument(
         "--transport",
@@ -162,6 +178,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         errors.append("--num-tokenizer must be >= 1")
     if args.max_running_requests < 1:
         errors.append("--max-running-requests must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        errors.append("--threads must be >= 1")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         errors.append("--max-queued-requests must be >= 0")
     if args.max_request_bytes < 1:
