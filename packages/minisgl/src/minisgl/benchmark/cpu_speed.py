@@ -51,6 +51,8 @@ def llm_options(name: str) -> dict[str, Any]:
         raise SystemExit(f"unknown config {name!r}; expected one of {known}")
     dtype, quant = CONFIGS[base]
     return {"dtype": dtype, "quantization": quant, "enable_torch_compile": name != base}
+
+
 AGREE_TOKENS = 32
 PPL_TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes "
