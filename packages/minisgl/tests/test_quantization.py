@@ -16,7 +16,13 @@ from minisgl.quantization.gguf import (
     _q8_0_int8,
     _unpermute_rows,
 )
-from minisgl.quantization.linear import Int4Linear, Int8Embedding, Int8Linear
+from minisgl.quantization.linear import (
+    W8A8_MIN_ROWS,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    w8a8_mm,
+)
 from minisgl.quantization.packed import quantize_int4, quantize_int8
 from minisgl.quantization.reference import fake_quantize_hf
 from minisgl.testing.hf_reference import hf_greedy, load_hf_model
@@ -56,6 +62,35 @@ def test_packed_linear_matches_dequantized_matmul(method, dtype):
     assert out.shape == (5, 3, 96) and out.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 0.05 * float(ref.abs().max())
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=0.02 if tol > 1e-3 else 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_takes_int8_activations_from_w8a8_min_rows(dtype):
+    w, bias = _weights(), torch.randn(96) * 0.1
+    q = quantize_int8(w)
+    layer = Int8Linear(q, bias, dtype)
+    x = (torch.randn(W8A8_MIN_ROWS, 128) * torch.linspace(0.1, 3.0, W8A8_MIN_ROWS)[:, None]).to(
+        dtype
+    )
+    # the integer computation written out: per-row int8 codes, an exact int64 matmul
+    xf = x.float()
+    sx = xf.abs().amax(dim=1, keepdim=True) / 127.0
+    xq = torch.round(xf / sx).long()
+    acc = xq @ q.q.long().t()
+    want = (acc.double() * sx.double() * q.scale.double()).float() + bias.to(dtype).float()
+    out = layer(x)
+    assert out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 0.01
+    torch.testing.assert_close(out.float(), want, atol=tol * float(want.abs().max()), rtol=0)
+    # against the float product: the activation rounding stays within ~1% of the output range
+    ref = xf @ q.dequantize().t() + bias.to(dtype).float()
+    torch.testing.assert_close(out.float(), ref, atol=0.02 * float(ref.abs().max()), rtol=0)
+    # one row fewer takes the weight-only kernel (float activations): a different result
+    small = layer(x[:-1])
+    exact = torch.ops.aten._weight_int8pack_mm(x[:-1], q.q, q.scale.to(dtype)) + bias.to(dtype)
+    torch.testing.assert_close(small, exact)
+    assert not torch.equal(out[:-1], small)
+    torch.testing.assert_close(w8a8_mm(x, q.q, q.scale) + bias.to(dtype), out)
 
 
 def test_int8_embedding_reads_the_heads_rows():
@@ -206,3 +241,15 @@ def test_embedded_int4_survives_a_batched_step_after_a_long_prefill(embedded):
     prompts = random_prompts(16, 64, 256, vocab=20000, seed=42)
     out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert [len(o["token_ids"]) for o in out] == [3] * 16
+
+
+def test_cpu_speed_perplexity_matches_hf_fp32(tmp_path):
+    """The benchmark's one-prefill perplexity (all positions' logits) equals HF's in fp32."""
+    from minisgl.benchmark.cpu_speed import perplexity_hf, perplexity_minisgl
+    from minisgl.testing.tiny_models import write_tiny_model
+
+    path = write_tiny_model("llama", tmp_path / "m", seed=0)
+    llm = LLM(path, dtype="float32", num_pages=256, max_seq_len_override=128)
+    ids = random_prompts(1, 40, 40, seed=1)[0]
+    want = perplexity_hf(load_hf_model(path), ids)
+    assert perplexity_minisgl(llm, ids) == pytest.approx(want, rel=1e-4)

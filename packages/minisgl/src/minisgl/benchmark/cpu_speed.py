@@ -152,7 +152,10 @@ def perplexity_minisgl(llm, ids: list[int]) -> float:
         np.array([True]),
         True,
     )
-    plan = dataclasses.replace(plan, logits_indices=np.arange(n, dtype=np.int32))
+    # logits of every position: n sample rows, all of request 0 (the layout sizes both arrays)
+    plan = dataclasses.replace(
+        plan, logits_indices=np.arange(n, dtype=np.int32), sample_rows=np.zeros(n, np.int32)
+    )
     logits = llm.engine.forward(plan)[:-1].float()
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
     return math.exp(float(nll))
