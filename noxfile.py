@@ -131,6 +131,8 @@ def card(session: nox.Session) -> None:
     Exits with the gate's code: 0 pass, 1 fail, 2 hold, 3 usage or lint error.
     """
     install_runtime(session)
+    if LLAMACPP_CARDS.intersection(session.posargs):
+        install_llamacpp(session)
     _exit_with(session, ["python", "-m", "cardgate", "gate", *session.posargs])
 
 
@@ -231,6 +233,16 @@ def gpu(session: nox.Session) -> None:
     session.run("python", "tools/ci/gpu_cards.py", "--gate", *cards)
 
 
+# cards whose gate compares with llama.cpp (their bench tests are marked `requires("llama_cpp")`)
+LLAMACPP_CARDS = {"P2-002"}
+
+
+def install_llamacpp(session: nox.Session) -> None:
+    """The `llamacpp` extra of packages/minisgl, without replacing its editable install."""
+    env = {"CMAKE_ARGS": os.environ.get("CMAKE_ARGS", "-DGGML_NATIVE=ON")}
+    session.install("--no-binary", "llama-cpp-python", "llama-cpp-python>=0.3", env=env)
+
+
 @nox.session(python=PYTHON)
 def llamacpp(session: nox.Session) -> None:
     """The llama.cpp benchmark arm, opt-in (never part of `tests` or CI): llama-cpp-python built
@@ -238,9 +250,7 @@ def llamacpp(session: nox.Session) -> None:
     cores, cached afterwards), then `python -m minisgl.benchmark.cpu_speed --llamacpp` on the
     embedded model's GGUF; extra args replace the default ones (`nox -s llamacpp -- --help`)."""
     install_runtime(session)
-    env = {"CMAKE_ARGS": os.environ.get("CMAKE_ARGS", "-DGGML_NATIVE=ON")}
-    # the `llamacpp` extra of packages/minisgl, without replacing its editable install
-    session.install("--no-binary", "llama-cpp-python", "llama-cpp-python>=0.3", env=env)
+    install_llamacpp(session)
     out = os.path.join("llamacpp-out", "cpu-speed.json")
     args = session.posargs or ["--llamacpp", "--configs", "int4", "--hf", "fp32", "--out", out]
     session.run("python", "-m", "minisgl.benchmark.cpu_speed", *args)

@@ -169,6 +169,9 @@ def test_thread_budget(tmp_path, restore_threads):
 
 
 @pytest.mark.bench
+@pytest.mark.requires(
+    "llama_cpp", "`nox -s card -- P2-002` builds llama-cpp-python (or: nox -s llamacpp)"
+)
 @pytest.mark.card(
     "P2-002",
     "single-stream-int4-decode-at-least-llama-cpp-on-the-embedded-gguf-same-machine-same-run",

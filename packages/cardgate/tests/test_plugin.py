@@ -107,6 +107,32 @@ def test_gpu_marker_skips_without_cuda(repo: Repo, monkeypatch: pytest.MonkeyPat
     forced.assert_outcomes(failed=1)
 
 
+def test_requires_marker_skips_without_the_module_as_missing_evidence(repo: Repo) -> None:
+    """`requires(module, install)`: a test that needs an optional package (the llama.cpp arm of
+    a benchmark) is skipped where it cannot be imported, and the reason says how to get it;
+    a gate holds on that skip like on a GPU test without CUDA."""
+    repo.card()
+    repo.write(
+        "tests/test_opt.py",
+        "import pytest\n\n"
+        "@pytest.mark.requires('no_such_module_xyz', 'pip install xyz')\n"
+        "@pytest.mark.card('T-001', 'child-one')\n"
+        "def test_needs_xyz():\n    assert False, 'must not run'\n\n"
+        "@pytest.mark.requires('json', 'stdlib')\n"
+        "def test_needs_json():\n    assert False, 'runs: json imports'\n\n"
+        "@pytest.mark.requires()\n"
+        "def test_bad_marker():\n    pass\n",
+    )
+    result = repo.pytester.runpytest_subprocess("-rs")
+    result.assert_outcomes(skipped=1, failed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*requires(module, install) needs a module name*",
+            "*requires no_such_module_xyz (missing evidence): pip install xyz*",
+        ]
+    )
+
+
 @P("P0-000", "metric-fixture-records-metrics")
 def test_metric_fixture_rules(repo: Repo) -> None:
     repo.card()

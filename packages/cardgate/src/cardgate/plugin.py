@@ -8,7 +8,9 @@
 - `metric(name, value, unit=..., higher_is_better=...)` records a benchmark metric (tests
   marked `bench`); `parity(path)` asserts a parity JSON and records its mismatch count;
   `release_gate(path)` asserts a release-gate report decided `promote` and records the decision.
-- `gpu` tests are skipped without a CUDA device (torch imported lazily; no torch = no GPU).
+- `gpu` tests are skipped without a CUDA device (torch imported lazily; no torch = no GPU);
+  `requires(module, install)` tests without that importable module (an optional package),
+  the reason saying how to install it. Either skip is missing evidence to a gate.
 - `--cardgate-timeout S` fails any test phase running longer than S seconds (SIGALRM).
 - `--cardgate-testpaths` adds the ini `testpaths` to explicit path arguments (the gate's
   collection pass sees the whole suite even when a card names `Tests:` paths).
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import importlib.util
 import json
 import math
 import os
@@ -90,6 +93,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "card(card_id, *items): bind a test to kanban card items")
     config.addinivalue_line("markers", "bench: benchmark test that records metrics")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped = missing evidence)")
+    config.addinivalue_line(
+        "markers",
+        "requires(module, install): needs an optional package (skipped = missing evidence)",
+    )
     root_opt = config.getoption("cardgate_root")
     items_opt = config.getoption("cardgate_items")
     report_opt = config.getoption("cardgate_report")
@@ -241,10 +248,21 @@ def _alarm(seconds: float | None, what: str) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+def _skip_unless_importable(marker: pytest.Mark) -> None:
+    args = list(marker.args)
+    if not args or not isinstance(args[0], str) or not all(isinstance(a, str) for a in args):
+        pytest.fail("requires(module, install) needs a module name (and a hint)", pytrace=False)
+    module, install = args[0], " ".join(args[1:])
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"requires {module} (missing evidence): {install or 'not installed'}")
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
     if item.get_closest_marker("gpu") is not None and not hardware.cuda_available():
         pytest.skip("gpu: no CUDA device (missing evidence)")
+    for marker in item.iter_markers("requires"):
+        _skip_unless_importable(marker)
     with _alarm(item.config.stash[STATE].timeout, f"{item.nodeid} setup"):
         return (yield)
 
