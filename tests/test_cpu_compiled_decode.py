@@ -60,15 +60,26 @@ def test_compiled_decode_matches_hf_fp32(arch, tmp_path):
     require_options()
     path = write_tiny_model(arch, tmp_path / arch, seed=1)
     llm = LLM(path, dtype="float32", enable_torch_compile=True, **SMALL)
+    # the decode graphs are compiled before the first request: a compile in the middle of
+    # serving would stall every running request for a minute on a CPU
+    graphs = _compiled_graphs()
+    assert graphs > 0
     prompts = random_prompts(5, 3, 40, seed=2)
     # different lengths: the batch shrinks as requests finish (batch sizes 5 .. 1)
     params = [SamplingParams(max_tokens=8 + 4 * i, ignore_eos=True) for i in range(5)]
     out = llm.generate(prompts, params)
+    assert _compiled_graphs() == graphs, "serving compiled a new decode graph"
     got = [o["token_ids"] for o in out]
     want = hf_greedy(load_hf_model(path), prompts, 24)
     assert got == [w[: len(g)] for w, g in zip(want, got, strict=True)]
     assert llm.engine.compiled is not None and llm.engine.compiled.steps >= 20
     assert_kv_clean(llm)
+
+
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _decode_logits(path, compile_: bool, dtype: str, quantization: str, steps: int):

@@ -55,8 +55,8 @@ class LLM:
         """`overlap`: schedule the next step while the device runs this one (default: on,
         unless `MINISGL_DISABLE_OVERLAP_SCHEDULING=1`; the serial loop for a backend without a
         pipelined mode). `device_stream`: where steps run then (`engine.stream.make_stream`).
-        `enable_torch_compile`: decode steps through `torch.compile` (`engine/compiled.py`; the
-        first steps compile, a minute or more on a CPU). `threads`: the process's thread budget
+        `enable_torch_compile`: decode steps through `torch.compile` (`engine/compiled.py`;
+        compiled here, before the first request: a minute or more on a CPU). `threads`: the process's thread budget
         for torch and the tokenizer (`utils/threads.py`)."""
         if model_path is None:
             from minisgl.default_model import default_model_path
@@ -120,6 +120,20 @@ class LLM:
         self.last_run: dict[str, float] = {}
         self.last_logprobs: dict[int, TokenLogprob] = {}  # rid -> the last step's logprobs
         self.last_errors: dict[int, str] = {}  # rid -> why the last step failed it
+        if getattr(self.engine, "compiled", None) is not None:
+            self._compile_decode()
+
+    def _compile_decode(self) -> None:
+        """Compile the decode graphs before the first request (a compile mid-serving stalls
+        every running request, for a minute or more on a CPU): batch sizes 2 and 1 (batch 1
+        is specialised), each with the decode workspace rebuilt and appended to."""
+        t0 = time.perf_counter()
+        vocab = self.engine.model_config.vocab_size
+        prompt = [i % vocab for i in range(1, 9)]
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        self.generate([prompt, prompt[::-1]], params)
+        self.generate([prompt], params)
+        logger.info("decode graphs compiled in %.1f s", time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ input
     def encode(self, prompt: Prompt) -> list[int]:

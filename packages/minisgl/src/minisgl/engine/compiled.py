@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 from minisgl.quantization.linear import Int4Linear, Int8Linear
 from minisgl.utils.log import get_logger
@@ -51,6 +52,9 @@ def _options(model: torch.nn.Module, device: torch.device) -> dict[str, Any]:
 # read outside the inductor options of `torch.compile` (AOT autograd decides what is a
 # constant): patched around each call, as a compile can happen at any call (a new shape class)
 _FREEZING = {"freezing": True}
+# no duck shapes: a batch of 2 would otherwise be compiled as "batch == the KV head count"
+# (both 2) and the first batch of another size would compile again
+_SHAPES = {"use_duck_shape": False}
 
 
 class CompiledDecode:
@@ -63,7 +67,7 @@ class CompiledDecode:
 
     def __call__(self, *args: Any) -> torch.Tensor:
         self.steps += 1
-        with torch._inductor.config.patch(_FREEZING):
+        with torch._inductor.config.patch(_FREEZING), fx_config.patch(_SHAPES):
             return self.fn(*args)
 
 
