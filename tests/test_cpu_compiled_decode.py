@@ -154,6 +154,23 @@ def test_compiled_decode_scenario_equals_eager(tmp_path):
     assert llm.scheduler.stats.cached_prompt_tokens >= 4 * 30  # the shared prefix was hit
 
 
+def test_steps_over_the_workspace_budget_run_eager(tmp_path, monkeypatch):
+    """A decode batch too large for the workspace gathers its KV every step: a graph the start
+    did not compile (a 56 s stall at batch 128 on the embedded model) and a GEMM-bound step
+    that compile does not speed up, so it runs eager, with the same tokens."""
+    monkeypatch.setenv("MINISGL_DECODE_WORKSPACE_MB", "0")
+    path = write_tiny_model("llama", tmp_path / "m", seed=3)
+    prompts = random_prompts(3, 3, 20, seed=4)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = [o["token_ids"] for o in LLM(path, dtype="float32", **SMALL).generate(prompts, params)]
+    graphs = _compiled_graphs()
+    llm = LLM(path, dtype="float32", enable_torch_compile=True, **SMALL)
+    assert [o["token_ids"] for o in llm.generate(prompts, params)] == want
+    assert llm.engine.compiled is not None and llm.engine.compiled.steps == 0
+    assert _compiled_graphs() == graphs
+    assert_kv_clean(llm)
+
+
 @pytest.mark.card("P2-002", "thread-budget-set-by-llm-and-by-the-server-flag")
 @pytest.mark.card("P2-002", "failing-tests-compiled-decode-parity-the-thread-budget-the-speed-gate")
 def test_thread_budget(tmp_path, restore_threads):

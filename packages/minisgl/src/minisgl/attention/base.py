@@ -66,6 +66,11 @@ class AttentionBackend(ABC):
         only (run inside the captured region, every replay)."""
         raise NotImplementedError(f"{type(self).__name__} cannot run decode graphs")
 
+    def compiles(self, meta: Any) -> bool:
+        """Whether a decode step with this metadata runs through the compiled forward
+        (`engine/compiled.py`); the shapes the engine compiles at start must cover it."""
+        return True
+
     def before_replay(self) -> None:  # noqa: B027 (optional hook, nothing to do by default)
         """Called on the host before a graph step replaces an eager decode step."""
 

@@ -122,6 +122,11 @@ class TorchNativeBackend(AttentionBackend):
             inputs.kv_indices, inputs.max_seq_len, None,
         )  # fmt: skip
 
+    def compiles(self, meta: _Meta) -> bool:
+        """Not a batch over the workspace budget: it gathers its whole KV every step (a graph
+        of its own, and a GEMM-bound step that a compile does not speed up)."""
+        return meta.ws_mode is not None
+
     def before_replay(self) -> None:
         self.workspace.invalidate()  # the graph step appends KV the workspace does not hold
 

@@ -14,7 +14,10 @@ elementwise ops into a few C++ loops and calls the matmuls and SDPA directly:
   every model instance shares: without those guards a second model (another size, another
   quantization) would run the first one's graph, so each `CompiledDecode` compiles its own
   copy of the code object that calls the model.
-Prefill stays eager: its shapes vary too much to pay for a compile, and it is GEMM-bound.
+Prefill stays eager: its shapes vary too much to pay for a compile, and it is GEMM-bound; so
+does a decode step the attention backend does not mark `compiles` (torch-native: a batch over
+the decode workspace budget, which gathers its KV every step). `LLM` compiles the graphs at
+start (`LLM._compile_decode`), so serving never stalls on a compile.
 
 The compiled forward must not run under `inference_mode` (AOT autograd cannot view inference
 tensors): the engine runs its steps under `no_grad` when compile is on.

@@ -116,7 +116,8 @@ class Engine:
 
     def _forward(self, plan: StepPlan, staged: DevicePlan) -> torch.Tensor:
         meta = self.backend.prepare(plan, staged)
-        model = self.model if plan.is_prefill or self.compiled is None else self.compiled
+        compiled = self.compiled is not None and not plan.is_prefill and self.backend.compiles(meta)
+        model = self.compiled if compiled else self.model
         return model(staged.input_ids, staged.positions, staged.logits_indices, self.backend, meta)
 
     def sample_on_device(
