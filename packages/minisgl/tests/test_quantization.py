@@ -8,6 +8,7 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.config import EngineConfig
+from minisgl.quantization import linear
 from minisgl.quantization.gguf import (
     _q4_0,
     _q4_1,
@@ -64,14 +65,20 @@ def test_packed_linear_matches_dequantized_matmul(method, dtype):
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=0.02 if tol > 1e-3 else 1e-4)
 
 
+ROWS = 32
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_takes_int8_activations_from_w8a8_min_rows(dtype):
+def test_int8_linear_takes_int8_activations_from_w8a8_min_rows(dtype, monkeypatch):
     w, bias = _weights(), torch.randn(96) * 0.1
     q = quantize_int8(w)
     layer = Int8Linear(q, bias, dtype)
-    x = (torch.randn(W8A8_MIN_ROWS, 128) * torch.linspace(0.1, 3.0, W8A8_MIN_ROWS)[:, None]).to(
-        dtype
-    )
+    x = (torch.randn(ROWS, 128) * torch.linspace(0.1, 3.0, ROWS)[:, None]).to(dtype)
+    off = layer(x)  # off by default (MINISGL_INT8_ACTIVATIONS unset): the weight-only kernel
+    assert W8A8_MIN_ROWS is None
+    exact = torch.ops.aten._weight_int8pack_mm(x, q.q, q.scale.to(dtype)) + bias.to(dtype)
+    torch.testing.assert_close(off, exact)
+    monkeypatch.setattr(linear, "W8A8_MIN_ROWS", ROWS)
     # the integer computation written out: per-row int8 codes, an exact int64 matmul
     xf = x.float()
     sx = xf.abs().amax(dim=1, keepdim=True) / 127.0
