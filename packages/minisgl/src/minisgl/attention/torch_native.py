@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minisgl.attention import register_backend
+from minisgl.attention import cpu_native, register_backend
 from minisgl.attention.base import AttentionBackend, GraphInputs
 from minisgl.attention.decode_workspace import DecodeWorkspace
 from minisgl.engine.staging import DevicePlan
@@ -32,9 +32,10 @@ class _Meta:
     is_prefill: bool
     # prefill: one group per SDPA call, usually one for the whole step (see `_prefill_groups`)
     groups: list[_PrefillGroup]
-    # decode: padded KV locations [bs, Lmax] and mask [bs, 1, 1, Lmax]
+    # decode: padded KV locations [bs, Lmax], mask [bs, 1, 1, Lmax] and KV lengths [bs]
     kv_index: torch.Tensor | None = None
     kv_mask: torch.Tensor | None = None
+    kv_lens: torch.Tensor | None = None
     # decode workspace: "append" / "rebuild" (see decode_workspace.py) or None (gather only)
     ws_mode: str | None = None
     ws_pos: torch.Tensor | None = None  # append: the position each request's new token takes
@@ -69,8 +70,12 @@ class TorchNativeBackend(AttentionBackend):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         pool = self.pool
-        self.workspace = DecodeWorkspace(len(pool.k), self.num_kv_heads, self.head_dim,
-                                         pool.k[0].dtype, self.device)  # fmt: skip
+        dtype = pool.k[0].dtype
+        self.workspace = DecodeWorkspace(len(pool.k), self.num_kv_heads, self.head_dim, dtype,
+                                         self.device)  # fmt: skip
+        # decode on a CPU: the C kernel (cpu_native) instead of SDPA, which spends its time per
+        # (request, head) block on a few query rows
+        self.native_decode = self.device.type == "cpu" and cpu_native.available(dtype)
 
     def prepare(self, plan: StepPlan, staged: DevicePlan | None = None) -> _Meta:
         """Decode reads only the staged device arrays (host values: numpy, never the device);
@@ -105,14 +110,14 @@ class TorchNativeBackend(AttentionBackend):
         valid = ar < lens[:, None]
         if self.sliding_window is not None:
             valid &= ar >= lens[:, None] - self.sliding_window
+        mask = valid[:, None, None, :]
         if mode == "append":
-            return _Meta(out_loc, False, [], None, valid[:, None, None, :], mode, lens - 1)
+            return _Meta(out_loc, False, [], None, mask, lens, mode, lens - 1)
         indptr = kv_indptr[:-1].long()
         # padding reads the request's last (written) location, so masked values stay finite
         last = indptr + lens - 1
         gather = torch.where(valid, indptr[:, None] + ar, last[:, None])
-        kv_index = kv_indices[gather]
-        return _Meta(out_loc, False, [], kv_index, valid[:, None, None, :], mode)
+        return _Meta(out_loc, False, [], kv_indices[gather], mask, lens, mode)
 
     def graph_prepare(self, inputs: GraphInputs, bs: int) -> _Meta:
         """A decode step over the graph buffers: KV padded to the longest possible sequence
@@ -200,7 +205,11 @@ class TorchNativeBackend(AttentionBackend):
                 ws.k[layer][:, :, :lmax] = ks
                 ws.v[layer][:, :, :lmax] = vs
         qs = q.view(bs, kvh, gqa, d)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.kv_mask)
+        if self.native_decode and qs.dtype == ks.dtype:
+            window = self.sliding_window or 0
+            o = cpu_native.decode_attention(qs, ks, vs, meta.kv_lens, window)
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.kv_mask)
         return o.reshape(bs, -1)
 
 

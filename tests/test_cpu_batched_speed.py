@@ -1,0 +1,170 @@
+"""Batched CPU decode (card P2-003): the C decode attention kernel against SDPA and HF, and the
+batched speed gates of issue 12 (`worklog/gates/P2-003.yaml`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl import LLM, SamplingParams
+from minisgl.attention import cpu_native
+from minisgl.testing.hf_reference import hf_greedy, load_hf_model
+from minisgl.testing.scenarios import assert_kv_clean, random_prompts
+from minisgl.testing.tiny_models import write_tiny_model
+
+KERNEL = "native-decode-attention-matches-sdpa-over-gqa-windows-and-strided-kv"
+
+
+def reference(q, k, v, lens, window):
+    """SDPA in fp32 with the kernel's visibility rule as a boolean mask."""
+    pos = torch.arange(k.shape[2])[None, :]
+    valid = pos < lens[:, None]
+    if window > 0:
+        valid &= pos >= lens[:, None] - window
+    qf, kf, vf = q.float(), k.float(), v.float()
+    return F.scaled_dot_product_attention(qf, kf, vf, attn_mask=valid[:, None, None, :])
+
+
+def case(bs, kvh, gqa, d, cap, dtype, seed, layout="workspace"):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, cap + 1, (bs,), generator=g)
+    lens[0] = cap
+    q = torch.randn(bs, kvh, gqa, d, generator=g).to(dtype)
+    if layout == "workspace":  # [bs, KVH, capacity, D] blocks read up to the longest length
+        k = torch.randn(bs, kvh, cap + 7, d, generator=g).to(dtype)[:, :, :cap]
+        v = torch.randn(bs, kvh, cap + 7, d, generator=g).to(dtype)[:, :, :cap]
+    else:  # a gather from the pool: [bs, L, KVH, D] seen as [bs, KVH, L, D]
+        k = torch.randn(bs, cap, kvh, d, generator=g).to(dtype).transpose(1, 2)
+        v = torch.randn(bs, cap, kvh, d, generator=g).to(dtype).transpose(1, 2)
+    return q, k, v, lens
+
+
+@pytest.mark.card("P2-003", KERNEL)
+@pytest.mark.parametrize("layout", ["workspace", "gather"])
+@pytest.mark.parametrize(
+    "bs,kvh,gqa,d,cap,window",
+    [(1, 1, 1, 64, 1, 0), (16, 3, 3, 64, 265, 0), (5, 2, 4, 128, 70, 0), (7, 4, 1, 32, 90, 16),
+     (64, 3, 3, 64, 40, 0), (3, 2, 8, 64, 300, 128)],
+)  # fmt: skip
+def test_kernel_matches_sdpa_fp32(bs, kvh, gqa, d, cap, window, layout):
+    q, k, v, lens = case(bs, kvh, gqa, d, cap, torch.float32, seed=bs * 31 + cap, layout=layout)
+    out = cpu_native.decode_attention(q, k, v, lens, window)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, reference(q, k, v, lens, window), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.card("P2-003", KERNEL)
+@pytest.mark.parametrize("window", [0, 24])
+def test_kernel_matches_sdpa_bf16(window):
+    q, k, v, lens = case(16, 3, 3, 64, 200, torch.bfloat16, seed=7)
+    out = cpu_native.decode_attention(q, k, v, lens, window)
+    assert out.dtype == torch.bfloat16
+    ref = reference(q, k, v, lens, window)
+    # bf16 output rounding (8 bits of mantissa) of an fp32 result
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.card("P2-003", KERNEL)
+def test_kernel_under_torch_compile():
+    q, k, v, lens = case(4, 2, 2, 64, 50, torch.float32, seed=3)
+    fn = torch.compile(lambda *a: cpu_native.decode_attention(*a, 0) * 2.0, dynamic=True)
+    with torch.no_grad():
+        torch.testing.assert_close(fn(q, k, v, lens) / 2.0, reference(q, k, v, lens, 0))
+
+
+@pytest.mark.card("P2-003", KERNEL)
+@pytest.mark.parametrize("bad", [0, 51])
+def test_kernel_rejects_lengths_outside_the_kv(bad):
+    q, k, v, lens = case(4, 2, 2, 64, 50, torch.float32, seed=4)
+    lens[2] = bad
+    with pytest.raises(ValueError, match="length"):
+        cpu_native.decode_attention(q, k, v, lens, 0)
+
+
+@pytest.mark.card("P2-003", KERNEL)
+def test_loading_the_kernel_keeps_denormals():
+    """Built with -ffast-math, the library must not set flush-to-zero for the process (it would
+    if linked with -ffast-math: crtfastmath), or every fp32 op in torch would change."""
+    code = (
+        "import torch; from minisgl.attention import cpu_native as c; "
+        "assert c.available(torch.float32); "
+        "x = torch.tensor([1e-39]); print(float((x * 0.5)[0]) > 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "True"
+
+
+@pytest.mark.card("P2-003", "decode-through-the-kernel-is-token-identical-to-hf-in-fp32")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_decode_through_the_kernel_matches_hf_and_sdpa(arch, tmp_path, monkeypatch):
+    path = write_tiny_model(arch, tmp_path / arch, seed=0)
+    prompts = random_prompts(6, 5, 60, seed=11)
+    params = [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True) for i in range(6)]
+    outs = {}
+    for mode in ("native", "sdpa"):
+        monkeypatch.setenv("MINISGL_CPU_ATTENTION", mode)
+        cpu_native._library.cache_clear()
+        llm = LLM(path, num_pages=4096)
+        assert llm.engine.backend.native_decode == (mode == "native")
+        outs[mode] = [o["token_ids"] for o in llm.generate(prompts, params)]
+        assert_kv_clean(llm)
+    cpu_native._library.cache_clear()
+    ref = hf_greedy(load_hf_model(path), prompts, 6 + 3 * 5)
+    assert outs["native"] == [r[: 6 + 3 * i] for i, r in enumerate(ref)]
+    assert outs["native"] == outs["sdpa"]
+
+
+@pytest.mark.card("P2-003", "a-machine-without-a-c-compiler-decodes-through-sdpa")
+def test_no_compiler_falls_back_to_sdpa(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("MINISGL_KERNEL_CACHE", str(tmp_path / "cache"))
+    cpu_native._library.cache_clear()
+    try:
+        assert not cpu_native.available(torch.float32)
+        path = write_tiny_model("llama", tmp_path / "m", seed=0)
+        llm = LLM(path, num_pages=1024)
+        assert not llm.engine.backend.native_decode
+        out = llm.generate(random_prompts(2, 5, 20, seed=2), SamplingParams(max_tokens=4))
+        assert [len(o["token_ids"]) for o in out] == [4, 4]
+    finally:
+        cpu_native._library.cache_clear()
+
+
+def run_cpu_speed(tmp_path, configs: str) -> dict:
+    out = tmp_path / "cpu_speed.json"
+    cmd = [sys.executable, "-m", "minisgl.benchmark.cpu_speed", "--out", str(out),
+           "--profiles", "seed-offline,many-short", "--configs", configs, "--hf", "fp32,bf16",
+           "--set", "many-short.num_requests=128", "--threads", "2", "--repeats", "2",
+           "--no-quality"]  # fmt: skip
+    env = dict(os.environ, MINISGL_CPU_ATTENTION="native")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3000, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text())["results"]
+
+
+@pytest.mark.bench
+@pytest.mark.card(
+    "P2-003", "seed-offline-at-least-3x-hf-fp32-and-2x-hf-bf16-many-short-at-least-3x-hf-bf16"
+)
+def test_batched_speed_vs_hf(metric, tmp_path):
+    """`cpu_speed` on seed-offline and many-short (128 requests): minisgl bf16 with compiled
+    decode beside HF fp32 / bf16 `generate`, 2 threads, median of 2 repeats, same run."""
+    results = run_cpu_speed(tmp_path, "bf16-compiled")
+    for profile in ("seed-offline", "many-short"):
+        arms = results[profile]
+        mini = arms["minisgl-bf16-compiled"]["output_tok_s"]
+        hf32, hf16 = arms["hf-fp32"]["output_tok_s"], arms["hf-bf16"]["output_tok_s"]
+        print(f"{profile}: minisgl bf16 compiled {mini:.1f} tok/s, HF fp32 {hf32:.1f} "
+              f"({mini / hf32:.2f}x), HF bf16 {hf16:.1f} ({mini / hf16:.2f}x)")  # fmt: skip
+        key = profile.replace("-", "_")
+        metric(f"{key}_tok_s_minisgl", mini, unit="tok/s")
+        metric(f"{key}_tok_s_hf_fp32", hf32, unit="tok/s")
+        metric(f"{key}_tok_s_hf_bf16", hf16, unit="tok/s")
