@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 DEFAULT_BUDGET_MB = 512
-_GROW = 128  # extra positions allocated on a rebuild, so appends rarely rebuild
+GROW = 128  # extra positions allocated on a rebuild, so appends rarely rebuild
+MIN_GROW = 16  # ... fewer where the budget is short, but not fewer than this
 
 
 class DecodeWorkspace:
@@ -54,14 +55,14 @@ class DecodeWorkspace:
             self.lens = seq_lens.copy()
             self.appends += 1
             return "append"
-        cap = lmax + _GROW
         bs = len(slots)
-        need = 2 * self.num_layers * bs * self.kvh * cap * self.d * self.elt
-        if need > self.budget:
+        fits = self.budget // (2 * self.num_layers * bs * self.kvh * self.d * self.elt)
+        cap = min(lmax + GROW, fits)
+        if cap < lmax + MIN_GROW:
             self.invalidate()
             self.k, self.v = [], []
             return None
-        if not self.k or self.k[0].shape[0] != bs or self.k[0].shape[2] < lmax:
+        if not self.k or self.k[0].shape[0] != bs or self.k[0].shape[2] < lmax + MIN_GROW:
             shape = (bs, self.kvh, cap, self.d)  # zeros: positions never written stay finite
             self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                       for _ in range(self.num_layers)]  # fmt: skip

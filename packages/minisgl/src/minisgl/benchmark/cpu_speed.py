@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         set_threads(args.threads)
     import torch
 
+    from minisgl.attention import cpu_native
     from minisgl.default_model import default_model_path
 
     model_path = str(default_model_path())
@@ -237,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": common.machine_info(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        # decode attention of the minisgl arms: the C kernel, or SDPA (MINISGL_CPU_ATTENTION)
+        "cpu_decode_attention": "native" if cpu_native.available(torch.bfloat16) else "sdpa",
         "model": "embedded:SmolLM2-135M-Instruct (Q4_1 GGUF)",
         "bandwidth": measure_bandwidth(),
         "matmul": measure_matmul(),
