@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,11 +27,22 @@ class _PrefillGroup:
 
 
 @dataclass
+class _PrefillRequest:
+    """One request of a CPU prefill step attended on its own (two bmm calls, no padding)."""
+
+    q_start: int  # its rows of the step's q: [q_start, q_start + mask.shape[0])
+    kv_index: torch.Tensor  # [Lkv] pool locations, cached prefix first
+    mask: torch.Tensor  # [Lq, Lkv] bool: causal after the prefix (+ sliding window)
+
+
+@dataclass
 class _Meta:
     out_loc: torch.Tensor
     is_prefill: bool
-    # prefill: one group per SDPA call, usually one for the whole step (see `_prefill_groups`)
+    # prefill: one group per SDPA call, usually one for the whole step (see `_prefill_groups`),
+    # and on a CPU the requests of at least PREFILL_BMM_MIN_TOKENS new tokens, one by one
     groups: list[_PrefillGroup]
+    requests: list[_PrefillRequest] = field(default_factory=list)
     # decode: padded KV locations [bs, Lmax], mask [bs, 1, 1, Lmax] and KV lengths [bs]
     kv_index: torch.Tensor | None = None
     kv_mask: torch.Tensor | None = None
@@ -44,6 +55,13 @@ class _Meta:
 # a group may spend this much more attention work on padding than on real query/key pairs
 _PAD_FACTOR = 2
 _PAD_SLACK = 1 << 16
+# On a CPU a request with this many new tokens attends on its own, as two bmm calls (oneDNN
+# GEMMs) around an fp32 softmax: SDPA's CPU flash kernel ran at ~30 GFLOP/s on them (bf16, no
+# AMX), with a dense mask over the padded group: measured 17 ms against 37-55 ms per layer for
+# seed-offline's 16 prompts of 64-256 tokens (2 threads). Short requests stay padded together.
+PREFILL_BMM_MIN_TOKENS = 64
+# bytes of fp32 scores one bmm step may hold (longer prompts go in blocks of query rows)
+_SCORES_BYTES = 64 << 20
 
 
 def _prefill_groups(ext: np.ndarray, kv_lens: np.ndarray) -> list[np.ndarray]:
@@ -76,6 +94,7 @@ class TorchNativeBackend(AttentionBackend):
         # decode on a CPU: the C kernel (cpu_native) instead of SDPA, which spends its time per
         # (request, head) block on a few query rows
         self.native_decode = self.device.type == "cpu" and cpu_native.available(dtype)
+        self.prefill_bmm_rows = 0  # prefill tokens attended one request at a time (bmm)
 
     def prepare(self, plan: StepPlan, staged: DevicePlan | None = None) -> _Meta:
         """Decode reads only the staged device arrays (host values: numpy, never the device);
@@ -86,11 +105,21 @@ class TorchNativeBackend(AttentionBackend):
         ext = plan.extend_lens
         if plan.is_prefill:
             self.workspace.invalidate()
+            alone = np.zeros(len(ext), dtype=bool)
+            if self.device.type == "cpu":
+                alone = ext >= PREFILL_BMM_MIN_TOKENS
+            padded = np.flatnonzero(~alone)
             groups = [
-                self._prefill_group(plan, rows, kv_indices, single=len(rows) == len(ext))
-                for rows in _prefill_groups(plan.extend_lens, plan.seq_lens)
+                self._prefill_group(plan, padded[rows], kv_indices, single=len(rows) == len(ext))
+                for rows in (
+                    _prefill_groups(ext[padded], plan.seq_lens[padded]) if len(padded) else []
+                )
             ]
-            return _Meta(out_loc, True, groups)
+            requests = [
+                self._prefill_request(plan, int(r), kv_indices) for r in np.flatnonzero(alone)
+            ]
+            self.prefill_bmm_rows += int(ext[alone].sum())
+            return _Meta(out_loc, True, groups, requests)
         lens = staged.seq_lens.long()
         lmax = int(plan.seq_lens.max())
         mode = self.workspace.mode(plan.slots, plan.seq_lens)
@@ -112,12 +141,22 @@ class TorchNativeBackend(AttentionBackend):
             valid &= ar >= lens[:, None] - self.sliding_window
         mask = valid[:, None, None, :]
         if mode == "append":
-            return _Meta(out_loc, False, [], None, mask, lens, mode, lens - 1)
+            return _Meta(
+                out_loc, False, [], kv_mask=mask, kv_lens=lens, ws_mode=mode, ws_pos=lens - 1
+            )
         indptr = kv_indptr[:-1].long()
         # padding reads the request's last (written) location, so masked values stay finite
         last = indptr + lens - 1
         gather = torch.where(valid, indptr[:, None] + ar, last[:, None])
-        return _Meta(out_loc, False, [], kv_indices[gather], mask, lens, mode)
+        return _Meta(
+            out_loc,
+            False,
+            [],
+            kv_index=kv_indices[gather],
+            kv_mask=mask,
+            kv_lens=lens,
+            ws_mode=mode,
+        )
 
     def graph_prepare(self, inputs: GraphInputs, bs: int) -> _Meta:
         """A decode step over the graph buffers: KV padded to the longest possible sequence
@@ -134,6 +173,20 @@ class TorchNativeBackend(AttentionBackend):
 
     def before_replay(self) -> None:
         self.workspace.invalidate()  # the graph step appends KV the workspace does not hold
+
+    def _prefill_request(
+        self, plan: StepPlan, row: int, kv_indices: torch.Tensor
+    ) -> _PrefillRequest:
+        n_q, n_kv = int(plan.extend_lens[row]), int(plan.seq_lens[row])
+        q0 = int(plan.extend_lens[:row].sum())
+        kv0 = int(plan.kv_indptr[row])
+        q_pos = np.arange(n_kv - n_q, n_kv)[:, None]
+        kv_pos = np.arange(n_kv)[None, :]
+        mask = kv_pos <= q_pos
+        if self.sliding_window is not None:
+            mask &= kv_pos > q_pos - self.sliding_window
+        dev = self.device
+        return _PrefillRequest(q0, kv_indices[kv0 : kv0 + n_kv], torch.from_numpy(mask).to(dev))
 
     def _prefill_group(
         self, plan: StepPlan, rows: np.ndarray, kv_indices: torch.Tensor, single: bool
@@ -172,7 +225,14 @@ class TorchNativeBackend(AttentionBackend):
         # GQA without repeating K/V: the `gqa` query heads sharing a KV head are folded into
         # the query-length dimension (head h uses KV head h // gqa, as in HF's repeat_kv).
         if meta.is_prefill:
-            out = None if len(meta.groups) == 1 else q.new_empty(q.shape[0], q.shape[1] * d)
+            single = len(meta.groups) == 1 and not meta.requests
+            out = None if single else q.new_empty(q.shape[0], q.shape[1] * d)
+            for r in meta.requests:
+                n_q = r.mask.shape[0]
+                ks, vs = _gather(k_cache, r.kv_index), _gather(v_cache, r.kv_index)
+                out[r.q_start : r.q_start + n_q] = _attend_bmm(
+                    q[r.q_start : r.q_start + n_q], ks, vs, r.mask
+                )
             for g in meta.groups:
                 n_b, n_q = g.q_index.shape
                 qs = q[g.q_index].transpose(1, 2)  # [B, H, Lq, D]
@@ -211,6 +271,31 @@ class TorchNativeBackend(AttentionBackend):
         else:
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.kv_mask)
         return o.reshape(bs, -1)
+
+
+def _attend_bmm(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Attention of one request: q [Lq, H, D] over k, v [Lkv, KVH, D] where `mask` [Lq, Lkv]
+    is True, as bmm (scores in q's dtype, as HF's eager attention) + fp32 softmax + bmm, in
+    blocks of query rows that bound the scores' memory; out [Lq, H * D]."""
+    n, h, d = q.shape
+    kvh = k.shape[1]
+    gqa = h // kvh
+    kt = k.permute(1, 2, 0)  # [KVH, D, Lkv]
+    vh = v.transpose(0, 1)  # [KVH, Lkv, D]
+    out = q.new_empty(n, h * d)
+    block = max(1, _SCORES_BYTES // (4 * h * k.shape[0]))
+    for i in range(0, n, block):
+        qb = q[i : i + block]
+        m = qb.shape[0]
+        qh = qb.view(m, kvh, gqa, d).permute(1, 2, 0, 3).reshape(kvh, gqa * m, d)
+        s = torch.bmm(qh, kt).float().mul_(d**-0.5).view(kvh, gqa, m, -1)
+        s.masked_fill_(~mask[i : i + block], float("-inf"))
+        p = torch.softmax(s, dim=-1).to(v.dtype).view(kvh, gqa * m, -1)
+        o = torch.bmm(p, vh).view(kvh, gqa, m, d).permute(2, 0, 1, 3)
+        out[i : i + block] = o.reshape(m, h * d)
+    return out
 
 
 def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

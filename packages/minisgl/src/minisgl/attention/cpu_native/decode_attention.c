@@ -5,8 +5,11 @@
  * out  [bs, kvh, gqa, d]   contiguous
  * Request b attends to positions [max(0, lens[b] - window), lens[b]) (window <= 0: all).
  * One task per (request, KV head) streams its K and V once for all gqa rows; scores, softmax
- * and the weighted sum are in fp32 (scores in a per-task heap buffer). bf16 values are widened /
- * rounded (to nearest even) by bit operations, so both element types share one kernel body.
+ * and the weighted sum are in fp32 (scores in a per-task heap buffer). As in SDPA's flash kernel,
+ * the unnormalised probabilities enter the weighted sum in the element type (bf16: rounded)
+ * while their sum stays fp32: a bf16 model decodes the same text through either kernel (with
+ * probabilities kept in fp32, the embedded int4 model stopped answering "Paris"). bf16 values
+ * are widened / rounded (to nearest even) by bit operations, so both types share one body.
  * Built with -ffast-math (vectorized expf and reductions): nothing here relies on inf or NaN.
  */
 #include <math.h>
@@ -70,15 +73,16 @@ static inline uint16_t f32_to_bf16(float f) {
                     s[g * n + l] = dot;                                                      \
                 }                                                                               \
             }                                                                                   \
+            float inv[MAX_GQA];                                                                 \
             for (int64_t g = 0; g < gqa; g++) {                                                 \
-                float *sg = s + g * n, m = sg[0], sum = 0.0f;                            \
+                float *sg = s + g * n, m = sg[0], sum = 0.0f;                                   \
                 for (int64_t l = 1; l < n; l++) m = sg[l] > m ? sg[l] : m;                      \
                 for (int64_t l = 0; l < n; l++) {                                               \
                     sg[l] = expf(sg[l] - m);                                                    \
                     sum += sg[l];                                                               \
+                    sg[l] = LOAD(STORE(sg[l]));                                                 \
                 }                                                                               \
-                const float inv = 1.0f / sum;                                                   \
-                for (int64_t l = 0; l < n; l++) sg[l] *= inv;                                   \
+                inv[g] = 1.0f / sum;                                                            \
                 for (int64_t i = 0; i < d; i++) acc[g][i] = 0.0f;                               \
             }                                                                                   \
             for (int64_t l = 0; l < n; l++) {                                                   \
@@ -93,7 +97,7 @@ static inline uint16_t f32_to_bf16(float f) {
             }                                                                                   \
             for (int64_t g = 0; g < gqa; g++) {                                                 \
                 T *o = out + (t * gqa + g) * d;                                                 \
-                for (int64_t i = 0; i < d; i++) o[i] = STORE(acc[g][i]);                        \
+                for (int64_t i = 0; i < d; i++) o[i] = STORE(acc[g][i] * inv[g]);               \
             }                                                                                   \
             free(s);                                                                            \
         }                                                                                       \
