@@ -133,6 +133,34 @@ def test_requires_marker_skips_without_the_module_as_missing_evidence(repo: Repo
     )
 
 
+def test_gate_only_marker_runs_under_the_card_gate_or_when_asked(repo: Repo) -> None:
+    """`gate_only`: a long benchmark runs when its card is gated (`--cardgate-card`) or with
+    `--cardgate-gate-only`, and is skipped elsewhere (the plain test suite), the reason saying
+    how to run it; a gate that still sees the skip holds on it as missing evidence."""
+    repo.card()
+    repo.write(
+        "tests/test_long.py",
+        "import pytest\n\n"
+        "@pytest.mark.gate_only\n"
+        "@pytest.mark.bench\n"
+        "@pytest.mark.card('T-001', 'child-one')\n"
+        "def test_long_bench():\n    assert False, 'ran'\n\n"
+        "@pytest.mark.gate_only('not a flag')\n"
+        "def test_bad_marker():\n    pass\n",
+    )
+    plain = repo.pytester.runpytest_subprocess("-rs", "tests/test_long.py::test_long_bench")
+    plain.assert_outcomes(skipped=1)
+    plain.stdout.fnmatch_lines(
+        ["*gate_only (missing evidence): runs under nox -s card -- T-001 or --cardgate-gate-only*"]
+    )
+    gated = repo.pytester.runpytest_subprocess("--cardgate-card=T-001", "tests/test_long.py")
+    gated.assert_outcomes(failed=1, deselected=1)
+    gated.stdout.fnmatch_lines(["*AssertionError: ran*"])
+    asked = repo.pytester.runpytest_subprocess("--cardgate-gate-only", "tests/test_long.py")
+    asked.assert_outcomes(failed=1, errors=1)
+    asked.stdout.fnmatch_lines(["*gate_only takes no arguments*"])
+
+
 @P("P0-000", "metric-fixture-records-metrics")
 def test_metric_fixture_rules(repo: Repo) -> None:
     repo.card()
