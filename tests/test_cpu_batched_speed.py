@@ -212,6 +212,7 @@ def run_cpu_speed(tmp_path, configs: str) -> dict:
     return json.loads(out.read_text())["results"]
 
 
+@pytest.mark.gate_only
 @pytest.mark.bench
 @pytest.mark.card(
     "P2-003", "seed-offline-at-least-3x-hf-fp32-and-2x-hf-bf16-many-short-at-least-3x-hf-bf16"

@@ -196,6 +196,7 @@ def test_thread_budget(tmp_path, restore_threads):
         EngineConfig(model_path=str(path), threads=0)
 
 
+@pytest.mark.gate_only
 @pytest.mark.bench
 @pytest.mark.requires(
     "llama_cpp", "`nox -s card -- P2-002` builds llama-cpp-python (or: nox -s llamacpp)"

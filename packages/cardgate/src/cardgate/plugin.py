@@ -10,7 +10,9 @@
   `release_gate(path)` asserts a release-gate report decided `promote` and records the decision.
 - `gpu` tests are skipped without a CUDA device (torch imported lazily; no torch = no GPU);
   `requires(module, install)` tests without that importable module (an optional package),
-  the reason saying how to install it. Either skip is missing evidence to a gate.
+  the reason saying how to install it; `gate_only` tests (long benchmarks) outside the card
+  gate (`--cardgate-card`) unless `--cardgate-gate-only` is given. Each skip is missing
+  evidence to a gate.
 - `--cardgate-timeout S` fails any test phase running longer than S seconds (SIGALRM).
 - `--cardgate-testpaths` adds the ini `testpaths` to explicit path arguments (the gate's
   collection pass sees the whole suite even when a card names `Tests:` paths).
@@ -57,6 +59,7 @@ class CardgateState:
     board: Board | None = None
     selected: int = 0
     timeout: float | None = None
+    gate_only: bool = False
     bound: dict[str, list[str]] | None = None
 
     def get_board(self) -> Board:
@@ -82,6 +85,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--cardgate-timeout", metavar="S", type=float, help="fail a test phase after S seconds"
     )
     group.addoption(
+        "--cardgate-gate-only",
+        action="store_true",
+        help="also run tests marked gate_only outside the card gate",
+    )
+    group.addoption(
         "--cardgate-testpaths",
         action="store_true",
         help="also collect the ini testpaths when paths are given",
@@ -97,6 +105,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "requires(module, install): needs an optional package (skipped = missing evidence)",
     )
+    config.addinivalue_line(
+        "markers",
+        "gate_only: a long benchmark, run by its card's gate or with --cardgate-gate-only "
+        "(skipped elsewhere = missing evidence)",
+    )
     root_opt = config.getoption("cardgate_root")
     items_opt = config.getoption("cardgate_items")
     report_opt = config.getoption("cardgate_report")
@@ -106,6 +119,7 @@ def pytest_configure(config: pytest.Config) -> None:
         items={k.strip() for k in items_opt.split(",") if k.strip()} if items_opt else None,
         report_path=Path(report_opt) if report_opt else None,
         timeout=config.getoption("cardgate_timeout"),
+        gate_only=config.getoption("cardgate_gate_only"),
     )
     if config.getoption("cardgate_testpaths"):
         extra: list[str] = []
@@ -257,13 +271,27 @@ def _skip_unless_importable(marker: pytest.Mark) -> None:
         pytest.skip(f"requires {module} (missing evidence): {install or 'not installed'}")
 
 
+def _skip_outside_the_gate(item: pytest.Item, marker: pytest.Mark, state: CardgateState) -> None:
+    if marker.args or marker.kwargs:
+        pytest.fail("gate_only takes no arguments", pytrace=False)
+    if state.card is not None or state.gate_only:
+        return
+    cards = sorted({b.split("::", 1)[0] for b in _bindings(item)})
+    how = " or ".join([*(f"nox -s card -- {c}" for c in cards), "--cardgate-gate-only"])
+    pytest.skip(f"gate_only (missing evidence): runs under {how}")
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    state = item.config.stash[STATE]
     if item.get_closest_marker("gpu") is not None and not hardware.cuda_available():
         pytest.skip("gpu: no CUDA device (missing evidence)")
     for marker in item.iter_markers("requires"):
         _skip_unless_importable(marker)
-    with _alarm(item.config.stash[STATE].timeout, f"{item.nodeid} setup"):
+    gate_only = item.get_closest_marker("gate_only")
+    if gate_only is not None:
+        _skip_outside_the_gate(item, gate_only, state)
+    with _alarm(state.timeout, f"{item.nodeid} setup"):
         return (yield)
 
 
