@@ -154,6 +154,35 @@ def test_compiled_decode_scenario_equals_eager(tmp_path):
     assert llm.scheduler.stats.cached_prompt_tokens >= 4 * 30  # the shared prefix was hit
 
 
+def test_a_long_decode_compiles_nothing_and_each_graph_has_its_own_cache(tmp_path):
+    """A request that decodes past its workspace's capacity (appends up to the last position,
+    then a rebuild) runs on the graphs compiled at start: no compile mid-serving (a full
+    workspace read as a contiguous view once compiled a fifth graph). Each step kind (batch 1
+    or more x workspace rebuild / append) has a dynamo cache of its own holding one graph, so a
+    step checks one set of guards (guards of the other graphs, checked first, cost ~20% of the
+    embedded model's single-stream step)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    path = write_tiny_model("llama", tmp_path / "m", seed=2)
+    llm = LLM(path, dtype="float32", enable_torch_compile=True, num_pages=2048,
+              max_seq_len_override=512)  # fmt: skip
+    graphs = _compiled_graphs()
+    prompts = random_prompts(2, 4, 6, seed=3)
+    params = SamplingParams(max_tokens=150, ignore_eos=True)  # past GROW (128) positions
+    single = llm.generate(prompts[:1], params)[0]["token_ids"]
+    pair = [o["token_ids"] for o in llm.generate(prompts, params)]
+    assert _compiled_graphs() == graphs, "serving compiled a new decode graph"
+    ws = llm.engine.backend.workspace
+    assert ws.rebuilds >= 4 and ws.appends >= 280
+    compiled = llm.engine.compiled
+    assert compiled is not None
+    sizes = {key: len(_debug_get_cache_entry_list(fn)) for key, fn in compiled.graphs.items()}
+    assert sizes == {(1, "rebuild"): 1, (1, "append"): 1, (2, "rebuild"): 1, (2, "append"): 1}
+    want = hf_greedy(load_hf_model(path), prompts, 150)
+    assert [single, *pair[1:]] == want and pair[0] == single
+    assert_kv_clean(llm)
+
+
 def test_steps_over_the_workspace_budget_run_eager(tmp_path, monkeypatch):
     """A decode batch too large for the workspace gathers its KV every step: a graph the start
     did not compile (a 56 s stall at batch 128 on the embedded model) and a GEMM-bound step
