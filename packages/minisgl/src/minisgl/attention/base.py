@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,12 @@ class AttentionBackend(ABC):
         """Whether a decode step with this metadata runs through the compiled forward
         (`engine/compiled.py`); the shapes the engine compiles at start must cover it."""
         return True
+
+    def graph_key(self, meta: Any) -> Hashable:
+        """What a decode step's compiled graph depends on beyond its shapes (a branch taken on
+        the metadata): steps with different keys get graphs with dynamo caches of their own,
+        so a step checks the guards of one graph only."""
+        return None
 
     def before_replay(self) -> None:  # noqa: B027 (optional hook, nothing to do by default)
         """Called on the host before a graph step replaces an eager decode step."""

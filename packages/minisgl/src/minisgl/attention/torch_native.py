@@ -109,14 +109,18 @@ class TorchNativeBackend(AttentionBackend):
             if self.device.type == "cpu":
                 alone = ext >= PREFILL_BMM_MIN_TOKENS
             padded = np.flatnonzero(~alone)
+            q_starts = np.cumsum(ext, dtype=np.int64) - ext  # each request's first query row
             groups = [
-                self._prefill_group(plan, padded[rows], kv_indices, single=len(rows) == len(ext))
+                self._prefill_group(
+                    plan, padded[rows], q_starts, kv_indices, single=len(rows) == len(ext)
+                )
                 for rows in (
                     _prefill_groups(ext[padded], plan.seq_lens[padded]) if len(padded) else []
                 )
             ]
             requests = [
-                self._prefill_request(plan, int(r), kv_indices) for r in np.flatnonzero(alone)
+                self._prefill_request(plan, int(r), int(q_starts[r]), kv_indices)
+                for r in np.flatnonzero(alone)
             ]
             self.prefill_bmm_rows += int(ext[alone].sum())
             return _Meta(out_loc, True, groups, requests)
@@ -171,14 +175,16 @@ class TorchNativeBackend(AttentionBackend):
         of its own, and a GEMM-bound step that a compile does not speed up)."""
         return meta.ws_mode is not None
 
+    def graph_key(self, meta: _Meta) -> str | None:
+        return meta.ws_mode
+
     def before_replay(self) -> None:
         self.workspace.invalidate()  # the graph step appends KV the workspace does not hold
 
     def _prefill_request(
-        self, plan: StepPlan, row: int, kv_indices: torch.Tensor
+        self, plan: StepPlan, row: int, q0: int, kv_indices: torch.Tensor
     ) -> _PrefillRequest:
         n_q, n_kv = int(plan.extend_lens[row]), int(plan.seq_lens[row])
-        q0 = int(plan.extend_lens[:row].sum())
         kv0 = int(plan.kv_indptr[row])
         q_pos = np.arange(n_kv - n_q, n_kv)[:, None]
         kv_pos = np.arange(n_kv)[None, :]
@@ -189,12 +195,17 @@ class TorchNativeBackend(AttentionBackend):
         return _PrefillRequest(q0, kv_indices[kv0 : kv0 + n_kv], torch.from_numpy(mask).to(dev))
 
     def _prefill_group(
-        self, plan: StepPlan, rows: np.ndarray, kv_indices: torch.Tensor, single: bool
+        self,
+        plan: StepPlan,
+        rows: np.ndarray,
+        q_starts: np.ndarray,
+        kv_indices: torch.Tensor,
+        single: bool,
     ) -> _PrefillGroup:
         dev = self.device
         n_q = plan.extend_lens[rows].astype(np.int64)
         n_kv = plan.seq_lens[rows].astype(np.int64)
-        q0 = (np.cumsum(plan.extend_lens, dtype=np.int64) - plan.extend_lens)[rows]
+        q0 = q_starts[rows]
         kv0 = plan.kv_indptr[:-1].astype(np.int64)[rows]
         lq, lkv = int(n_q.max()), int(n_kv.max())
         i = np.minimum(np.arange(lq)[None, :], n_q[:, None] - 1)  # [B, Lq]
@@ -252,11 +263,17 @@ class TorchNativeBackend(AttentionBackend):
         bs = q.shape[0]
         lmax = meta.kv_mask.shape[-1]
         ws = self.workspace
+        native = self.native_decode and q.dtype == k_cache.dtype
         if meta.ws_mode == "append":
             rows = torch.arange(bs, device=q.device)
             ws.k[layer][rows, :, meta.ws_pos] = k
             ws.v[layer][rows, :, meta.ws_pos] = v
-            ks, vs = ws.k[layer][:, :, :lmax], ws.v[layer][:, :, :lmax]
+            # the kernel takes the whole workspace and reads each request's length (a view of
+            # lmax positions turns contiguous once lmax reaches the capacity, and a compiled
+            # graph specialises on that: a compile mid-serving)
+            ks, vs = ws.k[layer], ws.v[layer]
+            if not native:
+                ks, vs = ks[:, :, :lmax], vs[:, :, :lmax]
         else:
             assert meta.kv_index is not None
             ks = _gather(k_cache, meta.kv_index).transpose(1, 2)  # [bs, KVH, L, D]
@@ -265,7 +282,7 @@ class TorchNativeBackend(AttentionBackend):
                 ws.k[layer][:, :, :lmax] = ks
                 ws.v[layer][:, :, :lmax] = vs
         qs = q.view(bs, kvh, gqa, d)
-        if self.native_decode and qs.dtype == ks.dtype:
+        if native:
             window = self.sliding_window or 0
             o = cpu_native.decode_attention(qs, ks, vs, meta.kv_lens, window)
         else:

@@ -6,14 +6,17 @@ elementwise ops into a few C++ loops and calls the matmuls and SDPA directly:
 - weights are frozen (constants of the graph): inductor may prepack them, and with
   `max_autotune` picks its CPP weight-only int4 GEMM template where it beats ATen's kernel
   (measured per shape at compile time, cached on disk);
-- shapes are dynamic (batch size and KV length change every step; batch size 1 gets its own
-  specialised graph), so a handful of graphs serve every decode step;
+- shapes are dynamic (batch size and KV length change every step), so a handful of graphs
+  serve every decode step: one per key (batch 1 or more, `AttentionBackend.graph_key`: the
+  torch-native workspace rebuilding or appending);
+- each key compiles its own copy of the code object that calls the model. Dynamo keeps its
+  compiled entries on the code object and checks them in turn, newest first: with one shared
+  cache, a batch-1 step checked the guards of the batch-2 graphs before its own (~20% of the
+  embedded model's single-stream int4 step). Own code objects also keep apart the models of
+  one process (another size, another quantization), since
 - guards on module attributes are skipped: the weights never change after load, and
   checking ~400 tensors per call cost ~0.7 ms a step. Guards on the step's own inputs (shapes,
-  the attention metadata) stay. Dynamo keeps its compiled entries on the code object, which
-  every model instance shares: without those guards a second model (another size, another
-  quantization) would run the first one's graph, so each `CompiledDecode` compiles its own
-  copy of the code object that calls the model.
+  the attention metadata) stay.
 Prefill stays eager: its shapes vary too much to pay for a compile, and it is GEMM-bound; so
 does a decode step the attention backend does not mark `compiles` (torch-native: a batch over
 the decode workspace budget, which gathers its KV every step). `LLM` compiles the graphs at
@@ -26,14 +29,17 @@ tensors): the engine runs its steps under `no_grad` when compile is on.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx.experimental._config as fx_config
 
 from minisgl.quantization.linear import Int4Linear, Int8Linear
 from minisgl.utils.log import get_logger
+
+if TYPE_CHECKING:
+    from minisgl.attention.base import AttentionBackend
 
 logger = get_logger(__name__)
 
@@ -61,17 +67,33 @@ _SHAPES = {"use_duck_shape": False}
 
 
 class CompiledDecode:
-    """The model's forward compiled for decode steps; `steps` counts the calls."""
+    """The model's forward compiled for decode steps, one graph per key; `steps` counts the
+    calls, `graphs` maps each key (1 or 2 for batch 1 or more, the backend's key) to its
+    compiled function."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
-        self.fn = torch.compile(_own_call(model), dynamic=True, options=_options(model, device))
+        self.model = model
+        self.options = _options(model, device)
+        self.graphs: dict[tuple[int, Hashable], Callable[..., torch.Tensor]] = {}
         self.steps = 0
         logger.info("decode steps run through torch.compile (compiled on first use)")
 
-    def __call__(self, *args: Any) -> torch.Tensor:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+        backend: AttentionBackend,
+        meta: Any,
+    ) -> torch.Tensor:
+        key = (min(input_ids.shape[0], 2), backend.graph_key(meta))
+        fn = self.graphs.get(key)
+        if fn is None:
+            fn = torch.compile(_own_call(self.model), dynamic=True, options=self.options)
+            self.graphs[key] = fn
         self.steps += 1
         with torch._inductor.config.patch(_FREEZING), fx_config.patch(_SHAPES):
-            return self.fn(*args)
+            return fn(input_ids, positions, logits_indices, backend, meta)
 
 
 def _own_call(model: torch.nn.Module) -> Callable[..., torch.Tensor]:

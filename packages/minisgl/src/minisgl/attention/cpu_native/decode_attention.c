@@ -31,6 +31,10 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* dst[0..d) = src[0..d) widened to fp32 */
+#define LOAD_ROW(dst, src, d, LOAD)                                                             \
+    for (int64_t i_ = 0; i_ < (d); i_++) (dst)[i_] = LOAD((src)[i_])
+
 #define MAX_D 256
 #define MAX_GQA 16
 
@@ -65,7 +69,7 @@ static inline uint16_t f32_to_bf16(float f) {
             for (int64_t l = 0; l < n; l++) {                                                   \
                 const T *kr = kb + l * k_sl;                                                    \
                 float kf[MAX_D];                                                                \
-                for (int64_t i = 0; i < d; i++) kf[i] = LOAD(kr[i]);                            \
+                LOAD_ROW(kf, kr, d, LOAD);                                                      \
                 for (int64_t g = 0; g < gqa; g++) {                                             \
                     float dot = 0.0f;                                                           \
                     _Pragma("omp simd reduction(+ : dot)")                                     \
@@ -88,7 +92,7 @@ static inline uint16_t f32_to_bf16(float f) {
             for (int64_t l = 0; l < n; l++) {                                                   \
                 const T *vr = vb + l * v_sl;                                                    \
                 float vf[MAX_D];                                                                \
-                for (int64_t i = 0; i < d; i++) vf[i] = LOAD(vr[i]);                            \
+                LOAD_ROW(vf, vr, d, LOAD);                                                      \
                 for (int64_t g = 0; g < gqa; g++) {                                             \
                     const float p = s[g * n + l];                                            \
                     _Pragma("omp simd")                                                         \
