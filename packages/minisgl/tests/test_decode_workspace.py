@@ -43,4 +43,4 @@ def test_workspace_budget_falls_back_to_gather(tiny_model_dir, monkeypatch):
     out = llm.generate(random_prompts(2, 10, 20, seed=3), GREEDY)
     assert [len(o["token_ids"]) for o in out] == [16, 16]
     ws = llm.engine.backend.workspace
-    assert ws.appends == ws.rebuilds == 0 and not ws.k
+    assert ws.appends == ws.rebuilds == 0 and ws.k is None

@@ -34,8 +34,10 @@ class DecodeWorkspace:
         self.num_layers, self.kvh, self.d = num_layers, num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
         self.elt = torch.empty(0, dtype=dtype).element_size()
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
+        # [layers, bs, KVH, capacity, D] each (one tensor: a compiled graph guards its shape
+        # once, not once per layer); None while no batch is kept
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
         self.slots: np.ndarray | None = None
         self.lens: np.ndarray | None = None
         self.rebuilds = self.appends = 0
@@ -50,7 +52,8 @@ class DecodeWorkspace:
             self.slots is not None
             and np.array_equal(slots, self.slots)
             and np.array_equal(seq_lens, self.lens + 1)
-            and lmax <= self.k[0].shape[2]
+            and self.k is not None
+            and lmax <= self.k.shape[3]
         ):
             self.lens = seq_lens.copy()
             self.appends += 1
@@ -60,13 +63,13 @@ class DecodeWorkspace:
         cap = min(lmax + GROW, fits)
         if cap < lmax + MIN_GROW:
             self.invalidate()
-            self.k, self.v = [], []
+            self.k = self.v = None
             return None
-        if not self.k or self.k[0].shape[0] != bs or self.k[0].shape[2] < lmax + MIN_GROW:
-            shape = (bs, self.kvh, cap, self.d)  # zeros: positions never written stay finite
-            self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                      for _ in range(self.num_layers)]  # fmt: skip
-            self.v = [torch.zeros_like(t) for t in self.k]
+        if self.k is None or self.k.shape[1] != bs or self.k.shape[3] < lmax + MIN_GROW:
+            # zeros: positions never written stay finite
+            shape = (self.num_layers, bs, self.kvh, cap, self.d)
+            self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.v = torch.zeros_like(self.k)
         self.slots, self.lens = slots.copy(), seq_lens.copy()
         self.rebuilds += 1
         return "rebuild"

@@ -264,6 +264,8 @@ class TorchNativeBackend(AttentionBackend):
         lmax = meta.kv_mask.shape[-1]
         ws = self.workspace
         native = self.native_decode and q.dtype == k_cache.dtype
+        if meta.ws_mode is not None:
+            assert ws.k is not None and ws.v is not None
         if meta.ws_mode == "append":
             rows = torch.arange(bs, device=q.device)
             ws.k[layer][rows, :, meta.ws_pos] = k

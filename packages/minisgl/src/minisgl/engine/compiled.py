@@ -16,7 +16,8 @@ elementwise ops into a few C++ loops and calls the matmuls and SDPA directly:
   one process (another size, another quantization), since
 - guards on module attributes are skipped: the weights never change after load, and
   checking ~400 tensors per call cost ~0.7 ms a step. Guards on the step's own inputs (shapes,
-  the attention metadata) stay.
+  the attention metadata) stay; the KV pool's tensors are static (dynamic, each of its 2 x
+  layers tensors added its own symbolic-shape guards, evaluated in Python every step).
 Prefill stays eager: its shapes vary too much to pay for a compile, and it is GEMM-bound; so
 does a decode step the attention backend does not mark `compiles` (torch-native: a batch over
 the decode workspace budget, which gathers its KV every step). `LLM` compiles the graphs at
@@ -71,7 +72,16 @@ class CompiledDecode:
     calls, `graphs` maps each key (1 or 2 for batch 1 or more, the backend's key) to its
     compiled function."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        static: tuple[torch.Tensor, ...] = (),
+    ) -> None:
+        """`static`: tensors a step reads whose shapes never change (the KV pool's): their
+        shapes are constants of the graph, not symbols with guards checked every step."""
+        for t in static:
+            torch._dynamo.mark_static(t)
         self.model = model
         self.options = _options(model, device)
         self.graphs: dict[tuple[int, Hashable], Callable[..., torch.Tensor]] = {}

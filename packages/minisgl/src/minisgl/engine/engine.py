@@ -85,7 +85,9 @@ class Engine:
         self.stager = PlanStager(self.device)
         self.graphs: GraphRunner | None = self._graph_runner(config)
         self.compiled = (
-            CompiledDecode(self.model, self.device) if config.enable_torch_compile else None
+            CompiledDecode(self.model, self.device, static=(*self.pool.k, *self.pool.v))
+            if config.enable_torch_compile
+            else None
         )
         # a compiled forward cannot run under inference_mode (see engine/compiled.py)
         self._grad_mode = torch.no_grad if self.compiled is not None else torch.inference_mode
