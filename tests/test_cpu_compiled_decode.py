@@ -159,8 +159,8 @@ def test_a_long_decode_compiles_nothing_and_each_graph_has_its_own_cache(tmp_pat
     then a rebuild) runs on the graphs compiled at start: no compile mid-serving (a full
     workspace read as a contiguous view once compiled a fifth graph). Each step kind (batch 1
     or more x workspace rebuild / append) has a dynamo cache of its own holding one graph, so a
-    step checks one set of guards (guards of the other graphs, checked first, cost ~20% of the
-    embedded model's single-stream step)."""
+    step checks one set of guards (with one shared cache, the guards of the other graphs were
+    checked first)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     path = write_tiny_model("llama", tmp_path / "m", seed=2)

@@ -266,10 +266,14 @@ class TorchNativeBackend(AttentionBackend):
         native = self.native_decode and q.dtype == k_cache.dtype
         if meta.ws_mode is not None:
             assert ws.k is not None and ws.v is not None
+        # the workspace is written by index_put_ on its [layers, ...] tensors themselves:
+        # written through a layer's view, a compiled graph copied the layer's whole block
+        # (functionalized as a select_scatter) on every step, ~75 us a layer at batch 1
+        at = torch.full((), layer, dtype=torch.long, device=q.device)
         if meta.ws_mode == "append":
             rows = torch.arange(bs, device=q.device)
-            ws.k[layer][rows, :, meta.ws_pos] = k
-            ws.v[layer][rows, :, meta.ws_pos] = v
+            torch.ops.aten.index_put_(ws.k, [at, rows, None, meta.ws_pos], k)
+            torch.ops.aten.index_put_(ws.v, [at, rows, None, meta.ws_pos], v)
             # the kernel takes the whole workspace and reads each request's length (a view of
             # lmax positions turns contiguous once lmax reaches the capacity, and a compiled
             # graph specialises on that: a compile mid-serving)
@@ -280,9 +284,10 @@ class TorchNativeBackend(AttentionBackend):
             assert meta.kv_index is not None
             ks = _gather(k_cache, meta.kv_index).transpose(1, 2)  # [bs, KVH, L, D]
             vs = _gather(v_cache, meta.kv_index).transpose(1, 2)
-            if meta.ws_mode == "rebuild":
-                ws.k[layer][:, :, :lmax] = ks
-                ws.v[layer][:, :, :lmax] = vs
+            if meta.ws_mode == "rebuild":  # positions [0, lmax) of every request
+                pos = torch.arange(lmax, device=q.device)
+                torch.ops.aten.index_put_(ws.k, [at, None, None, pos], ks.permute(2, 0, 1, 3))
+                torch.ops.aten.index_put_(ws.v, [at, None, None, pos], vs.permute(2, 0, 1, 3))
         qs = q.view(bs, kvh, gqa, d)
         if native:
             window = self.sliding_window or 0

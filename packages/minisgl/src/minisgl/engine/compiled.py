@@ -11,13 +11,16 @@ elementwise ops into a few C++ loops and calls the matmuls and SDPA directly:
   torch-native workspace rebuilding or appending);
 - each key compiles its own copy of the code object that calls the model. Dynamo keeps its
   compiled entries on the code object and checks them in turn, newest first: with one shared
-  cache, a batch-1 step checked the guards of the batch-2 graphs before its own (~20% of the
-  embedded model's single-stream int4 step). Own code objects also keep apart the models of
-  one process (another size, another quantization), since
-- guards on module attributes are skipped: the weights never change after load, and
-  checking ~400 tensors per call cost ~0.7 ms a step. Guards on the step's own inputs (shapes,
-  the attention metadata) stay; the KV pool's tensors are static (dynamic, each of its 2 x
-  layers tensors added its own symbolic-shape guards, evaluated in Python every step).
+  cache, a batch-1 step first checked the guards of the batch-2 graphs. Own code objects also
+  keep the models of one process apart (another size, another quantization), which the guards
+  could not tell apart, because
+- guards on module attributes are skipped: the weights never change after load, and checking
+  ~400 tensors per call cost ~0.7 ms a step. Guards on the step's own inputs (shapes, the
+  attention metadata) stay; the KV pool's tensors are static (dynamic, each of its 2 x layers
+  tensors added symbolic-shape guards, evaluated in Python every step);
+- the graphs write the KV pool and the decode workspace in place, by index_put_ on the graph's
+  input tensors: a write through a view of an input is functionalized into a scatter of the
+  whole tensor (`attention/torch_native.py`).
 Prefill stays eager: its shapes vary too much to pay for a compile, and it is GEMM-bound; so
 does a decode step the attention backend does not mark `compiles` (torch-native: a batch over
 the decode workspace budget, which gathers its KV every step). `LLM` compiles the graphs at

@@ -112,24 +112,33 @@ def available(dtype: torch.dtype) -> bool:
     return dtype in _DTYPES and _library() is not None
 
 
-@torch.library.custom_op("minisgl::cpu_decode_attention", mutates_args=())
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, window: int
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v for q [bs, KVH, gqa, D] over k, v [bs, KVH, L, D] (any
     strides, D contiguous), request b seeing positions [max(0, lens[b] - window), lens[b])
     (window <= 0: all of them); out [bs, KVH, gqa, D], q's dtype. `available(dtype)` first."""
+    return torch.ops.minisgl.cpu_decode_attention(q, k, v, lens, window)
+
+
+def _decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, window: int
+) -> torch.Tensor:
     lib = _library()
     assert lib is not None and q.device.type == "cpu"
     q = q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    v = v if v.stride(-1) == 1 else v.contiguous()
-    lens = lens.to(torch.int64).contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    if lens.dtype != torch.int64 or not lens.is_contiguous():
+        lens = lens.to(torch.int64).contiguous()
     bs, kvh, gqa, d = q.shape
+    ks, vs = k.stride(), v.stride()
     out = torch.empty_like(q)
     rc = getattr(lib, _DTYPES[q.dtype])(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lens.data_ptr(),
-        bs, kvh, gqa, d, k.shape[2], *k.stride()[:3], *v.stride()[:3],
+        bs, kvh, gqa, d, k.shape[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
         window, d**-0.5, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
@@ -137,6 +146,15 @@ def decode_attention(
     return out
 
 
-@decode_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, window: int):
+def _decode_attention_meta(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, window: int
+) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+# a plain operator, not `torch.library.custom_op`: a decode step calls it once per layer, and
+# the custom-op wrapper cost ~11 us a call (a raw call at batch 1 takes ~8)
+_LIB = torch.library.Library("minisgl", "FRAGMENT")
+_LIB.define("cpu_decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, int window) -> Tensor")
+_LIB.impl("cpu_decode_attention", _decode_attention, "CPU")
+_LIB.impl("cpu_decode_attention", _decode_attention_meta, "Meta")
