@@ -186,6 +186,28 @@ def test_a_long_decode_compiles_nothing_and_each_graph_has_its_own_cache(tmp_pat
     assert_kv_clean(llm)
 
 
+def test_no_decode_graph_guards_module_state(tmp_path):
+    """Every decode graph skips the guards on the model's modules (the weights never change
+    after load; checking them cost ~0.7 ms a step on the embedded model), not only the first
+    one compiled: `torch.compile` pops `guard_filter_fn` out of the options dict it is given,
+    so a shared dict left the later graphs with ~150 module guards per layer."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    def code_parts(manager) -> list[str]:
+        parts = [p for g in manager.get_leaf_guards() for p in g.verbose_code_parts()]
+        return parts + [p for c in manager.get_child_managers() for p in code_parts(c)]
+
+    path = write_tiny_model("llama", tmp_path / "m", seed=7)
+    llm = LLM(path, dtype="float32", enable_torch_compile=True, **SMALL)
+    compiled = llm.engine.compiled
+    assert compiled is not None and len(compiled.graphs) == 4
+    for key, fn in compiled.graphs.items():
+        (entry,) = _debug_get_cache_entry_list(fn._torchdynamo_orig_callable.__code__)
+        parts = code_parts(entry.guard_manager.root)
+        on_modules = [p for p in parts if "_modules[" in p or "_parameters" in p]
+        assert parts and not on_modules, f"graph {key} guards module state: {on_modules[:2]}"
+
+
 def test_compiled_decode_writes_only_the_new_kv_into_the_workspace(tmp_path, monkeypatch):
     """A compiled decode step writes the new token's K / V into the decode workspace in place.
     Written through a layer's view (`ws.k[layer][rows, :, pos] = k`), the graph was
