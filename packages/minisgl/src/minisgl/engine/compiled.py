@@ -102,7 +102,8 @@ class CompiledDecode:
         key = (min(input_ids.shape[0], 2), backend.graph_key(meta))
         fn = self.graphs.get(key)
         if fn is None:
-            fn = torch.compile(_own_call(self.model), dynamic=True, options=self.options)
+            # a copy: torch.compile pops `guard_filter_fn` out of the dict it is given
+            fn = torch.compile(_own_call(self.model), dynamic=True, options=dict(self.options))
             self.graphs[key] = fn
         self.steps += 1
         with torch._inductor.config.patch(_FREEZING), fx_config.patch(_SHAPES):
