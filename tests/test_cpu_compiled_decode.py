@@ -208,7 +208,7 @@ def test_no_decode_graph_guards_module_state(tmp_path):
         assert parts and not on_modules, f"graph {key} guards module state: {on_modules[:2]}"
 
 
-def test_compiled_decode_writes_only_the_new_kv_into_the_workspace(tmp_path, monkeypatch):
+def test_compiled_decode_writes_only_the_new_kv_into_the_workspace(tmp_path):
     """A compiled decode step writes the new token's K / V into the decode workspace in place.
     Written through a layer's view (`ws.k[layer][rows, :, pos] = k`), the graph was
     functionalized into a select_scatter / slice_scatter of the whole [layers, bs, KVH, cap, D]
@@ -224,9 +224,11 @@ def test_compiled_decode_writes_only_the_new_kv_into_the_workspace(tmp_path, mon
     def record(graph) -> None:
         ops.append(collections.Counter(str(n.target) for n in graph.nodes))
 
-    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", record)
     path = write_tiny_model("llama", tmp_path / "m", seed=5)
-    llm = LLM(path, dtype="float32", enable_torch_compile=True, **SMALL)
+    # config.patch, not monkeypatch: monkeypatch's undo deletes the option from inductor's
+    # config module, breaking every later compile in the process
+    with inductor_config.patch(post_grad_custom_post_pass=record):
+        llm = LLM(path, dtype="float32", enable_torch_compile=True, **SMALL)
     assert len(ops) == 4, "the start compiles the four decode graphs"
     for counted in ops:
         scatters = {op: n for op, n in counted.items() if "scatter" in op}

@@ -266,10 +266,10 @@ class TorchNativeBackend(AttentionBackend):
         native = self.native_decode and q.dtype == k_cache.dtype
         if meta.ws_mode is not None:
             assert ws.k is not None and ws.v is not None
-        # the workspace is written by index_put_ on its [layers, ...] tensors themselves:
-        # written through a layer's view, a compiled graph copied the layer's whole block
-        # (functionalized as a select_scatter) on every step, ~75 us a layer at batch 1
-        at = torch.full((), layer, dtype=torch.long, device=q.device)
+            # the workspace is written by index_put_ on its [layers, ...] tensors themselves:
+            # written through a layer's view, a compiled graph copied the layer's whole block
+            # (functionalized as a select_scatter) on every step, ~75 us a layer at batch 1
+            at = torch.full((), layer, dtype=torch.long, device=q.device)
         if meta.ws_mode == "append":
             rows = torch.arange(bs, device=q.device)
             torch.ops.aten.index_put_(ws.k, [at, rows, None, meta.ws_pos], k)
