@@ -121,20 +121,21 @@ class LLM:
         self.last_logprobs: dict[int, TokenLogprob] = {}  # rid -> the last step's logprobs
         self.last_errors: dict[int, str] = {}  # rid -> why the last step failed it
         if getattr(self.engine, "compiled", None) is not None:
-            self._compile_decode()
+            self._compile_graphs()
 
-    def _compile_decode(self) -> None:
-        """Compile the decode graphs before the first request (a compile mid-serving stalls
-        every running request, for a minute or more on a CPU): batch sizes 1 and 2 (batch 1
-        is specialised), each with the decode workspace rebuilt and appended to: the four
-        graphs of `CompiledDecode`."""
+    def _compile_graphs(self) -> None:
+        """Compile the graphs before the first request (a compile mid-serving stalls every
+        running request, for a minute or more on a CPU): batch sizes 1 and 2 (batch 1 is
+        specialised), each with the decode workspace rebuilt and appended to: the four decode
+        graphs of `CompiledDecode`; the first prefill compiles `CompiledPrefill`'s two pieces
+        (dynamic in the token count: every later length runs on them)."""
         t0 = time.perf_counter()
         vocab = self.engine.model_config.vocab_size
         prompt = [i % vocab for i in range(1, 9)]
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         self.generate([prompt], params)
         self.generate([prompt, prompt[::-1]], params)
-        logger.info("decode graphs compiled in %.1f s", time.perf_counter() - t0)
+        logger.info("graphs compiled in %.1f s", time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ input
     def encode(self, prompt: Prompt) -> list[int]:

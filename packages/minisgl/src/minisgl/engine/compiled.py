@@ -21,10 +21,19 @@ elementwise ops into a few C++ loops and calls the matmuls and SDPA directly:
 - the graphs write the KV pool and the decode workspace in place, by index_put_ on the graph's
   input tensors: a write through a view of an input is functionalized into a scatter of the
   whole tensor (`attention/torch_native.py`).
-Prefill stays eager: its shapes vary too much to pay for a compile, and it is GEMM-bound; so
-does a decode step the attention backend does not mark `compiles` (torch-native: a batch over
-the decode workspace budget, which gathers its KV every step). `LLM` compiles the graphs at
-start (`LLM._compile_decode`), so serving never stalls on a compile.
+A decode step the attention backend does not mark `compiles` runs eager (torch-native: a batch
+over the decode workspace budget, which gathers its KV every step).
+
+Prefill runs piecewise (`CompiledPrefill`, CPU only): each layer's two pieces around attention
+(`DecoderLayer.pre_attention`: norm, QKV, RoPE; `post_attention`: o_proj, residual, norm, MLP)
+are compiled with the token count dynamic, and attention stays eager (its per-request groups
+and masks change with every step's mix of lengths). The pieces take the layer as an input,
+module guards skipped, and are not frozen: the weights are graph inputs, so one pair of graphs
+serves every layer (the layers of a model are alike) and every length (a one-token prefill runs eager: a count of 1 would
+specialise). Measured on many-short's 4096-token step (bf16, 2 threads, AMX): 1.85 -> 1.04 s,
+the eager norms, RoPE, SiLU and casts having taken ~0.9 s beside ~0.43 s of GEMMs.
+`LLM` compiles all the graphs at start (`LLM._compile_graphs`), so serving never stalls on a
+compile.
 
 The compiled forward must not run under `inference_mode` (AOT autograd cannot view inference
 tensors): the engine runs its steps under `no_grad` when compile is on.
@@ -118,5 +127,58 @@ def _own_call(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
     def decode(*args: Any) -> torch.Tensor:
         return model(*args)
 
-    return types.FunctionType(decode.__code__.replace(), decode.__globals__, decode.__name__,
-                              decode.__defaults__, decode.__closure__)  # fmt: skip
+    return _own_code(decode)
+
+
+def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` behind a copy of its code object: dynamo keeps its compiled entries on the code
+    object, and with module guards skipped the graphs of another model (another
+    architecture: no q / k norms) would otherwise pass the guards of this one."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                              fn.__defaults__, fn.__closure__)  # fmt: skip
+
+
+# a one-token prefill would specialise the dynamic token count (0 / 1 specialisation)
+PREFILL_MIN_TOKENS = 2
+
+
+class CompiledPrefill:
+    """A prefill step's layers as two compiled pieces each around eager attention (see the
+    module docstring); used as `model(..., run_layer=compiled_prefill)`. `steps` counts the
+    steps run through it."""
+
+    def __init__(self) -> None:
+        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        # each its own options dict: torch.compile pops `guard_filter_fn` out of it
+        # own code objects: a cache of this model's graphs only (see `_own_code`)
+        pre, post = _own_code(_pre_attention), _own_code(_post_attention)
+        self.pre = torch.compile(pre, dynamic=True, options=dict(options))
+        self.post = torch.compile(post, dynamic=True, options=dict(options))
+        self.steps = 0
+        logger.info("prefill layers run through torch.compile, piecewise around attention")
+
+    def runs(self, num_tokens: int) -> bool:
+        return num_tokens >= PREFILL_MIN_TOKENS
+
+    def __call__(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        meta: Any,
+    ) -> torch.Tensor:
+        if layer.self_attn.layer_id == 0:
+            self.steps += 1
+        with fx_config.patch(_SHAPES):
+            q, k, v = self.pre(layer, x, cos_sin)
+            attn = backend.forward(layer.self_attn.layer_id, q, k, v, meta)
+            return self.post(layer, x, attn)
+
+
+def _pre_attention(layer: Any, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+    return layer.pre_attention(x, cos_sin)
+
+
+def _post_attention(layer: Any, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    return layer.post_attention(x, attn)

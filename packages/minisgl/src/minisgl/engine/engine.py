@@ -13,7 +13,7 @@ import torch
 
 from minisgl.attention import create_backend
 from minisgl.config import EngineConfig, ModelConfig
-from minisgl.engine.compiled import CompiledDecode
+from minisgl.engine.compiled import CompiledDecode, CompiledPrefill
 from minisgl.engine.graph_runner import GraphRunner, make_graph_runner, resolve_runner
 from minisgl.engine.memory import (
     plan_num_pages,
@@ -89,6 +89,11 @@ class Engine:
             if config.enable_torch_compile
             else None
         )
+        # prefill layers compiled around attention: CPU only (inductor's CPU code is what the
+        # tests and benchmarks exercise)
+        self.compiled_prefill = (
+            CompiledPrefill() if config.enable_torch_compile and self.device.type == "cpu" else None
+        )
         # a compiled forward cannot run under inference_mode (see engine/compiled.py)
         self._grad_mode = torch.no_grad if self.compiled is not None else torch.inference_mode
 
@@ -118,9 +123,14 @@ class Engine:
 
     def _forward(self, plan: StepPlan, staged: DevicePlan) -> torch.Tensor:
         meta = self.backend.prepare(plan, staged)
-        compiled = self.compiled is not None and not plan.is_prefill and self.backend.compiles(meta)
-        model = self.compiled if compiled else self.model
-        return model(staged.input_ids, staged.positions, staged.logits_indices, self.backend, meta)
+        args = (staged.input_ids, staged.positions, staged.logits_indices, self.backend, meta)
+        if plan.is_prefill:
+            prefill = self.compiled_prefill
+            if prefill is not None and prefill.runs(plan.num_tokens):
+                return self.model(*args, run_layer=prefill)
+            return self.model(*args)
+        compiled = self.compiled is not None and self.backend.compiles(meta)
+        return (self.compiled if compiled else self.model)(*args)
 
     def sample_on_device(
         self,

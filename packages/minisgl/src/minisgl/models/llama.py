@@ -5,6 +5,7 @@ Parameter names equal HF's, so checkpoints load tensor by tensor without renamin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,13 +53,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        backend: Any,
-        meta: Any,
-    ) -> torch.Tensor:
+    def qkv(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, KVH, D] of the normed input x, q and k rotated."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -67,7 +65,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, cos_sin)
-        return self.o_proj(backend.forward(self.layer_id, q, k, v, meta))
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -91,9 +89,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos_sin, backend, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, backend, meta)
+    # the layer in two pieces around attention (`engine/compiled.py` compiles each for prefill)
+    def pre_attention(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.self_attn.qkv(self.input_layernorm(x), cos_sin)
+
+    def post_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x plus the attention output [T, H * D] projected, plus the MLP of that."""
+        x = x + self.self_attn.o_proj(attn)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x, cos_sin, backend, meta):
+        q, k, v = self.pre_attention(x, cos_sin)
+        return self.post_attention(x, backend.forward(self.self_attn.layer_id, q, k, v, meta))
 
 
 class DecoderModel(nn.Module):
@@ -123,11 +132,17 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,
         backend: Any,
         meta: Any,
+        run_layer: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """`run_layer(layer, x, cos_sin, backend, meta)` in place of `layer(...)`: the
+        compiled prefill (`engine/compiled.py`)."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary(positions)
         for layer in self.model.layers:
-            x = layer(x, cos_sin, backend, meta)
+            if run_layer is None:
+                x = layer(x, cos_sin, backend, meta)
+            else:
+                x = run_layer(layer, x, cos_sin, backend, meta)
         x = self.model.norm(x[logits_indices])
         return self.lm_head(x).float()
 
