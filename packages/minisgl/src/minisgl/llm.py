@@ -18,6 +18,7 @@ from minisgl.scheduler.factory import make_scheduler
 from minisgl.scheduler.request import StepOutput
 from minisgl.utils.log import get_logger
 
+
 logger = get_logger(__name__)
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
@@ -127,12 +128,19 @@ class LLM:
         """Compile the graphs before the first request (a compile mid-serving stalls every
         running request, for a minute or more on a CPU): batch sizes 1 and 2 (batch 1 is
         specialised), each with the decode workspace rebuilt and appended to: the four decode
-        graphs of `CompiledDecode`; the first prefill compiles `CompiledPrefill`'s two pieces
-        (dynamic in the token count: every later length runs on them)."""
+        graphs of `CompiledDecode`; a first prefill of `PREFILL_HINT_TOKENS` compiles
+        `CompiledPrefill`'s two pieces (dynamic in the token count: every later length runs
+        on them)."""
+        from minisgl.engine.compiled import PREFILL_HINT_TOKENS
+
         t0 = time.perf_counter()
         vocab = self.engine.model_config.vocab_size
         prompt = [i % vocab for i in range(1, 9)]
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        if self.engine.compiled_prefill is not None:  # a prefill alone: no decode step
+            n = min(PREFILL_HINT_TOKENS, self.engine.max_seq_len - 8)
+            one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+            self.generate([[i % vocab for i in range(1, n + 1)]], one)
         self.generate([prompt], params)
         self.generate([prompt, prompt[::-1]], params)
         logger.info("graphs compiled in %.1f s", time.perf_counter() - t0)
