@@ -18,7 +18,6 @@ from minisgl.scheduler.factory import make_scheduler
 from minisgl.scheduler.request import StepOutput
 from minisgl.utils.log import get_logger
 
-
 logger = get_logger(__name__)
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
