@@ -28,11 +28,14 @@ class DecodeWorkspace:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        zero_fill: bool = True,
     ) -> None:
+        """`zero_fill`: positions never written must be finite (SDPA reads every position up
+        to the longest request under a mask; the C kernel reads each request's own only)."""
         mb = int(os.environ.get("MINISGL_DECODE_WORKSPACE_MB", DEFAULT_BUDGET_MB))
         self.budget = mb << 20
         self.num_layers, self.kvh, self.d = num_layers, num_kv_heads, head_dim
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.zero_fill = dtype, device, zero_fill
         self.elt = torch.empty(0, dtype=dtype).element_size()
         # [layers, bs, KVH, capacity, D] each (one tensor: a compiled graph guards its shape
         # once, not once per layer); None while no batch is kept
@@ -66,10 +69,11 @@ class DecodeWorkspace:
             self.k = self.v = None
             return None
         if self.k is None or self.k.shape[1] != bs or self.k.shape[3] < lmax + MIN_GROW:
-            # zeros: positions never written stay finite
             shape = (self.num_layers, bs, self.kvh, cap, self.d)
-            self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.v = torch.zeros_like(self.k)
+            self.k = self.v = None  # the old blocks go before the new ones come
+            new = torch.zeros if self.zero_fill else torch.empty
+            self.k = new(shape, dtype=self.dtype, device=self.device)
+            self.v = new(shape, dtype=self.dtype, device=self.device)
         self.slots, self.lens = slots.copy(), seq_lens.copy()
         self.rebuilds += 1
         return "rebuild"

@@ -89,11 +89,11 @@ class TorchNativeBackend(AttentionBackend):
         super().__init__(*args, **kwargs)
         pool = self.pool
         dtype = pool.k[0].dtype
-        self.workspace = DecodeWorkspace(len(pool.k), self.num_kv_heads, self.head_dim, dtype,
-                                         self.device)  # fmt: skip
         # decode on a CPU: the C kernel (cpu_native) instead of SDPA, which spends its time per
         # (request, head) block on a few query rows
         self.native_decode = self.device.type == "cpu" and cpu_native.available(dtype)
+        self.workspace = DecodeWorkspace(len(pool.k), self.num_kv_heads, self.head_dim, dtype,
+                                         self.device, zero_fill=not self.native_decode)  # fmt: skip
         self.prefill_bmm_rows = 0  # prefill tokens attended one request at a time (bmm)
 
     def prepare(self, plan: StepPlan, staged: DevicePlan | None = None) -> _Meta:
@@ -262,6 +262,8 @@ class TorchNativeBackend(AttentionBackend):
         native = self.native_decode and q.dtype == k_cache.dtype
         if meta.ws_mode is not None:
             assert ws.k is not None and ws.v is not None
+            # SDPA reads positions no request wrote: only a zero-filled workspace has them finite
+            assert native or ws.zero_fill, "SDPA decode over a workspace that is not zero-filled"
             # the workspace is written by index_put_ on its [layers, ...] tensors themselves:
             # written through a layer's view, a compiled graph copied the layer's whole block
             # (functionalized as a select_scatter) on every step, ~75 us a layer at batch 1
