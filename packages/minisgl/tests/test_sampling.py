@@ -245,34 +245,3 @@ def test_both_scheduler_backends_sample_the_same_tokens(tiny_model_dir, monkeypa
         outs[backend] = [[o["token_ids"] for o in r["outputs"]] for r in res]
         assert llm.scheduler.stats.cached_prompt_tokens >= 2 * (len(res[0]["outputs"]) - 1)
     assert outs["python"] == outs["rust_hotpath"]
-
-
-def test_bad_rows_are_those_with_a_nan_a_posinf_or_nothing_above_neginf():
-    """The one-pass check (a row's max is finite) flags exactly the rows the three-pass
-    definition does, greedy and on device, with biases and min_tokens pushing rows to -inf."""
-    from minisgl.sampler import greedy_device, sample_on_device
-
-    x = logits(8, seed=3)
-    x[1, 7] = float("nan")
-    x[2, 9] = float("inf")
-    x[3] = float("-inf")  # nothing above -inf
-    x[4, :] = float("-inf")
-    x[4, 11] = float("nan")
-    x[5, 13] = float("-inf")  # one -inf: a good row
-    x[6] = float("-inf")
-    x[6, 2] = 1.0  # -inf but one: a good row whose argmax is 2
-    x[7, 5] = float("inf")
-    x[7, 6] = float("nan")
-    want_bad = [False, True, True, True, True, False, False, True]
-    tokens, bad = greedy_device(x)
-    assert bad.tolist() == want_bad
-    good = [i for i, b in enumerate(want_bad) if not b]
-    assert tokens[good].tolist() == x[good].argmax(-1).tolist() and int(tokens[6]) == 2
-    rows = [Row(SamplingParams()) for _ in range(8)]
-    top2 = x[0].topk(2)
-    gap = float(top2.values[0] - top2.values[1])
-    assert gap < 100
-    rows[0] = Row(SamplingParams(logit_bias={int(top2.indices[0]): -100}))
-    out = sample_on_device(x, rows)
-    assert out.bad.tolist() == want_bad
-    assert int(out.tokens[0]) == int(top2.indices[1])  # the bias moved the argmax

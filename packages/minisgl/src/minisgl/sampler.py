@@ -173,15 +173,9 @@ def is_plain_greedy(rows: Sequence[SampleRow]) -> bool:
 
 def greedy_device(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Argmax and the bad-row flag of raw logits (device ops only: graph-capturable)."""
-    return _argmax_and_bad(logits.float())
-
-
-def _argmax_and_bad(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's argmax, and whether the row is bad (a NaN or +inf, or nothing above -inf), in
-    one pass: max propagates NaN, so a row's max is finite exactly when the row is good
-    (argmax and three any() passes took 16 ms at [128, 49152] on 2 threads, this 1.6)."""
-    vals, tokens = x.max(dim=-1)
-    return tokens, ~torch.isfinite(vals)
+    raw = logits.float()
+    bad = torch.isnan(raw).any(dim=-1) | torch.isposinf(raw).any(dim=-1)
+    return torch.argmax(raw, dim=-1), bad | ~(raw > float("-inf")).any(dim=-1)
 
 
 def sample_on_device(
@@ -227,9 +221,9 @@ def sample_on_device(
             _host([params[i].repetition_penalty for i in pen], torch.float32, dev),
         )
         x = x.index_copy(0, idx, sub)
-    # x is raw with biases (finite or -inf) and penalties applied: a NaN or +inf of raw stays
-    # a NaN or +inf of x
-    tokens, bad = _argmax_and_bad(x)
+    tokens = torch.argmax(x, dim=-1)
+    bad = torch.isnan(raw).any(dim=-1) | torch.isposinf(raw).any(dim=-1)
+    bad |= ~(x > float("-inf")).any(dim=-1)
     rand = [i for i, p in enumerate(params) if not p.is_greedy]
     if rand:
         idx = _host(rand, torch.int64, dev)
