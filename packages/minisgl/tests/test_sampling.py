@@ -245,3 +245,62 @@ def test_both_scheduler_backends_sample_the_same_tokens(tiny_model_dir, monkeypa
         outs[backend] = [[o["token_ids"] for o in r["outputs"]] for r in res]
         assert llm.scheduler.stats.cached_prompt_tokens >= 2 * (len(res[0]["outputs"]) - 1)
     assert outs["python"] == outs["rust_hotpath"]
+
+
+def test_bad_rows_are_a_nan_or_posinf_of_the_raw_logits_or_nothing_above_neginf():
+    """A bad row has a NaN or +inf among its raw logits, or nothing above -inf once biases and
+    penalties apply; +inf made by a penalty from finite logits is a good row's argmax (a
+    repetition penalty of 5e-324 divides a positive logit into +inf)."""
+    from minisgl.sampler import greedy_device, sample_on_device
+
+    x = logits(9, seed=3)
+    x[1, 7] = float("nan")
+    x[2, 9] = float("inf")
+    x[3] = float("-inf")  # nothing above -inf
+    x[4, :] = float("-inf")
+    x[4, 11] = float("nan")
+    x[5, 13] = float("-inf")  # one -inf: a good row
+    x[6] = float("-inf")
+    x[6, 2] = 1.0  # -inf but one: a good row whose argmax is 2
+    x[7, 5] = float("inf")
+    x[7, 6] = float("nan")
+    x[8, 1] = abs(float(x[8, 1])) + 0.5  # prompt token 1 is positive: 1 / 5e-324 is +inf
+    want_bad = [False, True, True, True, True, False, False, True, False]
+    tokens, bad = greedy_device(x)
+    assert bad.tolist() == want_bad
+    good = [i for i, b in enumerate(want_bad) if not b]
+    assert tokens[good].tolist() == x[good].argmax(-1).tolist() and int(tokens[6]) == 2
+    rows = [Row(SamplingParams()) for _ in range(9)]
+    top2 = x[0].topk(2)
+    assert float(top2.values[0] - top2.values[1]) < 100
+    rows[0] = Row(SamplingParams(logit_bias={int(top2.indices[0]): -100}))
+    rows[8] = Row(SamplingParams(repetition_penalty=5e-324))
+    out = sample_on_device(x, rows)
+    assert out.bad.tolist() == want_bad
+    assert int(out.tokens[0]) == int(top2.indices[1])  # the bias moved the argmax
+    assert int(out.tokens[8]) == 1  # the penalised +inf
+    plain = sample_on_device(x, [Row(SamplingParams()) for _ in range(9)])
+    assert plain.bad.tolist() == want_bad and plain.tokens[good].tolist() == tokens[good].tolist()
+
+
+def test_bf16_logits_sample_as_their_fp32_widening():
+    """Logits stay in the model's dtype until arithmetic needs fp32: every kind of row samples
+    the same tokens, bad rows and logprobs from bf16 logits as from the same values in fp32."""
+    from minisgl.sampler import sample_on_device
+
+    x = logits(6, seed=5).to(torch.bfloat16)
+    x[5, 3] = float("nan")
+    params = [
+        SamplingParams(),
+        SamplingParams(logit_bias={int(x[1].float().argmax()): -100}),
+        SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5),
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=11),
+        SamplingParams(logprobs=3, min_tokens=2, stop_token_ids=[4]),
+        SamplingParams(),
+    ]
+    rows = [Row(p, output_ids=[4, 4]) if i == 2 else Row(p) for i, p in enumerate(params)]
+    got, want = sample_on_device(x, rows), sample_on_device(x.float(), rows)
+    assert got.tokens.tolist() == want.tokens.tolist()
+    assert got.bad.tolist() == want.bad.tolist() == [False] * 5 + [True]
+    torch.testing.assert_close(got.lp_vals, want.lp_vals)
+    assert got.tokens.dtype == torch.int64
