@@ -173,9 +173,8 @@ def is_plain_greedy(rows: Sequence[SampleRow]) -> bool:
 
 def greedy_device(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Argmax and the bad-row flag of raw logits (device ops only: graph-capturable)."""
-    raw = logits.float()
-    bad = torch.isnan(raw).any(dim=-1) | torch.isposinf(raw).any(dim=-1)
-    return torch.argmax(raw, dim=-1), bad | ~(raw > float("-inf")).any(dim=-1)
+    top, tokens = logits.max(dim=-1)
+    return tokens, ~torch.isfinite(top)
 
 
 def sample_on_device(
@@ -184,7 +183,8 @@ def sample_on_device(
     """`sample` without reading anything back: the tokens stay on the logits' device."""
     vocab = logits.shape[-1]
     dev = logits.device
-    raw = logits.float()
+    raw = logits  # the model's dtype: widened only where arithmetic follows (the argmax and the
+    # bad-row check are exact in it, and a bf16 -> fp32 copy of [128, 49152] took 9 ms)
     params = [r.params for r in rows]
     x = raw
     # logit_bias and min_tokens: sparse (row, token) edits gathered on the host
@@ -204,7 +204,7 @@ def sample_on_device(
             b_cols.append(t)
             b_vals.append(float("-inf"))
     if b_rows:
-        x = x.index_put(
+        x = x.float().index_put(
             (_host(b_rows, torch.int64, dev), _host(b_cols, torch.int64, dev)),
             _host(b_vals, torch.float32, dev),
             accumulate=True,
@@ -212,6 +212,7 @@ def sample_on_device(
     pen = [i for i, p in enumerate(params) if p.has_penalties]
     if pen:
         idx = _host(pen, torch.int64, dev)
+        x = x.float()
         sub = apply_penalties(
             x[idx],
             [rows[i].output_ids for i in pen],
@@ -221,14 +222,20 @@ def sample_on_device(
             _host([params[i].repetition_penalty for i in pen], torch.float32, dev),
         )
         x = x.index_copy(0, idx, sub)
-    tokens = torch.argmax(x, dim=-1)
-    bad = torch.isnan(raw).any(dim=-1) | torch.isposinf(raw).any(dim=-1)
-    bad |= ~(x > float("-inf")).any(dim=-1)
+    # a bad row: a NaN or +inf among the raw logits, or nothing above -inf once biased and
+    # penalised (a penalty may make +inf of a finite logit: then that is the row's argmax). A
+    # row's max is finite exactly when it has none of the three (max propagates NaN): one pass
+    # where argmax and three any() took 16 ms at [128, 49152] on 2 threads, a max 1.6
+    top, tokens = x.max(dim=-1)
+    if x is raw:
+        bad = ~torch.isfinite(top)
+    else:
+        bad = ~torch.isfinite(raw.amax(dim=-1)) | ~(top > float("-inf"))
     rand = [i for i, p in enumerate(params) if not p.is_greedy]
     if rand:
         idx = _host(rand, torch.int64, dev)
         ps = [params[i] for i in rand]
-        y = x[idx] / _host([p.temperature for p in ps], torch.float32, dev)[:, None]
+        y = x[idx].float() / _host([p.temperature for p in ps], torch.float32, dev)[:, None]
         cut = [j for j, p in enumerate(ps) if 0 < p.top_k < vocab or p.top_p < 1.0]
         if cut:  # only the rows that filter pay for the sort
             cps = [ps[j] for j in cut]
@@ -250,7 +257,7 @@ def sample_on_device(
     ks = [params[i].logprobs or 0 for i in lp_rows]
     if lp_rows:
         idx = _host(lp_rows, torch.int64, dev)
-        lps = torch.log_softmax(raw[idx], dim=-1)
+        lps = torch.log_softmax(raw[idx].float(), dim=-1)
         lp_vals = lps.gather(1, tokens[idx][:, None])[:, 0]
         if max(ks):
             lp_top = lps.topk(max(ks), dim=-1)
