@@ -111,7 +111,7 @@ class Engine:
                                  self.max_seq_len, self.device)  # fmt: skip
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
-        """Run one step (no decode graph); returns float32 logits [len(plan.sample_rows), vocab]."""
+        """Run one step (no decode graph); returns logits [len(plan.sample_rows), vocab], model dtype."""
         with self._grad_mode():
             return self._forward(plan, self._stage(plan, None))
 

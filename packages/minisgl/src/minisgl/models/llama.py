@@ -144,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 x = run_layer(layer, x, cos_sin, backend, meta)
         x = self.model.norm(x[logits_indices])
-        return self.lm_head(x).float()
+        return self.lm_head(x)  # the model's dtype: the sampler widens where it computes
 
 
 class MistralForCausalLM(LlamaForCausalLM):
