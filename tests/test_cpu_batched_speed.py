@@ -179,8 +179,8 @@ def test_a_batch_that_fits_with_less_headroom_keeps_the_workspace(monkeypatch):
 )
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])  # mistral: sliding window
 def test_prefill_per_request_matches_hf_and_the_padded_call(arch, tmp_path, monkeypatch):
-    """On a CPU, requests of at least `PREFILL_BMM_MIN_TOKENS` new tokens attend one by one
-    (two bmm calls, causal mask with their cached prefix); set to 1 here so every request of
+    """On a CPU, requests of at least `PREFILL_ALONE_MIN_TOKENS` new tokens attend one by one
+    (one SDPA call each, causal with their cached prefix); set to 1 here so every request of
     every prefill step takes that path: fresh prompts, prefix hits and chunked prefill."""
     import minisgl.attention.torch_native as tn
 
@@ -188,18 +188,18 @@ def test_prefill_per_request_matches_hf_and_the_padded_call(arch, tmp_path, monk
     system = random_prompts(1, 40, 40, seed=5)[0]
     prompts = [system + p for p in random_prompts(5, 5, 70, seed=6)] + random_prompts(3, 90, 120)
     outs, rows = {}, {}
-    for name, threshold in (("bmm", 1), ("padded", 1 << 30)):
-        monkeypatch.setattr(tn, "PREFILL_BMM_MIN_TOKENS", threshold)
+    for name, threshold in (("alone", 1), ("padded", 1 << 30)):
+        monkeypatch.setattr(tn, "PREFILL_ALONE_MIN_TOKENS", threshold)
         llm = LLM(path, num_pages=4096, max_extend_tokens=96)  # long prompts prefill in chunks
         got = llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))
         got += llm.generate(prompts[1:], SamplingParams(max_tokens=12, ignore_eos=True))
         outs[name] = [o["token_ids"] for o in got]
-        rows[name] = llm.engine.backend.prefill_bmm_rows
+        rows[name] = llm.engine.backend.prefill_alone_rows
         assert_kv_clean(llm)
-    assert rows["padded"] == 0 and rows["bmm"] >= sum(len(p) for p in prompts) - 5 * 40
+    assert rows["padded"] == 0 and rows["alone"] >= sum(len(p) for p in prompts) - 5 * 40
     ref = hf_greedy(load_hf_model(path), prompts, 12)
-    assert outs["bmm"] == [ref[0][:4], *ref[1:]]
-    assert outs["bmm"] == outs["padded"]
+    assert outs["alone"] == [ref[0][:4], *ref[1:]]
+    assert outs["alone"] == outs["padded"]
 
 
 def run_cpu_speed(tmp_path, configs: str) -> dict:

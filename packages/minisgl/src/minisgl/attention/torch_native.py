@@ -28,11 +28,14 @@ class _PrefillGroup:
 
 @dataclass
 class _PrefillRequest:
-    """One request of a CPU prefill step attended on its own (two bmm calls, no padding)."""
+    """One request of a CPU prefill step attended on its own (one SDPA call, no padding)."""
 
-    q_start: int  # its rows of the step's q: [q_start, q_start + mask.shape[0])
+    q_start: int  # its rows of the step's q: [q_start, q_start + n_q)
+    n_q: int
     kv_index: torch.Tensor  # [Lkv] pool locations, cached prefix first
-    mask: torch.Tensor  # [Lq, Lkv] bool: causal after the prefix (+ sliding window)
+    # [Lq, Lkv] bool: causal after the prefix (+ sliding window); None: plain causal (no
+    # prefix, no window), SDPA's is_causal
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -40,7 +43,7 @@ class _Meta:
     out_loc: torch.Tensor
     is_prefill: bool
     # prefill: one group per SDPA call, usually one for the whole step (see `_prefill_groups`),
-    # and on a CPU the requests of at least PREFILL_BMM_MIN_TOKENS new tokens, one by one
+    # and on a CPU the requests of at least PREFILL_ALONE_MIN_TOKENS new tokens, one by one
     groups: list[_PrefillGroup]
     requests: list[_PrefillRequest] = field(default_factory=list)
     # decode: padded KV locations [bs, Lmax], mask [bs, 1, 1, Lmax] and KV lengths [bs]
@@ -55,13 +58,12 @@ class _Meta:
 # a group may spend this much more attention work on padding than on real query/key pairs
 _PAD_FACTOR = 2
 _PAD_SLACK = 1 << 16
-# On a CPU a request with this many new tokens attends on its own, as two bmm calls (oneDNN
-# GEMMs) around an fp32 softmax: SDPA's CPU flash kernel ran at ~30 GFLOP/s on them (bf16, no
-# AMX), with a dense mask over the padded group: measured 17 ms against 37-55 ms per layer for
-# seed-offline's 16 prompts of 64-256 tokens (2 threads). Short requests stay padded together.
-PREFILL_BMM_MIN_TOKENS = 64
-# bytes of fp32 scores one bmm step may hold (longer prompts go in blocks of query rows)
-_SCORES_BYTES = 64 << 20
+# On a CPU a request with this many new tokens attends on its own, one SDPA call without
+# padding (is_causal where it has no cached prefix and no window): padded together, seed-
+# offline's 16 prompts of 64-256 tokens took 37-55 ms a layer (bf16, 2 threads, no AMX), one
+# by one 17 ms as two bmm calls around a softmax, and as SDPA 3-9x less than those bmm calls
+# on an AMX Xeon (bf16 and fp32, 64-1024 tokens). Short requests stay padded together.
+PREFILL_ALONE_MIN_TOKENS = 64
 
 
 def _prefill_groups(ext: np.ndarray, kv_lens: np.ndarray) -> list[np.ndarray]:
@@ -94,7 +96,7 @@ class TorchNativeBackend(AttentionBackend):
         self.native_decode = self.device.type == "cpu" and cpu_native.available(dtype)
         self.workspace = DecodeWorkspace(len(pool.k), self.num_kv_heads, self.head_dim, dtype,
                                          self.device, zero_fill=not self.native_decode)  # fmt: skip
-        self.prefill_bmm_rows = 0  # prefill tokens attended one request at a time (bmm)
+        self.prefill_alone_rows = 0  # prefill tokens attended one request at a time
 
     def prepare(self, plan: StepPlan, staged: DevicePlan | None = None) -> _Meta:
         """Decode reads only the staged device arrays (host values: numpy, never the device);
@@ -107,7 +109,7 @@ class TorchNativeBackend(AttentionBackend):
             self.workspace.invalidate()
             alone = np.zeros(len(ext), dtype=bool)
             if self.device.type == "cpu":
-                alone = ext >= PREFILL_BMM_MIN_TOKENS
+                alone = ext >= PREFILL_ALONE_MIN_TOKENS
             padded = np.flatnonzero(~alone)
             q_starts = np.cumsum(ext, dtype=np.int64) - ext  # each request's first query row
             groups = [
@@ -122,7 +124,7 @@ class TorchNativeBackend(AttentionBackend):
                 self._prefill_request(plan, int(r), int(q_starts[r]), kv_indices)
                 for r in np.flatnonzero(alone)
             ]
-            self.prefill_bmm_rows += int(ext[alone].sum())
+            self.prefill_alone_rows += int(ext[alone].sum())
             return _Meta(out_loc, True, groups, requests)
         lens = staged.seq_lens.long()
         lmax = int(plan.seq_lens.max())
@@ -186,13 +188,15 @@ class TorchNativeBackend(AttentionBackend):
     ) -> _PrefillRequest:
         n_q, n_kv = int(plan.extend_lens[row]), int(plan.seq_lens[row])
         kv0 = int(plan.kv_indptr[row])
+        kv_index = kv_indices[kv0 : kv0 + n_kv]
+        if n_q == n_kv and self.sliding_window is None:
+            return _PrefillRequest(q0, n_q, kv_index, None)
         q_pos = np.arange(n_kv - n_q, n_kv)[:, None]
         kv_pos = np.arange(n_kv)[None, :]
         mask = kv_pos <= q_pos
         if self.sliding_window is not None:
             mask &= kv_pos > q_pos - self.sliding_window
-        dev = self.device
-        return _PrefillRequest(q0, kv_indices[kv0 : kv0 + n_kv], torch.from_numpy(mask).to(dev))
+        return _PrefillRequest(q0, n_q, kv_index, torch.from_numpy(mask).to(self.device))
 
     def _prefill_group(
         self,
@@ -237,11 +241,14 @@ class TorchNativeBackend(AttentionBackend):
             single = len(meta.groups) == 1 and not meta.requests
             out = None if single else q.new_empty(q.shape[0], q.shape[1] * d)
             for r in meta.requests:
-                n_q = r.mask.shape[0]
-                ks, vs = _gather(k_cache, r.kv_index), _gather(v_cache, r.kv_index)
-                out[r.q_start : r.q_start + n_q] = _attend_bmm(
-                    q[r.q_start : r.q_start + n_q], ks, vs, r.mask
+                rows = slice(r.q_start, r.q_start + r.n_q)
+                qs = q[rows].transpose(0, 1)[None]  # [1, H, Lq, D]
+                ks = _gather(k_cache, r.kv_index).transpose(0, 1)[None]  # [1, KVH, Lkv, D]
+                vs = _gather(v_cache, r.kv_index).transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=r.mask, is_causal=r.mask is None, enable_gqa=gqa > 1
                 )
+                out[rows] = o[0].transpose(0, 1).reshape(r.n_q, -1)
             for g in meta.groups:
                 n_b, n_q = g.q_index.shape
                 qs = q[g.q_index].transpose(1, 2)  # [B, H, Lq, D]
@@ -293,31 +300,6 @@ class TorchNativeBackend(AttentionBackend):
         else:
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.kv_mask)
         return o.reshape(bs, -1)
-
-
-def _attend_bmm(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """Attention of one request: q [Lq, H, D] over k, v [Lkv, KVH, D] where `mask` [Lq, Lkv]
-    is True, as bmm (scores in q's dtype, as HF's eager attention) + fp32 softmax + bmm, in
-    blocks of query rows that bound the scores' memory; out [Lq, H * D]."""
-    n, h, d = q.shape
-    kvh = k.shape[1]
-    gqa = h // kvh
-    kt = k.permute(1, 2, 0)  # [KVH, D, Lkv]
-    vh = v.transpose(0, 1)  # [KVH, Lkv, D]
-    out = q.new_empty(n, h * d)
-    block = max(1, _SCORES_BYTES // (4 * h * k.shape[0]))
-    for i in range(0, n, block):
-        qb = q[i : i + block]
-        m = qb.shape[0]
-        qh = qb.view(m, kvh, gqa, d).permute(1, 2, 0, 3).reshape(kvh, gqa * m, d)
-        s = torch.bmm(qh, kt).float().mul_(d**-0.5).view(kvh, gqa, m, -1)
-        s.masked_fill_(~mask[i : i + block], float("-inf"))
-        p = torch.softmax(s, dim=-1).to(v.dtype).view(kvh, gqa * m, -1)
-        o = torch.bmm(p, vh).view(kvh, gqa, m, d).permute(2, 0, 1, 3)
-        out[i : i + block] = o.reshape(m, h * d)
-    return out
 
 
 def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

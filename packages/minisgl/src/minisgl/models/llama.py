@@ -101,8 +101,23 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, x, cos_sin, backend, meta):
-        q, k, v = self.pre_attention(x, cos_sin)
-        return self.post_attention(x, backend.forward(self.self_attn.layer_id, q, k, v, meta))
+        return self.around_attention(
+            x, cos_sin, backend, meta, DecoderLayer.pre_attention, DecoderLayer.post_attention
+        )
+
+    def around_attention(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        backend: Any,
+        meta: Any,
+        pre: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        post: Callable[..., torch.Tensor],
+    ) -> torch.Tensor:
+        """The layer as `pre(self, x, cos_sin)`, attention, `post(self, x, attn)`: the two
+        methods above, or their compiled pieces (`CompiledPrefill`)."""
+        q, k, v = pre(self, x, cos_sin)
+        return post(self, x, backend.forward(self.self_attn.layer_id, q, k, v, meta))
 
 
 class DecoderModel(nn.Module):
