@@ -80,6 +80,56 @@ def test_kernel_matches_sdpa_bf16(window, d):
     torch.testing.assert_close(out.float(), sdpa.float(), rtol=2e-2, atol=8e-3)
 
 
+def paged_case(bs, kvh, gqa, d, cap, dtype, seed):
+    """A pool of rows [N, KVH, D] and each request's rows scattered through it, as the KV pool
+    holds them; the same K / V as a dense [bs, KVH, cap, D] view for the reference."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, cap + 1, (bs,), generator=g)
+    lens[0] = cap
+    rows = 4 * bs * cap + 11
+    k_pool = torch.randn(rows, kvh, d, generator=g).to(dtype)
+    v_pool = torch.randn(rows, kvh, d, generator=g).to(dtype)
+    # each request owns cap rows (a few spare past its length, as a prefix-cache page would)
+    perm = torch.randperm(rows, generator=g)[: bs * cap].view(bs, cap)
+    indptr = torch.arange(bs + 1) * cap
+    q = torch.randn(bs, kvh, gqa, d, generator=g).to(dtype)
+    dense = (k_pool[perm].transpose(1, 2), v_pool[perm].transpose(1, 2))  # [bs, KVH, cap, D]
+    return q, k_pool, v_pool, perm.reshape(-1), indptr, lens, dense
+
+
+@pytest.mark.card("P2-003", KERNEL)
+@pytest.mark.parametrize(
+    "bs,kvh,gqa,d,cap,window,dtype",
+    [(16, 3, 3, 64, 120, 0, torch.float32), (5, 2, 4, 128, 70, 24, torch.float32),
+     (6, 2, 3, 40, 45, 0, torch.float32), (9, 3, 3, 64, 50, 0, torch.bfloat16),
+     (3, 1, 5, 16, 33, 8, torch.bfloat16)],
+)  # fmt: skip
+def test_paged_kernel_reads_the_pool_in_place(bs, kvh, gqa, d, cap, window, dtype):
+    """The paged kernel over a pool and row indices gives what the dense kernel gives over the
+    same K / V gathered (bit for bit: the same sums in the same order), and matches SDPA."""
+    q, kp, vp, indices, indptr, lens, (k, v) = paged_case(bs, kvh, gqa, d, cap, dtype, seed=d)
+    out = cpu_native.paged_decode_attention(q, kp, vp, indices, indptr, lens, window)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert torch.equal(out, cpu_native.decode_attention(q, k, v, lens, window))
+    tol = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), reference(q, k, v, lens, window), **tol)
+
+
+@pytest.mark.card("P2-003", KERNEL)
+def test_paged_kernel_rejects_rows_outside_the_pool_and_lengths_outside_indptr():
+    q, kp, vp, indices, indptr, lens, _ = paged_case(4, 2, 2, 64, 20, torch.float32, seed=5)
+    bad = indices.clone()
+    bad[3] = kp.shape[0]  # one past the pool
+    with pytest.raises(ValueError, match="outside the pool"):
+        cpu_native.paged_decode_attention(q, kp, vp, bad, indptr, lens, 0)
+    longer = lens.clone()
+    longer[1] = 21  # more keys than its indptr range holds
+    with pytest.raises(ValueError, match="outside 1..L"):
+        cpu_native.paged_decode_attention(q, kp, vp, indices, indptr, longer, 0)
+    with pytest.raises(ValueError, match="indptr outside"):
+        cpu_native.paged_decode_attention(q, kp, vp, indices[:30], indptr, lens, 0)
+
+
 @pytest.mark.card("P2-003", KERNEL)
 def test_kernel_under_torch_compile():
     q, k, v, lens = case(4, 2, 2, 64, 50, torch.float32, seed=3)
@@ -122,9 +172,17 @@ def test_decode_through_the_kernel_matches_hf_and_sdpa(arch, tmp_path, monkeypat
         monkeypatch.setenv("MINISGL_CPU_ATTENTION", mode)
         cpu_native._library.cache_clear()
         llm = LLM(path, num_pages=4096)
-        assert llm.engine.backend.native_decode == (mode == "native")
+        backend = llm.engine.backend
+        assert backend.native_decode == (mode == "native")
         outs[mode] = [o["token_ids"] for o in llm.generate(prompts, params)]
         assert_kv_clean(llm)
+        # the kernel reads the pool in place: no dense workspace, no rebuild as the batch
+        # shrinks (requests finish at six different steps); SDPA rebuilds on each change
+        ws = backend.workspace
+        if mode == "native":
+            assert ws.k is None and ws.rebuilds == ws.appends == 0
+        else:
+            assert ws.rebuilds >= 6 and ws.appends > 0
     cpu_native._library.cache_clear()
     ref = hf_greedy(load_hf_model(path), prompts, 6 + 3 * 5)
     assert outs["native"] == [r[: 6 + 3 * i] for i, r in enumerate(ref)]
@@ -233,32 +291,3 @@ def test_batched_speed_vs_hf(metric, tmp_path):
         metric(f"{key}_tok_s_minisgl", mini, unit="tok/s")
         metric(f"{key}_tok_s_hf_fp32", hf32, unit="tok/s")
         metric(f"{key}_tok_s_hf_bf16", hf16, unit="tok/s")
-
-
-def test_the_workspace_of_the_native_kernel_is_not_zero_filled():
-    """The C kernel reads each request's positions [0, len) only, all written by the rebuild
-    or the appends: its workspace is allocated without a fill. Zero-filled, the first batch of
-    128 on the embedded model spent 283 ms in fill_ over 512 MB (SDPA, which reads every
-    position up to the longest under a mask, still gets zeros)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from minisgl.attention.decode_workspace import DecodeWorkspace
-
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    lens = np.array([5, 9, 3], dtype=np.int32)
-    for zero_fill in (True, False):
-        ws = DecodeWorkspace(4, 2, 16, torch.float32, torch.device("cpu"), zero_fill=zero_fill)
-        with Ops() as ops:
-            assert ws.mode(np.arange(3), lens) == "rebuild"
-        fills = [n for n in ops.names if "fill" in n or "zero" in n]
-        assert bool(fills) == zero_fill, ops.names
-        if zero_fill:
-            assert not ws.k.any() and not ws.v.any()

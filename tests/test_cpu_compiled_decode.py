@@ -19,7 +19,7 @@ import pytest
 from minisgl import LLM, SamplingParams
 from minisgl.testing.hf_reference import hf_greedy, load_hf_model
 from minisgl.testing.plans import GreedyRow, PlannedBatch
-from minisgl.testing.scenarios import assert_kv_clean, random_prompts
+from minisgl.testing.scenarios import assert_kv_clean, cpu_attention, random_prompts
 from minisgl.testing.tiny_models import write_tiny_model
 
 SMALL = dict(num_pages=2048, max_seq_len_override=128)
@@ -155,17 +155,20 @@ def test_compiled_decode_scenario_equals_eager(tmp_path):
 
 
 def test_a_long_decode_compiles_nothing_and_each_graph_has_its_own_cache(tmp_path):
-    """A request that decodes past its workspace's capacity (appends up to the last position,
-    then a rebuild) runs on the graphs compiled at start: no compile mid-serving (a full
-    workspace read as a contiguous view once compiled a fifth graph). Each step kind (batch 1
-    or more x workspace rebuild / append) has a dynamo cache of its own holding one graph, so a
-    step checks one set of guards (with one shared cache, the guards of the other graphs were
-    checked first)."""
+    """Requests that decode 150 tokens run on the graphs compiled at start: no compile
+    mid-serving. The C kernel reads the pool in place: one graph per batch kind (1, more) and
+    no workspace. (When it kept a workspace, decoding past its capacity read a full workspace
+    as a contiguous view and compiled a fifth graph; through SDPA, which slices the workspace
+    to the longest request, that compile still happens: SDPA decode is the no-compiler
+    fallback, where torch.compile cannot run either.) Each step kind has a dynamo cache of its
+    own holding one graph, so a step checks one set of guards (with one shared cache, the
+    guards of the other graphs were checked first)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     path = write_tiny_model("llama", tmp_path / "m", seed=2)
     llm = LLM(path, dtype="float32", enable_torch_compile=True, num_pages=2048,
               max_seq_len_override=512)  # fmt: skip
+    assert llm.engine.backend.native_decode
     graphs = _compiled_graphs()
     prompts = random_prompts(2, 4, 6, seed=3)
     params = SamplingParams(max_tokens=150, ignore_eos=True)  # past GROW (128) positions
@@ -173,14 +176,14 @@ def test_a_long_decode_compiles_nothing_and_each_graph_has_its_own_cache(tmp_pat
     pair = [o["token_ids"] for o in llm.generate(prompts, params)]
     assert _compiled_graphs() == graphs, "serving compiled a new decode graph"
     ws = llm.engine.backend.workspace
-    assert ws.rebuilds >= 4 and ws.appends >= 280
     compiled = llm.engine.compiled
     assert compiled is not None
     sizes = {
         key: len(_debug_get_cache_entry_list(fn._torchdynamo_orig_callable.__code__))
         for key, fn in compiled.graphs.items()
     }
-    assert sizes == {(1, "rebuild"): 1, (1, "append"): 1, (2, "rebuild"): 1, (2, "append"): 1}
+    assert ws.rebuilds == ws.appends == 0 and ws.k is None
+    assert sizes == {(1, "paged"): 1, (2, "paged"): 1}
     want = hf_greedy(load_hf_model(path), prompts, 150)
     assert [single, *pair[1:]] == want and pair[0] == single
     assert_kv_clean(llm)
@@ -200,7 +203,9 @@ def test_no_decode_graph_guards_module_state(tmp_path):
     path = write_tiny_model("llama", tmp_path / "m", seed=7)
     llm = LLM(path, dtype="float32", enable_torch_compile=True, **SMALL)
     compiled = llm.engine.compiled
-    assert compiled is not None and len(compiled.graphs) == 4
+    # batch 1 and more x paged (the C kernel), or x workspace rebuild / append (SDPA)
+    expected = 2 if llm.engine.backend.native_decode else 4
+    assert compiled is not None and len(compiled.graphs) == expected
     for key, fn in compiled.graphs.items():
         (entry,) = _debug_get_cache_entry_list(fn._torchdynamo_orig_callable.__code__)
         parts = code_parts(entry.guard_manager.root)
@@ -208,13 +213,15 @@ def test_no_decode_graph_guards_module_state(tmp_path):
         assert parts and not on_modules, f"graph {key} guards module state: {on_modules[:2]}"
 
 
-def test_compiled_decode_writes_only_the_new_kv_into_the_workspace(tmp_path):
-    """A compiled decode step writes the new token's K / V into the decode workspace in place.
-    Written through a layer's view (`ws.k[layer][rows, :, pos] = k`), the graph was
-    functionalized into a select_scatter / slice_scatter of the whole [layers, bs, KVH, cap, D]
-    tensor: every layer of every step copied its whole block (~75 us a layer, a fifth of the
-    embedded model's single-stream int4 step). The graphs after inductor's post-grad passes
-    hold no scatter, and the tokens stay HF's."""
+@pytest.mark.parametrize("attention", ["native", "sdpa"])
+def test_compiled_decode_writes_only_the_new_kv(attention, tmp_path):
+    """A compiled decode step writes the new token's K / V into the pool (and, through SDPA,
+    into the decode workspace) in place. Written through a layer's view
+    (`ws.k[layer][rows, :, pos] = k`), the graph was functionalized into a select_scatter /
+    slice_scatter of the whole [layers, bs, KVH, cap, D] tensor: every layer of every step
+    copied its whole block (~75 us a layer, a fifth of the embedded model's single-stream int4
+    step). The graphs after inductor's post-grad passes hold no scatter, and the tokens stay
+    HF's. The C kernel reads the pool in place: its steps write nothing else."""
     import collections
 
     import torch._inductor.config as inductor_config
@@ -227,16 +234,19 @@ def test_compiled_decode_writes_only_the_new_kv_into_the_workspace(tmp_path):
     path = write_tiny_model("llama", tmp_path / "m", seed=5)
     # config.patch, not monkeypatch: monkeypatch's undo deletes the option from inductor's
     # config module, breaking every later compile in the process
-    with inductor_config.patch(post_grad_custom_post_pass=record):
+    with inductor_config.patch(post_grad_custom_post_pass=record), cpu_attention(attention):
         llm = LLM(path, dtype="float32", enable_torch_compile=True, **SMALL)
-    # the start compiles the four decode graphs and the prefill pieces (which write nothing:
-    # prefill attention runs eager)
+    # the start compiles the decode graphs (batch 1 and more x rebuild / append through SDPA,
+    # x paged through the kernel) and the prefill pieces (which write nothing: prefill
+    # attention runs eager)
+    graphs, writes = (4, 2 * 2 * 2) if attention == "sdpa" else (2, 2 * 2)
     decode = [c for c in ops if c["aten.index_put.default"]]
-    assert len(decode) == 4 and len(ops) == 6, "the start compiles the four decode graphs"
+    assert len(decode) == graphs and len(ops) == graphs + 2, "the start compiles every graph"
     for counted in decode:
         scatters = {op: n for op, n in counted.items() if "scatter" in op}
         assert not scatters, f"a decode graph copies the workspace: {scatters}"
-        assert counted["aten.index_put.default"] == 4 * 2  # 2 layers x (pool, workspace) x K, V
+        # 2 layers x (pool, and the workspace for SDPA) x K, V
+        assert counted["aten.index_put.default"] == writes
     prompts = random_prompts(2, 4, 8, seed=6)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     got = [o["token_ids"] for o in llm.generate(prompts, params)]
@@ -253,7 +263,8 @@ def test_steps_over_the_workspace_budget_run_eager(tmp_path, monkeypatch):
     prompts = random_prompts(3, 3, 20, seed=4)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     want = [o["token_ids"] for o in LLM(path, dtype="float32", **SMALL).generate(prompts, params)]
-    llm = LLM(path, dtype="float32", enable_torch_compile=True, **SMALL)
+    with cpu_attention("sdpa"):  # the workspace is SDPA's (the C kernel reads the pool)
+        llm = LLM(path, dtype="float32", enable_torch_compile=True, **SMALL)
     graphs = _compiled_graphs()  # the start compiled the prefill pieces, no decode graph
     assert [o["token_ids"] for o in llm.generate(prompts, params)] == want
     assert llm.engine.compiled is not None and llm.engine.compiled.steps == 0

@@ -1,5 +1,6 @@
-"""The torch-native decode workspace: appends between decode steps, rebuilds otherwise, and gives
-exactly the tokens of the plain gather path (and of HF)."""
+"""The torch-native decode workspace (decode through SDPA; the CPU C kernel reads the pool in
+place): appends between decode steps, rebuilds otherwise, and gives exactly the tokens of the
+plain gather path (and of HF)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.testing.hf_reference import hf_greedy, load_hf_model
-from minisgl.testing.scenarios import assert_kv_clean, random_prompts
+from minisgl.testing.scenarios import assert_kv_clean, cpu_attention, random_prompts
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 
 
 def generate(path, budget_mb: str, monkeypatch, **kw):
     monkeypatch.setenv("MINISGL_DECODE_WORKSPACE_MB", budget_mb)
-    llm = LLM(path, num_pages=4096, **kw)
+    with cpu_attention("sdpa"):
+        llm = LLM(path, num_pages=4096, **kw)
     prompts = random_prompts(6, 5, 60, seed=21)
     # staggered max_tokens: requests finish at different steps, so the batch changes mid-run
     params = [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True) for i in range(6)]
@@ -39,7 +41,8 @@ def test_workspace_matches_gather_and_hf(arch, tiny_model_dir, monkeypatch):
 
 def test_workspace_budget_falls_back_to_gather(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("MINISGL_DECODE_WORKSPACE_MB", "0")
-    llm = LLM(tiny_model_dir("qwen2"), num_pages=1024)
+    with cpu_attention("sdpa"):
+        llm = LLM(tiny_model_dir("qwen2"), num_pages=1024)
     out = llm.generate(random_prompts(2, 10, 20, seed=3), GREEDY)
     assert [len(o["token_ids"]) for o in out] == [16, 16]
     ws = llm.engine.backend.workspace

@@ -126,8 +126,9 @@ class LLM:
     def _compile_graphs(self) -> None:
         """Compile the graphs before the first request (a compile mid-serving stalls every
         running request, for a minute or more on a CPU): batch sizes 1 and 2 (batch 1 is
-        specialised), each with the decode workspace rebuilt and appended to: the four decode
-        graphs of `CompiledDecode`; a first prefill of `PREFILL_HINT_TOKENS` compiles
+        specialised), through the backend's decode modes (the CPU kernel's paged steps; SDPA's
+        workspace rebuilt and appended to): the two or four decode graphs of `CompiledDecode`;
+        a first prefill of `PREFILL_HINT_TOKENS` compiles
         `CompiledPrefill`'s two pieces (dynamic in the token count: every later length runs
         on them)."""
         from minisgl.engine.compiled import PREFILL_HINT_TOKENS

@@ -1,4 +1,5 @@
-"""Dense per-batch K/V for consecutive decode steps of the same batch (torch-native backend).
+"""Dense per-batch K/V for consecutive decode steps of the same batch (torch-native backend,
+decode through SDPA: the C kernel on a CPU reads the pool in place and keeps no workspace).
 
 Paged KV has to be gathered into a dense [bs, KVH, L, D] block before attention. When the
 batch of a decode step is the previous decode step's batch, one token longer each, the block of
@@ -28,14 +29,11 @@ class DecodeWorkspace:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
-        zero_fill: bool = True,
     ) -> None:
-        """`zero_fill`: positions never written must be finite (SDPA reads every position up
-        to the longest request under a mask; the C kernel reads each request's own only)."""
         mb = int(os.environ.get("MINISGL_DECODE_WORKSPACE_MB", DEFAULT_BUDGET_MB))
         self.budget = mb << 20
         self.num_layers, self.kvh, self.d = num_layers, num_kv_heads, head_dim
-        self.dtype, self.device, self.zero_fill = dtype, device, zero_fill
+        self.dtype, self.device = dtype, device
         self.elt = torch.empty(0, dtype=dtype).element_size()
         # [layers, bs, KVH, capacity, D] each (one tensor: a compiled graph guards its shape
         # once, not once per layer); None while no batch is kept
@@ -71,9 +69,9 @@ class DecodeWorkspace:
         if self.k is None or self.k.shape[1] != bs or self.k.shape[3] < lmax + MIN_GROW:
             shape = (self.num_layers, bs, self.kvh, cap, self.d)
             self.k = self.v = None  # the old blocks go before the new ones come
-            new = torch.zeros if self.zero_fill else torch.empty
-            self.k = new(shape, dtype=self.dtype, device=self.device)
-            self.v = new(shape, dtype=self.dtype, device=self.device)
+            # zeros: SDPA reads every position up to the longest request, under a mask
+            self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.slots, self.lens = slots.copy(), seq_lens.copy()
         self.rebuilds += 1
         return "rebuild"

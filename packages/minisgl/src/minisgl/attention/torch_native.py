@@ -46,12 +46,15 @@ class _Meta:
     # and on a CPU the requests of at least PREFILL_ALONE_MIN_TOKENS new tokens, one by one
     groups: list[_PrefillGroup]
     requests: list[_PrefillRequest] = field(default_factory=list)
-    # decode: padded KV locations [bs, Lmax], mask [bs, 1, 1, Lmax] and KV lengths [bs]
-    kv_index: torch.Tensor | None = None
-    kv_mask: torch.Tensor | None = None
+    # decode: KV lengths [bs]; paged: the step's KV locations and their indptr [bs + 1]; else
+    # padded KV locations [bs, Lmax] (None after an append) and a mask [bs, 1, 1, Lmax]
     kv_lens: torch.Tensor | None = None
-    # decode workspace: "append" / "rebuild" (see decode_workspace.py) or None (gather only)
-    ws_mode: str | None = None
+    kv_index: torch.Tensor | None = None
+    kv_indptr: torch.Tensor | None = None
+    kv_mask: torch.Tensor | None = None
+    # decode: "paged" (the C kernel reads the pool in place), the SDPA workspace's "append" /
+    # "rebuild" (see decode_workspace.py), or None (gather only)
+    decode_mode: str | None = None
     ws_pos: torch.Tensor | None = None  # append: the position each request's new token takes
 
 
@@ -92,10 +95,11 @@ class TorchNativeBackend(AttentionBackend):
         pool = self.pool
         dtype = pool.k[0].dtype
         # decode on a CPU: the C kernel (cpu_native) instead of SDPA, which spends its time per
-        # (request, head) block on a few query rows
+        # (request, head) block on a few query rows; it reads the KV pool in place (paged), so
+        # only SDPA keeps a dense decode workspace
         self.native_decode = self.device.type == "cpu" and cpu_native.available(dtype)
         self.workspace = DecodeWorkspace(len(pool.k), self.num_kv_heads, self.head_dim, dtype,
-                                         self.device, zero_fill=not self.native_decode)  # fmt: skip
+                                         self.device)  # fmt: skip
         self.prefill_alone_rows = 0  # prefill tokens attended one request at a time
 
     def prepare(self, plan: StepPlan, staged: DevicePlan | None = None) -> _Meta:
@@ -127,6 +131,12 @@ class TorchNativeBackend(AttentionBackend):
             self.prefill_alone_rows += int(ext[alone].sum())
             return _Meta(out_loc, True, groups, requests)
         lens = staged.seq_lens.long()
+        if self.native_decode:
+            indptr = staged.kv_indptr.long()
+            return _Meta(
+                out_loc, False, [], kv_lens=lens, kv_index=kv_indices, kv_indptr=indptr,
+                decode_mode="paged",
+            )  # fmt: skip
         lmax = int(plan.seq_lens.max())
         mode = self.workspace.mode(plan.slots, plan.seq_lens)
         return self._decode_meta(out_loc, lens, staged.kv_indptr, kv_indices, lmax, mode)
@@ -148,7 +158,7 @@ class TorchNativeBackend(AttentionBackend):
         mask = valid[:, None, None, :]
         if mode == "append":
             return _Meta(
-                out_loc, False, [], kv_mask=mask, kv_lens=lens, ws_mode=mode, ws_pos=lens - 1
+                out_loc, False, [], kv_lens=lens, kv_mask=mask, decode_mode=mode, ws_pos=lens - 1
             )
         indptr = kv_indptr[:-1].long()
         # padding reads the request's last (written) location, so masked values stay finite
@@ -158,10 +168,10 @@ class TorchNativeBackend(AttentionBackend):
             out_loc,
             False,
             [],
+            kv_lens=lens,
             kv_index=kv_indices[gather],
             kv_mask=mask,
-            kv_lens=lens,
-            ws_mode=mode,
+            decode_mode=mode,
         )
 
     def graph_prepare(self, inputs: GraphInputs, bs: int) -> _Meta:
@@ -173,12 +183,12 @@ class TorchNativeBackend(AttentionBackend):
         )  # fmt: skip
 
     def compiles(self, meta: _Meta) -> bool:
-        """Not a batch over the workspace budget: it gathers its whole KV every step (a graph
-        of its own, and a GEMM-bound step that a compile does not speed up)."""
-        return meta.ws_mode is not None
+        """Not an SDPA batch over the workspace budget: it gathers its whole KV every step (a
+        graph of its own, and a GEMM-bound step that a compile does not speed up)."""
+        return meta.decode_mode is not None
 
     def graph_key(self, meta: _Meta) -> str | None:
-        return meta.ws_mode
+        return meta.decode_mode
 
     def before_replay(self) -> None:
         self.workspace.invalidate()  # the graph step appends KV the workspace does not hold
@@ -264,18 +274,24 @@ class TorchNativeBackend(AttentionBackend):
                 out[g.token_rows] = o[g.out_index]
             return out
         bs = q.shape[0]
+        qs = q.view(bs, kvh, gqa, d)
+        window = self.sliding_window or 0
+        if meta.decode_mode == "paged":
+            o = cpu_native.paged_decode_attention(
+                qs.to(k_cache.dtype), k_cache, v_cache, meta.kv_index, meta.kv_indptr,
+                meta.kv_lens, window,
+            )  # fmt: skip
+            return o.to(q.dtype).reshape(bs, -1)
         lmax = meta.kv_mask.shape[-1]
         ws = self.workspace
         native = self.native_decode and q.dtype == k_cache.dtype
-        if meta.ws_mode is not None:
+        if meta.decode_mode is not None:
             assert ws.k is not None and ws.v is not None
-            # SDPA reads positions no request wrote: only a zero-filled workspace has them finite
-            assert native or ws.zero_fill, "SDPA decode over a workspace that is not zero-filled"
             # the workspace is written by index_put_ on its [layers, ...] tensors themselves:
             # written through a layer's view, a compiled graph copied the layer's whole block
             # (functionalized as a select_scatter) on every step, ~75 us a layer at batch 1
             at = torch.full((), layer, dtype=torch.long, device=q.device)
-        if meta.ws_mode == "append":
+        if meta.decode_mode == "append":
             rows = torch.arange(bs, device=q.device)
             torch.ops.aten.index_put_(ws.k, [at, rows, None, meta.ws_pos], k)
             torch.ops.aten.index_put_(ws.v, [at, rows, None, meta.ws_pos], v)
@@ -289,13 +305,11 @@ class TorchNativeBackend(AttentionBackend):
             assert meta.kv_index is not None
             ks = _gather(k_cache, meta.kv_index).transpose(1, 2)  # [bs, KVH, L, D]
             vs = _gather(v_cache, meta.kv_index).transpose(1, 2)
-            if meta.ws_mode == "rebuild":  # positions [0, lmax) of every request
+            if meta.decode_mode == "rebuild":  # positions [0, lmax) of every request
                 pos = torch.arange(lmax, device=q.device)
                 torch.ops.aten.index_put_(ws.k, [at, None, None, pos], ks.permute(2, 0, 1, 3))
                 torch.ops.aten.index_put_(ws.v, [at, None, None, pos], vs.permute(2, 0, 1, 3))
-        qs = q.view(bs, kvh, gqa, d)
         if native:
-            window = self.sliding_window or 0
             o = cpu_native.decode_attention(qs, ks, vs, meta.kv_lens, window)
         else:
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.kv_mask)

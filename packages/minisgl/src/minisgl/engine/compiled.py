@@ -8,7 +8,8 @@ elementwise ops into a few C++ loops and calls the matmuls and SDPA directly:
   (measured per shape at compile time, cached on disk);
 - shapes are dynamic (batch size and KV length change every step), so a handful of graphs
   serve every decode step: one per key (batch 1 or more, `AttentionBackend.graph_key`: the
-  torch-native workspace rebuilding or appending);
+  torch-native backend's decode mode: paged through the CPU kernel, or its SDPA workspace
+  rebuilding or appending);
 - each key compiles its own copy of the code object that calls the model. Dynamo keeps its
   compiled entries on the code object and checks them in turn, newest first: with one shared
   cache, a batch-1 step first checked the guards of the batch-2 graphs. Own code objects also
@@ -18,20 +19,21 @@ elementwise ops into a few C++ loops and calls the matmuls and SDPA directly:
   ~400 tensors per call cost ~0.7 ms a step. Guards on the step's own inputs (shapes, the
   attention metadata) stay; the KV pool's tensors are static (dynamic, each of its 2 x layers
   tensors added symbolic-shape guards, evaluated in Python every step);
-- the graphs write the KV pool and the decode workspace in place, by index_put_ on the graph's
+- the graphs write the KV pool (and SDPA's decode workspace) in place, by index_put_ on the graph's
   input tensors: a write through a view of an input is functionalized into a scatter of the
   whole tensor (`attention/torch_native.py`).
-A decode step the attention backend does not mark `compiles` runs eager (torch-native: a batch
-over the decode workspace budget, which gathers its KV every step).
+A decode step the attention backend does not mark `compiles` runs eager (torch-native through
+SDPA: a batch over the decode workspace budget, which gathers its KV every step).
 
 Prefill runs piecewise (`CompiledPrefill`, CPU only): each layer's two pieces around attention
 (`DecoderLayer.pre_attention`: norm, QKV, RoPE; `post_attention`: o_proj, residual, norm, MLP)
 are compiled with the token count dynamic, and attention stays eager (its per-request groups
 and masks change with every step's mix of lengths). The pieces take the layer as an input,
 module guards skipped, and are not frozen: the weights are graph inputs, so one pair of graphs
-serves every layer (the layers of a model are alike) and every length (a one-token prefill runs eager: a count of 1 would
-specialise). Measured on many-short's 4096-token step (bf16, 2 threads, AMX): 1.85 -> 0.86-1.06 s,
-the eager norms, RoPE, SiLU and casts having taken ~0.9 s beside ~0.43 s of GEMMs.
+serves every layer (the layers of a model are alike) and every length (a one-token prefill
+runs eager: a count of 1 would specialise). Measured on many-short's 4096-token step (bf16, 2
+threads, AMX): 1.85 -> 0.86-1.06 s, the eager norms, RoPE, SiLU and casts having taken ~0.9 s
+beside ~0.43 s of GEMMs.
 `LLM` compiles all the graphs at start (`LLM._compile_graphs`), so serving never stalls on a
 compile.
 

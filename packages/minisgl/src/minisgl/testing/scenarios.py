@@ -1,8 +1,12 @@
-"""Shared test scenario helpers: deterministic prompts and the KV cleanliness check."""
+"""Shared test scenario helpers: deterministic prompts, the KV cleanliness check, and the CPU
+decode attention switch."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+from collections.abc import Iterator
 
 
 def random_prompts(n: int, lo: int, hi: int, vocab: int = 300, seed: int = 0) -> list[list[int]]:
@@ -20,3 +24,22 @@ def assert_kv_clean(llm) -> None:
     assert usage["running"] == 0 and usage["waiting"] == 0, usage
     cached_pages = usage["cached_tokens"] // sched.page_size
     assert usage["free_pages"] + cached_pages == usage["total_pages"], usage
+
+
+@contextlib.contextmanager
+def cpu_attention(mode: str) -> Iterator[None]:
+    """CPU decode attention through `mode` for the engines built inside: "native" (the C kernel,
+    reading the KV pool in place) or "sdpa" (SDPA over the dense decode workspace)."""
+    from minisgl.attention import cpu_native
+
+    old = os.environ.get("MINISGL_CPU_ATTENTION")
+    os.environ["MINISGL_CPU_ATTENTION"] = mode
+    cpu_native._library.cache_clear()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("MINISGL_CPU_ATTENTION", None)
+        else:
+            os.environ["MINISGL_CPU_ATTENTION"] = old
+        cpu_native._library.cache_clear()

@@ -40,7 +40,8 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-ma
 LINK_FLAGS = ("-shared", "-fopenmp")
 _DTYPES = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
 _ERRORS = {1: "head_dim > 256 or more than 16 query heads per KV head", 2: "a length outside 1..L",
-           3: "out of memory"}  # fmt: skip
+           3: "out of memory", 4: "a KV index outside the pool",
+           5: "indptr outside the indices"}  # fmt: skip
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -107,6 +108,10 @@ def _library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [_PTR] * 5 + [_I64] * 11 + [_I64, ctypes.c_float, ctypes.c_int]
+        paged = getattr(lib, name + "_paged")
+        paged.restype = ctypes.c_int
+        paged.argtypes = [_PTR] * 5 + [_I64, _PTR, _PTR] + [_I64] * 10 + [ctypes.c_float,
+                                                                         ctypes.c_int]  # fmt: skip
     return lib
 
 
@@ -149,6 +154,57 @@ def _decode_attention(
     return out
 
 
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    indices: torch.Tensor,
+    indptr: torch.Tensor,
+    lens: torch.Tensor,
+    window: int,
+) -> torch.Tensor:
+    """`decode_attention` read in place from a KV pool: k_pool, v_pool [rows, KVH, D] (D
+    contiguous), request b's keys at pool rows indices[indptr[b] + l] for l < lens[b] (int64);
+    the same window rule. No dense copy of the step's KV."""
+    return torch.ops.minisgl.cpu_paged_decode_attention(
+        q, k_pool, v_pool, indices, indptr, lens, window
+    )
+
+
+def _i64(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.int64 and x.is_contiguous() else x.to(torch.int64).contiguous()
+
+
+def _paged_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    indptr: torch.Tensor,
+    lens: torch.Tensor,
+    window: int,
+) -> torch.Tensor:
+    lib = _library()
+    assert lib is not None and q.device.type == "cpu"
+    q = q.contiguous()
+    bs, kvh, gqa, d = q.shape
+    if k.shape != v.shape or k.shape[1:] != (kvh, d) or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError(f"cpu_paged_decode_attention: pools {tuple(k.shape)} / {tuple(v.shape)}")
+    if indptr.numel() != bs + 1 or lens.numel() != bs:
+        raise ValueError("cpu_paged_decode_attention: indptr needs bs + 1 entries, lens bs")
+    indices, indptr, lens = _i64(indices), _i64(indptr), _i64(lens)
+    out = torch.empty_like(q)
+    rc = getattr(lib, _DTYPES[q.dtype] + "_paged")(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), indices.data_ptr(),
+        indices.numel(), indptr.data_ptr(), lens.data_ptr(), bs, kvh, gqa, d, k.shape[0],
+        k.stride(1), k.stride(0), v.stride(1), v.stride(0), window, d**-0.5,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"cpu_paged_decode_attention: {_ERRORS.get(rc, rc)}")
+    return out
+
+
 def _decode_attention_meta(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, window: int
 ) -> torch.Tensor:
@@ -161,3 +217,13 @@ _LIB = torch.library.Library("minisgl", "FRAGMENT")
 _LIB.define("cpu_decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, int window) -> Tensor")
 _LIB.impl("cpu_decode_attention", _decode_attention, "CPU")
 _LIB.impl("cpu_decode_attention", _decode_attention_meta, "Meta")
+_LIB.define(
+    "cpu_paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor indices, "
+    "Tensor indptr, Tensor lens, int window) -> Tensor"
+)
+_LIB.impl("cpu_paged_decode_attention", _paged_decode_attention, "CPU")
+_LIB.impl(
+    "cpu_paged_decode_attention",
+    lambda q, *rest: torch.empty_like(q, memory_format=torch.contiguous_format),
+    "Meta",
+)

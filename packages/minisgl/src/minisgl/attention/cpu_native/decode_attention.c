@@ -12,6 +12,10 @@
  * are widened / rounded (to nearest even) by bit operations, so both types share one body.
  * Built with -ffast-math (vectorized expf and reductions): nothing here relies on inf or NaN.
  *
+ * `NAME_paged` reads K and V in place from a KV pool [rows, kvh, d] (strides over rows and
+ * heads): request b's keys are pool rows indices[indptr[b] + l] for l < lens[b], so a decode
+ * step needs no dense copy of its KV.
+ *
  * With AVX-512 and a head_dim that is a multiple of 16 (up to 256), the dot products and the
  * weighted sum run on explicit 512-bit vectors with the query rows in register blocks: each K
  * and V row is widened once per block of rows, the accumulators stay in registers. Elsewhere
@@ -69,15 +73,19 @@ static inline uint16_t f32_to_bf16(float f) {
 DEFINE_SOFTMAX(softmax_f32, F32_LOAD, F32_STORE)
 DEFINE_SOFTMAX(softmax_bf16, bf16_to_f32, f32_to_bf16)
 
-/* one task with the portable loops: q, o [gqa, d]; kb, vb the task's first K / V row */
+/* key l of a task: row ROW(rows, l) of its K / V base (rows NULL: rows 0, 1, ... in order) */
+#define ROW(rows, l) ((rows) != NULL ? (rows)[l] : (l))
+
+/* one task with the portable loops: q, o [gqa, d]; key l at kb / vb + ROW(rows, l) * stride */
 #define DEFINE_TASK(NAME, T, LOAD, STORE, SOFTMAX)                                              \
-    static void NAME(const T *q, const T *kb, const T *vb, T *o, int64_t n, int64_t k_sl,       \
-                     int64_t v_sl, int64_t gqa, int64_t d, float scale, float *s) {             \
+    static void NAME(const T *q, const T *kb, const T *vb, const int64_t *rows, T *o, int64_t n, \
+                     int64_t k_sl, int64_t v_sl, int64_t gqa, int64_t d, float scale,           \
+                     float *s) {                                                                \
         float qf[MAX_GQA][MAX_D], acc[MAX_GQA][MAX_D], inv[MAX_GQA];                            \
         for (int64_t g = 0; g < gqa; g++)                                                       \
             for (int64_t i = 0; i < d; i++) qf[g][i] = LOAD(q[g * d + i]) * scale;              \
         for (int64_t l = 0; l < n; l++) {                                                       \
-            const T *kr = kb + l * k_sl;                                                        \
+            const T *kr = kb + ROW(rows, l) * k_sl;                                             \
             float kf[MAX_D];                                                                    \
             for (int64_t i = 0; i < d; i++) kf[i] = LOAD(kr[i]);                                \
             for (int64_t g = 0; g < gqa; g++) {                                                 \
@@ -91,7 +99,7 @@ DEFINE_SOFTMAX(softmax_bf16, bf16_to_f32, f32_to_bf16)
         for (int64_t g = 0; g < gqa; g++)                                                       \
             for (int64_t i = 0; i < d; i++) acc[g][i] = 0.0f;                                   \
         for (int64_t l = 0; l < n; l++) {                                                       \
-            const T *vr = vb + l * v_sl;                                                        \
+            const T *vr = vb + ROW(rows, l) * v_sl;                                             \
             float vf[MAX_D];                                                                    \
             for (int64_t i = 0; i < d; i++) vf[i] = LOAD(vr[i]);                                \
             for (int64_t g = 0; g < gqa; g++) {                                                 \
@@ -107,8 +115,8 @@ DEFINE_SOFTMAX(softmax_bf16, bf16_to_f32, f32_to_bf16)
 DEFINE_TASK(task_f32, float, F32_LOAD, F32_STORE, softmax_f32)
 DEFINE_TASK(task_bf16, uint16_t, bf16_to_f32, f32_to_bf16, softmax_bf16)
 
-typedef void (*task_fn)(const void *, const void *, const void *, void *, int64_t, int64_t,
-                        int64_t, int64_t, int64_t, float, float *);
+typedef void (*task_fn)(const void *, const void *, const void *, const int64_t *, void *,
+                        int64_t, int64_t, int64_t, int64_t, int64_t, float, float *);
 
 #if defined(__AVX512F__)
 static inline __m512 vload_f32(const float *p) { return _mm512_loadu_ps(p); }
@@ -143,9 +151,9 @@ static inline __m128 reduce4(const __m512 a[4]) {
 /* one task on 512-bit vectors, NC = d / 16 chunks a row, query rows in blocks of RB (the RB x
  * NC accumulators of the weighted sum stay in registers) */
 #define DEFINE_TASK_V(NAME, T, VLOAD, VSTORE, SOFTMAX, NC, RB)                                  \
-    static void NAME(const void *q_, const void *kb_, const void *vb_, void *o_, int64_t n,     \
-                     int64_t k_sl, int64_t v_sl, int64_t gqa, int64_t d, float scale,           \
-                     float *s) {                                                                \
+    static void NAME(const void *q_, const void *kb_, const void *vb_, const int64_t *rows,     \
+                     void *o_, int64_t n, int64_t k_sl, int64_t v_sl, int64_t gqa, int64_t d,   \
+                     float scale, float *s) {                                                   \
         const T *q = q_, *kb = kb_, *vb = vb_;                                                  \
         T *o = o_;                                                                              \
         float inv[MAX_GQA];                                                                     \
@@ -161,11 +169,13 @@ static inline __m128 reduce4(const __m512 a[4]) {
             for (; l + 4 <= n; l += 4) { /* four keys, widened once, reduced together */       \
                 __m512 kf[4][NC];                                                               \
                 for (int j = 0; j < 4; j++) {                                                   \
-                    for (int c = 0; c < NC; c++) kf[j][c] = VLOAD(kb + (l + j) * k_sl + 16 * c); \
+                    const T *kr = kb + ROW(rows, l + j) * k_sl;                                 \
+                    for (int c = 0; c < NC; c++) kf[j][c] = VLOAD(kr + 16 * c);                 \
                     if (g0 == 0) {                                                              \
-                        prefetch_row(vb + (l + j) * v_sl, NC * 16 * sizeof(T));                 \
+                        prefetch_row(vb + ROW(rows, l + j) * v_sl, NC * 16 * sizeof(T));        \
                         if (l + j + PF_AHEAD < n)                                               \
-                            prefetch_row(kb + (l + j + PF_AHEAD) * k_sl, NC * 16 * sizeof(T));  \
+                            prefetch_row(kb + ROW(rows, l + j + PF_AHEAD) * k_sl,               \
+                                         NC * 16 * sizeof(T));                                  \
                     }                                                                           \
                 }                                                                               \
                 for (int64_t g = 0; g < gn; g++) {                                              \
@@ -178,7 +188,7 @@ static inline __m128 reduce4(const __m512 a[4]) {
                 }                                                                               \
             }                                                                                   \
             for (; l < n; l++) {                                                                \
-                const T *kr = kb + l * k_sl;                                                    \
+                const T *kr = kb + ROW(rows, l) * k_sl;                                         \
                 __m512 kv[NC];                                                                  \
                 for (int c = 0; c < NC; c++) kv[c] = VLOAD(kr + 16 * c);                        \
                 for (int64_t g = 0; g < gn; g++) {                                              \
@@ -195,7 +205,7 @@ static inline __m128 reduce4(const __m512 a[4]) {
             for (int64_t g = 0; g < RB; g++)                                                    \
                 for (int c = 0; c < NC; c++) acc[g][c] = _mm512_setzero_ps();                   \
             for (int64_t l = 0; l < n; l++) {                                                   \
-                const T *vr = vb + l * v_sl;                                                    \
+                const T *vr = vb + ROW(rows, l) * v_sl;                                         \
                 __m512 vv[NC];                                                                  \
                 for (int c = 0; c < NC; c++) vv[c] = VLOAD(vr + 16 * c);                        \
                 for (int64_t g = 0; g < gn; g++) {                                              \
@@ -232,31 +242,68 @@ static inline __m128 reduce4(const __m512 a[4]) {
 DEFINE_TASKS_V(f32, float, vload_f32, vstore_f32, softmax_f32)
 DEFINE_TASKS_V(bf16, uint16_t, vload_bf16, vstore_bf16, softmax_bf16)
 #define VECTOR_TASK(SUFFIX, d) vector_task_##SUFFIX(d)
-/* the first K rows of task t (the task's own prefetches start PF_AHEAD rows in) */
-#define PREFETCH_NEXT(t)                                                                        \
+/* the first K rows of the next task, `krow(b, h, l)` the address of K row l of (b, h) */
+#define PREFETCH_NEXT(t, krow)                                                                  \
     if ((t) < bs * kvh) {                                                                       \
         const int64_t b_ = (t) / kvh, h_ = (t) % kvh, e_ = lens[b_];                            \
         const int64_t s_ = (window > 0 && e_ > window) ? e_ - window : 0;                       \
         const int64_t m_ = e_ - s_ < PF_AHEAD ? e_ - s_ : PF_AHEAD;                             \
-        for (int64_t l_ = 0; l_ < m_; l_++)                                                     \
-            prefetch_row(k + b_ * k_sb + h_ * k_sh + (s_ + l_) * k_sl, (size_t)d * sizeof(*k)); \
+        for (int64_t l_ = 0; l_ < m_; l_++) prefetch_row(krow(b_, h_, s_ + l_), d * sizeof(*k)); \
     }
 #else
-#define PREFETCH_NEXT(t)
+#define PREFETCH_NEXT(t, krow)
 #define VECTOR_TASK(SUFFIX, d) ((task_fn)NULL)
 #endif
 
-static void portable_f32(const void *q, const void *k, const void *v, void *o, int64_t n,
-                         int64_t k_sl, int64_t v_sl, int64_t gqa, int64_t d, float scale,
-                         float *s) {
-    task_f32(q, k, v, o, n, k_sl, v_sl, gqa, d, scale, s);
+static void portable_f32(const void *q, const void *k, const void *v, const int64_t *rows,
+                         void *o, int64_t n, int64_t k_sl, int64_t v_sl, int64_t gqa, int64_t d,
+                         float scale, float *s) {
+    task_f32(q, k, v, rows, o, n, k_sl, v_sl, gqa, d, scale, s);
 }
 
-static void portable_bf16(const void *q, const void *k, const void *v, void *o, int64_t n,
-                          int64_t k_sl, int64_t v_sl, int64_t gqa, int64_t d, float scale,
-                          float *s) {
-    task_bf16(q, k, v, o, n, k_sl, v_sl, gqa, d, scale, s);
+static void portable_bf16(const void *q, const void *k, const void *v, const int64_t *rows,
+                          void *o, int64_t n, int64_t k_sl, int64_t v_sl, int64_t gqa, int64_t d,
+                          float scale, float *s) {
+    task_bf16(q, k, v, rows, o, n, k_sl, v_sl, gqa, d, scale, s);
 }
+
+/* every (request, KV head) task of a step; `KB(b, h)` / `VB(b, h)` the base of its K / V rows,
+ * `ROWS(b)` its row list (NULL: dense), `KROW(b, h, l)` the address of K row l */
+#define RUN_TASKS(T, SUFFIX, KB, VB, ROWS, KROW)                                                \
+    task_fn task = VECTOR_TASK(SUFFIX, d);                                                      \
+    if (task == NULL) task = portable_##SUFFIX;                                                 \
+    int failed = 0;                                                                             \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                         \
+    for (int64_t t = 0; t < bs * kvh; t++) {                                                    \
+        const int64_t b = t / kvh, h = t % kvh;                                                 \
+        const int64_t end = lens[b];                                                            \
+        const int64_t start = (window > 0 && end > window) ? end - window : 0;                 \
+        const int64_t n = end - start;                                                          \
+        float stack[STACK_SCORES];                                                              \
+        float *s = gqa * n <= STACK_SCORES ? stack : malloc(sizeof(float) * (size_t)(gqa * n)); \
+        if (s == NULL) {                                                                        \
+            _Pragma("omp atomic write") failed = 1;                                             \
+            continue;                                                                           \
+        }                                                                                       \
+        PREFETCH_NEXT(t + 1, KROW);                                                             \
+        const int64_t *rows = ROWS(b);                                                          \
+        task(q + t * gqa * d, KB(b, h) + (rows ? 0 : start * k_sl),                             \
+             VB(b, h) + (rows ? 0 : start * v_sl), rows ? rows + start : NULL, out + t * gqa * d, \
+             n, k_sl, v_sl, gqa, d, scale, s);                                                  \
+        if (s != stack) free(s);                                                                \
+    }                                                                                           \
+    return failed ? 3 : 0;
+
+/* dense: K row l of (b, h) at k + b * k_sb + h * k_sh + l * k_sl */
+#define DENSE_KB(b, h) (k + (b) * k_sb + (h) * k_sh)
+#define DENSE_VB(b, h) (v + (b) * v_sb + (h) * v_sh)
+#define DENSE_ROWS(b) ((const int64_t *)NULL)
+#define DENSE_KROW(b, h, l) (DENSE_KB(b, h) + (l) * k_sl)
+/* paged: K row l of (b, h) at k + indices[indptr[b] + l] * k_sl + h * k_sh (a KV pool) */
+#define PAGED_KB(b, h) (k + (h) * k_sh)
+#define PAGED_VB(b, h) (v + (h) * v_sh)
+#define PAGED_ROWS(b) (indices + indptr[b])
+#define PAGED_KROW(b, h, l) (PAGED_KB(b, h) + indices[indptr[b] + (l)] * k_sl)
 
 #define DEFINE_KERNEL(NAME, T, SUFFIX)                                                          \
     int NAME(const T *q, const T *k, const T *v, T *out, const int64_t *lens, int64_t bs,       \
@@ -266,28 +313,22 @@ static void portable_bf16(const void *q, const void *k, const void *v, void *o, 
         if (d > MAX_D || gqa > MAX_GQA) return 1;                                               \
         for (int64_t b = 0; b < bs; b++)                                                        \
             if (lens[b] < 1 || lens[b] > lmax) return 2;                                        \
-        task_fn task = VECTOR_TASK(SUFFIX, d);                                                  \
-        if (task == NULL) task = portable_##SUFFIX;                                             \
-        int failed = 0;                                                                         \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                     \
-        for (int64_t t = 0; t < bs * kvh; t++) {                                                \
-            const int64_t b = t / kvh, h = t % kvh;                                             \
-            const int64_t end = lens[b];                                                        \
-            const int64_t start = (window > 0 && end > window) ? end - window : 0;             \
-            const int64_t n = end - start;                                                      \
-            float stack[STACK_SCORES];                                                          \
-            float *s = gqa * n <= STACK_SCORES ? stack : malloc(sizeof(float) * (size_t)(gqa * n)); \
-            if (s == NULL) {                                                                    \
-                _Pragma("omp atomic write") failed = 1;                                         \
-                continue;                                                                       \
-            }                                                                                   \
-            PREFETCH_NEXT(t + 1);                                                               \
-            task(q + t * gqa * d, k + b * k_sb + h * k_sh + start * k_sl,                       \
-                 v + b * v_sb + h * v_sh + start * v_sl, out + t * gqa * d, n, k_sl, v_sl, gqa, \
-                 d, scale, s);                                                                  \
-            if (s != stack) free(s);                                                            \
+        RUN_TASKS(T, SUFFIX, DENSE_KB, DENSE_VB, DENSE_ROWS, DENSE_KROW)                        \
+    }                                                                                           \
+    /* request b's keys: pool rows indices[indptr[b] + l], l < lens[b] <= indptr[b+1] - indptr[b] */ \
+    int NAME##_paged(const T *q, const T *k, const T *v, T *out, const int64_t *indices,        \
+                     int64_t num_indices, const int64_t *indptr, const int64_t *lens, int64_t bs, \
+                     int64_t kvh, int64_t gqa, int64_t d, int64_t num_rows, int64_t k_sh,       \
+                     int64_t k_sl, int64_t v_sh, int64_t v_sl, int64_t window, float scale,     \
+                     int threads) {                                                             \
+        if (d > MAX_D || gqa > MAX_GQA) return 1;                                               \
+        for (int64_t b = 0; b < bs; b++) {                                                      \
+            if (indptr[b] < 0 || indptr[b + 1] > num_indices) return 5;                         \
+            if (lens[b] < 1 || lens[b] > indptr[b + 1] - indptr[b]) return 2;                   \
+            for (int64_t l = 0; l < lens[b]; l++)                                               \
+                if (indices[indptr[b] + l] < 0 || indices[indptr[b] + l] >= num_rows) return 4; \
         }                                                                                       \
-        return failed ? 3 : 0;                                                                  \
+        RUN_TASKS(T, SUFFIX, PAGED_KB, PAGED_VB, PAGED_ROWS, PAGED_KROW)                        \
     }
 
 DEFINE_KERNEL(decode_attention_f32, float, f32)
