@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from minisgl import LLM, SamplingParams
 from minisgl.attention import cpu_native
 from minisgl.testing.hf_reference import hf_greedy, load_hf_model
-from minisgl.testing.scenarios import assert_kv_clean, random_prompts
+from minisgl.testing.scenarios import assert_kv_clean, cpu_attention, random_prompts
 from minisgl.testing.tiny_models import write_tiny_model
 
 KERNEL = "native-decode-attention-matches-sdpa-over-gqa-windows-and-strided-kv"
@@ -163,15 +163,14 @@ def test_loading_the_kernel_keeps_denormals():
 
 @pytest.mark.card("P2-003", "decode-through-the-kernel-is-token-identical-to-hf-in-fp32")
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_decode_through_the_kernel_matches_hf_and_sdpa(arch, tmp_path, monkeypatch):
+def test_decode_through_the_kernel_matches_hf_and_sdpa(arch, tmp_path):
     path = write_tiny_model(arch, tmp_path / arch, seed=0)
     prompts = random_prompts(6, 5, 60, seed=11)
     params = [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True) for i in range(6)]
     outs = {}
     for mode in ("native", "sdpa"):
-        monkeypatch.setenv("MINISGL_CPU_ATTENTION", mode)
-        cpu_native._library.cache_clear()
-        llm = LLM(path, num_pages=4096)
+        with cpu_attention(mode):
+            llm = LLM(path, num_pages=4096)
         backend = llm.engine.backend
         assert backend.native_decode == (mode == "native")
         outs[mode] = [o["token_ids"] for o in llm.generate(prompts, params)]
@@ -183,7 +182,6 @@ def test_decode_through_the_kernel_matches_hf_and_sdpa(arch, tmp_path, monkeypat
             assert ws.k is None and ws.rebuilds == ws.appends == 0
         else:
             assert ws.rebuilds >= 6 and ws.appends > 0
-    cpu_native._library.cache_clear()
     ref = hf_greedy(load_hf_model(path), prompts, 6 + 3 * 5)
     assert outs["native"] == [r[: 6 + 3 * i] for i, r in enumerate(ref)]
     assert outs["native"] == outs["sdpa"]

@@ -128,9 +128,8 @@ class LLM:
         running request, for a minute or more on a CPU): batch sizes 1 and 2 (batch 1 is
         specialised), through the backend's decode modes (the CPU kernel's paged steps; SDPA's
         workspace rebuilt and appended to): the two or four decode graphs of `CompiledDecode`;
-        a first prefill of `PREFILL_HINT_TOKENS` compiles
-        `CompiledPrefill`'s two pieces (dynamic in the token count: every later length runs
-        on them)."""
+        a first prefill of `PREFILL_HINT_TOKENS` compiles `CompiledPrefill`'s two pieces
+        (dynamic in the token count: every later length runs on them)."""
         from minisgl.engine.compiled import PREFILL_HINT_TOKENS
 
         t0 = time.perf_counter()

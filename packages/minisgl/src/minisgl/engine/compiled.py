@@ -19,8 +19,8 @@ elementwise ops into a few C++ loops and calls the matmuls and SDPA directly:
   ~400 tensors per call cost ~0.7 ms a step. Guards on the step's own inputs (shapes, the
   attention metadata) stay; the KV pool's tensors are static (dynamic, each of its 2 x layers
   tensors added symbolic-shape guards, evaluated in Python every step);
-- the graphs write the KV pool (and SDPA's decode workspace) in place, by index_put_ on the graph's
-  input tensors: a write through a view of an input is functionalized into a scatter of the
+- the graphs write the KV pool (and SDPA's decode workspace) in place, by index_put_ on the
+  graph's input tensors: a write through a view of an input is functionalized into a scatter of the
   whole tensor (`attention/torch_native.py`).
 A decode step the attention backend does not mark `compiles` runs eager (torch-native through
 SDPA: a batch over the decode workspace budget, which gathers its KV every step).

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -129,29 +130,39 @@ def decode_attention(
     return torch.ops.minisgl.cpu_decode_attention(q, k, v, lens, window)
 
 
+def _i64(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.int64 and x.is_contiguous() else x.to(torch.int64).contiguous()
+
+
+def _run(op: str, suffix: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+         *rest: int) -> torch.Tensor:  # fmt: skip
+    """Call the kernel `suffix` names for q's dtype as (q, k, v, out, *rest, scale, threads),
+    `rest` already ints (pointers as data_ptr()); a non-zero return code raises."""
+    lib = _library()
+    assert lib is not None and q.device.type == "cpu"
+    out = torch.empty_like(q)
+    fn = getattr(lib, _DTYPES[q.dtype] + suffix)
+    rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *rest,
+            q.shape[-1] ** -0.5, torch.get_num_threads())  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"{op}: {_ERRORS.get(rc, rc)}")
+    return out
+
+
 def _decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, window: int
 ) -> torch.Tensor:
-    lib = _library()
-    assert lib is not None and q.device.type == "cpu"
     q = q.contiguous()
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    if lens.dtype != torch.int64 or not lens.is_contiguous():
-        lens = lens.to(torch.int64).contiguous()
     bs, kvh, gqa, d = q.shape
     ks, vs = k.stride(), v.stride()
-    out = torch.empty_like(q)
-    rc = getattr(lib, _DTYPES[q.dtype])(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lens.data_ptr(),
-        bs, kvh, gqa, d, k.shape[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-        window, d**-0.5, torch.get_num_threads(),
+    return _run(
+        "cpu_decode_attention", "", q, k, v, _i64(lens).data_ptr(), bs, kvh, gqa, d, k.shape[2],
+        ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], window,
     )  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"cpu_decode_attention: {_ERRORS.get(rc, rc)}")
-    return out
 
 
 def paged_decode_attention(
@@ -171,10 +182,6 @@ def paged_decode_attention(
     )
 
 
-def _i64(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype == torch.int64 and x.is_contiguous() else x.to(torch.int64).contiguous()
-
-
 def _paged_decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -184,30 +191,22 @@ def _paged_decode_attention(
     lens: torch.Tensor,
     window: int,
 ) -> torch.Tensor:
-    lib = _library()
-    assert lib is not None and q.device.type == "cpu"
     q = q.contiguous()
     bs, kvh, gqa, d = q.shape
     if k.shape != v.shape or k.shape[1:] != (kvh, d) or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError(f"cpu_paged_decode_attention: pools {tuple(k.shape)} / {tuple(v.shape)}")
     if indptr.numel() != bs + 1 or lens.numel() != bs:
         raise ValueError("cpu_paged_decode_attention: indptr needs bs + 1 entries, lens bs")
-    indices, indptr, lens = _i64(indices), _i64(indptr), _i64(lens)
-    out = torch.empty_like(q)
-    rc = getattr(lib, _DTYPES[q.dtype] + "_paged")(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), indices.data_ptr(),
-        indices.numel(), indptr.data_ptr(), lens.data_ptr(), bs, kvh, gqa, d, k.shape[0],
-        k.stride(1), k.stride(0), v.stride(1), v.stride(0), window, d**-0.5,
-        torch.get_num_threads(),
+    indices = _i64(indices)
+    return _run(
+        "cpu_paged_decode_attention", "_paged", q, k, v, indices.data_ptr(), indices.numel(),
+        _i64(indptr).data_ptr(), _i64(lens).data_ptr(), bs, kvh, gqa, d, k.shape[0], k.stride(1), k.stride(0), v.stride(1),
+        v.stride(0), window,
     )  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"cpu_paged_decode_attention: {_ERRORS.get(rc, rc)}")
-    return out
 
 
-def _decode_attention_meta(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, window: int
-) -> torch.Tensor:
+def _like_q(q: torch.Tensor, *rest: Any) -> torch.Tensor:
+    """Both kernels' output on the Meta device: q's shape and dtype, contiguous."""
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -216,14 +215,10 @@ def _decode_attention_meta(
 _LIB = torch.library.Library("minisgl", "FRAGMENT")
 _LIB.define("cpu_decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, int window) -> Tensor")
 _LIB.impl("cpu_decode_attention", _decode_attention, "CPU")
-_LIB.impl("cpu_decode_attention", _decode_attention_meta, "Meta")
+_LIB.impl("cpu_decode_attention", _like_q, "Meta")
 _LIB.define(
     "cpu_paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor indices, "
     "Tensor indptr, Tensor lens, int window) -> Tensor"
 )
 _LIB.impl("cpu_paged_decode_attention", _paged_decode_attention, "CPU")
-_LIB.impl(
-    "cpu_paged_decode_attention",
-    lambda q, *rest: torch.empty_like(q, memory_format=torch.contiguous_format),
-    "Meta",
-)
+_LIB.impl("cpu_paged_decode_attention", _like_q, "Meta")

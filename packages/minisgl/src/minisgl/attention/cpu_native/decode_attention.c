@@ -78,9 +78,11 @@ DEFINE_SOFTMAX(softmax_bf16, bf16_to_f32, f32_to_bf16)
 
 /* one task with the portable loops: q, o [gqa, d]; key l at kb / vb + ROW(rows, l) * stride */
 #define DEFINE_TASK(NAME, T, LOAD, STORE, SOFTMAX)                                              \
-    static void NAME(const T *q, const T *kb, const T *vb, const int64_t *rows, T *o, int64_t n, \
-                     int64_t k_sl, int64_t v_sl, int64_t gqa, int64_t d, float scale,           \
-                     float *s) {                                                                \
+    static void NAME(const void *q_, const void *kb_, const void *vb_, const int64_t *rows,     \
+                     void *o_, int64_t n, int64_t k_sl, int64_t v_sl, int64_t gqa, int64_t d,   \
+                     float scale, float *s) {                                                   \
+        const T *q = q_, *kb = kb_, *vb = vb_;                                                  \
+        T *o = o_;                                                                              \
         float qf[MAX_GQA][MAX_D], acc[MAX_GQA][MAX_D], inv[MAX_GQA];                            \
         for (int64_t g = 0; g < gqa; g++)                                                       \
             for (int64_t i = 0; i < d; i++) qf[g][i] = LOAD(q[g * d + i]) * scale;              \
@@ -255,23 +257,11 @@ DEFINE_TASKS_V(bf16, uint16_t, vload_bf16, vstore_bf16, softmax_bf16)
 #define VECTOR_TASK(SUFFIX, d) ((task_fn)NULL)
 #endif
 
-static void portable_f32(const void *q, const void *k, const void *v, const int64_t *rows,
-                         void *o, int64_t n, int64_t k_sl, int64_t v_sl, int64_t gqa, int64_t d,
-                         float scale, float *s) {
-    task_f32(q, k, v, rows, o, n, k_sl, v_sl, gqa, d, scale, s);
-}
-
-static void portable_bf16(const void *q, const void *k, const void *v, const int64_t *rows,
-                          void *o, int64_t n, int64_t k_sl, int64_t v_sl, int64_t gqa, int64_t d,
-                          float scale, float *s) {
-    task_bf16(q, k, v, rows, o, n, k_sl, v_sl, gqa, d, scale, s);
-}
-
 /* every (request, KV head) task of a step; `KB(b, h)` / `VB(b, h)` the base of its K / V rows,
  * `ROWS(b)` its row list (NULL: dense), `KROW(b, h, l)` the address of K row l */
 #define RUN_TASKS(T, SUFFIX, KB, VB, ROWS, KROW)                                                \
     task_fn task = VECTOR_TASK(SUFFIX, d);                                                      \
-    if (task == NULL) task = portable_##SUFFIX;                                                 \
+    if (task == NULL) task = task_##SUFFIX;                                                     \
     int failed = 0;                                                                             \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                         \
     for (int64_t t = 0; t < bs * kvh; t++) {                                                    \
