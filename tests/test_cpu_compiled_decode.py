@@ -82,9 +82,11 @@ def _compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _decode_logits(path, compile_: bool, dtype: str, quantization: str, steps: int):
-    """Logits of `steps` decode steps over the same batch (tokens from the eager engine's
-    argmax, fed to both), one [bs, vocab] tensor per step."""
+def _decode_logits(path, compile_: bool, dtype: str, quantization: str, steps: int,
+                   tokens: list[list[int]] | None = None):  # fmt: skip
+    """Logits of `steps` decode steps over the same batch, one [bs, vocab] tensor per step,
+    and the tokens fed after the prefill and each step: the engine's own argmax, or `tokens`
+    (another engine's, so a near-tie in bf16 cannot send the two down different texts)."""
     from minisgl.config import EngineConfig
     from minisgl.engine.engine import Engine
 
@@ -92,13 +94,15 @@ def _decode_logits(path, compile_: bool, dtype: str, quantization: str, steps: i
                                  enable_torch_compile=compile_, **SMALL))  # fmt: skip
     batch = PlannedBatch.for_engine(engine, [5, 17, 9, 30, 2], per_request=64, seed=3)
     rows = [GreedyRow()] * 5
-    batch.push(engine.sample_step(batch.plan(True), rows, frozenset()).tokens)
+    fed = [engine.sample_step(batch.plan(True), rows, frozenset()).tokens]
+    batch.push(tokens[0] if tokens else fed[0])
     out = []
-    for _ in range(steps):
+    for step in range(steps):
         logits = engine.forward(batch.plan(False))
         out.append(logits)
-        batch.push(logits.argmax(-1).tolist())
-    return engine, out
+        fed.append(logits.argmax(-1).tolist())
+        batch.push(tokens[step + 1] if tokens else fed[-1])
+    return engine, out, fed
 
 
 @pytest.mark.card("P2-002", "compiled-decode-agrees-with-eager-decode-in-bf16-and-int4")
@@ -108,8 +112,8 @@ def test_compiled_decode_agrees_with_eager(quantization, tmp_path):
     import torch
 
     path = write_tiny_model("llama", tmp_path / "m", seed=0)
-    _, eager = _decode_logits(path, False, "bfloat16", quantization, 6)
-    engine, comp = _decode_logits(path, True, "bfloat16", quantization, 6)
+    _, eager, fed = _decode_logits(path, False, "bfloat16", quantization, 6)
+    engine, comp, _ = _decode_logits(path, True, "bfloat16", quantization, 6, tokens=fed)
     assert engine.compiled is not None and engine.compiled.steps == 6
     agree = total = 0
     for e, c in zip(eager, comp, strict=True):

@@ -1,5 +1,5 @@
-"""CPU decode attention in C (`decode_attention.c`), built on first use with the system C
-compiler (the one inductor uses for compiled decode) and called through ctypes.
+"""CPU attention in C (`decode_attention.c`, `prefill_attention.c`), built on first use with
+the system C compiler (the one inductor uses for compiled decode) and called through ctypes.
 
 `decode_attention(q, k, v, lens, window)` is a torch custom op (`minisgl::cpu_decode_attention`)
 so a compiled decode graph calls it as one opaque kernel. It replaces SDPA for decode steps on
@@ -31,7 +31,9 @@ from minisgl.utils.log import get_logger
 
 logger = get_logger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
+_HERE = Path(__file__).parent
+SOURCES = (_HERE / "decode_attention.c", _HERE / "prefill_attention.c")
+HEADERS = (_HERE / "bf16.h",)
 # -ffast-math at compile time only: linked with it, the object would set flush-to-zero for
 # the whole process when loaded (crtfastmath), changing every fp32 op in torch
 # 512-bit vectors where the CPU has them (gcc prefers 256 on most AVX-512 parts): the softmax's
@@ -39,10 +41,11 @@ SOURCE = Path(__file__).with_name("decode_attention.c")
 COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp",
                  "-fPIC", "-c")  # fmt: skip
 LINK_FLAGS = ("-shared", "-fopenmp")
-_DTYPES = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
+_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _ERRORS = {1: "head_dim > 256 or more than 16 query heads per KV head", 2: "a length outside 1..L",
            3: "out of memory", 4: "a KV index outside the pool",
-           5: "indptr outside the indices"}  # fmt: skip
+           5: "indptr outside the indices", 6: "a request's query rows outside q",
+           7: "a request's KV range outside the indices"}  # fmt: skip
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -75,19 +78,21 @@ def build() -> Path:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (set CC)")
+    texts = [f.read_text() for f in (*SOURCES, *HEADERS)]
     key = hashlib.sha256(
-        "\0".join((SOURCE.read_text(), cc, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_id())).encode()
+        "\0".join((*texts, cc, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_id())).encode()
     ).hexdigest()[:16]
     out_dir = _cache_dir() / "kernels"
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / f"decode_attention-{key}.so"
+    target = out_dir / f"attention-{key}.so"
     with FileLock(str(target) + ".lock"):
         if not target.exists():
             with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-                obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
+                objs = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
+                lib = Path(tmp) / "k.so"
                 for cmd in (
-                    [cc, *COMPILE_FLAGS, "-o", str(obj), str(SOURCE)],
-                    [cc, *LINK_FLAGS, "-o", str(lib), str(obj), "-lm"],
+                    *([cc, *COMPILE_FLAGS, "-o", obj, str(src)] for obj, src in zip(objs, SOURCES)),
+                    [cc, *LINK_FLAGS, "-o", str(lib), *objs, "-lm"],
                 ):
                     done = subprocess.run(cmd, capture_output=True, text=True)
                     if done.returncode != 0:
@@ -105,14 +110,16 @@ def _library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as e:
         logger.warning("CPU decode attention kernel unavailable (%s): decode uses SDPA", e)
         return None
-    for name in _DTYPES.values():
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_PTR] * 5 + [_I64] * 11 + [_I64, ctypes.c_float, ctypes.c_int]
-        paged = getattr(lib, name + "_paged")
-        paged.restype = ctypes.c_int
-        paged.argtypes = [_PTR] * 5 + [_I64, _PTR, _PTR] + [_I64] * 10 + [ctypes.c_float,
-                                                                         ctypes.c_int]  # fmt: skip
+    tail = [ctypes.c_float, ctypes.c_int]  # scale, threads
+    for suffix in _DTYPES.values():
+        for name, args in (
+            (f"decode_attention_{suffix}", [_PTR] * 5 + [_I64] * 12),
+            (f"decode_attention_{suffix}_paged", [_PTR] * 5 + [_I64, _PTR, _PTR] + [_I64] * 10),
+            (f"prefill_attention_{suffix}", [_PTR] * 5 + [_I64] + [_PTR] * 4 + [_I64] * 11),
+        ):
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = args + tail
     return lib
 
 
@@ -134,14 +141,15 @@ def _i64(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.int64 and x.is_contiguous() else x.to(torch.int64).contiguous()
 
 
-def _run(op: str, suffix: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-         *rest: int) -> torch.Tensor:  # fmt: skip
-    """Call the kernel `suffix` names for q's dtype as (q, k, v, out, *rest, scale, threads),
-    `rest` already ints (pointers as data_ptr()); a non-zero return code raises."""
+def _run(op: str, kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+         *rest: int, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Call `kernel` ("decode_attention", ...) for q's dtype as (q, k, v, out, *rest, scale,
+    threads), `rest` already ints (pointers as data_ptr()); a non-zero return code raises."""
     lib = _library()
     assert lib is not None and q.device.type == "cpu"
-    out = torch.empty_like(q)
-    fn = getattr(lib, _DTYPES[q.dtype] + suffix)
+    if out is None:
+        out = torch.empty_like(q)
+    fn = getattr(lib, kernel.format(_DTYPES[q.dtype]))
     rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *rest,
             q.shape[-1] ** -0.5, torch.get_num_threads())  # fmt: skip
     if rc != 0:
@@ -160,7 +168,7 @@ def _decode_attention(
     bs, kvh, gqa, d = q.shape
     ks, vs = k.stride(), v.stride()
     return _run(
-        "cpu_decode_attention", "", q, k, v, _i64(lens).data_ptr(), bs, kvh, gqa, d, k.shape[2],
+        "cpu_decode_attention", "decode_attention_{}", q, k, v, _i64(lens).data_ptr(), bs, kvh, gqa, d, k.shape[2],
         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], window,
     )  # fmt: skip
 
@@ -199,9 +207,50 @@ def _paged_decode_attention(
         raise ValueError("cpu_paged_decode_attention: indptr needs bs + 1 entries, lens bs")
     indices = _i64(indices)
     return _run(
-        "cpu_paged_decode_attention", "_paged", q, k, v, indices.data_ptr(), indices.numel(),
+        "cpu_paged_decode_attention", "decode_attention_{}_paged", q, k, v, indices.data_ptr(), indices.numel(),
         _i64(indptr).data_ptr(), _i64(lens).data_ptr(), bs, kvh, gqa, d, k.shape[0], k.stride(1), k.stride(0), v.stride(1),
         v.stride(0), window,
+    )  # fmt: skip
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    indices: torch.Tensor,
+    q_starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    kv_starts: torch.Tensor,
+    kv_lens: torch.Tensor,
+    window: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of a prefill step's requests, read in place from a KV pool: q, out
+    [T, KVH, gqa, D]; request r's new tokens are q rows [q_starts[r], q_starts[r] + q_lens[r]),
+    its keys pool rows indices[kv_starts[r] + l] for l < kv_lens[r] (prefix first), its token i
+    sees positions < kv_lens[r] - q_lens[r] + i + 1 (and the last `window` of them when
+    window > 0). Rows of `out` outside the requests keep their values (out None: a new,
+    uninitialised tensor). Eager only: no operator for compiled graphs."""
+    q = q.contiguous()
+    nq, kvh, gqa, d = q.shape
+    k, v = k_pool, v_pool
+    if (k.shape != v.shape or k.shape[1:] != (kvh, d) or k.stride(-1) != 1
+            or v.stride(-1) != 1 or not k.dtype == v.dtype == q.dtype):  # fmt: skip
+        raise ValueError(f"cpu_prefill_attention: pools {tuple(k.shape)} / {tuple(v.shape)} "
+                         f"{k.dtype} for q {q.dtype}")  # fmt: skip
+    n = q_starts.numel()
+    if q_lens.numel() != n or kv_starts.numel() != n or kv_lens.numel() != n:
+        raise ValueError("cpu_prefill_attention: one start and length of each kind a request")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype
+                            or not out.is_contiguous()):  # fmt: skip
+        raise ValueError("cpu_prefill_attention: out must be a contiguous tensor like q")
+    indices, q_starts, q_lens = _i64(indices), _i64(q_starts), _i64(q_lens)
+    kv_starts, kv_lens = _i64(kv_starts), _i64(kv_lens)
+    return _run(
+        "cpu_prefill_attention", "prefill_attention_{}", q, k, v, indices.data_ptr(),
+        indices.numel(), q_starts.data_ptr(), q_lens.data_ptr(), kv_starts.data_ptr(),
+        kv_lens.data_ptr(), n, nq, kvh, gqa, d, k.shape[0], k.stride(1), k.stride(0),
+        v.stride(1), v.stride(0), window, out=out,
     )  # fmt: skip
 
 

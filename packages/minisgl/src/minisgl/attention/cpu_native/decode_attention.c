@@ -9,7 +9,7 @@
  * the unnormalised probabilities enter the weighted sum in the element type (bf16: rounded)
  * while their sum stays fp32: a bf16 model decodes the same text through either kernel (with
  * probabilities kept in fp32, the embedded int4 model stopped answering "Paris"). bf16 values
- * are widened / rounded (to nearest even) by bit operations, so both types share one body.
+ * are widened / rounded by bit operations (bf16.h), so both types share one body.
  * Built with -ffast-math (vectorized expf and reductions): nothing here relies on inf or NaN.
  *
  * `NAME_paged` reads K and V in place from a KV pool [rows, kvh, d] (strides over rows and
@@ -32,25 +32,8 @@
 #include <immintrin.h>
 #endif
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "bf16.h"
 
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-#define F32_LOAD(x) (x)
-#define F32_STORE(x) (x)
-
-#define MAX_D 256
-#define MAX_GQA 16
 /* scores of a task up to this many floats live on the stack, longer ones on the heap */
 #define STACK_SCORES 4096
 

@@ -1,0 +1,146 @@
+"""The C prefill attention kernel (card P2-003): a CPU prefill step's short requests attend in
+place over the KV pool, checked against SDPA per request and, through the engine, HF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl import LLM, SamplingParams
+from minisgl.attention import cpu_native
+from minisgl.testing.hf_reference import hf_greedy, load_hf_model
+from minisgl.testing.scenarios import assert_kv_clean, cpu_attention, random_prompts
+from minisgl.testing.tiny_models import write_tiny_model
+
+PREFILL = "prefill-attention-of-short-requests-through-the-kernel-matches-sdpa-and-hf"
+GAP = 2  # q rows between two requests that no request names (the kernel must not write them)
+
+
+def prefill_case(q_lens, prefixes, kvh, gqa, d, dtype, seed):
+    """Requests of q_lens[r] new tokens after prefixes[r] cached ones; their KV at scattered
+    pool rows, their q rows GAP apart. Returns q [T, KVH, gqa, D], the pools, the indices and
+    the (q_starts, q_lens, kv_starts, kv_lens) tensors."""
+    g = torch.Generator().manual_seed(seed)
+    q_lens = torch.tensor(q_lens)
+    kv_lens = q_lens + torch.tensor(prefixes)
+    q_starts = torch.cumsum(q_lens + GAP, 0) - q_lens - GAP
+    kv_starts = torch.cumsum(kv_lens, 0) - kv_lens
+    n_kv = int(kv_lens.sum())
+    rows = 3 * n_kv + 5
+    k_pool = torch.randn(rows, kvh, d, generator=g).to(dtype)
+    v_pool = torch.randn(rows, kvh, d, generator=g).to(dtype)
+    indices = torch.randperm(rows, generator=g)[:n_kv]
+    q = torch.randn(int(q_starts[-1] + q_lens[-1]) + GAP, kvh, gqa, d, generator=g).to(dtype)
+    return q, k_pool, v_pool, indices, (q_starts, q_lens, kv_starts, kv_lens)
+
+
+def reference(q, k_pool, v_pool, indices, spans, window, dtype=torch.float32):
+    """SDPA per request (in `dtype`) with the causal rule after the prefix as a mask; rows that
+    no request names are NaN."""
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    kvh, gqa, d = q.shape[1:]
+    for q0, n, kv0, length in zip(*(s.tolist() for s in spans)):
+        rows = indices[kv0 : kv0 + length]
+        qs = q[q0 : q0 + n].to(dtype).reshape(n, kvh * gqa, d).transpose(0, 1)
+        ks = k_pool[rows].to(dtype).repeat_interleave(gqa, dim=1).transpose(0, 1)
+        vs = v_pool[rows].to(dtype).repeat_interleave(gqa, dim=1).transpose(0, 1)
+        pos = torch.arange(length - n, length)[:, None]
+        key = torch.arange(length)[None, :]
+        mask = key <= pos
+        if window > 0:
+            mask &= key > pos - window
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+        out[q0 : q0 + n] = o.transpose(0, 1).reshape(n, kvh, gqa, d)
+    return out
+
+
+@pytest.mark.card("P2-003", PREFILL)
+@pytest.mark.parametrize(
+    "q_lens,prefixes,kvh,gqa,d,window",
+    [([5, 17, 1, 33], [0, 0, 3, 40], 3, 3, 64, 0),
+     ([70, 2], [300, 0], 2, 4, 128, 0),  # two tiles of keys, five blocks of tokens
+     ([9, 30], [20, 0], 2, 3, 40, 12),  # a head_dim that is no multiple of 16, a window
+     ([1, 64], [0, 129], 1, 16, 16, 0),  # 16 query heads a KV head: 4 tokens a block
+     ([40], [200], 4, 1, 256, 50),  # the window across tiles
+     ([3, 8], [0, 0], 2, 2, 32, 0)],
+)  # fmt: skip
+def test_prefill_kernel_matches_sdpa_fp32(q_lens, prefixes, kvh, gqa, d, window):
+    q, kp, vp, idx, spans = prefill_case(q_lens, prefixes, kvh, gqa, d, torch.float32, seed=d)
+    sentinel = torch.full_like(q, 7.0)
+    out = cpu_native.prefill_attention(q, kp, vp, idx, *spans, window, out=sentinel)
+    assert out.data_ptr() == sentinel.data_ptr()
+    ref = reference(q, kp, vp, idx, spans, window)
+    named = ~ref.isnan()
+    torch.testing.assert_close(out[named], ref[named], rtol=1e-5, atol=2e-6)
+    assert bool((out[~named] == 7.0).all()) and int((~named).sum()) == GAP * len(q_lens) * (
+        kvh * gqa * d
+    )
+
+
+@pytest.mark.card("P2-003", PREFILL)
+@pytest.mark.parametrize("d,window", [(64, 0), (64, 20), (40, 0)])
+def test_prefill_kernel_bf16_is_as_close_as_sdpa(d, window):
+    """bf16: as accurate against fp32 as SDPA in bf16 (the unnormalised probabilities are
+    rounded to bf16, as in the flash kernel)."""
+    q, kp, vp, idx, spans = prefill_case([12, 50, 3], [0, 30, 90], 3, 3, d, torch.bfloat16, 3)
+    out = cpu_native.prefill_attention(q, kp, vp, idx, *spans, window)
+    assert out.dtype == torch.bfloat16
+    ref = reference(q, kp, vp, idx, spans, window)
+    sdpa = reference(q, kp, vp, idx, spans, window, dtype=torch.bfloat16)
+    named = ~ref.isnan()
+    ours = (out.float() - ref)[named].abs().mean()
+    theirs = (sdpa.float() - ref)[named].abs().mean()
+    assert ours <= 1.1 * theirs, (ours, theirs)
+
+
+@pytest.mark.card("P2-003", PREFILL)
+def test_prefill_kernel_rejects_spans_outside_q_the_indices_and_the_pool():
+    q, kp, vp, idx, spans = prefill_case([4, 6], [0, 5], 2, 2, 64, torch.float32, seed=1)
+    q_starts, q_lens, kv_starts, kv_lens = spans
+
+    def call(**change):
+        s = dict(q_starts=q_starts, q_lens=q_lens, kv_starts=kv_starts, kv_lens=kv_lens)
+        s.update(change)
+        cpu_native.prefill_attention(q, kp, vp, change.get("indices", idx), s["q_starts"],
+                                     s["q_lens"], s["kv_starts"], s["kv_lens"], 0)  # fmt: skip
+
+    bad = idx.clone()
+    bad[7] = kp.shape[0]
+    with pytest.raises(ValueError, match="outside the pool"):
+        call(indices=bad)
+    with pytest.raises(ValueError, match="query rows outside q"):
+        call(q_starts=q_starts + q.shape[0] - 8)
+    with pytest.raises(ValueError, match="KV range outside the indices"):
+        call(kv_starts=kv_starts + 3)
+    with pytest.raises(ValueError, match="length"):
+        call(q_lens=q_lens + torch.tensor([1, 0]))  # more new tokens than keys
+    with pytest.raises(ValueError, match="one start and length"):
+        call(kv_lens=kv_lens[:1])
+
+
+@pytest.mark.card("P2-003", "failing-tests-prefill-attention-through-the-kernel")
+@pytest.mark.card("P2-003", PREFILL)
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])  # mistral: sliding window
+def test_prefill_through_the_kernel_matches_hf(arch, tmp_path):
+    """fp32 greedy through the kernel (every prefill request shorter than
+    PREFILL_ALONE_MIN_TOKENS: fresh prompts, prefix hits, chunks) is HF's text and SDPA's."""
+    path = write_tiny_model(arch, tmp_path / arch, seed=0)
+    system = random_prompts(1, 40, 40, seed=5)[0]
+    prompts = [system + p for p in random_prompts(5, 5, 50, seed=6)] + random_prompts(3, 90, 120)
+    outs, rows = {}, {}
+    for mode in ("native", "sdpa"):
+        with cpu_attention(mode):
+            llm = LLM(path, num_pages=4096, max_extend_tokens=48)  # long prompts in chunks
+        got = llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))
+        got += llm.generate(prompts[1:], SamplingParams(max_tokens=12, ignore_eos=True))
+        outs[mode] = [o["token_ids"] for o in got]
+        backend = llm.engine.backend
+        rows[mode] = (backend.prefill_kernel_rows, backend.prefill_alone_rows)
+        assert_kv_clean(llm)
+    # 48-token chunks: every prefill row is short; prompts[1:5] hit the 40-token system prompt
+    assert rows["native"] == (sum(len(p) for p in prompts) - 4 * 40, 0)
+    assert rows["sdpa"] == (0, 0)
+    ref = hf_greedy(load_hf_model(path), prompts, 12)
+    assert outs["native"] == [ref[0][:4], *ref[1:]]
+    assert outs["native"] == outs["sdpa"]
