@@ -172,7 +172,7 @@ def test_decode_through_the_kernel_matches_hf_and_sdpa(arch, tmp_path):
         with cpu_attention(mode):
             llm = LLM(path, num_pages=4096)
         backend = llm.engine.backend
-        assert backend.native_decode == (mode == "native")
+        assert backend.native == (mode == "native")
         outs[mode] = [o["token_ids"] for o in llm.generate(prompts, params)]
         assert_kv_clean(llm)
         # the kernel reads the pool in place: no dense workspace, no rebuild as the batch
@@ -197,7 +197,7 @@ def test_no_compiler_falls_back_to_sdpa(tmp_path, monkeypatch):
         assert not cpu_native.available(torch.float32)
         path = write_tiny_model("llama", tmp_path / "m", seed=0)
         llm = LLM(path, num_pages=1024)
-        assert not llm.engine.backend.native_decode
+        assert not llm.engine.backend.native
         out = llm.generate(random_prompts(2, 5, 20, seed=2), SamplingParams(max_tokens=4))
         assert [len(o["token_ids"]) for o in out] == [4, 4]
     finally:

@@ -172,7 +172,7 @@ def test_a_long_decode_compiles_nothing_and_each_graph_has_its_own_cache(tmp_pat
     path = write_tiny_model("llama", tmp_path / "m", seed=2)
     llm = LLM(path, dtype="float32", enable_torch_compile=True, num_pages=2048,
               max_seq_len_override=512)  # fmt: skip
-    assert llm.engine.backend.native_decode
+    assert llm.engine.backend.native
     graphs = _compiled_graphs()
     prompts = random_prompts(2, 4, 6, seed=3)
     params = SamplingParams(max_tokens=150, ignore_eos=True)  # past GROW (128) positions
@@ -208,7 +208,7 @@ def test_no_decode_graph_guards_module_state(tmp_path):
     llm = LLM(path, dtype="float32", enable_torch_compile=True, **SMALL)
     compiled = llm.engine.compiled
     # batch 1 and more x paged (the C kernel), or x workspace rebuild / append (SDPA)
-    expected = 2 if llm.engine.backend.native_decode else 4
+    expected = 2 if llm.engine.backend.native else 4
     assert compiled is not None and len(compiled.graphs) == expected
     for key, fn in compiled.graphs.items():
         (entry,) = _debug_get_cache_entry_list(fn._torchdynamo_orig_callable.__code__)

@@ -39,6 +39,19 @@ class _PrefillRequest:
 
 
 @dataclass
+class _PrefillKernel:
+    """The short requests of a CPU prefill step, attended by the C kernel in place over the
+    pool: request r's q rows [q_starts[r], + q_lens[r]) and KV at kv_index[kv_starts[r]:
+    + kv_lens[r]] (int64 host tensors, one entry a request)."""
+
+    q_starts: torch.Tensor
+    q_lens: torch.Tensor
+    kv_starts: torch.Tensor
+    kv_lens: torch.Tensor
+    kv_index: torch.Tensor  # the step's KV locations
+
+
+@dataclass
 class _Meta:
     out_loc: torch.Tensor
     is_prefill: bool
@@ -46,6 +59,7 @@ class _Meta:
     # and on a CPU the requests of at least PREFILL_ALONE_MIN_TOKENS new tokens, one by one
     groups: list[_PrefillGroup]
     requests: list[_PrefillRequest] = field(default_factory=list)
+    kernel: _PrefillKernel | None = None
     # decode: KV lengths [bs]; paged: the step's KV locations and their indptr [bs + 1]; else
     # padded KV locations [bs, Lmax] (None after an append) and a mask [bs, 1, 1, Lmax]
     kv_lens: torch.Tensor | None = None
@@ -65,8 +79,13 @@ _PAD_SLACK = 1 << 16
 # padding (is_causal where it has no cached prefix and no window): padded together, seed-
 # offline's 16 prompts of 64-256 tokens took 37-55 ms a layer (bf16, 2 threads, no AMX), one
 # by one 17 ms as two bmm calls around a softmax, and as SDPA 3-9x less than those bmm calls
-# on an AMX Xeon (bf16 and fp32, 64-1024 tokens). Short requests stay padded together.
+# on an AMX Xeon (bf16 and fp32, 64-1024 tokens). Short requests stay padded together, or,
+# with the C kernel, attend through it while their KV is at most PREFILL_KERNEL_MAX_KV long:
+# 102 prompts of 16-64 tokens 2.8 ms a layer against 4.6 for padded SDPA (gathers included,
+# bf16, 2 threads, AMX Xeon); past ~256 positions SDPA's bf16 GEMMs win (a 512-token prefix:
+# 18 against 16 ms), the kernel computing in fp32 vectors.
 PREFILL_ALONE_MIN_TOKENS = 64
+PREFILL_KERNEL_MAX_KV = 256
 
 
 def _prefill_groups(ext: np.ndarray, kv_lens: np.ndarray) -> list[np.ndarray]:
@@ -94,13 +113,14 @@ class TorchNativeBackend(AttentionBackend):
         super().__init__(*args, **kwargs)
         pool = self.pool
         dtype = pool.k[0].dtype
-        # decode on a CPU: the C kernel (cpu_native) instead of SDPA, which spends its time per
-        # (request, head) block on a few query rows; it reads the KV pool in place (paged), so
-        # only SDPA keeps a dense decode workspace
-        self.native_decode = self.device.type == "cpu" and cpu_native.available(dtype)
+        # on a CPU the C kernels (cpu_native): decode instead of SDPA, which spends its time per
+        # (request, head) block on a few query rows, and a prefill step's short requests; both
+        # read the KV pool in place (paged), so only SDPA keeps a dense decode workspace
+        self.native = self.device.type == "cpu" and cpu_native.available(dtype)
         self.workspace = DecodeWorkspace(len(pool.k), self.num_kv_heads, self.head_dim, dtype,
                                          self.device)  # fmt: skip
         self.prefill_alone_rows = 0  # prefill tokens attended one request at a time
+        self.prefill_kernel_rows = 0  # prefill tokens attended by the C kernel
 
     def prepare(self, plan: StepPlan, staged: DevicePlan | None = None) -> _Meta:
         """Decode reads only the staged device arrays (host values: numpy, never the device);
@@ -112,9 +132,12 @@ class TorchNativeBackend(AttentionBackend):
         if plan.is_prefill:
             self.workspace.invalidate()
             alone = np.zeros(len(ext), dtype=bool)
+            kernel = np.zeros(len(ext), dtype=bool)
             if self.device.type == "cpu":
                 alone = ext >= PREFILL_ALONE_MIN_TOKENS
-            padded = np.flatnonzero(~alone)
+                if self.native:
+                    kernel = ~alone & (plan.seq_lens <= PREFILL_KERNEL_MAX_KV)
+            padded = np.flatnonzero(~alone & ~kernel)
             q_starts = np.cumsum(ext, dtype=np.int64) - ext  # each request's first query row
             groups = [
                 self._prefill_group(
@@ -129,9 +152,18 @@ class TorchNativeBackend(AttentionBackend):
                 for r in np.flatnonzero(alone)
             ]
             self.prefill_alone_rows += int(ext[alone].sum())
-            return _Meta(out_loc, True, groups, requests)
+            self.prefill_kernel_rows += int(ext[kernel].sum())
+            short = np.flatnonzero(kernel)
+            kern = None
+            if len(short):
+                kern = _PrefillKernel(
+                    *(torch.from_numpy(np.ascontiguousarray(a[short], dtype=np.int64))
+                      for a in (q_starts, ext, plan.kv_indptr[:-1], plan.seq_lens)),
+                    kv_index=kv_indices,
+                )  # fmt: skip
+            return _Meta(out_loc, True, groups, requests, kernel=kern)
         lens = staged.seq_lens.long()
-        if self.native_decode:
+        if self.native:
             indptr = staged.kv_indptr.long()
             return _Meta(
                 out_loc, False, [], kv_lens=lens, kv_index=kv_indices, kv_indptr=indptr,
@@ -248,8 +280,16 @@ class TorchNativeBackend(AttentionBackend):
         kvh, gqa = self.num_kv_heads, self.num_heads // self.num_kv_heads
         d = q.shape[-1]
         if meta.is_prefill:
-            single = len(meta.groups) == 1 and not meta.requests
+            single = len(meta.groups) == 1 and not meta.requests and meta.kernel is None
             out = None if single else q.new_empty(q.shape[0], q.shape[1] * d)
+            if meta.kernel is not None:
+                assert out is not None  # rows of the other requests are written below
+                kn, n = meta.kernel, q.shape[0]
+                cpu_native.prefill_attention(
+                    q.reshape(n, kvh, gqa, d), k_cache, v_cache, kn.kv_index, kn.q_starts,
+                    kn.q_lens, kn.kv_starts, kn.kv_lens, self.sliding_window or 0,
+                    out=out.view(n, kvh, gqa, d),
+                )  # fmt: skip
             for r in meta.requests:
                 rows = slice(r.q_start, r.q_start + r.n_q)
                 qs = q[rows].transpose(0, 1)[None]  # [1, H, Lq, D]
@@ -284,7 +324,7 @@ class TorchNativeBackend(AttentionBackend):
             return o.to(q.dtype).reshape(bs, -1)
         lmax = meta.kv_mask.shape[-1]
         ws = self.workspace
-        native = self.native_decode and q.dtype == k_cache.dtype
+        native = self.native and q.dtype == k_cache.dtype
         if meta.decode_mode is not None:
             assert ws.k is not None and ws.v is not None
             # the workspace is written by index_put_ on its [layers, ...] tensors themselves:

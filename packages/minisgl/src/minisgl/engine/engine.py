@@ -33,6 +33,7 @@ from minisgl.sampler import (
 )
 from minisgl.scheduler.plan import StepPlan
 from minisgl.utils.log import get_logger
+from minisgl.utils.malloc import keep_freed_memory
 
 logger = get_logger(__name__)
 
@@ -42,6 +43,8 @@ class Engine:
         self.config = config
         self.model_config = cfg = ModelConfig.from_dir(config.model_path)
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # activations reuse the heap's pages step after step
         quantization = config.quantization
         if config.dummy_weights and quantization == "auto":
             quantization = "none"  # random float weights: nothing to take a precision from
