@@ -6,7 +6,7 @@ import numpy as np
 
 import minisgl.attention.torch_native as tn
 from minisgl import LLM, SamplingParams
-from minisgl.testing.scenarios import random_prompts
+from minisgl.testing.scenarios import cpu_attention, random_prompts
 
 
 def test_similar_lengths_share_one_call():
@@ -25,7 +25,11 @@ def test_one_long_prompt_is_not_padded_against_many_short_ones():
 
 
 def test_a_prefill_step_of_32_requests_makes_one_sdpa_call_per_layer(tiny_model_dir, monkeypatch):
-    llm = LLM(tiny_model_dir("llama"), num_pages=2048, max_seq_len_override=256)
+    # the padded SDPA call (CUDA, or a CPU without the C kernels: short requests go through
+    # the prefill kernel otherwise, tests/test_cpu_prefill_kernel.py)
+    with cpu_attention("sdpa"):
+        llm = LLM(tiny_model_dir("llama"), num_pages=2048, max_seq_len_override=256)
+    assert llm.engine.backend.prefill_kernel_rows == 0
     calls = []
     real = tn.F.scaled_dot_product_attention
 
