@@ -154,21 +154,23 @@ static void block_weighted_v(const float *p, const float *vf, float *acc, int64_
             memset(s, 0, sizeof(float) * (size_t)n);                                            \
             return;                                                                             \
         }                                                                                       \
-        float mx = s[lo];                                                                       \
-        for (int64_t l = lo + 1; l < hi; l++) mx = s[l] > mx ? s[l] : mx;                       \
-        const float mnew = mx > *m ? mx : *m, alpha = expf(*m - mnew);                          \
+        float mx = *m;                                                                          \
+        for (int64_t l = lo; l < hi; l++) mx = s[l] > mx ? s[l] : mx;                           \
         float add = 0.0f;                                                                       \
-        for (int64_t l = 0; l < lo; l++) s[l] = 0.0f;                                           \
-        for (int64_t l = lo; l < hi; l++) {                                                     \
-            const float p = expf(s[l] - mnew);                                                  \
-            add += p;                                                                           \
-            s[l] = LOAD(STORE(p));                                                              \
+        const int64_t n16 = (n + LW - 1) / LW * LW; /* whole vectors: no scalar expf tail */     \
+        for (int64_t l = 0; l < n16; l++) { /* outside [lo, hi): exp of <= 0, then dropped */  \
+            const float x = s[l] - mx, p = expf(x < 0.0f ? x : 0.0f);                           \
+            const float keep = (l >= lo && l < hi) ? p : 0.0f;                                  \
+            add += keep;                                                                        \
+            s[l] = LOAD(STORE(keep));                                                           \
         }                                                                                       \
-        for (int64_t l = hi; l < n; l++) s[l] = 0.0f;                                           \
-        if (alpha != 1.0f)                                                                      \
+        if (*m != -FLT_MAX && mx != *m) { /* a later tile raised the max: rescale */            \
+            const float alpha = expf(*m - mx);                                                  \
             for (int64_t c = 0; c < dp; c++) acc[c] *= alpha;                                   \
-        *sum = *sum * alpha + add;                                                              \
-        *m = mnew;                                                                              \
+            *sum *= alpha;                                                                      \
+        }                                                                                       \
+        *sum += add;                                                                            \
+        *m = mx;                                                                                \
     }
 
 DEFINE_ROW_SOFTMAX(row_softmax_f32, F32_LOAD, F32_STORE)
