@@ -315,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with contextlib.suppress(OSError):
         record["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    record["malloc"] = malloc_of_arms(bool(configs))
     summarize(record)
     if args.plot:
         plot(args.plot, record)
@@ -322,6 +323,20 @@ def main(argv: list[str] | None = None) -> int:
     common.write_json(args.out, record)
     print(f"wrote {args.out}")
     return 0
+
+
+def malloc_of_arms(ran_minisgl: bool) -> dict[str, str]:
+    """How each kind of arm allocated: the HF / llama.cpp arms run before any engine starts,
+    with the process's malloc as it came; a CPU engine then keeps freed heap pages
+    (minisgl.utils.malloc)."""
+    from minisgl.utils.malloc import keep_freed_memory
+
+    tunables = os.environ.get("GLIBC_TUNABLES")
+    tuned = ran_minisgl and keep_freed_memory()
+    return {
+        "other_arms": f"GLIBC_TUNABLES={tunables}" if tunables else "glibc defaults",
+        "minisgl_arms": "trim threshold 2 GB, mmap threshold 32 MB" if tuned else "as it came",
+    }
 
 
 def run_llamacpp_arm(record, profiles, args, prompts, ref_tokens, ppl_ids, add) -> None:
