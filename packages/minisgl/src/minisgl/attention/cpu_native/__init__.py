@@ -108,7 +108,7 @@ def _library() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(build()))
     except (OSError, RuntimeError) as e:
-        logger.warning("CPU decode attention kernel unavailable (%s): decode uses SDPA", e)
+        logger.warning("CPU attention kernels unavailable (%s): attention uses SDPA", e)
         return None
     tail = [ctypes.c_float, ctypes.c_int]  # scale, threads
     for suffix in _DTYPES.values():
@@ -143,8 +143,9 @@ def _i64(x: torch.Tensor) -> torch.Tensor:
 
 def _run(op: str, kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
          *rest: int, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """Call `kernel` ("decode_attention", ...) for q's dtype as (q, k, v, out, *rest, scale,
-    threads), `rest` already ints (pointers as data_ptr()); a non-zero return code raises."""
+    """Call `kernel` ("decode_attention_{}", ...: {} takes q's dtype suffix) as (q, k, v, out,
+    *rest, scale, threads), `rest` already ints (pointers as data_ptr()); a non-zero return
+    code raises."""
     lib = _library()
     assert lib is not None and q.device.type == "cpu"
     if out is None:
@@ -168,8 +169,8 @@ def _decode_attention(
     bs, kvh, gqa, d = q.shape
     ks, vs = k.stride(), v.stride()
     return _run(
-        "cpu_decode_attention", "decode_attention_{}", q, k, v, _i64(lens).data_ptr(), bs, kvh, gqa, d, k.shape[2],
-        ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], window,
+        "cpu_decode_attention", "decode_attention_{}", q, k, v, _i64(lens).data_ptr(), bs, kvh,
+        gqa, d, k.shape[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], window,
     )  # fmt: skip
 
 
@@ -207,9 +208,9 @@ def _paged_decode_attention(
         raise ValueError("cpu_paged_decode_attention: indptr needs bs + 1 entries, lens bs")
     indices = _i64(indices)
     return _run(
-        "cpu_paged_decode_attention", "decode_attention_{}_paged", q, k, v, indices.data_ptr(), indices.numel(),
-        _i64(indptr).data_ptr(), _i64(lens).data_ptr(), bs, kvh, gqa, d, k.shape[0], k.stride(1), k.stride(0), v.stride(1),
-        v.stride(0), window,
+        "cpu_paged_decode_attention", "decode_attention_{}_paged", q, k, v, indices.data_ptr(),
+        indices.numel(), _i64(indptr).data_ptr(), _i64(lens).data_ptr(), bs, kvh, gqa, d,
+        k.shape[0], k.stride(1), k.stride(0), v.stride(1), v.stride(0), window,
     )  # fmt: skip
 
 
