@@ -235,10 +235,7 @@ def test_embedded_model_serves_int4_and_answers_paris(embedded):
     llm = embedded
     assert llm.engine.quantization == "int4"
     msgs = [[{"role": "user", "content": "What is the capital of France?"}]]
-    # 24 tokens, not 12: the 6th token is a near three-way tie in bf16 (top 3 within 0.13 in
-    # log-probability); through the padded SDPA prefill "L'Étoile, the capital of France is
-    # Paris", through the prefill kernel "L'Étoile 18, the capital of France is Paris."
-    out = llm.generate(msgs, SamplingParams(temperature=0.0, max_tokens=24))
+    out = llm.generate(msgs, SamplingParams(temperature=0.0, max_tokens=12))
     assert "Paris" in out[0]["text"]
 
 

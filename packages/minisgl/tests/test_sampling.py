@@ -304,3 +304,43 @@ def test_bf16_logits_sample_as_their_fp32_widening():
     assert got.bad.tolist() == want.bad.tolist() == [False] * 5 + [True]
     torch.testing.assert_close(got.lp_vals, want.lp_vals)
     assert got.tokens.dtype == torch.int64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", ["native", "sdpa"])  # the C kernel, or torch.max without it
+def test_row_max_is_torch_max_with_nans_ties_and_signed_zeros(dtype, kernel):
+    """The sampler's argmax (`row_max`, a C kernel on CPU) gives torch.max's values and indices:
+    the first of tied maxima, a row's first NaN, -0 equal to +0, all -inf rows at index 0."""
+    from minisgl.sampler import row_max
+    from minisgl.testing.scenarios import cpu_attention
+
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(12, 300, generator=g).to(dtype)
+    x = wide[:, :257]  # rows 300 elements apart: a stride the kernel takes as it is
+    x[1, 200] = x[1, 3] = 9.0  # a tie: the first wins
+    x[2, 150] = x[2, 40] = float("nan")  # NaN propagates: its first index
+    x[2, 10] = float("inf")
+    x[3] = float("-inf")
+    x[4] = 0.0
+    x[4, 5] = -0.0
+    x[4, 0] = -1.0
+    x[5, 256] = float("inf")
+    x[6] = -3.0  # a constant row
+    x[7, 64] = x[7, 63] = 5.0  # a tie across the kernel's 64-element blocks
+    with cpu_attention(kernel):
+        got, got_idx = row_max(x)
+        again = row_max(x.t().contiguous().t())  # columns contiguous: torch.max itself
+    top, idx = x.max(dim=-1)
+    assert got.dtype == dtype and got_idx.dtype == torch.int64
+    assert torch.equal(got_idx, idx) and got_idx[:8].tolist() == [
+        int(idx[0]),
+        3,
+        40,
+        0,
+        1,
+        256,
+        0,
+        63,
+    ]
+    assert torch.equal(got.nan_to_num(), top.nan_to_num()) and bool(got[2].isnan())
+    assert torch.equal(again[1], idx)

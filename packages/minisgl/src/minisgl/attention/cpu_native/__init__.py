@@ -32,7 +32,7 @@ from minisgl.utils.log import get_logger
 logger = get_logger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "decode_attention.c", _HERE / "prefill_attention.c")
+SOURCES = (_HERE / "decode_attention.c", _HERE / "prefill_attention.c", _HERE / "row_max.c")
 HEADERS = (_HERE / "bf16.h",)
 # -ffast-math at compile time only: linked with it, the object would set flush-to-zero for
 # the whole process when loaded (crtfastmath), changing every fp32 op in torch
@@ -112,6 +112,9 @@ def _library() -> ctypes.CDLL | None:
         return None
     tail = [ctypes.c_float, ctypes.c_int]  # scale, threads
     for suffix in _DTYPES.values():
+        fn = getattr(lib, f"row_max_{suffix}")
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_PTR] * 3 + [_I64] * 3 + [ctypes.c_int]
         for name, args in (
             (f"decode_attention_{suffix}", [_PTR] * 5 + [_I64] * 12),
             (f"decode_attention_{suffix}_paged", [_PTR] * 5 + [_I64, _PTR, _PTR] + [_I64] * 10),
@@ -253,6 +256,26 @@ def prefill_attention(
         kv_lens.data_ptr(), n, nq, kvh, gqa, d, k.shape[0], k.stride(1), k.stride(0),
         v.stride(1), v.stride(0), window, out=out,
     )  # fmt: skip
+
+
+def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x.max(dim=-1)` (values, int64 indices) of a CPU [rows, n] fp32 / bf16 matrix whose rows
+    are contiguous: the same values and indices (first maximum; a row with a NaN gives its
+    first NaN), 2-4x faster than torch's bf16 reduction here ([128, 49152]: 2.1 ms hot, 3.6 ms
+    in a decode step). `available(x.dtype)` first."""
+    lib = _library()
+    assert lib is not None and x.device.type == "cpu" and x.dim() == 2
+    if x.stride(-1) != 1 or x.shape[-1] < 1:
+        return x.max(dim=-1)
+    rows, n = x.shape
+    values = x.new_empty(rows)
+    indices = torch.empty(rows, dtype=torch.int64)
+    fn = getattr(lib, f"row_max_{_DTYPES[x.dtype]}")
+    rc = fn(x.data_ptr(), values.data_ptr(), indices.data_ptr(), rows, n, x.stride(0),
+            torch.get_num_threads())  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"row_max: {_ERRORS.get(rc, rc)}")
+    return values, indices
 
 
 def _like_q(q: torch.Tensor, *rest: Any) -> torch.Tensor:
