@@ -145,3 +145,39 @@ def test_prefill_through_the_kernel_matches_hf(arch, tmp_path):
     ref = hf_greedy(load_hf_model(path), prompts, 12)
     assert outs["native"] == [ref[0][:4], *ref[1:]]
     assert outs["native"] == outs["sdpa"]
+
+
+@pytest.mark.card("P2-003", PREFILL)
+def test_one_step_mixes_the_kernel_sdpa_per_request_and_the_padded_call(tmp_path):
+    """One prefill step with a short prompt (the kernel), a long one (SDPA alone) and a short
+    suffix after a 300-token cached prefix (past PREFILL_KERNEL_MAX_KV: the padded call): each
+    writes its own rows of the step's output; fp32 greedy is HF's."""
+    from minisgl.attention.torch_native import PREFILL_ALONE_MIN_TOKENS, PREFILL_KERNEL_MAX_KV
+
+    path = write_tiny_model("llama", tmp_path / "m", seed=0)
+    system = random_prompts(1, 300, 300, seed=7)[0]
+    prompts = [system + random_prompts(1, 10, 10, seed=8)[0], *random_prompts(1, 20, 20, seed=9),
+               *random_prompts(1, 100, 100, seed=10)]  # fmt: skip
+    assert PREFILL_KERNEL_MAX_KV < 300 and 20 < PREFILL_ALONE_MIN_TOKENS <= 100
+    llm = LLM(path, num_pages=4096)
+    backend = llm.engine.backend
+    assert backend.native
+    llm.generate([system], SamplingParams(max_tokens=1, ignore_eos=True))
+    kernel0, alone0 = backend.prefill_kernel_rows, backend.prefill_alone_rows
+    steps, prepare = [], backend.prepare
+
+    def recording(plan, *args, **kwargs):
+        meta = prepare(plan, *args, **kwargs)
+        if meta.is_prefill:  # (kernel requests, SDPA-alone requests, padded groups)
+            steps.append((0 if meta.kernel is None else len(meta.kernel.q_lens),
+                          len(meta.requests), len(meta.groups)))  # fmt: skip
+        return meta
+
+    backend.prepare = recording
+    out = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert steps == [(1, 1, 1)]
+    assert backend.prefill_kernel_rows - kernel0 == 20
+    assert backend.prefill_alone_rows - alone0 == 100
+    ref = hf_greedy(load_hf_model(path), prompts, 8)
+    assert [o["token_ids"] for o in out] == ref
+    assert_kv_clean(llm)
