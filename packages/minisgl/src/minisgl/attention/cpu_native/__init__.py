@@ -205,8 +205,7 @@ def _paged_decode_attention(
 ) -> torch.Tensor:
     q = q.contiguous()
     bs, kvh, gqa, d = q.shape
-    if k.shape != v.shape or k.shape[1:] != (kvh, d) or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError(f"cpu_paged_decode_attention: pools {tuple(k.shape)} / {tuple(v.shape)}")
+    _check_pools("cpu_paged_decode_attention", q, k, v)
     if indptr.numel() != bs + 1 or lens.numel() != bs:
         raise ValueError("cpu_paged_decode_attention: indptr needs bs + 1 entries, lens bs")
     indices = _i64(indices)
@@ -215,6 +214,16 @@ def _paged_decode_attention(
         indices.numel(), _i64(indptr).data_ptr(), _i64(lens).data_ptr(), bs, kvh, gqa, d,
         k.shape[0], k.stride(1), k.stride(0), v.stride(1), v.stride(0), window,
     )  # fmt: skip
+
+
+def _check_pools(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """K / V pools [rows, KVH, D] with D contiguous, in q's dtype (the kernel reads all three
+    as one element type)."""
+    kvh, d = q.shape[1], q.shape[-1]
+    if (k.shape != v.shape or k.shape[1:] != (kvh, d) or k.stride(-1) != 1
+            or v.stride(-1) != 1 or not k.dtype == v.dtype == q.dtype):  # fmt: skip
+        raise ValueError(f"{op}: pools {tuple(k.shape)} / {tuple(v.shape)} {k.dtype} for q "
+                         f"{tuple(q.shape)} {q.dtype}")  # fmt: skip
 
 
 def prefill_attention(
@@ -238,10 +247,7 @@ def prefill_attention(
     q = q.contiguous()
     nq, kvh, gqa, d = q.shape
     k, v = k_pool, v_pool
-    if (k.shape != v.shape or k.shape[1:] != (kvh, d) or k.stride(-1) != 1
-            or v.stride(-1) != 1 or not k.dtype == v.dtype == q.dtype):  # fmt: skip
-        raise ValueError(f"cpu_prefill_attention: pools {tuple(k.shape)} / {tuple(v.shape)} "
-                         f"{k.dtype} for q {q.dtype}")  # fmt: skip
+    _check_pools("cpu_prefill_attention", q, k, v)
     n = q_starts.numel()
     if q_lens.numel() != n or kv_starts.numel() != n or kv_lens.numel() != n:
         raise ValueError("cpu_prefill_attention: one start and length of each kind a request")

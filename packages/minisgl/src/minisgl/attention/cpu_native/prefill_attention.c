@@ -179,6 +179,10 @@ DEFINE_ROW_SOFTMAX(row_softmax_bf16, bf16_to_f32, f32_to_bf16)
 /* the positions [start, end) token i of a request sees */
 #define TOKEN_END(i) (prefix + (i) + 1)
 #define TOKEN_START(i) (window > 0 && TOKEN_END(i) > window ? TOKEN_END(i) - window : 0)
+/* the tile's keys [0, m) that the RB rows from r0 see: up to the block's last token */
+#define BLOCK_LAST(r0) (i0 + ((r0) + RB - 1 < nr ? (r0) + RB - 1 : nr - 1) / gqa)
+#define BLOCK_KEYS(r0)                                                                          \
+    (TOKEN_END(BLOCK_LAST(r0)) - t0 < n ? TOKEN_END(BLOCK_LAST(r0)) - t0 : n)
 
 #define DEFINE_TASK(NAME, T, LOAD, STORE, ROW_SOFTMAX)                                          \
     static void NAME(const T *q, const T *k, const T *v, T *out, const int64_t *idx,            \
@@ -206,9 +210,8 @@ DEFINE_ROW_SOFTMAX(row_softmax_bf16, bf16_to_f32, f32_to_bf16)
             }                                                                                   \
             for (int64_t c = 0; c < d; c++)                                                     \
                 for (int64_t l = n; l < nk; l++) w->kt[c * KB + l] = 0.0f;                      \
-            for (int64_t r0 = 0; r0 < nrb; r0 += RB) { /* keys up to the block's last token */ \
-                const int64_t last = i0 + (r0 + RB - 1 < nr ? r0 + RB - 1 : nr - 1) / gqa;      \
-                const int64_t m = TOKEN_END(last) - t0 < n ? TOKEN_END(last) - t0 : n;          \
+            for (int64_t r0 = 0; r0 < nrb; r0 += RB) {                                          \
+                const int64_t m = BLOCK_KEYS(r0);                                               \
                 const int64_t mk = m > 0 ? (m + 2 * LW - 1) / (2 * LW) * 2 * LW : 0;            \
                 (vec ? block_scores_v : block_scores)(w->q + r0 * dp, w->kt, w->s + r0 * KB, dp, mk); \
             }                                                                                   \
@@ -219,8 +222,7 @@ DEFINE_ROW_SOFTMAX(row_softmax_bf16, bf16_to_f32, f32_to_bf16)
             }                                                                                   \
             for (int64_t r = nr; r < nrb; r++) memset(w->s + r * KB, 0, sizeof(float) * KB);    \
             for (int64_t r0 = 0; r0 < nrb; r0 += RB) {                                          \
-                const int64_t last = i0 + (r0 + RB - 1 < nr ? r0 + RB - 1 : nr - 1) / gqa;      \
-                const int64_t m = TOKEN_END(last) - t0 < n ? TOKEN_END(last) - t0 : n;          \
+                const int64_t m = BLOCK_KEYS(r0);                                               \
                 (vec ? block_weighted_v : block_weighted)(w->s + r0 * KB, w->vf, w->acc + r0 * dp, dp, m); \
             }                                                                                   \
         }                                                                                       \
