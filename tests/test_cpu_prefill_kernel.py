@@ -3,6 +3,8 @@ place over the KV pool, checked against SDPA per request and, through the engine
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -180,4 +182,105 @@ def test_one_step_mixes_the_kernel_sdpa_per_request_and_the_padded_call(tmp_path
     assert backend.prefill_alone_rows - alone0 == 100
     ref = hf_greedy(load_hf_model(path), prompts, 8)
     assert [o["token_ids"] for o in out] == ref
+    assert_kv_clean(llm)
+
+
+AMX = "a-bf16-prefill-step-attends-every-request-in-one-amx-kernel-call"
+RED_AMX = "failing-tests-prefill-attention-on-amx-tiles"
+
+
+def amx_here(dtype: torch.dtype, head_dim: int) -> bool:
+    fn = getattr(cpu_native, "prefill_amx", None)
+    assert fn is not None, "cpu_native.prefill_amx is missing"
+    return fn(dtype, head_dim)
+
+
+def cpu_has_amx() -> bool:
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    flags = [ln for ln in lines if ln.startswith("flags")]
+    return bool(flags) and "amx_bf16" in flags[0].split()
+
+
+@pytest.mark.card("P2-003", RED_AMX)
+@pytest.mark.card("P2-003", AMX)
+@pytest.mark.parametrize(
+    "q_lens,prefixes,kvh,gqa,d,window",
+    [([5, 17, 1, 33], [0, 0, 3, 40], 3, 3, 64, 0),
+     ([70, 2], [300, 0], 2, 4, 128, 0),  # more than 256 keys, tokens in five blocks of 16
+     ([200, 150, 100], [0, 1000, 33], 3, 3, 64, 0),  # long prompts and a long prefix
+     ([9, 30], [20, 0], 2, 3, 64, 12),  # a window
+     ([40], [200], 4, 1, 256, 50),  # the widest head, the window across key blocks
+     ([1, 64], [0, 129], 1, 16, 32, 0)],  # 16 query heads a KV head
+)  # fmt: skip
+def test_amx_prefill_is_as_close_as_sdpa(q_lens, prefixes, kvh, gqa, d, window, monkeypatch):
+    """bf16 on AMX tiles where the CPU has them: every request of the step in one call, as
+    accurate against fp32 as SDPA in bf16 and as the vector kernel (MINISGL_CPU_AMX=0); rows
+    that no request names keep their values."""
+    assert amx_here(torch.bfloat16, d) == cpu_has_amx()
+    q, kp, vp, idx, spans = prefill_case(q_lens, prefixes, kvh, gqa, d, torch.bfloat16, seed=d)
+    ref = reference(q, kp, vp, idx, spans, window)
+    named = ~ref.isnan()
+    sdpa = (reference(q, kp, vp, idx, spans, window, dtype=torch.bfloat16).float() - ref)[named]
+    errors = {}
+    for amx in ("1", "0"):
+        monkeypatch.setenv("MINISGL_CPU_AMX", amx)
+        sentinel = torch.full_like(q, 7.0)
+        out = cpu_native.prefill_attention(q, kp, vp, idx, *spans, window, out=sentinel)
+        assert bool((out[~named] == 7.0).all())
+        errors[amx] = (out.float() - ref)[named].abs()
+    for err in errors.values():
+        assert float(err.mean()) <= 1.1 * float(sdpa.abs().mean())
+        assert float(err.max()) <= 2.0 * float(sdpa.abs().max())
+
+
+@pytest.mark.card("P2-003", RED_AMX)
+@pytest.mark.card("P2-003", AMX)
+def test_amx_prefill_takes_bf16_with_head_dims_of_32(monkeypatch):
+    assert amx_here(torch.bfloat16, 64) == amx_here(torch.bfloat16, 256) == cpu_has_amx()
+    assert not amx_here(torch.float32, 64)  # fp32 (HF parity) keeps the vector kernel
+    assert not amx_here(torch.bfloat16, 40) and not amx_here(torch.bfloat16, 288)
+    monkeypatch.setenv("MINISGL_CPU_AMX", "0")
+    assert not amx_here(torch.bfloat16, 64)
+
+
+@pytest.mark.card("P2-003", RED_AMX)
+@pytest.mark.card("P2-003", AMX)
+def test_bf16_prefill_attends_every_request_in_one_kernel_call(tmp_path):
+    """A bf16 engine (head_dim 32) on an AMX CPU: long prompts, prefix hits and chunks all
+    attend through the kernel, none through SDPA; the step's logits are SDPA's (bf16)."""
+    from minisgl.config import EngineConfig
+    from minisgl.engine.engine import Engine
+    from minisgl.testing.plans import PlannedBatch
+
+    path = write_tiny_model("llama", tmp_path / "m", seed=2, head_dim=32)
+    lens = [70, 130, 9, 200, 40]
+    logits, rows = {}, {}
+    for mode in ("native", "sdpa"):
+        with cpu_attention(mode):
+            engine = Engine(EngineConfig(model_path=str(path), dtype="bfloat16", num_pages=2048,
+                                         max_seq_len_override=256))  # fmt: skip
+        batch = PlannedBatch.for_engine(engine, lens, per_request=256, seed=3)
+        logits[mode] = engine.forward(batch.plan(True))
+        backend = engine.backend
+        rows[mode] = (getattr(backend, "prefill_kernel_rows", 0), backend.prefill_alone_rows)
+    long = sum(n for n in lens if n >= 64)
+    if cpu_has_amx():
+        assert rows["native"] == (sum(lens), 0)
+    else:
+        assert rows["native"] == (sum(lens) - long, long)
+    assert rows["sdpa"] == (0, long)
+    ours, theirs = logits["native"], logits["sdpa"]
+    torch.testing.assert_close(ours, theirs, atol=0.05 * float(theirs.abs().max()), rtol=0.0)
+    assert int((ours.argmax(-1) == theirs.argmax(-1)).sum()) >= 4
+
+    system = random_prompts(1, 300, 300, seed=11)[0]
+    prompts = [system + p for p in random_prompts(3, 5, 90, seed=12)] + random_prompts(2, 90, 150)
+    llm = LLM(path, dtype="bfloat16", num_pages=4096, max_extend_tokens=128)  # chunks
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    out = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)
+    assert [len(o["token_ids"]) for o in out] == [6] * len(prompts)
+    backend = llm.engine.backend
+    if cpu_has_amx():  # prompts[1:3] hit the 300-token system prompt
+        assert getattr(backend, "prefill_kernel_rows", 0) == sum(map(len, prompts)) - 2 * 300
+        assert backend.prefill_alone_rows == 0
     assert_kv_clean(llm)
