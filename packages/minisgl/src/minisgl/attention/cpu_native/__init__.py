@@ -32,8 +32,11 @@ from minisgl.utils.log import get_logger
 logger = get_logger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "decode_attention.c", _HERE / "prefill_attention.c", _HERE / "row_max.c")
-HEADERS = (_HERE / "bf16.h",)
+SOURCES = tuple(
+    _HERE / f"{name}.c"
+    for name in ("decode_attention", "prefill_attention", "prefill_amx", "row_max")
+)
+HEADERS = (_HERE / "bf16.h", _HERE / "spans.h")
 # -ffast-math at compile time only: linked with it, the object would set flush-to-zero for
 # the whole process when loaded (crtfastmath), changing every fp32 op in torch
 # 512-bit vectors where the CPU has them (gcc prefers 256 on most AVX-512 parts): the softmax's
@@ -45,7 +48,7 @@ _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _ERRORS = {1: "head_dim > 256 or more than 16 query heads per KV head", 2: "a length outside 1..L",
            3: "out of memory", 4: "a KV index outside the pool",
            5: "indptr outside the indices", 6: "a request's query rows outside q",
-           7: "a request's KV range outside the indices"}  # fmt: skip
+           7: "a request's KV range outside the indices", 8: "no AMX tiles on this CPU"}  # fmt: skip
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -111,6 +114,7 @@ def _library() -> ctypes.CDLL | None:
         logger.warning("CPU attention kernels unavailable (%s): attention uses SDPA", e)
         return None
     tail = [ctypes.c_float, ctypes.c_int]  # scale, threads
+    lib.prefill_amx_supported.restype = ctypes.c_int
     for suffix in _DTYPES.values():
         fn = getattr(lib, f"row_max_{suffix}")
         fn.restype = ctypes.c_int
@@ -119,7 +123,10 @@ def _library() -> ctypes.CDLL | None:
             (f"decode_attention_{suffix}", [_PTR] * 5 + [_I64] * 12),
             (f"decode_attention_{suffix}_paged", [_PTR] * 5 + [_I64, _PTR, _PTR] + [_I64] * 10),
             (f"prefill_attention_{suffix}", [_PTR] * 5 + [_I64] + [_PTR] * 4 + [_I64] * 11),
+            (f"prefill_attention_{suffix}_amx", [_PTR] * 5 + [_I64] + [_PTR] * 4 + [_I64] * 11),
         ):
+            if not hasattr(lib, name):  # the AMX prefill exists in bf16 only
+                continue
             fn = getattr(lib, name)
             fn.restype = ctypes.c_int
             fn.argtypes = args + tail
@@ -129,6 +136,16 @@ def _library() -> ctypes.CDLL | None:
 def available(dtype: torch.dtype) -> bool:
     """Whether decode attention on a CPU in `dtype` runs through the kernel."""
     return dtype in _DTYPES and _library() is not None
+
+
+def prefill_amx(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `prefill_attention` in `dtype` runs on AMX tiles here: bf16, head_dim a multiple
+    of 32 (<= 256), a CPU with AMX-BF16 (its tile state granted by Linux), not turned off by
+    MINISGL_CPU_AMX=0. Then every request of a step, any length, takes one kernel call."""
+    lib = _library()
+    return (dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256
+            and lib is not None and os.environ.get("MINISGL_CPU_AMX", "1") != "0"
+            and bool(lib.prefill_amx_supported()))  # fmt: skip
 
 
 def decode_attention(
@@ -256,8 +273,9 @@ def prefill_attention(
         raise ValueError("cpu_prefill_attention: out must be a contiguous tensor like q")
     indices, q_starts, q_lens = _i64(indices), _i64(q_starts), _i64(q_lens)
     kv_starts, kv_lens = _i64(kv_starts), _i64(kv_lens)
+    kernel = "prefill_attention_{}_amx" if prefill_amx(q.dtype, d) else "prefill_attention_{}"
     return _run(
-        "cpu_prefill_attention", "prefill_attention_{}", q, k, v, indices.data_ptr(),
+        "cpu_prefill_attention", kernel, q, k, v, indices.data_ptr(),
         indices.numel(), q_starts.data_ptr(), q_lens.data_ptr(), kv_starts.data_ptr(),
         kv_lens.data_ptr(), n, nq, kvh, gqa, d, k.shape[0], k.stride(1), k.stride(0),
         v.stride(1), v.stride(0), window, out=out,

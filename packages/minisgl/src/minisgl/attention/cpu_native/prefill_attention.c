@@ -28,6 +28,7 @@
 #endif
 
 #include "bf16.h"
+#include "spans.h"
 
 #define ROWS 64 /* query rows of a task at most (whole tokens: ROWS / gqa of them) */
 #define KB 128  /* keys of a tile */
@@ -244,16 +245,11 @@ DEFINE_TASK(task_bf16, uint16_t, bf16_to_f32, f32_to_bf16, row_softmax_bf16)
              int64_t v_sh, int64_t v_sl, int64_t window, float scale, int threads) {            \
         if (d > MAX_D || gqa > MAX_GQA) return 1;                                               \
         const int64_t per = ROWS / gqa; /* tokens a task */                                     \
+        const int rc = check_spans(indices, num_indices, q_starts, q_lens, kv_starts, kv_lens,  \
+                                   num_reqs, num_q, num_rows);                                  \
+        if (rc != 0) return rc;                                                                 \
         int64_t ntasks = 0;                                                                     \
-        for (int64_t r = 0; r < num_reqs; r++) {                                                \
-            if (q_lens[r] < 1 || q_lens[r] > kv_lens[r]) return 2;                              \
-            if (q_starts[r] < 0 || q_starts[r] + q_lens[r] > num_q) return 6;                   \
-            if (kv_starts[r] < 0 || kv_starts[r] + kv_lens[r] > num_indices) return 7;          \
-            for (int64_t l = 0; l < kv_lens[r]; l++)                                            \
-                if (indices[kv_starts[r] + l] < 0 || indices[kv_starts[r] + l] >= num_rows)     \
-                    return 4;                                                                   \
-            ntasks += (q_lens[r] + per - 1) / per;                                              \
-        }                                                                                       \
+        for (int64_t r = 0; r < num_reqs; r++) ntasks += (q_lens[r] + per - 1) / per;           \
         int64_t *blocks = malloc(sizeof(int64_t) * 2 * (size_t)(ntasks > 0 ? ntasks : 1));      \
         if (blocks == NULL) return 3;                                                           \
         for (int64_t r = 0, t = 0; r < num_reqs; r++) /* (request, first token) a block */     \
