@@ -138,7 +138,7 @@ static float row_softmax(const float *s, uint16_t *p, int64_t from, int64_t to, 
 }
 
 typedef struct {
-    uint16_t *q; /* [TOK][d] one query head's rows of the block, zero past its tokens */
+    uint16_t *q; /* [TOK][d] a partial block's rows of one query head, zero past its tokens */
     float *s;    /* [TOK][n_max]: scores */
     uint16_t *p; /* [TOK][n_max]: probabilities */
     float *o;    /* [TOK][d] */
@@ -155,19 +155,29 @@ static void amx_task(const uint16_t *q, uint16_t *out, const uint16_t *kp, const
     const int64_t kb0 = start / 32 * 32, kb1 = round_up(end, 32);               /* key range */
     float sums[TOK];
     for (int64_t g = 0; g < gqa; g++) {
-        for (int64_t i = 0; i < TOK; i++) {
-            uint16_t *dst = w->q + i * d;
-            if (i < nt) memcpy(dst, q + ((q0 + i0 + i) * kvh + h) * gqa * d + g * d, 2 * (size_t)d);
-            else memset(dst, 0, 2 * (size_t)d);
+        /* a whole block's rows straight from q, a last partial one through zero padding */
+        const uint16_t *qa = q + ((q0 + i0) * kvh + h) * gqa * d + g * d;
+        int64_t qs = 2 * kvh * gqa * d;
+        if (nt < TOK) {
+            for (int64_t i = 0; i < TOK; i++) {
+                uint16_t *dst = w->q + i * d;
+                if (i < nt) memcpy(dst, qa + i * kvh * gqa * d, 2 * (size_t)d);
+                else memset(dst, 0, 2 * (size_t)d);
+            }
+            qa = w->q, qs = 2 * d;
         }
-        for (int64_t kb = kb0; kb < kb1; kb += 16) { /* scores, 16 keys a tile */
+        for (int64_t kb = kb0; kb < kb1; kb += 32) { /* scores, 2 x 16 keys at a time */
             _tile_zero(0);
+            _tile_zero(1);
             for (int64_t c = 0; c < chunks; c++) {
-                _tile_loadd(4, w->q + c * 32, 2 * d);
+                _tile_loadd(4, qa + c * 32, qs);
                 _tile_loadd(6, kp + ((kb / 16) * chunks + c) * 512, 64);
+                _tile_loadd(7, kp + ((kb / 16 + 1) * chunks + c) * 512, 64);
                 _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
             }
             _tile_stored(0, w->s + kb, 4 * n_pad);
+            _tile_stored(1, w->s + kb + 16, 4 * n_pad);
         }
         for (int64_t i = 0; i < TOK; i++) {
             const int64_t e = prefix + i0 + i + 1, st = window > 0 && e > window ? e - window : 0;
