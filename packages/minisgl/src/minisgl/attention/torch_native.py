@@ -40,9 +40,10 @@ class _PrefillRequest:
 
 @dataclass
 class _PrefillKernel:
-    """The short requests of a CPU prefill step, attended by the C kernel in place over the
-    pool: request r's q rows [q_starts[r], + q_lens[r]) and KV at kv_index[kv_starts[r]:
-    + kv_lens[r]] (int64 host tensors, one entry a request)."""
+    """The requests of a CPU prefill step attended by the C kernel in place over the pool (the
+    short ones; with AMX tiles all of them up to PREFILL_AMX_MAX_KV positions): request r's q
+    rows [q_starts[r], + q_lens[r]) and KV at kv_index[kv_starts[r]: + kv_lens[r]] (int64 host
+    tensors, one entry a request)."""
 
     q_starts: torch.Tensor
     q_lens: torch.Tensor
