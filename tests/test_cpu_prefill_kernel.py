@@ -310,3 +310,26 @@ def test_amx_prefill_random_steps(seed):
     err = (out.float() - ref)[named].abs()
     assert float(err.mean()) <= 1.1 * float(sdpa.abs().mean()) + 1e-6
     assert float(err.max()) <= 2.0 * float(sdpa.abs().max()) + 1e-6
+
+
+@pytest.mark.card("P2-003", PREFILL)
+def test_store_rows_writes_the_pool_as_index_put():
+    """A prefill step's K / V rows into the pool through C row copies: the pool index_put_
+    leaves (strided rows of a fused projection's output too), bad locations rejected before
+    anything is written, other layouts through index_put_."""
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(50, 3, 8, generator=g).bfloat16()
+    fused = torch.randn(6, 40, generator=g).bfloat16()
+    rows = fused[:, 16:].view(6, 3, 8)  # row stride 40: a view of the fused output
+    loc = torch.tensor([7, 0, 49, 12, 13, 30])
+    want = pool.clone()
+    want[loc] = rows
+    cpu_native.store_rows(pool, loc, rows)
+    assert torch.equal(pool, want)
+    before = pool.clone()
+    with pytest.raises(ValueError, match="outside the pool"):
+        cpu_native.store_rows(pool, torch.tensor([1, 2, 3, 4, 5, 50]), rows)
+    assert torch.equal(pool, before)
+    odd = torch.randn(6, 8, 3, generator=g).bfloat16().transpose(1, 2)  # [6, 3, 8], D strided
+    cpu_native.store_rows(pool, loc, odd)
+    assert torch.equal(pool[loc], odd)

@@ -286,7 +286,11 @@ class TorchNativeBackend(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: _Meta
     ) -> torch.Tensor:
-        self.pool.store(layer, meta.out_loc, k, v)
+        if meta.is_prefill and self.native and not torch.compiler.is_compiling():
+            cpu_native.store_rows(self.pool.k[layer], meta.out_loc, k)  # row copies in C
+            cpu_native.store_rows(self.pool.v[layer], meta.out_loc, v)
+        else:
+            self.pool.store(layer, meta.out_loc, k, v)
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         kvh, gqa = self.num_kv_heads, self.num_heads // self.num_kv_heads
         d = q.shape[-1]
