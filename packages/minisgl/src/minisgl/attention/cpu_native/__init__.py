@@ -51,6 +51,8 @@ _ERRORS = {1: "head_dim > 256 or more than 16 query heads per KV head", 2: "a le
            7: "a request's KV range outside the indices", 8: "no AMX tiles on this CPU"}  # fmt: skip
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
+# q, k, v, out, indices, num_indices, q_starts, q_lens, kv_starts, kv_lens, 11 sizes / strides
+_PREFILL_ARGS = [_PTR] * 5 + [_I64] + [_PTR] * 4 + [_I64] * 11
 
 
 def _cpu_id() -> str:
@@ -124,11 +126,9 @@ def _library() -> ctypes.CDLL | None:
         for name, args in (
             (f"decode_attention_{suffix}", [_PTR] * 5 + [_I64] * 12),
             (f"decode_attention_{suffix}_paged", [_PTR] * 5 + [_I64, _PTR, _PTR] + [_I64] * 10),
-            (f"prefill_attention_{suffix}", [_PTR] * 5 + [_I64] + [_PTR] * 4 + [_I64] * 11),
-            (f"prefill_attention_{suffix}_amx", [_PTR] * 5 + [_I64] + [_PTR] * 4 + [_I64] * 11),
+            (f"prefill_attention_{suffix}", _PREFILL_ARGS),
+            *([(f"prefill_attention_{suffix}_amx", _PREFILL_ARGS)] if suffix == "bf16" else []),
         ):
-            if not hasattr(lib, name):  # the AMX prefill exists in bf16 only
-                continue
             fn = getattr(lib, name)
             fn.restype = ctypes.c_int
             fn.argtypes = args + tail

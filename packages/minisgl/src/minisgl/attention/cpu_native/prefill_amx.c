@@ -22,6 +22,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) &&                 \
     defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define AMX_PREFILL 1
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -29,14 +30,21 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define TOK 16 /* tokens of a task block, rows of a tile */
+#endif
 
-/* Linux grants a process the AMX tile state on request (once; oneDNN asks the same) */
+/* Linux grants a process the AMX tile state on request (once; oneDNN asks the same); 0 where
+ * this object was built without AMX */
 int prefill_amx_supported(void) {
+#if AMX_PREFILL
     static int state = -1;
     if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     return state;
+#else
+    return 0;
+#endif
 }
 
+#if AMX_PREFILL
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -224,6 +232,8 @@ static void amx_task(const uint16_t *q, uint16_t *out, const uint16_t *kp, const
     }
 }
 
+#endif
+
 int prefill_attention_bf16_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                                uint16_t *out, const int64_t *indices, int64_t num_indices,
                                const int64_t *q_starts, const int64_t *q_lens,
@@ -233,6 +243,7 @@ int prefill_attention_bf16_amx(const uint16_t *q, const uint16_t *k, const uint1
                                int64_t v_sl, int64_t window, float scale, int threads) {
     if (d > MAX_D || d % 32 != 0 || gqa > MAX_GQA) return 1;
     if (!prefill_amx_supported()) return 8;
+#if AMX_PREFILL
     const int rc = check_spans(indices, num_indices, q_starts, q_lens, kv_starts, kv_lens,
                                num_reqs, num_q, num_rows);
     if (rc != 0) return rc;
@@ -290,20 +301,7 @@ int prefill_attention_bf16_amx(const uint16_t *q, const uint16_t *k, const uint1
     }
     free(kp), free(vp), free(at);
     return failed ? 3 : 0;
-}
-
 #else
-
-int prefill_amx_supported(void) { return 0; }
-
-int prefill_attention_bf16_amx(const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                               uint16_t *out, const int64_t *indices, int64_t num_indices,
-                               const int64_t *q_starts, const int64_t *q_lens,
-                               const int64_t *kv_starts, const int64_t *kv_lens, int64_t num_reqs,
-                               int64_t num_q, int64_t kvh, int64_t gqa, int64_t d,
-                               int64_t num_rows, int64_t k_sh, int64_t k_sl, int64_t v_sh,
-                               int64_t v_sl, int64_t window, float scale, int threads) {
     return 8;
-}
-
 #endif
+}
