@@ -1,0 +1,90 @@
+"""int8 layers at 32 rows or more: one float GEMM on the de-quantized weights (card P2-003).
+
+`_weight_int8pack_mm` is a GEMV kernel: its time grows with the row count (measured, 2 threads,
+AMX: [1077, 576] x [576, 3072] 23 ms against 1.8 ms de-quantized and through `F.linear`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl import LLM, SamplingParams
+from minisgl.quantization import linear
+from minisgl.quantization.linear import Int8Linear
+from minisgl.quantization.packed import quantize_int8
+from minisgl.quantization.reference import fake_quantize_hf
+from minisgl.testing.hf_reference import hf_greedy, load_hf_model
+from minisgl.testing.scenarios import assert_kv_clean, random_prompts
+from minisgl.testing.tiny_models import write_tiny_model
+
+ITEM = "an-int8-layer-of-32-rows-or-more-runs-one-gemm-on-its-de-quantized-weights"
+RED = "failing-tests-int8-layers-at-batch"
+
+
+def min_rows() -> int:
+    rows = getattr(linear, "DEQUANT_MIN_ROWS", None)
+    assert rows is not None, "quantization.linear.DEQUANT_MIN_ROWS is missing"
+    return rows
+
+
+def _layer(dtype: torch.dtype, seed: int = 0) -> tuple[Int8Linear, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(160, 192, generator=g) * 0.3
+    bias = torch.randn(160, generator=g) * 0.1
+    q = quantize_int8(w)
+    deq = q.q * q.scale.to(dtype)[:, None]  # the weights the layer multiplies, in x's dtype
+    return Int8Linear(q, bias, dtype), deq, bias.to(dtype)
+
+
+@pytest.mark.card("P2-003", RED)
+@pytest.mark.card("P2-003", ITEM)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_layer_from_min_rows_is_one_gemm_on_dequantized_weights(dtype):
+    rows = min_rows()
+    assert 8 <= rows <= 64  # measured crossover on the embedded model's shapes: 24-32 rows
+    layer, deq, bias = _layer(dtype)
+    g = torch.Generator().manual_seed(1)
+    for m in (rows, 3 * rows + 5):
+        x = torch.randn(m, 192, generator=g).to(dtype)
+        out = layer(x)
+        assert out.dtype == dtype and out.shape == (m, 160)
+        assert torch.equal(out, F.linear(x, deq, bias))
+        # and the same product as the fp32 reference, within the activation dtype's rounding
+        ref = x.float() @ deq.float().t() + bias.float()
+        tol = 1e-4 if dtype == torch.float32 else 0.02
+        torch.testing.assert_close(out.float(), ref, atol=tol * float(ref.abs().max()), rtol=0)
+    # a 3-D input (batch, seq, hidden) takes its row count
+    x3 = torch.randn(2, rows, 192, generator=g).to(dtype)
+    assert torch.equal(layer(x3), F.linear(x3, deq, bias))
+    # one row fewer: the packed weight-only kernel, as before
+    x = torch.randn(rows - 1, 192, generator=g).to(dtype)
+    packed = torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales) + bias
+    assert torch.equal(layer(x), packed)
+
+
+@pytest.mark.card("P2-003", RED)
+@pytest.mark.card("P2-003", ITEM)
+def test_int8_layer_keeps_int8_weights_only():
+    """The de-quantized weights are a temporary of the call: the layer holds int8 weights and
+    its scales, nothing the size of a float copy."""
+    min_rows()
+    layer, _, _ = _layer(torch.bfloat16)
+    layer(torch.randn(100, 192).bfloat16())
+    big = [n for n, b in layer.named_buffers() if b is not None and b.numel() >= 160 * 192]
+    assert big == ["qweight"] and layer.qweight.dtype == torch.int8
+
+
+@pytest.mark.card("P2-003", ITEM)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int8_engine_with_long_prompts_matches_hf_on_dequantized_weights(arch, tmp_path):
+    """fp32: prefill steps of 40-90 rows run the de-quantized GEMM, decode batches of 3 the
+    packed kernel; greedy tokens equal HF's on the same rounded weights."""
+    path = write_tiny_model(arch, tmp_path / arch, seed=0)
+    llm = LLM(path, dtype="float32", quantization="int8", num_pages=1024)
+    prompts = random_prompts(3, 40, 90, vocab=200, seed=5)
+    got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    ref = hf_greedy(fake_quantize_hf(load_hf_model(path), "int8"), prompts, 8)
+    assert [o["token_ids"] for o in got] == ref
+    assert_kv_clean(llm)
