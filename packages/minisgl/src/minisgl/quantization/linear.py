@@ -5,7 +5,18 @@
 the activation dtype, and both are fast with bf16 activations only (fp32 activations take a
 scalar fallback, measured 10-30x slower: see docs/runtime.md).
 
-Both are GEMV kernels. Opt-in (`MINISGL_INT8_ACTIVATIONS=1`): at M >= `W8A8_MIN_ROWS` rows
+Both are GEMV kernels: their time grows with the row count (2 threads, AMX, bf16: [1077, 576] x
+[576, 3072] 23 ms through `_weight_int8pack_mm`, 1.8 ms de-quantized and through `F.linear`;
+[4096, 576] x [576, 1536] 39 against 2.6 ms). So from `DEQUANT_MIN_ROWS` rows on (prefill, large
+decode batches) an int8 layer multiplies `qweight * scales` in the activation dtype, a temporary
+of the call (~0.1-0.3 ms a matrix of the embedded model), by one GEMM (oneDNN; MKL in fp32);
+below it, the packed kernel reads the int8 bytes as they are. Measured crossover on the
+embedded model's shapes: 24-32 rows (at 16 the packed kernel wins, at 32 the GEMM: 0.52 against
+0.68 ms for gate/up). The weights are the ones the packed kernel uses (int8 codes times the
+scales rounded to the activation dtype): in fp32, exactly HF's on the de-quantized weights.
+Int4 layers keep the packed kernel at every size (their codes exist only packed).
+
+Opt-in (`MINISGL_INT8_ACTIVATIONS=1`): at M >= `W8A8_MIN_ROWS` rows
 (prefill, large decode batches) int8 layers quantize their activations per row (dynamic,
 symmetric) and run one int8 x int8 GEMM (`torch._int_mm`, VNNI), measured 420 GOP/s against
 205 GFLOP/s for bf16 `F.linear` and 59 for `_weight_int8pack_mm` at [512, 576] x [576, 1536] on
@@ -26,6 +37,8 @@ from minisgl.quantization.packed import Int4Weight, Int8Weight
 
 # int8 layers: from this many rows on, int8 activations and one int8 GEMM; None: never
 W8A8_MIN_ROWS: int | None = 32 if os.environ.get("MINISGL_INT8_ACTIVATIONS") == "1" else None
+# int8 layers: from this many rows on, one float GEMM on the de-quantized weights
+DEQUANT_MIN_ROWS = 32
 
 
 class Int8Linear(nn.Module):
@@ -41,6 +54,8 @@ class Int8Linear(nn.Module):
         x2 = _rows(x, self.scales.dtype)
         if W8A8_MIN_ROWS is not None and x2.shape[0] >= W8A8_MIN_ROWS:
             y = w8a8_mm(x2, self.qweight, self.scales_f32)
+        elif x2.shape[0] >= DEQUANT_MIN_ROWS:  # the bias added inside the GEMM, in fp32
+            return _out(F.linear(x2, self.qweight * self.scales[:, None], self.bias), None, x)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         return _out(y, self.bias, x)
