@@ -88,3 +88,22 @@ def test_int8_engine_with_long_prompts_matches_hf_on_dequantized_weights(arch, t
     ref = hf_greedy(fake_quantize_hf(load_hf_model(path), "int8"), prompts, 8)
     assert [o["token_ids"] for o in got] == ref
     assert_kv_clean(llm)
+
+
+@pytest.mark.card("P2-003", ITEM)
+def test_compiled_int8_layer_keeps_the_packed_kernel_at_every_size():
+    """Inside a compiled graph the row count is not branched on (no guard, no recompile at 32
+    rows, no float copy folded into the graph): dynamo (its eager backend: only dynamo's own
+    guards) traces one graph for 4 and 64 rows, and it runs the packed kernel at both."""
+    from torch._dynamo.utils import counters
+
+    layer, _, bias = _layer(torch.bfloat16)
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    fn = torch.compile(layer, dynamic=True, backend="eager")
+    for m in (4, 64):
+        x = torch.randn(m, 192).bfloat16()
+        packed = torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales) + bias
+        assert torch.equal(fn(x), packed)
+    assert counters["stats"]["unique_graphs"] - before == 1
+    assert not torch.equal(layer(x), packed)  # eager at 64 rows: the de-quantized GEMM

@@ -14,7 +14,10 @@ below it, the packed kernel reads the int8 bytes as they are. Measured crossover
 embedded model's shapes: 24-32 rows (at 16 the packed kernel wins, at 32 the GEMM: 0.52 against
 0.68 ms for gate/up). The weights are the ones the packed kernel uses (int8 codes times the
 scales rounded to the activation dtype): in fp32, exactly HF's on the de-quantized weights.
-Int4 layers keep the packed kernel at every size (their codes exist only packed).
+Int4 layers keep the packed kernel at every size (their codes exist only packed). Compiled
+graphs keep it too: a branch on the row count there is a guard (a batch of 32 would compile a
+new decode graph mid-serving, with `max_autotune`'s GEMM timings), and freezing would fold the
+de-quantized weights into float constants of the graph, a second copy of every weight.
 
 Opt-in (`MINISGL_INT8_ACTIVATIONS=1`): at M >= `W8A8_MIN_ROWS` rows
 (prefill, large decode batches) int8 layers quantize their activations per row (dynamic,
@@ -54,7 +57,8 @@ class Int8Linear(nn.Module):
         x2 = _rows(x, self.scales.dtype)
         if W8A8_MIN_ROWS is not None and x2.shape[0] >= W8A8_MIN_ROWS:
             y = w8a8_mm(x2, self.qweight, self.scales_f32)
-        elif x2.shape[0] >= DEQUANT_MIN_ROWS:  # the bias added inside the GEMM, in fp32
+        elif not torch.compiler.is_compiling() and x2.shape[0] >= DEQUANT_MIN_ROWS:
+            # the bias added inside the GEMM, in fp32
             return _out(F.linear(x2, self.qweight * self.scales[:, None], self.bias), None, x)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
