@@ -1,7 +1,9 @@
-"""int8 layers at 32 rows or more: one float GEMM on the de-quantized weights (card P2-003).
+"""int8 layers at 32 rows or more, int4 at 128: one float GEMM on the de-quantized weights
+(card P2-003).
 
-`_weight_int8pack_mm` is a GEMV kernel: its time grows with the row count (measured, 2 threads,
-AMX: [1077, 576] x [576, 3072] 23 ms against 1.8 ms de-quantized and through `F.linear`).
+`_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` are GEMV kernels: their time grows
+with the row count (measured, 2 threads, AMX: [1077, 576] x [576, 3072] int8 23 ms, int4 21 ms,
+against 1.8 / 2.9 ms de-quantized and through `F.linear`).
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from minisgl import LLM, SamplingParams
-from minisgl.quantization import linear
-from minisgl.quantization.linear import Int8Linear
-from minisgl.quantization.packed import quantize_int8
+from minisgl.quantization import INT4_GROUP, linear
+from minisgl.quantization.linear import Int4Linear, Int8Linear
+from minisgl.quantization.packed import quantize_int4, quantize_int8
 from minisgl.quantization.reference import fake_quantize_hf
 from minisgl.testing.hf_reference import hf_greedy, load_hf_model
 from minisgl.testing.scenarios import assert_kv_clean, random_prompts
@@ -107,3 +109,78 @@ def test_compiled_int8_layer_keeps_the_packed_kernel_at_every_size():
         assert torch.equal(fn(x), packed)
     assert counters["stats"]["unique_graphs"] - before == 1
     assert not torch.equal(layer(x), packed)  # eager at 64 rows: the de-quantized GEMM
+
+
+INT4_ITEM = "an-int4-layer-of-128-rows-or-more-runs-one-gemm-on-its-de-quantized-weights"
+INT4_RED = "failing-tests-int4-layers-at-batch"
+
+
+def int4_min_rows() -> int:
+    rows = getattr(linear, "INT4_DEQUANT_MIN_ROWS", None)
+    assert rows is not None, "quantization.linear.INT4_DEQUANT_MIN_ROWS is missing"
+    return rows
+
+
+def _int4_layer(dtype: torch.dtype) -> tuple[Int4Linear, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(160, 192, generator=g) * 0.3
+    bias = torch.randn(160, generator=g) * 0.1
+    q = quantize_int4(w)
+    # the weights the packed kernel multiplies: codes, scales and zeros in x's dtype, in fp32
+    scale = q.scale.to(dtype).float().repeat_interleave(INT4_GROUP, dim=1)
+    zero = q.zero.to(dtype).float().repeat_interleave(INT4_GROUP, dim=1)
+    deq = ((q.codes().float() - 8) * scale + zero).to(dtype)
+    return Int4Linear(q, bias, dtype), deq, bias.to(dtype)
+
+
+@pytest.mark.card("P2-003", INT4_RED)
+@pytest.mark.card("P2-003", INT4_ITEM)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_layer_from_min_rows_is_one_gemm_on_dequantized_weights(dtype):
+    rows = int4_min_rows()
+    assert 32 <= rows <= 256  # measured crossover on the embedded model's shapes: 64-128 rows
+    layer, deq, bias = _int4_layer(dtype)
+    g = torch.Generator().manual_seed(4)
+    for m in (rows, rows + 37):
+        x = torch.randn(m, 192, generator=g).to(dtype)
+        out = layer(x)
+        assert out.dtype == dtype and out.shape == (m, 160)
+        assert torch.equal(out, F.linear(x, deq, bias))
+    x = torch.randn(rows - 1, 192, generator=g).to(dtype)  # one row fewer: the packed kernel
+    packed = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x, layer.qweight, INT4_GROUP, layer.scales_zeros
+    )
+    assert torch.equal(layer(x), packed + bias)
+
+
+@pytest.mark.card("P2-003", INT4_RED)
+@pytest.mark.card("P2-003", INT4_ITEM)
+def test_compiled_int4_layer_keeps_the_packed_kernel_at_every_size():
+    from torch._dynamo.utils import counters
+
+    rows = int4_min_rows()
+    layer, _, bias = _int4_layer(torch.bfloat16)
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    fn = torch.compile(layer, dynamic=True, backend="eager")
+    for m in (4, rows + 10):
+        x = torch.randn(m, 192).bfloat16()
+        packed = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, layer.qweight, INT4_GROUP, layer.scales_zeros
+        )
+        assert torch.equal(fn(x), packed + bias)
+    assert counters["stats"]["unique_graphs"] - before == 1
+    assert not torch.equal(layer(x), packed + bias)  # eager: the de-quantized GEMM
+
+
+@pytest.mark.card("P2-003", INT4_ITEM)
+def test_int4_engine_with_long_prompts_matches_hf_on_dequantized_weights(tmp_path):
+    """fp32: a prefill step of 200+ rows runs the de-quantized GEMM; greedy tokens equal HF's
+    on the same rounded weights."""
+    path = write_tiny_model("llama", tmp_path / "llama", seed=0)
+    llm = LLM(path, dtype="float32", quantization="int4", num_pages=1024)
+    prompts = random_prompts(3, 70, 110, vocab=200, seed=6)
+    got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    ref = hf_greedy(fake_quantize_hf(load_hf_model(path), "int4"), prompts, 8)
+    assert [o["token_ids"] for o in got] == ref
+    assert_kv_clean(llm)
