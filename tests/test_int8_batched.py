@@ -188,3 +188,15 @@ def test_int4_engine_with_long_prompts_matches_hf_on_dequantized_weights(tmp_pat
     ref = hf_greedy(fake_quantize_hf(load_hf_model(path), "int4"), prompts, 8)
     assert [o["token_ids"] for o in got] == ref
     assert_kv_clean(llm)
+
+
+@pytest.mark.card("P2-003", INT4_ITEM)
+def test_single_stream_byte_count_leaves_out_the_batch_only_codes():
+    from minisgl.benchmark.cpu_speed import weight_bytes_per_token
+
+    layer, _, _ = _int4_layer(torch.bfloat16)
+    model = torch.nn.ModuleDict({"proj": layer})
+    read = layer.qweight.numel() * layer.qweight.element_size()
+    read += layer.scales_zeros.numel() * layer.scales_zeros.element_size()
+    assert layer.codes.numel() == 160 * 192 // 2
+    assert weight_bytes_per_token(model) == read

@@ -119,18 +119,18 @@ def linear_params(model_path: str) -> dict[str, int]:
 
 
 def weight_bytes_per_token(model) -> int:
-    """Bytes of weights a decode step reads: every linear (the lm_head included) once, plus one
-    embedding row (negligible, not counted)."""
-    import torch
-
+    """Bytes of weights a single-stream decode step reads: every linear (the lm_head included)
+    once, plus one embedding row (negligible, not counted); not the copies only large batches
+    read (`BATCH_ONLY_BUFFERS`: int4's plain codes)."""
     total = 0
     for name, mod in model.named_modules():
-        if name.endswith("embed_tokens"):
+        if name.endswith("embed_tokens") or "rotary" in name:
             continue
-        for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
-            if t is not None and t.dim() >= 2 and "rotary" not in name:
+        skip = getattr(mod, "BATCH_ONLY_BUFFERS", ())
+        tensors = [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]
+        for tname, t in tensors:
+            if t is not None and t.dim() >= 2 and tname not in skip:
                 total += t.numel() * t.element_size()
-    del torch
     return total
 
 

@@ -84,6 +84,9 @@ def w8a8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> tor
 
 
 class Int4Linear(nn.Module):
+    # read by the de-quantized GEMM of large batches only (`benchmark.cpu_speed` byte counts)
+    BATCH_ONLY_BUFFERS = ("codes",)
+
     def __init__(self, w: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
         self.out_features = w.q.shape[0]
