@@ -200,3 +200,59 @@ def test_single_stream_byte_count_leaves_out_the_batch_only_codes():
     read += layer.scales_zeros.numel() * layer.scales_zeros.element_size()
     assert layer.codes.numel() == 160 * 192 // 2
     assert weight_bytes_per_token(model) == read
+
+
+C_ITEM = "a-bf16-int4-layer-de-quantizes-its-codes-in-one-c-pass"
+C_RED = "failing-tests-int4-de-quantization-in-c"
+
+
+def _c_dequant():
+    from minisgl.attention import cpu_native
+
+    fn = getattr(cpu_native, "dequant_int4", None)
+    assert fn is not None, "cpu_native.dequant_int4 is missing"
+    if not cpu_native.available(torch.bfloat16):
+        pytest.skip("no C compiler: the torch ops de-quantize")
+    return fn
+
+
+@pytest.mark.card("P2-003", C_RED)
+@pytest.mark.card("P2-003", C_ITEM)
+@pytest.mark.parametrize("n,k", [(160, 192), (8, 32), (3072, 576)])
+def test_c_int4_dequantization_is_bit_identical_to_the_torch_ops(n, k):
+    dequant = _c_dequant()
+    g = torch.Generator().manual_seed(n + k)
+    codes = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    sz = (torch.randn(k // INT4_GROUP, n, 2, generator=g) * 0.05).bfloat16()
+    sz[0, 0, 0] = 0.0  # a zero scale, an extreme one
+    sz[-1, -1] = torch.tensor([3.0e38, -1.0]).bfloat16()
+    c = torch.stack((codes & 15, codes >> 4), dim=-1).view(n, -1, INT4_GROUP).float()
+    scale, zero = sz[..., 0].t().float()[:, :, None], sz[..., 1].t().float()[:, :, None]
+    ref = ((c - 8) * scale + zero).view(n, k).bfloat16()
+    out = dequant(codes, sz)
+    assert out.dtype == torch.bfloat16 and out.shape == (n, k)
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+
+
+@pytest.mark.card("P2-003", C_RED)
+@pytest.mark.card("P2-003", C_ITEM)
+def test_c_int4_dequantization_rejects_bad_shapes():
+    dequant = _c_dequant()
+    codes = torch.zeros(4, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="shape"):
+        dequant(codes, torch.zeros(2, 4, 2).bfloat16())  # 32 columns: one group, not two
+    with pytest.raises(ValueError, match="shape"):
+        dequant(codes, torch.zeros(1, 4, 2))  # fp32 scales
+
+
+@pytest.mark.card("P2-003", C_RED)
+@pytest.mark.card("P2-003", C_ITEM)
+def test_bf16_int4_layer_dequantizes_through_c(monkeypatch):
+    from minisgl.attention import cpu_native
+
+    dequant = _c_dequant()
+    calls = []
+    monkeypatch.setattr(cpu_native, "dequant_int4", lambda *a: calls.append(1) or dequant(*a))
+    layer, deq, _ = _int4_layer(torch.bfloat16)
+    assert torch.equal(layer.dequantize(), deq)
+    assert calls == [1]
