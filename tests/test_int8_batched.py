@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl import LLM, SamplingParams
+from minisgl.attention import cpu_native
 from minisgl.quantization import INT4_GROUP, linear
 from minisgl.quantization.linear import Int4Linear, Int8Linear
 from minisgl.quantization.packed import quantize_int4, quantize_int8
@@ -137,9 +138,11 @@ def _int4_layer(dtype: torch.dtype) -> tuple[Int4Linear, torch.Tensor, torch.Ten
 @pytest.mark.card("P2-003", INT4_ITEM)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_layer_from_min_rows_is_one_gemm_on_dequantized_weights(dtype):
-    rows = int4_min_rows()
-    assert 64 <= rows <= 512  # in isolation the GEMM wins from ~100 rows, in a decode step later
+    assert 64 <= int4_min_rows() <= 512  # torch ops de-quantize: in a decode step from ~256
     layer, deq, bias = _int4_layer(dtype)
+    rows = layer.dequant_min_rows  # 64 for bf16 with the C pass
+    c = dtype == torch.bfloat16 and cpu_native.available(dtype)
+    assert rows == (linear.INT4_C_DEQUANT_MIN_ROWS if c else int4_min_rows())
     g = torch.Generator().manual_seed(4)
     for m in (rows, rows + 37):
         x = torch.randn(m, 192, generator=g).to(dtype)
@@ -158,8 +161,9 @@ def test_int4_layer_from_min_rows_is_one_gemm_on_dequantized_weights(dtype):
 def test_compiled_int4_layer_keeps_the_packed_kernel_at_every_size():
     from torch._dynamo.utils import counters
 
-    rows = int4_min_rows()
+    int4_min_rows()
     layer, _, bias = _int4_layer(torch.bfloat16)
+    rows = layer.dequant_min_rows
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
     fn = torch.compile(layer, dynamic=True, backend="eager")
@@ -240,7 +244,9 @@ def test_c_int4_dequantization_rejects_bad_shapes():
     dequant = _c_dequant()
     codes = torch.zeros(4, 16, dtype=torch.uint8)
     with pytest.raises(ValueError, match="shape"):
-        dequant(codes, torch.zeros(2, 4, 2).bfloat16())  # 32 columns: one group, not two
+        dequant(codes, torch.zeros(3, 4, 2).bfloat16())  # 32 columns in 3 groups
+    with pytest.raises(ValueError, match="shape"):
+        dequant(codes, torch.zeros(1, 5, 2).bfloat16())  # scales for 5 rows, codes for 4
     with pytest.raises(ValueError, match="shape"):
         dequant(codes, torch.zeros(1, 4, 2))  # fp32 scales
 

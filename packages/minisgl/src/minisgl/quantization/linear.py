@@ -14,11 +14,12 @@ below it, the packed kernel reads the int8 bytes as they are. Measured crossover
 embedded model's shapes: 24-32 rows (at 16 the packed kernel wins, at 32 the GEMM: 0.52 against
 0.68 ms for gate/up). The weights are the ones the packed kernel uses (int8 codes times the
 scales rounded to the activation dtype): in fp32, exactly HF's on the de-quantized weights.
-Int4 layers do the same from `INT4_DEQUANT_MIN_ROWS` (256: their de-quantization, nibbles to
-codes to `(q - 8) * scale + zero` per group in fp32, costs more, 1.5 ms for gate/up; in
-isolation the GEMM wins from ~100 rows, but a batch-128 decode step of the embedded model lost
-with it, 222 -> 315 ms, de-quantizing all 121 matrices, the lm_head's 28M weights among them;
-[1077, 576] x [576, 3072] 21 against 2.9 ms). They keep their codes
+Int4 layers do the same, bf16 ones from `INT4_C_DEQUANT_MIN_ROWS` (64) with their codes
+de-quantized in one C pass (`cpu_native.dequant_int4`: 0.12 ms for gate/up; the GEMM wins from
+16 rows for the layers' shapes, from ~64 for the lm_head, whose 57 MB bf16 copy comes from
+fresh, faulting pages each call), others from `INT4_DEQUANT_MIN_ROWS` (256) through torch ops
+(nibbles to codes to `(q - 8) * scale + zero` in fp32: 1.5 ms for gate/up; a batch-128 decode
+step of the embedded model lost with them, 222 -> 315 ms). They keep their codes
 as `Int4Weight` has them (`codes`, uint8 [N, K / 2], low nibble the even column) beside the
 packed copy, whose layout is the kernel's own: a second copy of the 4-bit codes. Compiled
 graphs keep the packed kernels: a branch on the row count there is a guard (a batch of 32 would compile a
@@ -41,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl.attention import cpu_native
 from minisgl.quantization import INT4_GROUP
 from minisgl.quantization.packed import Int4Weight, Int8Weight
 
@@ -48,8 +50,10 @@ from minisgl.quantization.packed import Int4Weight, Int8Weight
 W8A8_MIN_ROWS: int | None = 32 if os.environ.get("MINISGL_INT8_ACTIVATIONS") == "1" else None
 # int8 layers: from this many rows on, one float GEMM on the de-quantized weights
 DEQUANT_MIN_ROWS = 32
-# int4 layers: the same from this many rows on
+# int4 layers: the same from this many rows on (torch ops de-quantize: fp32 layers, or no C
+# compiler), or from INT4_C_DEQUANT_MIN_ROWS (bf16 layers, `cpu_native.dequant_int4`)
 INT4_DEQUANT_MIN_ROWS = 256
+INT4_C_DEQUANT_MIN_ROWS = 64
 
 
 class Int8Linear(nn.Module):
@@ -97,11 +101,15 @@ class Int4Linear(nn.Module):
         self.register_buffer("codes", w.q.contiguous())  # the de-quantized GEMM's copy
         self.register_buffer("scales_zeros", sz.to(dtype).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        self.c_dequant = dtype == torch.bfloat16 and cpu_native.available(dtype)
+        self.dequant_min_rows = INT4_C_DEQUANT_MIN_ROWS if self.c_dequant else INT4_DEQUANT_MIN_ROWS
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] weights in the activation dtype: what the packed kernel multiplies (the
         scales and zeros it reads, the arithmetic in fp32)."""
         n, k = self.out_features, self.in_features
+        if self.c_dequant:
+            return cpu_native.dequant_int4(self.codes, self.scales_zeros)
         codes = torch.stack((self.codes & 15, self.codes >> 4), dim=-1).view(n, -1, INT4_GROUP)
         scale = self.scales_zeros[..., 0].t().float()[:, :, None]  # [N, K / group, 1]
         zero = self.scales_zeros[..., 1].t().float()[:, :, None]
@@ -109,7 +117,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _rows(x, self.scales_zeros.dtype)
-        if not torch.compiler.is_compiling() and x2.shape[0] >= INT4_DEQUANT_MIN_ROWS:
+        if not torch.compiler.is_compiling() and x2.shape[0] >= self.dequant_min_rows:
             return _out(F.linear(x2, self.dequantize(), self.bias), None, x)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.qweight, INT4_GROUP, self.scales_zeros

@@ -34,7 +34,14 @@ logger = get_logger(__name__)
 _HERE = Path(__file__).parent
 SOURCES = tuple(
     _HERE / f"{name}.c"
-    for name in ("decode_attention", "prefill_attention", "prefill_amx", "row_max", "kv_store")
+    for name in (
+        "decode_attention",
+        "prefill_attention",
+        "prefill_amx",
+        "row_max",
+        "kv_store",
+        "dequant",
+    )
 )
 HEADERS = (_HERE / "bf16.h", _HERE / "spans.h")
 # -ffast-math at compile time only: linked with it, the object would set flush-to-zero for
@@ -48,7 +55,8 @@ _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _ERRORS = {1: "head_dim > 256 or more than 16 query heads per KV head", 2: "a length outside 1..L",
            3: "out of memory", 4: "a KV index outside the pool",
            5: "indptr outside the indices", 6: "a request's query rows outside q",
-           7: "a request's KV range outside the indices", 8: "no AMX tiles on this CPU"}  # fmt: skip
+           7: "a request's KV range outside the indices", 8: "no AMX tiles on this CPU",
+           9: "a shape the groups do not divide"}  # fmt: skip
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 # q, k, v, out, indices, num_indices, q_starts, q_lens, kv_starts, kv_lens, 11 sizes / strides
@@ -118,6 +126,8 @@ def _library() -> ctypes.CDLL | None:
     tail = [ctypes.c_float, ctypes.c_int]  # scale, threads
     lib.prefill_amx_supported.restype = ctypes.c_int
     lib.kv_store.restype = ctypes.c_int
+    lib.dequant_int4_bf16.restype = ctypes.c_int
+    lib.dequant_int4_bf16.argtypes = [_PTR] * 3 + [_I64] * 3 + [ctypes.c_int]
     lib.kv_store.argtypes = [_PTR, _I64, _PTR, _I64, _PTR] + [_I64] * 3 + [ctypes.c_int]
     for suffix in _DTYPES.values():
         fn = getattr(lib, f"row_max_{suffix}")
@@ -305,6 +315,29 @@ def store_rows(pool: torch.Tensor, loc: torch.Tensor, x: torch.Tensor) -> None:
                       torch.get_num_threads())  # fmt: skip
     if rc != 0:
         raise ValueError(f"store_rows: {_ERRORS.get(rc, rc)}")
+
+
+def dequant_int4(codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 weights of int4 codes (uint8 [N, K / 2], the low nibble the even column) and
+    bf16 scales and zeros [K / group, N, 2]: `(code - 8) * scale + zero` in fp32, rounded once
+    to bf16, bit-identical to the same torch ops (`dequant.c`). `available(torch.bfloat16)`
+    first; ValueError on other shapes or dtypes."""
+    lib = _library()
+    assert lib is not None
+    n, half = codes.shape
+    groups = scales_zeros.shape[0] if scales_zeros.dim() == 3 else 0
+    if (codes.dtype != torch.uint8 or scales_zeros.dtype != torch.bfloat16 or groups < 1
+            or scales_zeros.shape[1:] != (n, 2) or (2 * half) % groups):  # fmt: skip
+        raise ValueError(f"dequant_int4: codes {tuple(codes.shape)} {codes.dtype} and scales "
+                         f"{tuple(scales_zeros.shape)} {scales_zeros.dtype}: not a matching "
+                         "shape of uint8 codes and bf16 [groups, N, 2]")  # fmt: skip
+    codes, scales_zeros = codes.contiguous(), scales_zeros.contiguous()
+    out = torch.empty(n, 2 * half, dtype=torch.bfloat16)
+    rc = lib.dequant_int4_bf16(codes.data_ptr(), scales_zeros.data_ptr(), out.data_ptr(), n,
+                               2 * half, 2 * half // groups, torch.get_num_threads())  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"dequant_int4: {_ERRORS.get(rc, rc)} (shape)")
+    return out
 
 
 def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
