@@ -19,18 +19,17 @@ de-quantized in one C pass (`cpu_native.dequant_int4`: 0.12 ms for gate/up; the 
 16 rows for the layers' shapes, from ~64 for the lm_head, whose 57 MB bf16 copy comes from
 fresh, faulting pages each call), others from `INT4_DEQUANT_MIN_ROWS` (256) through torch ops
 (nibbles to codes to `(q - 8) * scale + zero` in fp32: 1.5 ms for gate/up; a batch-128 decode
-step of the embedded model lost with them, 222 -> 315 ms). They keep their codes
-as `Int4Weight` has them (`codes`, uint8 [N, K / 2], low nibble the even column) beside the
-packed copy, whose layout is the kernel's own: a second copy of the 4-bit codes. Compiled
-graphs keep the packed kernels: a branch on the row count there is a guard (a batch of 32 would compile a
+step of the embedded model lost with them, 222 -> 315 ms). They keep their codes as
+`Int4Weight` has them (`codes`, uint8 [N, K / 2], low nibble the even column) beside the packed
+copy, whose layout is the kernel's own: a second copy of the 4-bit codes. Compiled graphs keep
+the packed kernels: a branch on the row count there is a guard (a batch of 32 would compile a
 new decode graph mid-serving, with `max_autotune`'s GEMM timings), and freezing would fold the
 de-quantized weights into float constants of the graph, a second copy of every weight.
 
-Opt-in (`MINISGL_INT8_ACTIVATIONS=1`): at M >= `W8A8_MIN_ROWS` rows
-(prefill, large decode batches) int8 layers quantize their activations per row (dynamic,
-symmetric) and run one int8 x int8 GEMM (`torch._int_mm`, VNNI), measured 420 GOP/s against
-205 GFLOP/s for bf16 `F.linear` and 59 for `_weight_int8pack_mm` at [512, 576] x [576, 1536] on
-1 thread. Off by default: it costs the embedded model 8.6% perplexity (40.72 against 37.50 in
+Opt-in (`MINISGL_INT8_ACTIVATIONS=1`): at M >= `W8A8_MIN_ROWS` rows (prefill, large decode
+batches) int8 layers quantize their activations per row (dynamic, symmetric) and run one int8 x
+int8 GEMM (`torch._int_mm`, VNNI), measured 420 GOP/s against 205 GFLOP/s for bf16 `F.linear`
+and 59 for `_weight_int8pack_mm` at [512, 576] x [576, 1536] on 1 thread. Off by default: it costs the embedded model 8.6% perplexity (40.72 against 37.50 in
 fp32; weight-only int8 +0.5%, the issue allows 2%): its outlier channels would need smoothing.
 """
 
