@@ -26,16 +26,35 @@ ITEM = "an-int8-layer-of-32-rows-or-more-runs-one-gemm-on-its-de-quantized-weigh
 RED = "failing-tests-int8-layers-at-batch"
 
 
-def min_rows() -> int:
-    rows = getattr(linear, "DEQUANT_MIN_ROWS", None)
-    assert rows is not None, "quantization.linear.DEQUANT_MIN_ROWS is missing"
+def _threshold(name: str) -> int:
+    """A row threshold of `quantization.linear` (asserted, so a missing one fails red)."""
+    rows = getattr(linear, name, None)
+    assert rows is not None, f"quantization.linear.{name} is missing"
     return rows
 
 
-def _layer(dtype: torch.dtype, seed: int = 0) -> tuple[Int8Linear, torch.Tensor, torch.Tensor]:
+def min_rows() -> int:
+    return _threshold("DEQUANT_MIN_ROWS")
+
+
+def _weights(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [160, 192] weight and its bias."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(160, 192, generator=g) * 0.3
-    bias = torch.randn(160, generator=g) * 0.1
+    return torch.randn(160, 192, generator=g) * 0.3, torch.randn(160, generator=g) * 0.1
+
+
+def _graphs(run) -> int:
+    """Graphs dynamo traces while `run()` calls a function compiled after a reset."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    run()
+    return counters["stats"]["unique_graphs"] - before
+
+
+def _layer(dtype: torch.dtype, seed: int = 0) -> tuple[Int8Linear, torch.Tensor, torch.Tensor]:
+    w, bias = _weights(seed)
     q = quantize_int8(w)
     deq = q.q * q.scale.to(dtype)[:, None]  # the weights the layer multiplies, in x's dtype
     return Int8Linear(q, bias, dtype), deq, bias.to(dtype)
@@ -98,17 +117,16 @@ def test_compiled_int8_layer_keeps_the_packed_kernel_at_every_size():
     """Inside a compiled graph the row count is not branched on (no guard, no recompile at 32
     rows, no float copy folded into the graph): dynamo (its eager backend: only dynamo's own
     guards) traces one graph for 4 and 64 rows, and it runs the packed kernel at both."""
-    from torch._dynamo.utils import counters
-
     layer, _, bias = _layer(torch.bfloat16)
-    torch._dynamo.reset()
-    before = counters["stats"]["unique_graphs"]
-    fn = torch.compile(layer, dynamic=True, backend="eager")
-    for m in (4, 64):
-        x = torch.randn(m, 192).bfloat16()
-        packed = torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales) + bias
-        assert torch.equal(fn(x), packed)
-    assert counters["stats"]["unique_graphs"] - before == 1
+    x = torch.randn(64, 192).bfloat16()
+    packed = torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales) + bias
+
+    def run() -> None:
+        fn = torch.compile(layer, dynamic=True, backend="eager")
+        for m in (4, 64):
+            assert torch.equal(fn(x[:m]), packed[:m])
+
+    assert _graphs(run) == 1
     assert not torch.equal(layer(x), packed)  # eager at 64 rows: the de-quantized GEMM
 
 
@@ -117,15 +135,11 @@ INT4_RED = "failing-tests-int4-layers-at-batch"
 
 
 def int4_min_rows() -> int:
-    rows = getattr(linear, "INT4_DEQUANT_MIN_ROWS", None)
-    assert rows is not None, "quantization.linear.INT4_DEQUANT_MIN_ROWS is missing"
-    return rows
+    return _threshold("INT4_DEQUANT_MIN_ROWS")
 
 
 def _int4_layer(dtype: torch.dtype) -> tuple[Int4Linear, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    w = torch.randn(160, 192, generator=g) * 0.3
-    bias = torch.randn(160, generator=g) * 0.1
+    w, bias = _weights(3)
     q = quantize_int4(w)
     # the weights the packed kernel multiplies: codes, scales and zeros in x's dtype, in fp32
     scale = q.scale.to(dtype).float().repeat_interleave(INT4_GROUP, dim=1)
@@ -159,21 +173,19 @@ def test_int4_layer_from_min_rows_is_one_gemm_on_dequantized_weights(dtype):
 @pytest.mark.card("P2-003", INT4_RED)
 @pytest.mark.card("P2-003", INT4_ITEM)
 def test_compiled_int4_layer_keeps_the_packed_kernel_at_every_size():
-    from torch._dynamo.utils import counters
-
     int4_min_rows()
     layer, _, bias = _int4_layer(torch.bfloat16)
-    rows = layer.dequant_min_rows
-    torch._dynamo.reset()
-    before = counters["stats"]["unique_graphs"]
-    fn = torch.compile(layer, dynamic=True, backend="eager")
-    for m in (4, rows + 10):
-        x = torch.randn(m, 192).bfloat16()
-        packed = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, layer.qweight, INT4_GROUP, layer.scales_zeros
-        )
-        assert torch.equal(fn(x), packed + bias)
-    assert counters["stats"]["unique_graphs"] - before == 1
+    x = torch.randn(layer.dequant_min_rows + 10, 192).bfloat16()
+    packed = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x, layer.qweight, INT4_GROUP, layer.scales_zeros
+    )
+
+    def run() -> None:
+        fn = torch.compile(layer, dynamic=True, backend="eager")
+        for m in (4, x.shape[0]):
+            assert torch.equal(fn(x[:m]), packed[:m] + bias)
+
+    assert _graphs(run) == 1
     assert not torch.equal(layer(x), packed + bias)  # eager: the de-quantized GEMM
 
 
@@ -211,8 +223,6 @@ C_RED = "failing-tests-int4-de-quantization-in-c"
 
 
 def _c_dequant():
-    from minisgl.attention import cpu_native
-
     fn = getattr(cpu_native, "dequant_int4", None)
     assert fn is not None, "cpu_native.dequant_int4 is missing"
     if not cpu_native.available(torch.bfloat16):
@@ -254,8 +264,6 @@ def test_c_int4_dequantization_rejects_bad_shapes():
 @pytest.mark.card("P2-003", C_RED)
 @pytest.mark.card("P2-003", C_ITEM)
 def test_bf16_int4_layer_dequantizes_through_c(monkeypatch):
-    from minisgl.attention import cpu_native
-
     dequant = _c_dequant()
     calls = []
     monkeypatch.setattr(cpu_native, "dequant_int4", lambda *a: calls.append(1) or dequant(*a))

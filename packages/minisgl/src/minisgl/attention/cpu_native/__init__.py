@@ -126,9 +126,9 @@ def _library() -> ctypes.CDLL | None:
     tail = [ctypes.c_float, ctypes.c_int]  # scale, threads
     lib.prefill_amx_supported.restype = ctypes.c_int
     lib.kv_store.restype = ctypes.c_int
+    lib.kv_store.argtypes = [_PTR, _I64, _PTR, _I64, _PTR] + [_I64] * 3 + [ctypes.c_int]
     lib.dequant_int4_bf16.restype = ctypes.c_int
     lib.dequant_int4_bf16.argtypes = [_PTR] * 3 + [_I64] * 3 + [ctypes.c_int]
-    lib.kv_store.argtypes = [_PTR, _I64, _PTR, _I64, _PTR] + [_I64] * 3 + [ctypes.c_int]
     for suffix in _DTYPES.values():
         fn = getattr(lib, f"row_max_{suffix}")
         fn.restype = ctypes.c_int
