@@ -112,24 +112,6 @@ def test_int8_engine_with_long_prompts_matches_hf_on_dequantized_weights(arch, t
     assert_kv_clean(llm)
 
 
-@pytest.mark.card("P2-003", ITEM)
-def test_compiled_int8_layer_keeps_the_packed_kernel_at_every_size():
-    """Inside a compiled graph the row count is not branched on (no guard, no recompile at 32
-    rows, no float copy folded into the graph): dynamo (its eager backend: only dynamo's own
-    guards) traces one graph for 4 and 64 rows, and it runs the packed kernel at both."""
-    layer, _, bias = _layer(torch.bfloat16)
-    x = torch.randn(64, 192).bfloat16()
-    packed = torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales) + bias
-
-    def run() -> None:
-        fn = torch.compile(layer, dynamic=True, backend="eager")
-        for m in (4, 64):
-            assert torch.equal(fn(x[:m]), packed[:m])
-
-    assert _graphs(run) == 1
-    assert not torch.equal(layer(x), packed)  # eager at 64 rows: the de-quantized GEMM
-
-
 INT4_ITEM = "an-int4-layer-of-256-rows-or-more-runs-one-gemm-on-its-de-quantized-weights"
 INT4_RED = "failing-tests-int4-layers-at-batch"
 
@@ -168,25 +150,6 @@ def test_int4_layer_from_min_rows_is_one_gemm_on_dequantized_weights(dtype):
         x, layer.qweight, INT4_GROUP, layer.scales_zeros
     )
     assert torch.equal(layer(x), packed + bias)
-
-
-@pytest.mark.card("P2-003", INT4_RED)
-@pytest.mark.card("P2-003", INT4_ITEM)
-def test_compiled_int4_layer_keeps_the_packed_kernel_at_every_size():
-    int4_min_rows()
-    layer, _, bias = _int4_layer(torch.bfloat16)
-    x = torch.randn(layer.dequant_min_rows + 10, 192).bfloat16()
-    packed = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x, layer.qweight, INT4_GROUP, layer.scales_zeros
-    )
-
-    def run() -> None:
-        fn = torch.compile(layer, dynamic=True, backend="eager")
-        for m in (4, x.shape[0]):
-            assert torch.equal(fn(x[:m]), packed[:m] + bias)
-
-    assert _graphs(run) == 1
-    assert not torch.equal(layer(x), packed + bias)  # eager: the de-quantized GEMM
 
 
 @pytest.mark.card("P2-003", INT4_ITEM)
@@ -270,3 +233,94 @@ def test_bf16_int4_layer_dequantizes_through_c(monkeypatch):
     layer, deq, _ = _int4_layer(torch.bfloat16)
     assert torch.equal(layer.dequantize(), deq)
     assert calls == [1]
+
+
+COMPILED_ITEM = "a-compiled-int8-or-int4-model-runs-its-batches-on-de-quantized-weights-with-no-compile-after-start"
+COMPILED_RED = "failing-tests-compiled-quantized-layers-at-batch"
+
+
+def _compiled_sizes(layer: torch.nn.Module, x: torch.Tensor, rows: int) -> list[torch.Tensor]:
+    """The layer compiled (dynamo, dynamic shapes) at 4, `rows` and `rows + 40` rows of x."""
+    fn = torch.compile(layer, dynamic=True, backend="eager")
+    return [fn(x[:m]) for m in (4, rows, rows + 40)]
+
+
+@pytest.mark.card("P2-003", COMPILED_RED)
+@pytest.mark.card("P2-003", COMPILED_ITEM)
+def test_compiled_int8_layer_runs_the_dequantized_gemm_from_min_rows():
+    """A compiled layer branches on its row count as the eager one does: the packed kernel
+    below the threshold, the GEMM on the de-quantized weights from it on; the branch is a
+    guard, so a graph serves each side (the engine keys its graphs by the same thresholds)."""
+    layer, deq, bias = _layer(torch.bfloat16)
+    rows = getattr(layer, "dequant_min_rows", None)
+    assert rows == min_rows()
+    x = torch.randn(rows + 40, 192).bfloat16()
+    packed = torch.ops.aten._weight_int8pack_mm(x[:4], layer.qweight, layer.scales) + bias
+    out: list[torch.Tensor] = []
+    assert _graphs(lambda: out.extend(_compiled_sizes(layer, x, rows))) == 2
+    assert torch.equal(out[0], packed)
+    for m, y in zip((rows, rows + 40), out[1:], strict=True):
+        assert torch.equal(y, F.linear(x[:m], deq, bias))
+
+
+@pytest.mark.card("P2-003", COMPILED_RED)
+@pytest.mark.card("P2-003", COMPILED_ITEM)
+def test_compiled_int4_layer_runs_the_dequantized_gemm_from_min_rows():
+    layer, deq, bias = _int4_layer(torch.bfloat16)
+    rows = layer.dequant_min_rows
+    x = torch.randn(rows + 40, 192).bfloat16()
+    packed = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x[:4], layer.qweight, INT4_GROUP, layer.scales_zeros
+    )
+    out: list[torch.Tensor] = []
+    assert _graphs(lambda: out.extend(_compiled_sizes(layer, x, rows))) == 2
+    assert torch.equal(out[0], packed + bias)
+    for m, y in zip((rows, rows + 40), out[1:], strict=True):
+        assert torch.equal(y, F.linear(x[:m], deq, bias))
+
+
+def _dequantizations(monkeypatch) -> list[str]:
+    """Counts calls of the de-quantization functions behind the layers' operators: a call
+    at run time means the graph did not fold the float weights into a constant."""
+    calls: list[str] = []
+    for name in ("dequantize_int8", "dequantize_int4"):
+        fn = getattr(linear, name, None)
+        assert fn is not None, f"quantization.linear.{name} is missing"
+        monkeypatch.setattr(linear, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+    return calls
+
+
+@pytest.mark.card("P2-003", COMPILED_RED)
+@pytest.mark.card("P2-003", COMPILED_ITEM)
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_compiled_quantized_engine_batches_on_dequantized_weights(
+    quantization, tmp_path, monkeypatch
+):
+    """fp32 (int4 layers de-quantize from 16 rows here, 256 by default): the start compiles
+    every graph; prefill steps of 4 and 300+ rows and decode batches of 1, 8 and 40 then run
+    with no compile, batches of 32+ rows through the de-quantized weights at run time, and
+    the greedy tokens equal HF's on the same rounded weights."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(linear, "INT4_DEQUANT_MIN_ROWS", 16)
+    path = write_tiny_model("llama", tmp_path / "llama", seed=0)
+    llm = LLM(path, dtype="float32", quantization=quantization, enable_torch_compile=True,
+              num_pages=2048, max_seq_len_override=512)  # fmt: skip
+    graphs = counters["stats"]["unique_graphs"]
+    calls = _dequantizations(monkeypatch)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    batches = [random_prompts(1, 4, 4, vocab=200, seed=7), random_prompts(8, 3, 6, vocab=200, seed=8),
+               random_prompts(40, 3, 12, vocab=200, seed=9), random_prompts(1, 300, 300, vocab=200, seed=10)]  # fmt: skip
+    seen = []
+    for prompts in batches:
+        calls.clear()
+        got = llm.generate(prompts, params)
+        seen.append(len(calls))
+        ref = hf_greedy(fake_quantize_hf(load_hf_model(path), quantization), prompts, 4)
+        assert [o["token_ids"] for o in got] == ref
+    assert counters["stats"]["unique_graphs"] == graphs, "serving compiled a new graph"
+    # batch 1 and 8: the packed kernels; 40 requests: prefill and 3 decode steps de-quantize
+    # (4 linears a layer, 2 layers); one 300-token prompt: its prefill only
+    assert seen[:2] == [0, 0]
+    assert seen[2] >= 4 * 8 and seen[3] >= 8
+    assert_kv_clean(llm)
