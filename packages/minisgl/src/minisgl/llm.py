@@ -27,6 +27,11 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).replace("torch.", "")  # accepts torch.float16 as well as "float16"
 
 
+def _ramp(n: int, vocab: int, start: int = 0) -> list[int]:
+    """A prompt of n token ids counting up from start + 1 (mod vocab): the warm-up prompts."""
+    return [(start + j) % vocab for j in range(1, n + 1)]
+
+
 class LLM:
     def __init__(
         self,
@@ -125,23 +130,24 @@ class LLM:
 
     def _compile_graphs(self) -> None:
         """Compile the graphs before the first request (a compile mid-serving stalls every
-        running request, for a minute or more on a CPU): batch sizes 1 and 2 (batch 1 is
-        specialised), through the backend's decode modes (the CPU kernel's paged steps; SDPA's
-        workspace rebuilt and appended to): the two or four decode graphs of `CompiledDecode`;
-        a first prefill of `PREFILL_HINT_TOKENS` compiles `CompiledPrefill`'s two pieces
-        (dynamic in the token count: every later length runs on them)."""
-        from minisgl.engine.compiled import PREFILL_HINT_TOKENS
-
+        running request, for a minute or more on a CPU): `CompiledPrefill`'s pieces by a
+        prefill of each of its lengths (dynamic in the token count: every later length of the
+        class runs on them), then `CompiledDecode`'s graphs by a decode of each of its batch
+        sizes (batch 1 is specialised; a quantized model's row classes), through the backend's
+        decode modes (the CPU kernel's paged steps; SDPA's workspace rebuilt and appended to)."""
         t0 = time.perf_counter()
-        vocab = self.engine.model_config.vocab_size
-        prompt = [i % vocab for i in range(1, 9)]
+        engine, config = self.engine, self.engine.config
+        vocab = engine.model_config.vocab_size
+        longest = engine.max_seq_len - 8
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        if engine.compiled_prefill is not None:  # prefills alone: no decode step
+            for n in engine.compiled_prefill.compile_lengths(config.max_extend_tokens):
+                # one step of n tokens: prompts of at most `longest`, no two alike
+                sizes = [min(longest, n - i) for i in range(0, n, longest)]
+                self.generate([_ramp(size, vocab, start=i) for i, size in enumerate(sizes)], one)
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        if self.engine.compiled_prefill is not None:  # a prefill alone: no decode step
-            n = min(PREFILL_HINT_TOKENS, self.engine.max_seq_len - 8)
-            one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-            self.generate([[i % vocab for i in range(1, n + 1)]], one)
-        self.generate([prompt], params)
-        self.generate([prompt, prompt[::-1]], params)
+        for bs in engine.compiled.compile_batches(config.max_running_requests):
+            self.generate([_ramp(8, vocab, start=i) for i in range(bs)], params)
         logger.info("graphs compiled in %.1f s", time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ input

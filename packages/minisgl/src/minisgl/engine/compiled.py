@@ -22,12 +22,17 @@ elementwise ops into a few C++ loops and calls the matmuls and SDPA directly:
 - the graphs write the KV pool (and SDPA's decode workspace) in place, by index_put_ on the
   graph's input tensors: a write through a view of an input is functionalized into a scatter of the
   whole tensor (`attention/torch_native.py`).
+- quantized layers change kernels at row counts of their own (`row_thresholds`: the packed
+  kernel below, one GEMM on de-quantized weights from there on), a check that is a guard: the
+  graphs are keyed by the class of the row count too (`row_bounds`), so each graph sees one
+  side of every threshold, and the start compiles one graph per class.
 A decode step the attention backend does not mark `compiles` runs eager (torch-native through
 SDPA: a batch over the decode workspace budget, which gathers its KV every step).
 
 Prefill runs piecewise (`CompiledPrefill`, CPU only): each layer's two pieces around attention
 (`DecoderLayer.pre_attention`: norm, QKV, RoPE; `post_attention`: o_proj, residual, norm, MLP)
-are compiled with the token count dynamic, and attention stays eager (its per-request groups
+are compiled with the token count dynamic (one pair of graphs per row class of a quantized
+model: dynamo keeps both in the pieces' cache), and attention stays eager (its per-request groups
 and masks change with every step's mix of lengths). The pieces take the layer as an input,
 module guards skipped, and are not frozen: the weights are graph inputs, so one pair of graphs
 serves every layer (the layers of a model are alike) and every length (a one-token prefill
@@ -43,14 +48,16 @@ tensors): the engine runs its steps under `no_grad` when compile is on.
 
 from __future__ import annotations
 
+import functools
 import types
+from bisect import bisect_right
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx.experimental._config as fx_config
 
-from minisgl.quantization.linear import Int4Linear, Int8Linear
+from minisgl.quantization.linear import DEQUANT_OPS, Int4Linear, Int8Linear
 from minisgl.utils.log import get_logger
 
 if TYPE_CHECKING:
@@ -61,16 +68,40 @@ logger = get_logger(__name__)
 QUANTIZED = (Int4Linear, Int8Linear)
 
 
-def _options(model: torch.nn.Module, device: torch.device) -> dict[str, Any]:
-    """Autotune GEMMs only where it pays: weight-only quantized linears on a CPU (the int4
-    template: 80 -> 117 tok/s single stream on the embedded model, 2 threads); float GEMMs
-    would only add compile time (every shape's CPP template is built and timed)."""
+def row_bounds(model: torch.nn.Module) -> tuple[int, ...]:
+    """The row counts at which a quantized layer of `model` changes kernels, sorted: the
+    bounds of the row classes its graphs are keyed by."""
+    rows = {r for m in model.modules() if isinstance(m, QUANTIZED) for r in m.row_thresholds}
+    return tuple(sorted(rows))
+
+
+def class_starts(bounds: tuple[int, ...], first: int) -> list[int]:
+    """The smallest row count of each class from `first` rows on."""
+    return [first, *(b for b in bounds if b > first)]
+
+
+def _options(model: torch.nn.Module, device: torch.device, rows: int) -> dict[str, Any]:
+    """Options of a graph for `rows` rows and up. Autotune GEMMs only where it pays: packed
+    weight-only quantized linears on a CPU (the int4 template: 80 -> 117 tok/s single stream
+    on the embedded model, 2 threads); float GEMMs (de-quantized weights included) would only
+    add compile time (every shape's CPP template is built and timed)."""
     options: dict[str, Any] = {
         "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
     }
-    if device.type == "cpu" and any(isinstance(m, QUANTIZED) for m in model.modules()):
+    packed = any(isinstance(m, QUANTIZED) and rows < max(m.row_thresholds) for m in model.modules())
+    if device.type == "cpu" and packed:
         options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
     return options
+
+
+@functools.cache
+def _keep_dequantization_in_graphs() -> None:
+    """Freezing folds whatever reads constants only: the de-quantized weights would become
+    float constants of the graph, a second copy of every weight."""
+    from torch._inductor.constant_folding import add_dont_constant_fold
+
+    for op in DEQUANT_OPS:
+        add_dont_constant_fold(op)
 
 
 # read outside the inductor options of `torch.compile` (AOT autograd decides what is a
@@ -83,8 +114,8 @@ _SHAPES = {"use_duck_shape": False}
 
 class CompiledDecode:
     """The model's forward compiled for decode steps, one graph per key; `steps` counts the
-    calls, `graphs` maps each key (1 or 2 for batch 1 or more, the backend's key) to its
-    compiled function."""
+    calls, `graphs` maps each key (the batch's kind: 1 for batch 1, 2 + its row class for
+    more; the backend's key) to its compiled function."""
 
     def __init__(
         self,
@@ -96,8 +127,10 @@ class CompiledDecode:
         shapes are constants of the graph, not symbols with guards checked every step."""
         for t in static:
             torch._dynamo.mark_static(t)
+        _keep_dequantization_in_graphs()
         self.model = model
-        self.options = _options(model, device)
+        self.device = device
+        self.bounds = row_bounds(model)
         self.graphs: dict[tuple[int, Hashable], Callable[..., torch.Tensor]] = {}
         self.steps = 0
         logger.info("decode steps run through torch.compile (compiled on first use)")
@@ -110,15 +143,23 @@ class CompiledDecode:
         backend: AttentionBackend,
         meta: Any,
     ) -> torch.Tensor:
-        key = (min(input_ids.shape[0], 2), backend.graph_key(meta))
+        bs = input_ids.shape[0]
+        row_class = bisect_right(self.bounds, bs)
+        key = (1 if bs == 1 else 2 + row_class, backend.graph_key(meta))
         fn = self.graphs.get(key)
         if fn is None:
-            # a copy: torch.compile pops `guard_filter_fn` out of the dict it is given
-            fn = torch.compile(_own_call(self.model), dynamic=True, options=dict(self.options))
+            rows = bs if bs == 1 else max((2, *self.bounds[:row_class]))
+            options = _options(self.model, self.device, rows)
+            fn = torch.compile(_own_call(self.model), dynamic=True, options=options)
             self.graphs[key] = fn
         self.steps += 1
         with torch._inductor.config.patch(_FREEZING), fx_config.patch(_SHAPES):
             return fn(input_ids, positions, logits_indices, backend, meta)
+
+    def compile_batches(self, max_batch: int) -> list[int]:
+        """A batch size of each key's row part (batch 1, then each class from 2 rows), up to
+        `max_batch`: what the start runs to compile every graph."""
+        return [1, *(b for b in class_starts(self.bounds, 2) if b <= max_batch)]
 
 
 def _own_call(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
@@ -153,7 +194,8 @@ class CompiledPrefill:
     module docstring); used as `model(..., run_layer=compiled_prefill)`. `steps` counts the
     steps run through it."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.bounds = row_bounds(model)
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         # each its own options dict: torch.compile pops `guard_filter_fn` out of it
         # own code objects: a cache of this model's graphs only (see `_own_code`)
@@ -165,6 +207,18 @@ class CompiledPrefill:
 
     def runs(self, num_tokens: int) -> bool:
         return num_tokens >= PREFILL_MIN_TOKENS
+
+    def compile_lengths(self, max_tokens: int) -> list[int]:
+        """A token count of each row class up to `max_tokens` (a step's budget): what the start
+        runs to compile every pair of pieces. Each is as close to `PREFILL_HINT_TOKENS` as its
+        class allows (inductor generates the code for that size hint)."""
+        starts = class_starts(self.bounds, PREFILL_MIN_TOKENS)
+        lengths = []
+        for lo, hi in zip(starts, [*starts[1:], None], strict=True):
+            n = max(lo, PREFILL_HINT_TOKENS if hi is None else min(hi - 1, PREFILL_HINT_TOKENS))
+            if lo <= max_tokens:
+                lengths.append(min(n, max_tokens))
+        return lengths
 
     def __call__(
         self,

@@ -95,7 +95,9 @@ class Engine:
         # prefill layers compiled around attention: CPU only (inductor's CPU code is what the
         # tests and benchmarks exercise)
         self.compiled_prefill = (
-            CompiledPrefill() if config.enable_torch_compile and self.device.type == "cpu" else None
+            CompiledPrefill(self.model)
+            if config.enable_torch_compile and self.device.type == "cpu"
+            else None
         )
         # a compiled forward cannot run under inference_mode (see engine/compiled.py)
         self._grad_mode = torch.no_grad if self.compiled is not None else torch.inference_mode

@@ -16,21 +16,25 @@ embedded model's shapes: 24-32 rows (at 16 the packed kernel wins, at 32 the GEM
 scales rounded to the activation dtype): in fp32, exactly HF's on the de-quantized weights.
 Int4 layers do the same, bf16 ones from `INT4_C_DEQUANT_MIN_ROWS` (64) with their codes
 de-quantized in one C pass (`cpu_native.dequant_int4`: 0.12 ms for gate/up; the GEMM wins from
-16 rows for the layers' shapes, from ~64 for the lm_head, whose 57 MB bf16 copy comes from
-fresh, faulting pages each call), others from `INT4_DEQUANT_MIN_ROWS` (256) through torch ops
+16 rows for the layers' shapes), others from `INT4_DEQUANT_MIN_ROWS` (256) through torch ops
 (nibbles to codes to `(q - 8) * scale + zero` in fp32: 1.5 ms for gate/up; a batch-128 decode
 step of the embedded model lost with them, 222 -> 315 ms). They keep their codes as
 `Int4Weight` has them (`codes`, uint8 [N, K / 2], low nibble the even column) beside the packed
-copy, whose layout is the kernel's own: a second copy of the 4-bit codes. Compiled graphs keep
-the packed kernels: a branch on the row count there is a guard (a batch of 32 would compile a
-new decode graph mid-serving, with `max_autotune`'s GEMM timings), and freezing would fold the
-de-quantized weights into float constants of the graph, a second copy of every weight.
+copy, whose layout is the kernel's own: a second copy of the 4-bit codes. A large layer (the
+lm_head) de-quantizes and multiplies a block of rows at a time (`DEQUANT_BLOCK_BYTES`).
+
+Compiled graphs branch the same way. The row check is a guard there, so the engine keys its
+graphs by the layers' `row_thresholds` (`engine/compiled.py`: every graph sees one side of each
+threshold, and the start compiles one per class: no compile while serving). The de-quantization
+is an operator (`minisgl::int8_dequant`, `minisgl::int4_dequant`) that inductor calls as it is:
+freezing would otherwise fold the float weights into constants of the graph, a second copy of
+every weight.
 
 Opt-in (`MINISGL_INT8_ACTIVATIONS=1`): at M >= `W8A8_MIN_ROWS` rows (prefill, large decode
 batches) int8 layers quantize their activations per row (dynamic, symmetric) and run one int8 x
 int8 GEMM (`torch._int_mm`, VNNI), measured 420 GOP/s against 205 GFLOP/s for bf16 `F.linear`
-and 59 for `_weight_int8pack_mm` at [512, 576] x [576, 1536] on 1 thread. Off by default: it costs the embedded model 8.6% perplexity (40.72 against 37.50 in
-fp32; weight-only int8 +0.5%, the issue allows 2%): its outlier channels would need smoothing.
+and 59 for `_weight_int8pack_mm` at [512, 576] x [576, 1536] on 1 thread. Off by default: it
+costs the embedded model 8.6% perplexity (40.72 against 37.50 in fp32; weight-only int8 +0.5%, the issue allows 2%): its outlier channels would need smoothing.
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ DEQUANT_MIN_ROWS = 32
 # compiler), or from INT4_C_DEQUANT_MIN_ROWS (bf16 layers, `cpu_native.dequant_int4`)
 INT4_DEQUANT_MIN_ROWS = 256
 INT4_C_DEQUANT_MIN_ROWS = 64
+# a layer de-quantizes at most this many bytes of weights at a time (a GEMM a block of output
+# features): the heap serves blocks below glibc's 32 MB mmap threshold (`utils/malloc.py`) from
+# the same pages every call, where the lm_head's whole 57 MB bf16 copy came from fresh,
+# zero-filled pages (~14k page faults a call)
+DEQUANT_BLOCK_BYTES = 16 << 20
 
 
 class Int8Linear(nn.Module):
@@ -63,14 +72,25 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", w.scale.to(dtype))
         self.register_buffer("scales_f32", w.scale.float())  # the int8 GEMM's output scale
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        self.dequant_min_rows = DEQUANT_MIN_ROWS
+
+    @property
+    def row_thresholds(self) -> tuple[int, ...]:
+        """The row counts at which `forward` changes kernels."""
+        rows = (self.dequant_min_rows,)
+        return rows if W8A8_MIN_ROWS is None else (W8A8_MIN_ROWS, *rows)
+
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        """[N, K] weights (`rows` of them) in the activation dtype: what the packed kernel
+        multiplies."""
+        return torch.ops.minisgl.int8_dequant(self.qweight[rows], self.scales[rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _rows(x, self.scales.dtype)
         if W8A8_MIN_ROWS is not None and x2.shape[0] >= W8A8_MIN_ROWS:
             y = w8a8_mm(x2, self.qweight, self.scales_f32)
-        elif not torch.compiler.is_compiling() and x2.shape[0] >= DEQUANT_MIN_ROWS:
-            # the bias added inside the GEMM, in fp32
-            return _out(F.linear(x2, self.qweight * self.scales[:, None], self.bias), None, x)
+        elif x2.shape[0] >= self.dequant_min_rows:
+            return _out(_dequantized_linear(self, x2), None, x)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         return _out(y, self.bias, x)
@@ -100,28 +120,87 @@ class Int4Linear(nn.Module):
         self.register_buffer("codes", w.q.contiguous())  # the de-quantized GEMM's copy
         self.register_buffer("scales_zeros", sz.to(dtype).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
-        self.c_dequant = dtype == torch.bfloat16 and cpu_native.available(dtype)
-        self.dequant_min_rows = INT4_C_DEQUANT_MIN_ROWS if self.c_dequant else INT4_DEQUANT_MIN_ROWS
+        c_pass = dtype == torch.bfloat16 and cpu_native.available(dtype)  # `dequantize_int4`
+        self.dequant_min_rows = INT4_C_DEQUANT_MIN_ROWS if c_pass else INT4_DEQUANT_MIN_ROWS
 
-    def dequantize(self) -> torch.Tensor:
-        """[N, K] weights in the activation dtype: what the packed kernel multiplies (the
-        scales and zeros it reads, the arithmetic in fp32)."""
-        n, k = self.out_features, self.in_features
-        if self.c_dequant:
-            return cpu_native.dequant_int4(self.codes, self.scales_zeros)
-        codes = torch.stack((self.codes & 15, self.codes >> 4), dim=-1).view(n, -1, INT4_GROUP)
-        scale = self.scales_zeros[..., 0].t().float()[:, :, None]  # [N, K / group, 1]
-        zero = self.scales_zeros[..., 1].t().float()[:, :, None]
-        return ((codes.float() - 8) * scale + zero).view(n, k).to(self.scales_zeros.dtype)
+    @property
+    def row_thresholds(self) -> tuple[int, ...]:
+        """The row counts at which `forward` changes kernels."""
+        return (self.dequant_min_rows,)
+
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        """[N, K] weights (`rows` of them) in the activation dtype: what the packed kernel
+        multiplies."""
+        return torch.ops.minisgl.int4_dequant(self.codes[rows], self.scales_zeros[:, rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _rows(x, self.scales_zeros.dtype)
-        if not torch.compiler.is_compiling() and x2.shape[0] >= self.dequant_min_rows:
-            return _out(F.linear(x2, self.dequantize(), self.bias), None, x)
+        if x2.shape[0] >= self.dequant_min_rows:
+            return _out(_dequantized_linear(self, x2), None, x)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.qweight, INT4_GROUP, self.scales_zeros
         )
         return _out(y, self.bias, x)
+
+
+def _dequantized_linear(layer: Int8Linear | Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    """x @ the layer's de-quantized weights^T + its bias (inside the GEMM, in fp32), one GEMM
+    a block of at most `DEQUANT_BLOCK_BYTES` of weights."""
+    n, bias = layer.out_features, layer.bias
+    block = max(64, DEQUANT_BLOCK_BYTES // (layer.in_features * x.element_size()) // 64 * 64)
+    if n <= block:
+        return F.linear(x, layer.dequantize(), bias)
+    parts = []
+    for start in range(0, n, block):
+        rows = slice(start, min(n, start + block))
+        parts.append(F.linear(x, layer.dequantize(rows), None if bias is None else bias[rows]))
+    return torch.cat(parts, dim=-1)
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 weights times their per-row scales, in the scales' dtype."""
+    return qweight * scales[:, None]
+
+
+def dequantize_int4(codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """[N, K] weights of int4 codes (uint8 [N, K / 2], low nibble the even column) and scales
+    and zeros [K / group, N, 2]: `(code - 8) * scale + zero` in fp32, in the scales' dtype (the
+    packed kernel's arithmetic); bf16 in one C pass where it builds, else torch ops."""
+    if scales_zeros.dtype == torch.bfloat16 and cpu_native.available(torch.bfloat16):
+        return cpu_native.dequant_int4(codes, scales_zeros)
+    n = codes.shape[0]
+    q = torch.stack((codes & 15, codes >> 4), dim=-1).view(n, -1, INT4_GROUP)
+    scale = scales_zeros[..., 0].t().float()[:, :, None]  # [N, K / group, 1]
+    zero = scales_zeros[..., 1].t().float()[:, :, None]
+    return ((q.float() - 8) * scale + zero).view(n, -1).to(scales_zeros.dtype)
+
+
+# the operators call the functions above through this module's namespace (looked up at each
+# call); their Meta kernels give compile the shape
+def _int8_dequant(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return dequantize_int8(qweight, scales)
+
+
+def _int4_dequant(codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    return dequantize_int4(codes, scales_zeros)
+
+
+def _int8_dequant_meta(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return qweight.new_empty(qweight.shape, dtype=scales.dtype)
+
+
+def _int4_dequant_meta(codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    return codes.new_empty(codes.shape[0], 2 * codes.shape[1], dtype=scales_zeros.dtype)
+
+
+_LIB = torch.library.Library("minisgl", "FRAGMENT")
+_LIB.define("int8_dequant(Tensor qweight, Tensor scales) -> Tensor")
+_LIB.impl("int8_dequant", _int8_dequant, "CPU")
+_LIB.impl("int8_dequant", _int8_dequant_meta, "Meta")
+_LIB.define("int4_dequant(Tensor codes, Tensor scales_zeros) -> Tensor")
+_LIB.impl("int4_dequant", _int4_dequant, "CPU")
+_LIB.impl("int4_dequant", _int4_dequant_meta, "Meta")
+DEQUANT_OPS = (torch.ops.minisgl.int8_dequant.default, torch.ops.minisgl.int4_dequant.default)
 
 
 # decode runs ~120 of these per token: skip the no-op reshape / casts (each a dispatch)
