@@ -324,3 +324,76 @@ def test_compiled_quantized_engine_batches_on_dequantized_weights(
     assert seen[:2] == [0, 0]
     assert seen[2] >= 4 * 8 and seen[3] >= 8
     assert_kv_clean(llm)
+
+
+C8_ITEM = "a-bf16-int8-layer-de-quantizes-its-weights-in-one-c-pass"
+C8_RED = "failing-tests-int8-de-quantization-in-c"
+
+
+def _c_dequant_int8():
+    fn = getattr(cpu_native, "dequant_int8", None)
+    assert fn is not None, "cpu_native.dequant_int8 is missing"
+    if not cpu_native.available(torch.bfloat16):
+        pytest.skip("no C compiler: the torch ops de-quantize")
+    return fn
+
+
+@pytest.mark.card("P2-003", C8_RED)
+@pytest.mark.card("P2-003", C8_ITEM)
+@pytest.mark.parametrize("n,k", [(160, 192), (3, 7), (3072, 576)])
+def test_c_int8_dequantization_is_bit_identical_to_the_torch_ops(n, k):
+    """`qweight * scales[:, None]` in bf16 (each int8 value exact in bf16, the product rounded
+    once), including widths that are not a multiple of the vector length."""
+    dequant = _c_dequant_int8()
+    g = torch.Generator().manual_seed(n * k)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    s = (torch.rand(n, generator=g) * 0.02).bfloat16()
+    s[0] = 0.0
+    s[-1] = 3.0e38 if n > 1 else s[-1]  # products past bf16's range: inf, as torch gives
+    out = dequant(q, s)
+    ref = q * s[:, None]
+    assert out.dtype == torch.bfloat16 and out.shape == (n, k)
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+
+
+@pytest.mark.card("P2-003", C8_RED)
+@pytest.mark.card("P2-003", C8_ITEM)
+def test_c_int8_dequantization_rejects_bad_shapes():
+    dequant = _c_dequant_int8()
+    q = torch.zeros(4, 16, dtype=torch.int8)
+    with pytest.raises(ValueError, match="shape"):
+        dequant(q, torch.zeros(5).bfloat16())  # scales for 5 rows, weights for 4
+    with pytest.raises(ValueError, match="shape"):
+        dequant(q, torch.zeros(4))  # fp32 scales
+    with pytest.raises(ValueError, match="shape"):
+        dequant(q.to(torch.uint8), torch.zeros(4).bfloat16())
+
+
+@pytest.mark.card("P2-003", C8_RED)
+@pytest.mark.card("P2-003", C8_ITEM)
+def test_bf16_int8_layer_dequantizes_through_c(monkeypatch):
+    dequant = _c_dequant_int8()
+    calls = []
+    monkeypatch.setattr(cpu_native, "dequant_int8", lambda *a: calls.append(1) or dequant(*a))
+    layer, deq, bias = _layer(torch.bfloat16)
+    x = torch.randn(layer.dequant_min_rows, 192).bfloat16()
+    assert torch.equal(layer(x), F.linear(x, deq, bias))
+    assert calls == [1]
+
+
+@pytest.mark.card("P2-003", ITEM)
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_large_layer_multiplies_a_block_of_rows_at_a_time(kind, monkeypatch):
+    """Above `DEQUANT_BLOCK_BYTES` of de-quantized weights (the embedded model's lm_head: 57
+    MB in bf16) a layer de-quantizes and multiplies blocks of output rows: 160 rows in blocks
+    of 64 here; the same product as one GEMM, within fp32 rounding."""
+    monkeypatch.setattr(linear, "DEQUANT_BLOCK_BYTES", 64 * 192 * 4)
+    layer, deq, bias = _layer(torch.float32) if kind == "int8" else _int4_layer(torch.float32)
+    monkeypatch.setattr(layer, "dequant_min_rows", 8)
+    blocks = []
+    dequantize = layer.dequantize
+    monkeypatch.setattr(layer, "dequantize", lambda rows: blocks.append(rows) or dequantize(rows))
+    x = torch.randn(40, 192)
+    out = layer(x)
+    assert blocks == [slice(0, 64), slice(64, 128), slice(128, 160)]
+    torch.testing.assert_close(out, F.linear(x, deq, bias), atol=1e-5, rtol=1e-5)
