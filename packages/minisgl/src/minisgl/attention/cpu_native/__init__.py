@@ -129,6 +129,8 @@ def _library() -> ctypes.CDLL | None:
     lib.kv_store.argtypes = [_PTR, _I64, _PTR, _I64, _PTR] + [_I64] * 3 + [ctypes.c_int]
     lib.dequant_int4_bf16.restype = ctypes.c_int
     lib.dequant_int4_bf16.argtypes = [_PTR] * 3 + [_I64] * 3 + [ctypes.c_int]
+    lib.dequant_int8_bf16.restype = ctypes.c_int
+    lib.dequant_int8_bf16.argtypes = [_PTR] * 3 + [_I64] * 2 + [ctypes.c_int]
     for suffix in _DTYPES.values():
         fn = getattr(lib, f"row_max_{suffix}")
         fn.restype = ctypes.c_int
@@ -337,6 +339,27 @@ def dequant_int4(codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tenso
                                2 * half, 2 * half // groups, torch.get_num_threads())  # fmt: skip
     if rc != 0:
         raise ValueError(f"dequant_int4: {_ERRORS.get(rc, rc)} (shape)")
+    return out
+
+
+def dequant_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 weights of int8 ones [N, K] and bf16 scales [N]: `qweight * scales[:, None]`
+    rounded once to bf16, bit-identical to torch's (`dequant.c`). `available(torch.bfloat16)`
+    first; ValueError on other shapes or dtypes."""
+    lib = _library()
+    assert lib is not None
+    if (qweight.dtype != torch.int8 or qweight.dim() != 2 or scales.dtype != torch.bfloat16
+            or scales.shape != qweight.shape[:1]):  # fmt: skip
+        raise ValueError(f"dequant_int8: weights {tuple(qweight.shape)} {qweight.dtype} and "
+                         f"scales {tuple(scales.shape)} {scales.dtype}: not a matching shape of "
+                         "int8 [N, K] and bf16 [N]")  # fmt: skip
+    qweight, scales = qweight.contiguous(), scales.contiguous()
+    n, k = qweight.shape
+    out = torch.empty(n, k, dtype=torch.bfloat16)
+    rc = lib.dequant_int8_bf16(qweight.data_ptr(), scales.data_ptr(), out.data_ptr(), n, k,
+                               torch.get_num_threads())  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"dequant_int8: {_ERRORS.get(rc, rc)} (shape)")
     return out
 
 
