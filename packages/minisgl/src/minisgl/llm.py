@@ -141,10 +141,13 @@ class LLM:
         longest = engine.max_seq_len - 8
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         if engine.compiled_prefill is not None:  # prefills alone: no decode step
+            first = 0  # each prompt its own first token: no prefix hit shrinks a later step
             for n in engine.compiled_prefill.compile_lengths(config.max_extend_tokens):
-                # one step of n tokens: prompts of at most `longest`, no two alike
+                # one step of n tokens: prompts of at most `longest`
                 sizes = [min(longest, n - i) for i in range(0, n, longest)]
-                self.generate([_ramp(size, vocab, start=i) for i, size in enumerate(sizes)], one)
+                starts = range(first, first + len(sizes))
+                self.generate([_ramp(m, vocab, start=i) for i, m in zip(starts, sizes)], one)
+                first += len(sizes)
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         for bs in engine.compiled.compile_batches(config.max_running_requests):
             self.generate([_ramp(8, vocab, start=i) for i in range(bs)], params)
