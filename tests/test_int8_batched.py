@@ -185,9 +185,10 @@ C_ITEM = "a-bf16-int4-layer-de-quantizes-its-codes-in-one-c-pass"
 C_RED = "failing-tests-int4-de-quantization-in-c"
 
 
-def _c_dequant():
-    fn = getattr(cpu_native, "dequant_int4", None)
-    assert fn is not None, "cpu_native.dequant_int4 is missing"
+def _c_dequant(name: str = "dequant_int4"):
+    """`cpu_native.<name>` (asserted, so a missing one fails red); a skip without a compiler."""
+    fn = getattr(cpu_native, name, None)
+    assert fn is not None, f"cpu_native.{name} is missing"
     if not cpu_native.available(torch.bfloat16):
         pytest.skip("no C compiler: the torch ops de-quantize")
     return fn
@@ -331,11 +332,7 @@ C8_RED = "failing-tests-int8-de-quantization-in-c"
 
 
 def _c_dequant_int8():
-    fn = getattr(cpu_native, "dequant_int8", None)
-    assert fn is not None, "cpu_native.dequant_int8 is missing"
-    if not cpu_native.available(torch.bfloat16):
-        pytest.skip("no C compiler: the torch ops de-quantize")
-    return fn
+    return _c_dequant("dequant_int8")
 
 
 @pytest.mark.card("P2-003", C8_RED)
