@@ -494,6 +494,8 @@ impl SchedCore {
     fn schedule_prefill(&mut self) -> Result<usize, SchedError> {
         let mut budget = self.cfg.max_extend_tokens as i64;
         self.batch.clear();
+        // prompt tokens of running requests the budget leaves out
+        let mut left_out = 0;
         for k in 0..self.running.len() {
             let idx = self.running[k];
             let r = self.req(idx);
@@ -501,7 +503,8 @@ impl SchedCore {
                 continue;
             }
             if budget <= 0 {
-                break;
+                left_out += r.prompt_len - r.kv_len;
+                continue;
             }
             let n = ((r.prompt_len - r.kv_len) as i64).min(budget);
             self.batch.push((idx, n as usize));
@@ -521,12 +524,48 @@ impl SchedCore {
             self.batch.push((idx, n as usize));
             budget -= n;
         }
+        if budget == 0 {
+            self.balance_batch(left_out);
+        }
         for k in 0..self.batch.len() {
             let (idx, n) = self.batch[k];
             let len = self.req(idx).kv_len + n;
             self.ensure_capacity(idx, len)?;
         }
         Ok(admitted)
+    }
+
+    /// Cut a step that spent its whole budget to even out with the next one (balanced
+    /// prefill steps: `Scheduler._balanced`, see the Python module's docs). `left_out`: the
+    /// prompt tokens of running requests left out of the batch.
+    fn balance_batch(&mut self, left_out: usize) {
+        let full = self.cfg.max_extend_tokens;
+        let mut rest = left_out;
+        for &(idx, n) in &self.batch {
+            let r = self.req(idx);
+            rest += r.prompt_len - r.kv_len - n;
+        }
+        let free = self.cfg.max_running.saturating_sub(self.running.len());
+        for &idx in self.waiting.iter().take(free) {
+            if rest >= full {
+                break;
+            }
+            rest += self.req(idx).prompt_len;
+        }
+        if rest == 0 || rest >= full {
+            return;
+        }
+        let mut target = (full + rest).div_ceil(2);
+        let mut keep = 0;
+        for entry in self.batch.iter_mut() {
+            if target == 0 {
+                break;
+            }
+            entry.1 = entry.1.min(target);
+            target -= entry.1;
+            keep += 1;
+        }
+        self.batch.truncate(keep);
     }
 
     fn admit(&mut self, idx: usize) -> Result<bool, SchedError> {
@@ -993,10 +1032,10 @@ mod tests {
             c.check_integrity().unwrap();
         };
         c.add_request(1, &a, 19, p.clone()).unwrap();
-        step(&mut c); // A: 8 tokens, cached
-        assert_eq!(c.request_info(1).unwrap().2, 8);
-        assert_eq!(c.protected_size(), 8);
-        step(&mut c); // A: the remaining 6 tokens, 12 cached
+        step(&mut c); // A: 7 tokens (14 in two even steps), its first page cached
+        assert_eq!(c.request_info(1).unwrap().2, 4);
+        assert_eq!(c.protected_size(), 4);
+        step(&mut c); // A: the remaining 7 tokens, 12 cached
         assert_eq!(c.request_info(1).unwrap().2, 12);
         c.add_request(2, &b, 20, p.clone()).unwrap();
         step(&mut c); // B admitted with a hit on A's 12 cached tokens

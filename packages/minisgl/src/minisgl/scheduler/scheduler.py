@@ -10,6 +10,16 @@ radix cache (see `Scheduler._cache_prefix` for the exact order of operations, wh
 core mirrors), so a request admitted while an earlier one with the same prefix is still
 running reuses its KV. A request always owns exactly `[cache_len, alloc_len)` of its row.
 
+Balanced prefill steps: a prefill step that spends its whole budget B while 0 < R < B prompt
+tokens are left for the next one is cut to `ceil((B + R) / 2)` tokens, so the two are even
+rather than a full step and a small tail (on a CPU a small step costs more per token:
+many-short's 4096 + 1077-token steps took 0.73 s, 2587 + 2586 0.64 s). R counts the rest of
+the prompts in the step, the running prompts left out of it and, up to the free slots, the
+waiting prompts in full (prefix hits are not looked up: R may be over-counted, which only
+cuts less). The cut keeps batch order; requests admitted past it stay admitted with no tokens
+in this step and continue first in the next. It never adds a step where the next one's
+admissions succeed: the next step then gets at most `B + R - ceil((B + R) / 2) <= B` tokens.
+
 Pipelined mode (`schedule_ahead` / `commit_oldest` / `retire`, the reference of the Rust
 core's `sched::pipeline`, decision for decision): steps are scheduled while earlier ones are
 unconfirmed. `schedule_ahead` makes `schedule`'s decisions and applies at once what `commit`
@@ -362,9 +372,11 @@ class Scheduler:
     def _schedule_prefill(self) -> list[tuple[Req, int]]:
         budget = self.max_extend_tokens
         batch: list[tuple[Req, int]] = []
+        left_out = 0  # prompt tokens of running requests the budget leaves out
         for req in [r for r in self.running if r.in_prefill]:  # chunked prompts continue first
             if budget <= 0:
-                break
+                left_out += req.prefill_len - req.kv_len
+                continue
             n = min(req.prefill_len - req.kv_len, budget)
             batch.append((req, n))
             budget -= n
@@ -377,9 +389,30 @@ class Scheduler:
             n = min(req.prefill_len - req.kv_len, budget)
             batch.append((req, n))
             budget -= n
+        if budget == 0:
+            batch = self._balanced(batch, left_out)
         for req, n in batch:
             self._ensure_capacity(req, req.kv_len + n)
         return batch
+
+    def _balanced(self, batch: list[tuple[Req, int]], left_out: int) -> list[tuple[Req, int]]:
+        """A step that spent its whole budget, cut to even out with the next one (balanced
+        prefill steps, see the module docstring)."""
+        full = self.max_extend_tokens
+        rest = left_out + sum(r.prefill_len - r.kv_len - n for r, n in batch)
+        for req in itertools.islice(self.waiting, max(self.max_running - len(self.running), 0)):
+            if rest >= full:
+                break
+            rest += req.prefill_len
+        if rest == 0 or rest >= full:
+            return batch
+        target, cut = (full + rest + 1) // 2, []
+        for req, n in batch:
+            if target == 0:
+                break
+            cut.append((req, min(n, target)))
+            target -= cut[-1][1]
+        return cut
 
     def _admit(self, req: Req) -> bool:
         ps = self.page_size
