@@ -35,8 +35,11 @@
 //! `max_extend_tokens` budget, then FIFO admission while budget and slots remain. Admission
 //! matches `prompt[:-1]` in the cache, locks it, and reserves the pages the request can ever
 //! need (`ceil(max_total_len / ps)` minus matched pages) against free + evictable pages minus
-//! the pages still reserved by running requests; the first refusal stops admission. Pages are
-//! then allocated (evicting LRU cache leaves when short). Without prefill work, a decode step
+//! the pages still reserved by running requests; the first refusal stops admission. A step
+//! that spent its whole budget `B` while `0 < R < B` prompt tokens are left for the next one
+//! (the rest of its prompts, running prompts left out, waiting prompts in full up to the free
+//! slots) keeps its first `ceil((B + R) / 2)` tokens in batch order (balanced prefill steps);
+//! requests admitted past the cut continue first in the next step. Pages are then allocated (evicting LRU cache leaves when short). Without prefill work, a decode step
 //! feeds the last token of every running request. `commit_step` advances KV lengths, appends
 //! the sampled tokens, and applies the finish rules in order: stop token, EOS (unless
 //! `ignore_eos`), then length; a finished request inserts its page-aligned KV into the cache,
