@@ -353,6 +353,18 @@ def test_c_int8_dequantization_is_bit_identical_to_the_torch_ops(n, k):
     assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
 
 
+@pytest.mark.card("P2-003", C8_ITEM)
+@pytest.mark.parametrize("rows,cols", [(0, 16), (4, 0)])
+def test_c_dequantization_names_an_empty_matrix(rows, cols):
+    """An empty weight is refused as empty (not as a shape the int4 groups do not divide), by
+    the int8 pass and the int4 one."""
+    with pytest.raises(ValueError, match="dequant_int8: an empty matrix"):
+        _c_dequant_int8()(torch.zeros(rows, cols, dtype=torch.int8), torch.zeros(rows).bfloat16())
+    codes = torch.zeros(rows, cols // 2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="dequant_int4: an empty matrix"):
+        _c_dequant("dequant_int4")(codes, torch.zeros(1, rows, 2).bfloat16())
+
+
 @pytest.mark.card("P2-003", C8_RED)
 @pytest.mark.card("P2-003", C8_ITEM)
 def test_c_int8_dequantization_rejects_bad_shapes():
