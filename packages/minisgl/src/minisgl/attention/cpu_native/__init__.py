@@ -56,7 +56,7 @@ _ERRORS = {1: "head_dim > 256 or more than 16 query heads per KV head", 2: "a le
            3: "out of memory", 4: "a KV index outside the pool",
            5: "indptr outside the indices", 6: "a request's query rows outside q",
            7: "a request's KV range outside the indices", 8: "no AMX tiles on this CPU",
-           9: "a shape the groups do not divide"}  # fmt: skip
+           9: "a shape the groups do not divide", 10: "an empty matrix"}  # fmt: skip
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 # q, k, v, out, indices, num_indices, q_starts, q_lens, kv_starts, kv_lens, 11 sizes / strides

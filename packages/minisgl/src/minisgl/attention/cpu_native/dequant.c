@@ -44,7 +44,7 @@ static inline void scale16(const int8_t *q, __m512 s, uint16_t *out) {
 
 int dequant_int8_bf16(const int8_t *q, const uint16_t *scales, uint16_t *out, int64_t n,
                       int64_t k, int threads) {
-    if (n < 1 || k < 1) return 9;
+    if (n < 1 || k < 1) return 10;
 #pragma omp parallel for schedule(static) num_threads(threads) if (n * k >= 65536)
     for (int64_t r = 0; r < n; r++) {
         const int8_t *qr = q + r * k;
@@ -62,7 +62,8 @@ int dequant_int8_bf16(const int8_t *q, const uint16_t *scales, uint16_t *out, in
 
 int dequant_int4_bf16(const uint8_t *codes, const uint16_t *sz, uint16_t *out, int64_t n,
                       int64_t k, int64_t group, int threads) {
-    if (n < 1 || k < 2 || group < 2 || group % 2 || k % group) return 9;
+    if (n < 1 || k < 1) return 10;
+    if (k < 2 || group < 2 || group % 2 || k % group) return 9;
     const int64_t groups = k / group;
 #pragma omp parallel for schedule(static) num_threads(threads) if (n * k >= 65536)
     for (int64_t r = 0; r < n; r++) {
