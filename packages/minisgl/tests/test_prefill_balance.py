@@ -127,3 +127,25 @@ def test_balanced_steps_generate_what_hf_does(tiny_llama, backend, page_size, mo
     total = sum(len(p) for p in prompts)
     assert len(steps) == 2 and abs(steps[0] - steps[1]) <= 1 and sum(steps) == total, steps
     assert_kv_clean(llm)
+
+
+@pytest.mark.card(CARD, ITEM)
+@pytest.mark.parametrize("backend", ["python", "rust_service"])
+def test_workload_replay_reports_requests_admitted_past_the_cut(tmp_path, backend):
+    """Replay (`minisgl.benchmark.replay`) names a request admitted in a step that gives it no
+    tokens as admitted in that tick (the Rust replay indexed the batch for it and panicked)."""
+    import json
+
+    from minisgl.benchmark import replay as rp
+
+    w = {"name": "cut", "capacity": {"num_pages": 64, "page_size": 4, "prefill_budget": 16,
+                                     "max_running": 4, "cache": "radix"},
+         "requests": [{"id": "a", "output_len": 2, "arrival_tick": 0, "prompt_len": 12},
+                      {"id": "b", "output_len": 2, "arrival_tick": 0, "prompt_len": 8}]}  # fmt: skip
+    path = tmp_path / "cut.json"
+    path.write_text(json.dumps(w))
+    ticks = rp.run_replay(path, backend)["ticks"]
+    assert [(t["admitted"], t["prefill_tokens"]) for t in ticks[:2]] == [(["a", "b"], 10), ([], 10)]
+    assert rp.comparable(rp.run_replay(path, "python")) == rp.comparable(
+        rp.run_replay(path, "rust_service")
+    )
