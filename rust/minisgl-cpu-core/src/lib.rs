@@ -39,7 +39,8 @@
 //! that spent its whole budget `B` while `0 < R < B` prompt tokens are left for the next one
 //! (the rest of its prompts, running prompts left out, waiting prompts in full up to the free
 //! slots) keeps its first `ceil((B + R) / 2)` tokens in batch order (balanced prefill steps);
-//! requests admitted past the cut continue first in the next step. Pages are then allocated (evicting LRU cache leaves when short). Without prefill work, a decode step
+//! requests admitted past the cut continue first in the next step. Pages are then allocated
+//! (evicting LRU cache leaves when short). Without prefill work, a decode step
 //! feeds the last token of every running request. `commit_step` advances KV lengths, appends
 //! the sampled tokens, and applies the finish rules in order: stop token, EOS (unless
 //! `ignore_eos`), then length; a finished request inserts its page-aligned KV into the cache,

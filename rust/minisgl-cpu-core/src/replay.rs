@@ -457,7 +457,7 @@ impl<'a> Runner<'a> {
         }
         self.core.scheduled_rids(&mut self.batch, &mut self.samples);
         let n_admitted = n_waiting - self.core.num_waiting();
-        let admitted = self.batch[self.batch.len() - n_admitted..].to_vec();
+        let admitted = self.core.last_admitted_rids(n_admitted);
         for &rid in &admitted {
             let o = &mut self.out[rid as usize];
             o.admitted_tick = Some(tick);

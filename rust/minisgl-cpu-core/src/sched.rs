@@ -406,6 +406,17 @@ impl SchedCore {
         samples.extend(self.sample_rows.iter().map(|&k| batch[k]));
     }
 
+    /// The rids of the last `n` requests admitted (the tail of the running list, in admission
+    /// order). A step admits at the end of the running list; with balanced prefill steps a
+    /// request admitted past the cut is not in the step's batch.
+    pub fn last_admitted_rids(&self, n: usize) -> Vec<i64> {
+        let start = self.running.len().saturating_sub(n);
+        self.running[start..]
+            .iter()
+            .map(|&i| self.req(i).rid)
+            .collect()
+    }
+
     /// The rids of the waiting queue, in admission order.
     pub fn waiting_rids(&self) -> Vec<i64> {
         self.waiting.iter().map(|&i| self.req(i).rid).collect()

@@ -56,8 +56,8 @@ pub(super) struct InflightStep {
 pub struct AheadStep {
     /// step id (0, 1, 2, ... in schedule order; commits come back in the same order)
     pub step: u64,
-    /// requests admitted from the waiting queue by this step: the last `admitted` rows of
-    /// the batch (admission appends after the chunked prompts that continue)
+    /// requests admitted from the waiting queue by this step: the last `admitted` requests
+    /// of the running list (a balanced prefill step may leave some out of its batch)
     pub admitted: usize,
 }
 

@@ -189,7 +189,10 @@ class _PythonReplay:
                 return None
             return TickRecord(tick, "idle", (), 0, (), (), rejected, 0, 0, _kv_pages(sched))
         plan, batch = step
-        admitted = list(batch[len(batch) - (n_waiting - len(sched.waiting)) :])
+        # admission appends to `running`; a balanced prefill step may leave the last
+        # admitted out of its batch
+        n_admitted = n_waiting - len(sched.waiting)
+        admitted = sched.running[len(sched.running) - n_admitted :]
         for req in admitted:
             out[req.rid].update(admitted_tick=tick, cached_tokens=req.cached_tokens)
         queued, running, kv = len(sched.waiting), len(sched.running), _kv_pages(sched)

@@ -82,7 +82,8 @@ class AheadStep:
     plan: StepPlan
     reqs: list[Req]  # batch order
     batch_pos: np.ndarray  # position of each batch request in the running list
-    admitted: int  # requests admitted by this step: the last `admitted` batch rows
+    admitted: int  # requests admitted by this step: the last `admitted` of `running` (a
+    # balanced prefill step may leave some out of its batch)
 
 
 @dataclass(frozen=True)
