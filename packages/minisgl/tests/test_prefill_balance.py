@@ -5,13 +5,16 @@ tokens as HF and every KV page back."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from minisgl import LLM, SamplingParams
+from minisgl.benchmark import replay as rp
 from minisgl.scheduler.backend import SchedulerBackend, SchedulerConfig
 from minisgl.scheduler.factory import make_scheduler
 from minisgl.testing.hf_reference import hf_greedy, load_hf_model
-from minisgl.testing.scenarios import assert_kv_clean, random_prompts
+from minisgl.testing.scenarios import assert_kv_clean, assert_scheduler_clean, random_prompts
 from minisgl.testing.tiny_models import write_tiny_model
 
 CARD = "P2-003"
@@ -42,10 +45,7 @@ def _prefill_steps(s: SchedulerBackend, prompt_lens: list[int]) -> list[list[int
         if step.plan.is_prefill:
             steps.append(step.plan.extend_lens.tolist())
         s.commit(step.reqs, step.plan, [7] * len(step.plan.sample_rows))
-    s.check_integrity()
-    usage = s.kv_usage()
-    assert usage["running"] == 0 and usage["waiting"] == 0
-    assert usage["free_pages"] + usage["cached_tokens"] // s.page_size == usage["total_pages"]
+    assert_scheduler_clean(s)
     return steps
 
 
@@ -134,18 +134,14 @@ def test_balanced_steps_generate_what_hf_does(tiny_llama, backend, page_size, mo
 def test_workload_replay_reports_requests_admitted_past_the_cut(tmp_path, backend):
     """Replay (`minisgl.benchmark.replay`) names a request admitted in a step that gives it no
     tokens as admitted in that tick (the Rust replay indexed the batch for it and panicked)."""
-    import json
-
-    from minisgl.benchmark import replay as rp
-
     w = {"name": "cut", "capacity": {"num_pages": 64, "page_size": 4, "prefill_budget": 16,
                                      "max_running": 4, "cache": "radix"},
          "requests": [{"id": "a", "output_len": 2, "arrival_tick": 0, "prompt_len": 12},
                       {"id": "b", "output_len": 2, "arrival_tick": 0, "prompt_len": 8}]}  # fmt: skip
     path = tmp_path / "cut.json"
     path.write_text(json.dumps(w))
-    ticks = rp.run_replay(path, backend)["ticks"]
+    report = rp.run_replay(path, backend)
+    other = rp.run_replay(path, "rust_service" if backend == "python" else "python")
+    ticks = report["ticks"]
     assert [(t["admitted"], t["prefill_tokens"]) for t in ticks[:2]] == [(["a", "b"], 10), ([], 10)]
-    assert rp.comparable(rp.run_replay(path, "python")) == rp.comparable(
-        rp.run_replay(path, "rust_service")
-    )
+    assert rp.comparable(report) == rp.comparable(other)

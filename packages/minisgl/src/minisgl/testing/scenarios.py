@@ -17,8 +17,13 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int = 300, seed: int = 0) ->
 
 def assert_kv_clean(llm) -> None:
     """After a scenario: integrity holds and every page is free or owned by the cache."""
-    sched = llm.scheduler
     assert not llm.has_work(), "a scenario ends with no request and no step in flight"
+    assert_scheduler_clean(llm.scheduler)
+
+
+def assert_scheduler_clean(sched) -> None:
+    """A drained scheduler backend: integrity holds, no request is left, and every page is
+    free or owned by the cache."""
     sched.check_integrity()
     usage = sched.kv_usage()
     assert usage["running"] == 0 and usage["waiting"] == 0, usage
