@@ -329,6 +329,9 @@ class TorchNativeBackend(AttentionBackend):
                 out[g.token_rows] = o[g.out_index]
             return out
         bs = q.shape[0]
+        # the output's width from q's shape (the model's constants): from the backend's head
+        # counts it is a symbol of a compiled graph, which inductor's GEMM templates refuse
+        width = q.shape[1] * q.shape[2]
         qs = q.view(bs, kvh, gqa, d)
         window = self.sliding_window or 0
         if meta.decode_mode == "paged":
@@ -336,7 +339,7 @@ class TorchNativeBackend(AttentionBackend):
                 qs.to(k_cache.dtype), k_cache, v_cache, meta.kv_index, meta.kv_indptr,
                 meta.kv_lens, window,
             )  # fmt: skip
-            return o.to(q.dtype).reshape(bs, -1)
+            return o.to(q.dtype).reshape(bs, width)
         lmax = meta.kv_mask.shape[-1]
         ws = self.workspace
         native = self.native and q.dtype == k_cache.dtype
@@ -368,7 +371,7 @@ class TorchNativeBackend(AttentionBackend):
             o = cpu_native.decode_attention(qs, ks, vs, meta.kv_lens, window)
         else:
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.kv_mask)
-        return o.reshape(bs, -1)
+        return o.reshape(bs, width)
 
 
 def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

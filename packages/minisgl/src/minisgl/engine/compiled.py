@@ -25,7 +25,9 @@ elementwise ops into a few C++ loops and calls the matmuls and SDPA directly:
 - quantized layers change kernels at row counts of their own (`row_thresholds`: the packed
   kernel below, one GEMM on de-quantized weights from there on), a check that is a guard: the
   graphs are keyed by the class of the row count too (`row_bounds`), so each graph sees one
-  side of every threshold, and the start compiles one graph per class.
+  side of every threshold, and the start compiles one graph per class. A bf16 int8 model on
+  an AMX CPU keeps the packed kernel at every count here (`frozen_graphs`): inductor's AMX
+  template reads the frozen int8 weights, autotuned alone from the threshold on.
 A decode step the attention backend does not mark `compiles` runs eager (torch-native through
 SDPA: a batch over the decode workspace budget, which gathers its KV every step).
 
@@ -57,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx.experimental._config as fx_config
 
-from minisgl.quantization.linear import DEQUANT_OPS, Int4Linear, Int8Linear
+from minisgl.quantization.linear import DEQUANT_OPS, Int4Linear, Int8Linear, frozen_graphs
 from minisgl.utils.log import get_logger
 
 if TYPE_CHECKING:
@@ -80,17 +82,32 @@ def class_starts(bounds: tuple[int, ...], first: int) -> list[int]:
     return [first, *(b for b in bounds if b > first)]
 
 
+def _packed(layer: torch.nn.Module, rows: int) -> bool:
+    """Whether a decode graph for `rows` rows and up runs `layer` on its packed weights."""
+    if not isinstance(layer, QUANTIZED):
+        return False
+    return layer.packed_when_frozen or rows < max(layer.row_thresholds)
+
+
 def _options(model: torch.nn.Module, device: torch.device, rows: int) -> dict[str, Any]:
-    """Options of a graph for `rows` rows and up. Autotune GEMMs only where it pays: packed
-    weight-only quantized linears on a CPU (the int4 template: 80 -> 117 tok/s single stream
-    on the embedded model, 2 threads); float GEMMs (de-quantized weights included) would only
-    add compile time (every shape's CPP template is built and timed)."""
+    """Options of a decode graph for `rows` rows and up. Autotune GEMMs only where it pays:
+    packed weight-only quantized linears on a CPU (the int4 template: 80 -> 117 tok/s single
+    stream on the embedded model, 2 threads; the int8 one at batch, see
+    `quantization.linear.frozen_graphs`); float GEMMs (de-quantized weights included) would
+    only add compile time (every shape's CPP template is built and timed)."""
     options: dict[str, Any] = {
         "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
     }
-    packed = any(isinstance(m, QUANTIZED) and rows < max(m.row_thresholds) for m in model.modules())
-    if device.type == "cpu" and packed:
-        options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
+    layers = [m for m in model.modules() if isinstance(m, QUANTIZED)]
+    if device.type == "cpu" and any(_packed(m, rows) for m in layers):
+        # ATen's packed int8 kernel is a GEMV: the class's first size may time it faster
+        # (o_proj at 32 rows) and the graph then runs it at every batch (16 ms of a 52 ms
+        # step at 128 rows); where every linear is one for the template, no ATen choice
+        template_only = all(m.packed_when_frozen for m in layers) and rows >= max(
+            r for m in layers for r in m.row_thresholds
+        )
+        options.update(max_autotune=True, max_autotune_gemm_backends=(
+            "CPP" if template_only else "CPP,ATEN"))  # fmt: skip
     return options
 
 
@@ -153,7 +170,7 @@ class CompiledDecode:
             fn = torch.compile(_own_call(self.model), dynamic=True, options=options)
             self.graphs[key] = fn
         self.steps += 1
-        with torch._inductor.config.patch(_FREEZING), fx_config.patch(_SHAPES):
+        with torch._inductor.config.patch(_FREEZING), fx_config.patch(_SHAPES), frozen_graphs():
             return fn(input_ids, positions, logits_indices, backend, meta)
 
     def compile_batches(self, max_batch: int) -> list[int]:
