@@ -226,3 +226,75 @@ def test_usage_errors_exit_3(repo: Repo) -> None:
     assert lint.ret == USAGE
     lint.stderr.fnmatch_lines(["*kanban/in-progress/T-001-demo.md:*unparseable checkbox line*"])
     assert repo.evidence() == []
+
+
+SECOND_TEST = """\
+import pytest
+
+@pytest.mark.card("T-001", "second-failing-test")
+def test_second():
+    assert __import__("impl2").OK
+"""
+
+
+def _add_second_red_subtask(repo: Repo) -> None:
+    card = repo.path / "kanban/in-progress/T-001-demo.md"
+    text = card.read_text().replace(
+        "- [ ] failing test first\n", "- [ ] failing test first\n- [ ] second failing test\n"
+    )
+    card.write_text(text)
+    repo.write("src/impl2.py", "OK = False\n")
+    repo.write("tests/test_second.py", SECOND_TEST)
+
+
+@P("P0-000", "red-record-required-at-an-earlier-commit")
+def test_a_later_red_subtask_gets_its_own_red_record(repo: Repo) -> None:
+    """A card grows a second Red subtask after the first is implemented: its red run judges
+    only Red items without a red record yet (the first one's tests pass by now, as they
+    should), so it passes, and the green gate finds a red record for both."""
+    repo.card()
+    repo.write("src/impl.py", "OK = False\n")
+    repo.tests(impl='__import__("impl").OK')
+    repo.commit("red: failing tests")
+    assert repo.gate("--phase", "red").ret == PASS
+    repo.write("src/impl.py", "OK = True\n")
+    repo.commit("green: the implementation")
+    _add_second_red_subtask(repo)
+    repo.commit("red: a second failing test")
+
+    red = repo.gate("--phase", "red")
+    assert red.ret == PASS, red.stdout.str()
+    red.stdout.fnmatch_lines(["*PASS*failing-test-first*red record at*"])
+    second = repo.evidence()[-1]
+    assert _items(second)["second-failing-test"] == "pass"
+    assert _summary(second)["outcome"] == "pass"
+
+    repo.write("src/impl2.py", "OK = True\n")
+    repo.commit("green: the second implementation")
+    green = repo.gate("-n", "2")
+    green.stdout.fnmatch_lines(["*PASS*[red] second-failing-test*red at*"])
+    green.stdout.fnmatch_lines(["*PASS*[red] failing-test-first*red at*"])
+
+
+@P("P0-000", "red-record-required-at-an-earlier-commit")
+def test_a_red_item_keeps_its_red_record_from_a_run_that_failed_elsewhere(repo: Repo) -> None:
+    """A red run where one Red item fails by assertion as expected and another is not red
+    (its tests pass before the implementation): the run fails, yet the first item's red
+    result is evidence of its own; the other item has none."""
+    repo.card()
+    repo.write("src/impl.py", "OK = False\n")
+    repo.tests(impl='__import__("impl").OK')
+    _add_second_red_subtask(repo)
+    repo.write("src/impl2.py", "OK = True\n")  # not red: passes before any implementation
+    repo.commit("red: failing tests")
+    red = repo.gate("--phase", "red")
+    assert red.ret == FAIL
+    record = repo.evidence()[-1]
+    assert _items(record) == {"failing-test-first": "pass", "second-failing-test": "fail"}
+
+    repo.write("src/impl.py", "OK = True\n")
+    repo.commit("green: the implementation")
+    green = repo.gate("-n", "2")
+    assert green.ret == HOLD
+    green.stdout.fnmatch_lines(["*PASS*[red] failing-test-first*red at*"])
+    green.stdout.fnmatch_lines(["*HOLD*[red] second-failing-test*no valid red record*"])
