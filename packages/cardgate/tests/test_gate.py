@@ -272,8 +272,8 @@ def test_a_later_red_subtask_gets_its_own_red_record(repo: Repo) -> None:
     repo.write("src/impl2.py", "OK = True\n")
     repo.commit("green: the second implementation")
     green = repo.gate("-n", "2")
-    green.stdout.fnmatch_lines(["*PASS*[red] second-failing-test*red at*"])
-    green.stdout.fnmatch_lines(["*PASS*[red] failing-test-first*red at*"])
+    green.stdout.fnmatch_lines(["*PASS*?red] second-failing-test*red at*"])
+    green.stdout.fnmatch_lines(["*PASS*?red] failing-test-first*red at*"])
 
 
 @P("P0-000", "red-record-required-at-an-earlier-commit")
@@ -296,5 +296,5 @@ def test_a_red_item_keeps_its_red_record_from_a_run_that_failed_elsewhere(repo: 
     repo.commit("green: the implementation")
     green = repo.gate("-n", "2")
     assert green.ret == HOLD
-    green.stdout.fnmatch_lines(["*PASS*[red] failing-test-first*red at*"])
-    green.stdout.fnmatch_lines(["*HOLD*[red] second-failing-test*no valid red record*"])
+    green.stdout.fnmatch_lines(["*PASS*?red] failing-test-first*red at*"])
+    green.stdout.fnmatch_lines(["*HOLD*?red] second-failing-test*no valid red record*"])

@@ -167,6 +167,20 @@ def _reparent(card: Card, verdicts: list[ItemVerdict]) -> list[ItemVerdict]:
     return [by_key[v.key] for v in verdicts]
 
 
+def _earlier_reds(verdicts: list[ItemVerdict], reds: RedEvidence) -> list[ItemVerdict]:
+    """A red run over a card whose other Red items have a red record at an earlier commit
+    already: those are proven (their tests pass by now, as they should), not judged again;
+    unless every Red item has one, then all are judged (nothing new to prove red)."""
+    if all(v.key in reds.found for v in verdicts):
+        return verdicts
+    return [
+        replace(v, status=Verdict.PASS, reason=f"red record at {reds.found[v.key][-1]} already")
+        if v.key in reds.found
+        else v
+        for v in verdicts
+    ]
+
+
 def apply_red_rule(card: Card, verdicts: list[ItemVerdict], reds: RedEvidence) -> list[ItemVerdict]:
     out = []
     for v in verdicts:
@@ -259,6 +273,8 @@ def decide(pre: Preflight, run: RunResult, phase: Phase) -> GateOutcome:
     nodes = node_results(run)
     only = set(pre.red_keys) if phase is Phase.RED else None
     verdicts = judge_items(card, run, nodes, phase, only)
+    if phase is Phase.RED:
+        verdicts = _earlier_reds(verdicts, red_evidence(pre.root, card, pre.commit, run.bound))
     values, metrics, checks = metric_checks(run)
     checks = [*pre.checks, *checks, *run_checks(run)]
     results: list[GateResult] = []
