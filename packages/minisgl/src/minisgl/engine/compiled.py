@@ -27,7 +27,7 @@ elementwise ops into a few C++ loops and calls the matmuls and SDPA directly:
   graphs are keyed by the class of the row count too (`row_bounds`), so each graph sees one
   side of every threshold, and the start compiles one graph per class. A bf16 int8 model on
   an AMX CPU keeps the packed kernel at every count here (`frozen_graphs`): inductor's AMX
-  template reads the frozen int8 weights, autotuned alone from the threshold on.
+  template reads the frozen int8 weights.
 A decode step the attention backend does not mark `compiles` runs eager (torch-native through
 SDPA: a batch over the decode workspace budget, which gathers its KV every step).
 
@@ -98,16 +98,10 @@ def _options(model: torch.nn.Module, device: torch.device, rows: int) -> dict[st
     options: dict[str, Any] = {
         "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
     }
-    layers = [m for m in model.modules() if isinstance(m, QUANTIZED)]
-    if device.type == "cpu" and any(_packed(m, rows) for m in layers):
-        # ATen's packed int8 kernel is a GEMV: the class's first size may time it faster
-        # (o_proj at 32 rows) and the graph then runs it at every batch (16 ms of a 52 ms
-        # step at 128 rows); where every linear is one for the template, no ATen choice
-        template_only = all(m.packed_when_frozen for m in layers) and rows >= max(
-            r for m in layers for r in m.row_thresholds
-        )
-        options.update(max_autotune=True, max_autotune_gemm_backends=(
-            "CPP" if template_only else "CPP,ATEN"))  # fmt: skip
+    if device.type == "cpu" and any(_packed(m, rows) for m in model.modules()):
+        # ATen stays a choice: the kernel of a shape the template refuses (at 32 rows the
+        # template timed 8-14x faster than ATen's packed GEMV for every int8 shape here)
+        options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
     return options
 
 
