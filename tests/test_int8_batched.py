@@ -15,10 +15,11 @@ import torch.nn.functional as F
 from minisgl import LLM, SamplingParams
 from minisgl.attention import cpu_native
 from minisgl.quantization import INT4_GROUP, linear
-from minisgl.quantization.linear import Int4Linear, Int8Linear
-from minisgl.quantization.packed import quantize_int4, quantize_int8
+from minisgl.quantization.linear import Int4Linear
+from minisgl.quantization.packed import quantize_int4
 from minisgl.quantization.reference import fake_quantize_hf
 from minisgl.testing.hf_reference import hf_greedy, load_hf_model
+from minisgl.testing.quantized import count_dequantizations, int8_layer, linear_weights
 from minisgl.testing.scenarios import assert_kv_clean, random_prompts
 from minisgl.testing.tiny_models import write_tiny_model
 
@@ -37,12 +38,6 @@ def min_rows() -> int:
     return _threshold("DEQUANT_MIN_ROWS")
 
 
-def _weights(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [160, 192] weight and its bias."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(160, 192, generator=g) * 0.3, torch.randn(160, generator=g) * 0.1
-
-
 def _graphs(run) -> int:
     """Graphs dynamo traces while `run()` calls a function compiled after a reset."""
     from torch._dynamo.utils import counters
@@ -53,20 +48,13 @@ def _graphs(run) -> int:
     return counters["stats"]["unique_graphs"] - before
 
 
-def _layer(dtype: torch.dtype, seed: int = 0) -> tuple[Int8Linear, torch.Tensor, torch.Tensor]:
-    w, bias = _weights(seed)
-    q = quantize_int8(w)
-    deq = q.q * q.scale.to(dtype)[:, None]  # the weights the layer multiplies, in x's dtype
-    return Int8Linear(q, bias, dtype), deq, bias.to(dtype)
-
-
 @pytest.mark.card("P2-003", RED)
 @pytest.mark.card("P2-003", ITEM)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_layer_from_min_rows_is_one_gemm_on_dequantized_weights(dtype):
     rows = min_rows()
     assert 8 <= rows <= 64  # measured crossover on the embedded model's shapes: 24-32 rows
-    layer, deq, bias = _layer(dtype)
+    layer, deq, bias = int8_layer(dtype)
     g = torch.Generator().manual_seed(1)
     for m in (rows, 3 * rows + 5):
         x = torch.randn(m, 192, generator=g).to(dtype)
@@ -92,7 +80,7 @@ def test_int8_layer_keeps_int8_weights_only():
     """The de-quantized weights are a temporary of the call: the layer holds int8 weights and
     its scales, nothing the size of a float copy."""
     min_rows()
-    layer, _, _ = _layer(torch.bfloat16)
+    layer, _, _ = int8_layer(torch.bfloat16)
     layer(torch.randn(100, 192).bfloat16())
     big = [n for n, b in layer.named_buffers() if b is not None and b.numel() >= 160 * 192]
     assert big == ["qweight"] and layer.qweight.dtype == torch.int8
@@ -121,7 +109,7 @@ def int4_min_rows() -> int:
 
 
 def _int4_layer(dtype: torch.dtype) -> tuple[Int4Linear, torch.Tensor, torch.Tensor]:
-    w, bias = _weights(3)
+    w, bias = linear_weights(3)
     q = quantize_int4(w)
     # the weights the packed kernel multiplies: codes, scales and zeros in x's dtype, in fp32
     scale = q.scale.to(dtype).float().repeat_interleave(INT4_GROUP, dim=1)
@@ -252,7 +240,7 @@ def test_compiled_int8_layer_runs_the_dequantized_gemm_from_min_rows():
     """A compiled layer branches on its row count as the eager one does: the packed kernel
     below the threshold, the GEMM on the de-quantized weights from it on; the branch is a
     guard, so a graph serves each side (the engine keys its graphs by the same thresholds)."""
-    layer, deq, bias = _layer(torch.bfloat16)
+    layer, deq, bias = int8_layer(torch.bfloat16)
     rows = getattr(layer, "dequant_min_rows", None)
     assert rows == min_rows()
     x = torch.randn(rows + 40, 192).bfloat16()
@@ -280,17 +268,6 @@ def test_compiled_int4_layer_runs_the_dequantized_gemm_from_min_rows():
         assert torch.equal(y, F.linear(x[:m], deq, bias))
 
 
-def _dequantizations(monkeypatch) -> list[str]:
-    """Counts calls of the de-quantization functions behind the layers' operators: a call
-    at run time means the graph did not fold the float weights into a constant."""
-    calls: list[str] = []
-    for name in ("dequantize_int8", "dequantize_int4"):
-        fn = getattr(linear, name, None)
-        assert fn is not None, f"quantization.linear.{name} is missing"
-        monkeypatch.setattr(linear, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
-    return calls
-
-
 @pytest.mark.card("P2-003", COMPILED_RED)
 @pytest.mark.card("P2-003", COMPILED_ITEM)
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
@@ -308,7 +285,7 @@ def test_compiled_quantized_engine_batches_on_dequantized_weights(
     llm = LLM(path, dtype="float32", quantization=quantization, enable_torch_compile=True,
               num_pages=2048, max_seq_len_override=512)  # fmt: skip
     graphs = counters["stats"]["unique_graphs"]
-    calls = _dequantizations(monkeypatch)
+    calls = count_dequantizations(monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     batches = [random_prompts(1, 4, 4, vocab=200, seed=7), random_prompts(8, 2, 3, vocab=200, seed=8),
                random_prompts(40, 3, 12, vocab=200, seed=9), random_prompts(1, 300, 300, vocab=200, seed=10)]  # fmt: skip
@@ -384,7 +361,7 @@ def test_bf16_int8_layer_dequantizes_through_c(monkeypatch):
     dequant = _c_dequant_int8()
     calls = []
     monkeypatch.setattr(cpu_native, "dequant_int8", lambda *a: calls.append(1) or dequant(*a))
-    layer, deq, bias = _layer(torch.bfloat16)
+    layer, deq, bias = int8_layer(torch.bfloat16)
     x = torch.randn(layer.dequant_min_rows, 192).bfloat16()
     assert torch.equal(layer(x), F.linear(x, deq, bias))
     assert calls == [1]
@@ -397,7 +374,7 @@ def test_a_large_layer_multiplies_a_block_of_rows_at_a_time(kind, monkeypatch):
     MB in bf16) a layer de-quantizes and multiplies blocks of output rows: 160 rows in blocks
     of 64 here; the same product as one GEMM, within fp32 rounding."""
     monkeypatch.setattr(linear, "DEQUANT_BLOCK_BYTES", 64 * 192 * 4)
-    layer, deq, bias = _layer(torch.float32) if kind == "int8" else _int4_layer(torch.float32)
+    layer, deq, bias = int8_layer(torch.float32) if kind == "int8" else _int4_layer(torch.float32)
     monkeypatch.setattr(layer, "dequant_min_rows", 8)
     blocks = []
     dequantize = layer.dequantize

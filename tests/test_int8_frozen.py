@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from minisgl import LLM, SamplingParams
 from minisgl.engine import compiled
 from minisgl.quantization import linear
-from minisgl.quantization.linear import Int4Linear, Int8Linear
-from minisgl.quantization.packed import quantize_int4, quantize_int8
+from minisgl.quantization.linear import Int4Linear
+from minisgl.quantization.packed import quantize_int4
+from minisgl.testing.quantized import count_dequantizations, int8_layer
 from minisgl.testing.scenarios import assert_kv_clean, random_prompts
 from minisgl.testing.tiny_models import write_tiny_model
 
@@ -32,20 +33,6 @@ def _frozen_graphs() -> Any:
     return fn
 
 
-def _count_dequantizations(monkeypatch, gate: list[bool]) -> list[str]:
-    """Calls of the int8 de-quantization while `gate[0]` is set."""
-    calls: list[str] = []
-    fn = linear.dequantize_int8
-
-    def counted(*args: torch.Tensor) -> torch.Tensor:
-        if gate[0]:
-            calls.append("int8")
-        return fn(*args)
-
-    monkeypatch.setattr(linear, "dequantize_int8", counted)
-    return calls
-
-
 class _Model(torch.nn.Module):
     def __init__(self, layer: torch.nn.Module) -> None:
         super().__init__()
@@ -55,13 +42,6 @@ class _Model(torch.nn.Module):
         return self.layer(x)
 
 
-def _int8_layer(dtype: torch.dtype) -> tuple[Int8Linear, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    w, bias = torch.randn(160, 192, generator=g) * 0.3, torch.randn(160, generator=g) * 0.1
-    q = quantize_int8(w)
-    return Int8Linear(q, bias, dtype), q.q * q.scale.to(dtype)[:, None], bias.to(dtype)
-
-
 @pytest.mark.card("P2-003", RED)
 @pytest.mark.card("P2-003", ITEM)
 def test_decode_graph_options_autotune_the_int8_template_alone_at_batch():
@@ -69,8 +49,8 @@ def test_decode_graph_options_autotune_the_int8_template_alone_at_batch():
     template, ATen's kernel for a shape it refuses); fp32 int8 there: no autotune
     (de-quantized GEMMs); int4: the template and ATen below 64 rows, nothing from there.
     (The name is the red commit's: the graph allowed the template alone then.)"""
-    bf16 = _Model(_int8_layer(torch.bfloat16)[0])
-    fp32 = _Model(_int8_layer(torch.float32)[0])
+    bf16 = _Model(int8_layer(torch.bfloat16, seed=3)[0])
+    fp32 = _Model(int8_layer(torch.float32, seed=3)[0])
     w4 = quantize_int4(torch.randn(128, 64, generator=torch.Generator().manual_seed(0)))
     int4 = _Model(Int4Linear(w4, None, torch.bfloat16))
     cpu = torch.device("cpu")
@@ -95,10 +75,9 @@ def test_frozen_bf16_int8_layer_multiplies_the_int8_weights_at_any_batch(monkeyp
     gives the de-quantized product within bf16 rounding; outside them the eager layer still
     de-quantizes from 32 rows."""
     frozen_graphs = _frozen_graphs()
-    layer, deq, bias = _int8_layer(torch.bfloat16)
+    layer, deq, bias = int8_layer(torch.bfloat16, seed=3)
     model = _Model(layer)
-    gate = [True]
-    calls = _count_dequantizations(monkeypatch, gate)
+    calls = count_dequantizations(monkeypatch)
     torch._dynamo.reset()
     options = compiled._options(model, torch.device("cpu"), 32)
     fn = torch.compile(model, dynamic=True, options=options)
@@ -152,7 +131,7 @@ def test_compiled_bf16_int8_engine_decodes_batches_on_int8_weights(tmp_path, mon
     llm = LLM(path, enable_torch_compile=True, **kwargs)
     graphs = counters["stats"]["unique_graphs"]
     gate = [False]
-    calls = _count_dequantizations(monkeypatch, gate)
+    calls = count_dequantizations(monkeypatch, lambda: gate[0])
     llm.engine.compiled = _DecodeGate(llm.engine.compiled, gate)
     steps = llm.engine.compiled.steps
     prompts = random_prompts(40, 3, 12, vocab=200, seed=9)
