@@ -33,20 +33,3 @@ def test_a_cpu_engine_tunes_malloc_at_start(tmp_path, monkeypatch):
     monkeypatch.setattr(engine, "keep_freed_memory", lambda: calls.append(1) or True)
     LLM(write_tiny_model("llama", tmp_path / "m", seed=0), num_pages=256)
     assert calls == [1]
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_the_cpu_benchmark_records_how_each_arm_allocated(monkeypatch):
-    from minisgl.benchmark.cpu_speed import malloc_of_arms
-
-    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
-    monkeypatch.delenv("MINISGL_MALLOC_TUNING", raising=False)
-    assert malloc_of_arms(True) == {
-        "other_arms": "glibc defaults",
-        "minisgl_arms": "trim threshold 2 GB, mmap threshold 32 MB",
-    }
-    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1")
-    assert malloc_of_arms(False) == {
-        "other_arms": "GLIBC_TUNABLES=glibc.malloc.trim_threshold=1",
-        "minisgl_arms": "as it came",
-    }

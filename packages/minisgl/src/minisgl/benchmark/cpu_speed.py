@@ -6,6 +6,10 @@ one run, medians of repeats, with the quality of every minisgl configuration bes
         [--profiles single,seed-offline,many-short] [--set many-short.num_requests=128] \
         [--llamacpp]
 
+Every arm is loaded first (with its quality measured), then the repeats run interleaved: each
+round runs every arm once, in alternating order (`measure_interleaved`), all with the same
+allocator (`malloc_of_arms`), so a same-run ratio compares arms measured in the same minutes.
+
 `--llamacpp` adds llama-cpp-python on the GGUF file the embedded model ships (same threads,
 greedy, one request at a time: its Python API has no batching); an opt-in extra
 (`benchmark/llamacpp.py`).
@@ -21,16 +25,25 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import math
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from minisgl.benchmark import common
 from minisgl.benchmark.offline import load_hf, make_llm, run_hf, run_minisgl
-from minisgl.benchmark.profiles import build_workload, get_profile, parse_sets, warmup_workload
+from minisgl.benchmark.profiles import (
+    Profile,
+    WorkItem,
+    build_workload,
+    get_profile,
+    parse_sets,
+    warmup_workload,
+)
 from minisgl.benchmark.token_parity import TEXT_PROMPTS, first_diff
 from minisgl.utils.threads import set_threads
 
@@ -244,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "bandwidth": measure_bandwidth(),
         "matmul": measure_matmul(),
         "profiles": {p.name: p.to_dict() for p in profiles},
+        "arm_order": "interleaved: every arm once a round, A B C then C B A",
         "results": {},
         "quality": {},
         "bytes_per_token": {},
@@ -255,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [tok.encode(t) for t in TEXT_PROMPTS]
     ppl_ids = tok.encode(PPL_TEXT)
     ref_tokens: list[list[int]] | None = None
+    record["malloc"] = malloc_of_arms()
 
     def add(profile: str, arm: str, reps: list[dict[str, Any]]) -> None:
         tok_s = common.median(r["output_tok_s"] for r in reps)
@@ -267,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(f"{profile:14s} {arm:12s} {tok_s:8.1f} tok/s", flush=True)
 
+    arms: list[Arm] = []
     for dtype in hf_dtypes:
         hf = load_hf(model_path, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype])
         if not args.no_quality:
@@ -281,18 +297,10 @@ def main(argv: list[str] | None = None) -> int:
                     "agreement": sum(f is None for f in firsts) / len(firsts),
                     "first_divergence": firsts,
                 }
-        for prof in profiles:
-            items = [dataclasses.replace(i, arrival_s=0.0) for i in build_workload(prof, 49152)]
-            run_hf(hf, warmup_workload(prof, 49152), prof.hf_batch_size, 0)
-            reps = [
-                run_hf(hf, items, prof.hf_batch_size, 0)["metrics"] for _ in range(args.repeats)
-            ]
-            add(prof.name, f"hf-{dtype}", reps)
-        del hf
-        gc.collect()
+        arms.append(Arm(f"hf-{dtype}", functools.partial(_run_hf, hf)))
 
     if args.llamacpp:
-        run_llamacpp_arm(record, profiles, args, prompts, ref_tokens, ppl_ids, add)
+        arms.append(llamacpp_arm(record, args, prompts, ref_tokens, ppl_ids))
 
     for name in configs:
         t0 = time.perf_counter()
@@ -302,20 +310,16 @@ def main(argv: list[str] | None = None) -> int:
         record.setdefault("init_s", {})[name] = init_s
         if not args.no_quality and ref_tokens is not None:
             record["quality"][name] = quality(llm, prompts, ref_tokens, ppl_ids)
-        for prof in profiles:
-            items = build_workload(prof, 49152)
-            run_minisgl(llm, warmup_workload(prof, 49152), honor_arrivals=False)
-            reps = [
-                run_minisgl(llm, items, honor_arrivals=False)["metrics"]
-                for _ in range(args.repeats)
-            ]
-            add(prof.name, f"minisgl-{name}", reps)
-        del llm
-        gc.collect()
+        arms.append(Arm(f"minisgl-{name}", functools.partial(_run_minisgl, llm)))
+
+    for prof in profiles:
+        for arm, reps in measure_interleaved(arms, prof, args.repeats).items():
+            add(prof.name, arm, reps)
+    del arms
+    gc.collect()
 
     with contextlib.suppress(OSError):
         record["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    record["malloc"] = malloc_of_arms(bool(configs))
     summarize(record)
     if args.plot:
         plot(args.plot, record)
@@ -325,22 +329,57 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def malloc_of_arms(ran_minisgl: bool) -> dict[str, str]:
-    """How each kind of arm allocated: the HF / llama.cpp arms run before any engine starts,
-    with the process's malloc as it came; a CPU engine then keeps freed heap pages
-    (minisgl.utils.malloc)."""
+def malloc_of_arms() -> dict[str, str]:
+    """Set the allocator every arm runs with, once, before any arm loads, and say which: the
+    arms are interleaved in one process, and a CPU engine keeps freed heap pages
+    (`minisgl.utils.malloc`), so the HF / llama.cpp arms get the same (measured here: HF bf16
+    many-short 486-488 tok/s with it, 407-479 with glibc's defaults, whose freed pages come back
+    zero-filled every step)."""
     from minisgl.utils.malloc import keep_freed_memory
 
     tunables = os.environ.get("GLIBC_TUNABLES")
-    tuned = ran_minisgl and keep_freed_memory()
-    return {
-        "other_arms": f"GLIBC_TUNABLES={tunables}" if tunables else "glibc defaults",
-        "minisgl_arms": "trim threshold 2 GB, mmap threshold 32 MB" if tuned else "as it came",
-    }
+    if keep_freed_memory():
+        return {"all_arms": "trim threshold 2 GB, mmap threshold 32 MB"}
+    return {"all_arms": f"GLIBC_TUNABLES={tunables}" if tunables else "glibc defaults"}
 
 
-def run_llamacpp_arm(record, profiles, args, prompts, ref_tokens, ppl_ids, add) -> None:
-    """The `llamacpp` arm: speed on every profile, agreement with HF fp32 and perplexity."""
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One engine of the run: `run(profile, items)` returns the metrics of one pass."""
+
+    name: str
+    run: Callable[[Profile, list[WorkItem]], dict[str, Any]]
+
+
+def _run_hf(model: Any, prof: Profile, items: list[WorkItem]) -> dict[str, Any]:
+    return run_hf(model, items, prof.hf_batch_size, 0)["metrics"]
+
+
+def _run_minisgl(llm: Any, prof: Profile, items: list[WorkItem]) -> dict[str, Any]:
+    return run_minisgl(llm, items, honor_arrivals=False)["metrics"]
+
+
+def measure_interleaved(
+    arms: Sequence[Arm], prof: Profile, repeats: int
+) -> dict[str, list[dict[str, Any]]]:
+    """Every arm's `repeats` passes over the profile's workload (arrivals dropped: offline),
+    interleaved: each round runs every arm once, forward in even rounds and backward in odd
+    ones (A B C, C B A, ...), so a drift of the machine's speed during the run (this kind of
+    shared 2-core VM moved by 10-25% within an hour) falls on every arm alike instead of on
+    whichever ran last. Each arm runs the profile's warm-up workload first."""
+    items = [dataclasses.replace(i, arrival_s=0.0) for i in build_workload(prof, 49152)]
+    warm = warmup_workload(prof, 49152)
+    for arm in arms:
+        arm.run(prof, warm)
+    reps: dict[str, list[dict[str, Any]]] = {arm.name: [] for arm in arms}
+    for r in range(repeats):
+        for arm in arms if r % 2 == 0 else arms[::-1]:
+            reps[arm.name].append(arm.run(prof, items))
+    return reps
+
+
+def llamacpp_arm(record, args, prompts, ref_tokens, ppl_ids) -> Arm:
+    """The `llamacpp` arm on the GGUF file, with its agreement with HF fp32 and perplexity."""
     import torch
 
     from minisgl.benchmark import llamacpp
@@ -362,13 +401,7 @@ def run_llamacpp_arm(record, profiles, args, prompts, ref_tokens, ppl_ids, add) 
         q["perplexity"] = llamacpp.perplexity(scorer, ppl_ids)
         del scorer
         record["quality"]["llamacpp"] = q
-    for prof in profiles:
-        llamacpp.run_llamacpp(model, warmup_workload(prof, 49152))
-        items = build_workload(prof, 49152)
-        reps = [llamacpp.run_llamacpp(model, items)["metrics"] for _ in range(args.repeats)]
-        add(prof.name, "llamacpp", reps)
-    del model
-    gc.collect()
+    return Arm("llamacpp", lambda prof, items: llamacpp.run_llamacpp(model, items)["metrics"])
 
 
 def summarize(record: dict[str, Any]) -> None:
