@@ -158,11 +158,11 @@ def test_each_row_class_autotunes_its_own_graph_with_the_graph_cache_on(tmp_path
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # empty
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
     path = write_tiny_model("llama", tmp_path / "llama", seed=0)
     hits = counters["inductor"]["fxgraph_cache_hit"]
-    llm = LLM(path, enable_torch_compile=True, dtype="bfloat16", quantization="int8",
-              num_pages=2048, max_seq_len_override=512)  # fmt: skip
+    with torch._inductor.config.patch(fx_graph_cache=True):
+        llm = LLM(path, enable_torch_compile=True, dtype="bfloat16", quantization="int8",
+                  num_pages=2048, max_seq_len_override=512)  # fmt: skip
     # the tiny model's template wins at 2 rows too: what must not happen is the sharing
     assert counters["inductor"]["fxgraph_cache_hit"] == hits, "a class got another's graph"
     prompts = random_prompts(40, 3, 12, vocab=200, seed=9)
