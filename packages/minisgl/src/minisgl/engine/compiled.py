@@ -163,6 +163,13 @@ class CompiledDecode:
             options = _options(self.model, self.device, rows)
             fn = torch.compile(_own_call(self.model), dynamic=True, options=options)
             self.graphs[key] = fn
+            if bs > 1:
+                # the batch this graph is compiled (and autotuned) at, in the FX graph cache's
+                # key (a hint is not otherwise): the classes of a bf16 int8 model on AMX trace
+                # one graph (the packed kernel at every count), and a class served another's
+                # artifact ran GEMMs autotuned at the other's row count (ATen's GEMV at 2 rows:
+                # many-short's batch-128 step 37 -> 161 ms)
+                torch._dynamo.mark_dynamic(input_ids, 0, hint_override=bs)
         self.steps += 1
         with torch._inductor.config.patch(_FREEZING), fx_config.patch(_SHAPES), frozen_graphs():
             return fn(input_ids, positions, logits_indices, backend, meta)
