@@ -7,7 +7,7 @@ one run, medians of repeats, with the quality of every minisgl configuration bes
         [--llamacpp]
 
 Every arm is loaded first (with its quality measured), then the repeats run interleaved: each
-round runs every arm once, in alternating order (`measure_interleaved`), all with the same
+round runs every arm once, in alternating order, after an untimed round (`measure_interleaved`), all with the same
 allocator (`malloc_of_arms`), so a same-run ratio compares arms measured in the same minutes.
 
 `--llamacpp` adds llama-cpp-python on the GGUF file the embedded model ships (same threads,
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "bandwidth": measure_bandwidth(),
         "matmul": measure_matmul(),
         "profiles": {p.name: p.to_dict() for p in profiles},
-        "arm_order": "interleaved: every arm once a round, A B C then C B A",
+        "arm_order": "interleaved: an untimed round A B C, then timed rounds C B A, A B C, ...",
         "results": {},
         "quality": {},
         "bytes_per_token": {},
@@ -314,7 +314,11 @@ def main(argv: list[str] | None = None) -> int:
 
     for prof in profiles:
         for arm, reps in measure_interleaved(arms, prof, args.repeats).items():
-            add(prof.name, arm, reps)
+            if arm.startswith(FIRST_PASS):
+                first = record.setdefault("untimed_first_pass_tok_s", {}).setdefault(prof.name, {})
+                first[arm.removeprefix(FIRST_PASS)] = reps[0]["output_tok_s"]
+            else:
+                add(prof.name, arm, reps)
     del arms
     gc.collect()
 
@@ -343,6 +347,9 @@ def malloc_of_arms() -> dict[str, str]:
     return {"all_arms": f"GLIBC_TUNABLES={tunables}" if tunables else "glibc defaults"}
 
 
+FIRST_PASS = "untimed-first-pass:"  # `measure_interleaved`'s key prefix of each warm-up pass
+
+
 @dataclasses.dataclass(frozen=True)
 class Arm:
     """One engine of the run: `run(profile, items)` returns the metrics of one pass."""
@@ -363,17 +370,23 @@ def measure_interleaved(
     arms: Sequence[Arm], prof: Profile, repeats: int
 ) -> dict[str, list[dict[str, Any]]]:
     """Every arm's `repeats` passes over the profile's workload (arrivals dropped: offline),
-    interleaved: each round runs every arm once, forward in even rounds and backward in odd
-    ones (A B C, C B A, ...), so a drift of the machine's speed during the run (this kind of
+    interleaved: each round runs every arm once, in alternating order (the untimed round
+    A B C, then C B A, A B C, ...), so a drift of the machine's speed during the run (this kind of
     shared 2-core VM moved by 10-25% within an hour) falls on every arm alike instead of on
-    whichever ran last. Each arm runs the profile's warm-up workload first."""
+    whichever ran last. Each arm runs the profile's warm-up workload first, then one untimed
+    round of the workload itself: interleaved, an arm's first full pass ran up to 30% slower
+    than its next ones (bf16 compiled many-short 933 against 1307-1330 tok/s; HF's did not),
+    where run back to back the arm's earlier profile had warmed it. Returns the timed passes,
+    and the untimed first pass of each arm under `FIRST_PASS` + its name."""
     items = [dataclasses.replace(i, arrival_s=0.0) for i in build_workload(prof, 49152)]
     warm = warmup_workload(prof, 49152)
     for arm in arms:
         arm.run(prof, warm)
     reps: dict[str, list[dict[str, Any]]] = {arm.name: [] for arm in arms}
+    for arm in arms:
+        reps[FIRST_PASS + arm.name] = [arm.run(prof, items)]
     for r in range(repeats):
-        for arm in arms if r % 2 == 0 else arms[::-1]:
+        for arm in arms if r % 2 else arms[::-1]:
             reps[arm.name].append(arm.run(prof, items))
     return reps
 
