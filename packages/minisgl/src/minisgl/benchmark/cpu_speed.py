@@ -7,8 +7,9 @@ one run, medians of repeats, with the quality of every minisgl configuration bes
         [--llamacpp]
 
 Every arm is loaded first (with its quality measured), then the repeats run interleaved: each
-round runs every arm once, in alternating order, after an untimed round (`measure_interleaved`), all with the same
-allocator (`malloc_of_arms`), so a same-run ratio compares arms measured in the same minutes.
+round runs every arm once, in alternating order, after an untimed round (`measure_interleaved`),
+all with the same allocator (`malloc_of_arms`): a same-run ratio compares arms measured in the
+same minutes.
 
 `--llamacpp` adds llama-cpp-python on the GGUF file the embedded model ships (same threads,
 greedy, one request at a time: its Python API has no batching); an opt-in extra
@@ -313,12 +314,12 @@ def main(argv: list[str] | None = None) -> int:
         arms.append(Arm(f"minisgl-{name}", functools.partial(_run_minisgl, llm)))
 
     for prof in profiles:
-        for arm, reps in measure_interleaved(arms, prof, args.repeats).items():
-            if arm.startswith(FIRST_PASS):
-                first = record.setdefault("untimed_first_pass_tok_s", {}).setdefault(prof.name, {})
-                first[arm.removeprefix(FIRST_PASS)] = reps[0]["output_tok_s"]
-            else:
-                add(prof.name, arm, reps)
+        passes = measure_interleaved(arms, prof, args.repeats)
+        record.setdefault("untimed_first_pass_tok_s", {})[prof.name] = {
+            arm: m["output_tok_s"] for arm, m in passes.untimed.items()
+        }
+        for arm, reps in passes.timed.items():
+            add(prof.name, arm, reps)
     del arms
     gc.collect()
 
@@ -347,9 +348,6 @@ def malloc_of_arms() -> dict[str, str]:
     return {"all_arms": f"GLIBC_TUNABLES={tunables}" if tunables else "glibc defaults"}
 
 
-FIRST_PASS = "untimed-first-pass:"  # `measure_interleaved`'s key prefix of each warm-up pass
-
-
 @dataclasses.dataclass(frozen=True)
 class Arm:
     """One engine of the run: `run(profile, items)` returns the metrics of one pass."""
@@ -366,9 +364,16 @@ def _run_minisgl(llm: Any, prof: Profile, items: list[WorkItem]) -> dict[str, An
     return run_minisgl(llm, items, honor_arrivals=False)["metrics"]
 
 
-def measure_interleaved(
-    arms: Sequence[Arm], prof: Profile, repeats: int
-) -> dict[str, list[dict[str, Any]]]:
+@dataclasses.dataclass(frozen=True)
+class Passes:
+    """An interleaved measurement's metrics by arm name: the untimed first pass, the timed
+    passes in the order they ran."""
+
+    untimed: dict[str, dict[str, Any]]
+    timed: dict[str, list[dict[str, Any]]]
+
+
+def measure_interleaved(arms: Sequence[Arm], prof: Profile, repeats: int) -> Passes:
     """Every arm's `repeats` passes over the profile's workload (arrivals dropped: offline),
     interleaved: each round runs every arm once, in alternating order (the untimed round
     A B C, then C B A, A B C, ...), so a drift of the machine's speed during the run (this kind of
@@ -376,19 +381,17 @@ def measure_interleaved(
     whichever ran last. Each arm runs the profile's warm-up workload first, then one untimed
     round of the workload itself: interleaved, an arm's first full pass ran up to 30% slower
     than its next ones (bf16 compiled many-short 933 against 1307-1330 tok/s; HF's did not),
-    where run back to back the arm's earlier profile had warmed it. Returns the timed passes,
-    and the untimed first pass of each arm under `FIRST_PASS` + its name."""
+    where run back to back the arm's earlier profile had warmed it."""
     items = [dataclasses.replace(i, arrival_s=0.0) for i in build_workload(prof, 49152)]
     warm = warmup_workload(prof, 49152)
     for arm in arms:
         arm.run(prof, warm)
-    reps: dict[str, list[dict[str, Any]]] = {arm.name: [] for arm in arms}
-    for arm in arms:
-        reps[FIRST_PASS + arm.name] = [arm.run(prof, items)]
+    untimed = {arm.name: arm.run(prof, items) for arm in arms}
+    timed: dict[str, list[dict[str, Any]]] = {arm.name: [] for arm in arms}
     for r in range(repeats):
         for arm in arms if r % 2 else arms[::-1]:
-            reps[arm.name].append(arm.run(prof, items))
-    return reps
+            timed[arm.name].append(arm.run(prof, items))
+    return Passes(untimed, timed)
 
 
 def llamacpp_arm(record, args, prompts, ref_tokens, ppl_ids) -> Arm:
