@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmark tools: run metadata (git, machine, env), percentiles, JSON."""
+"""Shared pieces of the benchmark tools: run metadata (git, machine, env), A/B order, percentiles,
+JSON."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import subprocess
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 # One definition of the hardware string gate rules match on ("cpu" or the GPU name), shared with
 # the card gate: the benchmark package already depends on cardgate for its gates format.
@@ -20,6 +21,8 @@ from cardgate.hardware import hardware_key
 
 SCHEMA_VERSION = 1
 ENV_PREFIXES = ("MINISGL_", "OMP_", "MKL_", "TORCH_", "CUDA_VISIBLE_DEVICES", "CARDGATE_")
+
+T = TypeVar("T")
 
 
 def git_commit(cwd: str | Path | None = None) -> dict[str, Any]:
@@ -133,6 +136,13 @@ def quantile(values: Sequence[float], q: float) -> float | None:
     pos = (len(xs) - 1) * q
     lo, hi = math.floor(pos), math.ceil(pos)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def abba_order(arms: Sequence[T], round_: int) -> list[T]:
+    """The arms' order in repeat round `round_` of an A/B run: as given in even rounds, reversed
+    in odd ones (A B C, C B A, ...), so a linear drift of the machine's speed falls on every
+    arm alike."""
+    return list(arms) if round_ % 2 == 0 else list(arms)[::-1]
 
 
 def median(values: Iterable[float]) -> float | None:

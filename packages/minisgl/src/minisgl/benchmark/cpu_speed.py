@@ -389,7 +389,7 @@ def measure_interleaved(arms: Sequence[Arm], prof: Profile, repeats: int) -> Pas
     untimed = {arm.name: arm.run(prof, items) for arm in arms}
     timed: dict[str, list[dict[str, Any]]] = {arm.name: [] for arm in arms}
     for r in range(repeats):
-        for arm in arms if r % 2 else arms[::-1]:
+        for arm in common.abba_order(arms, r + 1):  # round 0 was the untimed one
             timed[arm.name].append(arm.run(prof, items))
     return Passes(untimed, timed)
 

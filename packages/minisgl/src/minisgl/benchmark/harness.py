@@ -403,8 +403,7 @@ def run_ab(args: argparse.Namespace, profile: Profile) -> int:
     observed: dict[str, list[Observation]] = {a: [] for a in arms}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
-            order = arms if rep % 2 == 0 else arms[::-1]  # ABBA: cancels drift
-            for arm in order:
+            for arm in common.abba_order(arms, rep):
                 out = os.path.join(tmp, f"{arm}-{rep}.json")
                 obs_out = os.path.join(tmp, f"{arm}-{rep}.jsonl") if args.observations else None
                 env = {**os.environ, ENV: arm}

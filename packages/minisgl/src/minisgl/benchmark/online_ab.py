@@ -244,8 +244,7 @@ def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
     device = observe.device_label(args.sim_device is not None)
     with tempfile.TemporaryDirectory(prefix="ab-logs") as tmp, Progress(not args.no_progress) as p:
         for rep in range(args.repeats):
-            order = arms if rep % 2 == 0 else arms[::-1]  # ABBA: cancels drift
-            for arm in order:
+            for arm in common.abba_order(arms, rep):
                 print(f"[ab] repeat {rep + 1}/{args.repeats}: {ENV}={arm}", flush=True)
                 out = run_arm(args, arm, profile, Path(tmp), p)
                 per_arm[arm].append(out["metrics"])
