@@ -1,0 +1,221 @@
+"""W8A8 on CPU (card P2-004): int8 activations times int8 weights on the int8 matrix units, with
+SmoothQuant factors folded into the weights from a calibration forward at load.
+
+Every test reaches the new modules through `_w8a8()` / `_smooth()`, so before they exist each
+test fails by assertion, not by an import error of the whole file.
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+from minisgl.config import ModelConfig
+from minisgl.models.loader import load_model
+from minisgl.testing.scenarios import assert_kv_clean, random_prompts
+from minisgl.testing.tiny_models import write_tiny_model
+
+CARD = "P2-004"
+RED = "failing-tests-w8a8-layers-calibration-and-smoothing"
+GEMM = "int8-activations-times-int8-weights-match-the-integer-reference"
+ROWS = "activations-quantize-per-row-symmetric-to-nearest"
+CALIB = "calibration-records-each-linear-input-s-channel-maxima"
+SMOOTH = "smoothing-leaves-the-float-model-s-logits-unchanged"
+ENGINE = "a-w8a8-model-runs-its-prefill-and-decode-linears-on-int8-activations"
+EMBEDDED = "the-embedded-model-in-w8a8-answers-paris-within-2-of-fp32-perplexity"
+REFUSE = "a-cpu-without-int8-matrix-instructions-refuses-w8a8"
+LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def _module(name: str) -> ModuleType:
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError:
+        raise AssertionError(f"{name} is missing") from None
+
+
+def _w8a8() -> ModuleType:
+    return _module("minisgl.quantization.w8a8")
+
+
+def _smooth() -> ModuleType:
+    return _module("minisgl.quantization.smooth")
+
+
+def _supported() -> bool:
+    return bool(_w8a8().w8a8_supported())
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Any:
+    return write_tiny_model("llama", tmp_path_factory.mktemp("w8a8") / "llama", seed=3)
+
+
+def _float_model(path: Any, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    cfg = ModelConfig.from_dir(path)
+    return load_model(path, cfg, dtype, torch.device("cpu"), max_positions=256)
+
+
+@pytest.mark.card(CARD, RED)
+@pytest.mark.card(CARD, GEMM)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (37, 96, 160), (300, 3072, 576)])
+def test_int8_gemm_matches_the_integer_reference(m, n, k, out_dtype):
+    w8 = _w8a8()
+    if not _supported():
+        pytest.fail("this CPU lacks int8 matrix instructions: the refusal test covers it")
+    g = torch.Generator().manual_seed(m * 7 + n)
+    xq = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+    wq = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    ws = torch.rand(n, generator=g) * 0.01 + 1e-4
+    got = torch.ops.minisgl.w8a8_mm(xq, wq, ws, out_dtype)
+    ref = (xq.long() @ wq.long().t()).double() * ws.double()  # exact integer products
+    assert got.dtype == out_dtype and got.shape == (m, n)
+    tol = 1e-6 if out_dtype == torch.float32 else 2.0**-8
+    err = (got.double() - ref).abs() / ref.abs().clamp(min=1e-3)
+    assert float(err.max()) <= tol, float(err.max())
+    assert w8.W8A8Linear is not None
+
+
+@pytest.mark.card(CARD, RED)
+@pytest.mark.card(CARD, ROWS)
+def test_activations_quantize_per_row_symmetric_to_nearest():
+    w8 = _w8a8()
+    x = torch.tensor(
+        [[0.5, -1.0, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0], [3.0, 1.5, -0.7, 0.02]]
+    ).bfloat16()
+    xq, scale = w8.quantize_rows(x)
+    assert xq.dtype == torch.int8 and scale.dtype == torch.float32
+    assert scale.shape == (3, 1)
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    assert torch.allclose(scale[[0, 2]], amax[[0, 2]] / 127, rtol=1e-6)
+    assert xq[1].eq(0).all() and torch.isfinite(scale).all()  # a zero row stays zero
+    assert xq[0].tolist() == [64, -127, 32, 0]  # 63.5 rounds to even (64), the max to 127
+    expect = torch.round(xf[2] / scale[2]).to(torch.int8)
+    assert xq[2].tolist() == expect.tolist() and int(xq[2].abs().max()) == 127
+
+
+@pytest.mark.card(CARD, RED)
+@pytest.mark.card(CARD, CALIB)
+def test_calibration_records_each_linear_inputs_channel_maxima(tiny_llama):
+    sm = _smooth()
+    model = _float_model(tiny_llama)
+    ids = list(range(5, 45))
+    maxima = sm.channel_maxima(model, ids)
+    layers = model.model.layers
+    assert set(maxima) == {f"model.layers.{i}.{n}" for i in range(len(layers)) for n in LINEARS}
+    for i, layer in enumerate(layers):
+        for n in LINEARS:
+            parent, leaf = n.split(".")
+            lin = getattr(getattr(layer, parent), leaf)
+            got = maxima[f"model.layers.{i}.{n}"]
+            assert got.shape == (lin.in_features,) and got.dtype == torch.float32
+            assert bool((got >= 0).all()) and float(got.max()) > 0
+    # layer 0's QKV input, computed by hand: RMSNorm of the embeddings
+    x = model.model.embed_tokens(torch.tensor(ids)).float()
+    norm = layers[0].input_layernorm
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()
+    expect = h.abs().amax(dim=0)
+    assert torch.allclose(maxima["model.layers.0.self_attn.qkv_proj"], expect, rtol=1e-5)
+
+
+@pytest.mark.card(CARD, RED)
+@pytest.mark.card(CARD, SMOOTH)
+def test_smoothing_leaves_the_float_logits_unchanged(tiny_llama):
+    sm = _smooth()
+    model = _float_model(tiny_llama)
+    ids = list(range(3, 60))
+    before = sm.float_logits(model, ids)
+    norm0 = model.model.layers[0].input_layernorm.weight.detach().clone()
+    maxima = sm.channel_maxima(model, ids)
+    # an outlier channel, as real models have: smoothing must move it into the weights
+    maxima["model.layers.0.self_attn.qkv_proj"][3] *= 50.0
+    sm.smooth_model(model, maxima, alpha=0.7)
+    after = sm.float_logits(model, ids)
+    assert not torch.equal(norm0, model.model.layers[0].input_layernorm.weight)
+    assert torch.allclose(before, after, atol=1e-4, rtol=1e-4), float((before - after).abs().max())
+    with pytest.raises(ValueError, match="alpha"):
+        sm.smooth_model(model, maxima, alpha=1.5)
+
+
+def _count_gemms(monkeypatch) -> list[int]:
+    w8 = _w8a8()
+    rows: list[int] = []
+    impl = w8.int8_gemm
+
+    def counted(xq, qweight, scales, out_dtype):
+        rows.append(xq.shape[0])
+        return impl(xq, qweight, scales, out_dtype)
+
+    monkeypatch.setattr(w8, "int8_gemm", counted)
+    return rows
+
+
+@pytest.mark.card(CARD, RED)
+@pytest.mark.card(CARD, ENGINE)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_w8a8_model_runs_its_linears_on_int8_activations(tiny_llama, monkeypatch, compiled):
+    w8 = _w8a8()
+    if not _supported():
+        pytest.fail("this CPU lacks int8 matrix instructions: the refusal test covers it")
+    llm = LLM(
+        str(tiny_llama), quantization="w8a8", dtype="bfloat16", num_pages=512,
+        enable_torch_compile=compiled, max_running_requests=16,
+    )  # fmt: skip
+    layers = llm.engine.model.model.layers
+    assert all(isinstance(getattr(getattr(ly, p), n), w8.W8A8Linear)
+               for ly in layers for p, n in (s.split(".") for s in LINEARS))  # fmt: skip
+    rows = _count_gemms(monkeypatch)
+    prompts = random_prompts(12, 20, 70, vocab=300, seed=5)
+    out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert [len(o["token_ids"]) for o in out] == [8] * 12
+    per_step = 4 * len(layers)
+    assert max(rows) >= 240, "no prefill step ran its linears on int8 activations"
+    # 7 decode steps of the 12 requests (the first token comes from the prefill)
+    assert rows.count(12) >= per_step * 7, "decode steps did not run on int8 activations"
+    assert_kv_clean(llm)
+    # against the same model's weight-only int8 run: the int8 activations only nudge the logits
+    ref = LLM(str(tiny_llama), quantization="int8", dtype="bfloat16", num_pages=512)
+    ref_out = ref.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
+    same = sum(o["token_ids"][0] == r["token_ids"][0] for o, r in zip(out, ref_out, strict=True))
+    assert same >= 9, same
+
+
+@pytest.mark.slow
+@pytest.mark.card(CARD, RED)
+@pytest.mark.card(CARD, EMBEDDED)
+def test_the_embedded_model_in_w8a8_answers_paris_within_2pc_perplexity():
+    from minisgl.benchmark.cpu_speed import PPL_TEXT, perplexity_minisgl
+
+    _w8a8()
+    if not _supported():
+        pytest.fail("this CPU lacks int8 matrix instructions: the refusal test covers it")
+    llm = LLM(quantization="w8a8", dtype="bfloat16", max_seq_len_override=512)
+    ids = llm.tokenizer.encode(PPL_TEXT)
+    ppl = perplexity_minisgl(llm, ids)  # first: a fresh pool
+    fp32 = perplexity_minisgl(LLM(quantization="none", dtype="float32"), ids)
+    msgs = [[{"role": "user", "content": "What is the capital of France?"}]]
+    out = llm.generate(msgs, SamplingParams(temperature=0.0, max_tokens=12))
+    assert "Paris" in out[0]["text"]
+    assert math.isfinite(ppl) and ppl <= fp32 * 1.02, (ppl, fp32)
+
+
+@pytest.mark.card(CARD, RED)
+@pytest.mark.card(CARD, REFUSE)
+def test_a_cpu_without_int8_matrix_instructions_refuses_w8a8(tiny_llama, monkeypatch):
+    w8 = _w8a8()
+    monkeypatch.setattr(w8, "w8a8_supported", lambda: False)
+    with pytest.raises(ValueError, match="w8a8.*int8 matrix"):
+        LLM(str(tiny_llama), quantization="w8a8", dtype="bfloat16", num_pages=64)
+    with pytest.raises(ValueError, match="quantization must be"):
+        from minisgl.config import EngineConfig
+
+        EngineConfig(model_path="x", quantization="w4a4")
