@@ -167,7 +167,7 @@ def test_a_w8a8_model_runs_its_linears_on_int8_activations(tiny_llama, monkeypat
     if not _supported():
         pytest.fail("this CPU lacks int8 matrix instructions: the refusal test covers it")
     llm = LLM(
-        str(tiny_llama), quantization="w8a8", dtype="bfloat16", num_pages=512,
+        str(tiny_llama), quantization="w8a8", dtype="bfloat16", num_pages=2048,
         enable_torch_compile=compiled, max_running_requests=16,
     )  # fmt: skip
     layers = llm.engine.model.model.layers

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from minisgl.quantization import QUANTIZATION_METHODS
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -139,7 +141,7 @@ class EngineConfig:
     memory_ratio: float | None = None
     cache_type: str = "radix"
     attention_backend: str = "torch_native"
-    quantization: str = "auto"  # auto (the file's precision class on CPU) / none / int8 / int4
+    quantization: str = "auto"  # auto (the file's precision class on CPU) / none / int8 / int4 / w8a8
     sim_device: str | None = None  # "BASE_MS,TOKEN_MS": no model, see engine/sim.py
     enable_torch_compile: bool = False  # decode steps through torch.compile (engine/compiled.py)
     threads: int | None = None  # torch + tokenizer threads, set by make_engine (None: as is)
@@ -161,8 +163,10 @@ class EngineConfig:
             raise ValueError(f"memory_ratio must be in (0, 1], got {self.memory_ratio}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto/float32/float16/bfloat16, got {self.dtype!r}")
-        if self.quantization not in ("auto", "none", "int8", "int4"):
-            raise ValueError(f"quantization must be auto/none/int8/int4, got {self.quantization!r}")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be {'/'.join(QUANTIZATION_METHODS)}, got {self.quantization!r}"
+            )
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
         if self.graph_runner not in GRAPH_RUNNERS:

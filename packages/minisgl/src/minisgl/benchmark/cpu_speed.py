@@ -53,6 +53,7 @@ CONFIGS = {  # name -> LLM(dtype=..., quantization=...)
     "bf16": ("bfloat16", "none"),
     "int8": ("bfloat16", "int8"),
     "int4": ("bfloat16", "int4"),
+    "w8a8": ("bfloat16", "w8a8"),
 }
 COMPILED = "-compiled"  # `int4-compiled`: the same, decode steps through torch.compile
 

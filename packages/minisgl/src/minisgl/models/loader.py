@@ -104,7 +104,7 @@ def load_model(
 
     model_path = Path(model_path)
     files = weight_files(model_path)
-    packed = read_packed(model_path, quantization) if quantization != "none" else None
+    packed = read_packed(model_path, quantization) if quantization in ("int8", "int4") else None
     model = _build(cfg, dtype, device, max_positions)
     targets = _load_targets(model, cfg)
     pending = set(targets) - set(packed or ())
@@ -129,6 +129,10 @@ def load_model(
                 pending -= {n for n, t in targets.items() if t[0] is param and t[1] == rows}
     if pending:
         raise ModelLoadError(f"missing weights in {str(model_path)!r}: {sorted(pending)[:8]}")
+    if quantization == "w8a8":  # smoothed from the float weights (`quantization/smooth.py`)
+        from minisgl.quantization import smooth
+
+        smooth.calibrate_and_smooth(model, model_path, max_positions)
     if quantization != "none":
         from minisgl.quantization.apply import quantize_model
 

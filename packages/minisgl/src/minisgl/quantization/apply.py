@@ -14,6 +14,7 @@ from torch import nn
 from minisgl.config import ModelConfig
 from minisgl.models.llama import STACKED_PARAMS
 from minisgl.quantization.linear import Int4Linear, Int8Embedding, Int8Linear, int4_supported
+from minisgl.quantization.w8a8 import W8A8Linear
 from minisgl.quantization.packed import (
     Int4Weight,
     Int8Weight,
@@ -55,18 +56,21 @@ def quantize_model(
     dtype: torch.dtype,
     packed: PackedWeights | None = None,
 ) -> None:
-    """Replace every decoder linear and the lm_head in place; `method` is int8 or int4."""
+    """Replace every decoder linear and the lm_head in place; `method` is int8, int4 or w8a8
+    (int8 weights of the smoothed float model, `W8A8Linear`)."""
     for i, layer in enumerate(model.model.layers):
         for rel in _LAYER_LINEARS:
             parent_name, leaf = rel.split(".")
             parent = getattr(layer, parent_name)
             lin: nn.Linear = getattr(parent, leaf)
             name = f"model.layers.{i}.{rel}"
-            use = method
+            use = "int8" if method == "w8a8" else method
             if use == "int4" and not int4_supported(lin.out_features, lin.in_features):
                 use = "int8"
             w = _weight(lin, name, use, packed)
             cls = Int4Linear if isinstance(w, Int4Weight) else Int8Linear
+            if method == "w8a8":
+                cls = W8A8Linear
             bias = None if lin.bias is None else lin.bias.detach()
             setattr(parent, leaf, cls(w, bias, dtype))  # type: ignore[arg-type]
     head = model.lm_head
@@ -80,6 +84,8 @@ def quantize_model(
         # when it runs after the int4 kernel in one process (torch 2.15, seen on batched
         # steps); the int8 rows still serve the embedding lookup
         model.lm_head = Int4Linear(quantize_int4(hw.dequantize()), None, dtype)
+    elif method == "w8a8":  # the same int8 rows, multiplied by int8 activations
+        model.lm_head = W8A8Linear(hw, None, dtype)
     else:
         model.lm_head = head8
     if cfg.tie_word_embeddings:
