@@ -60,6 +60,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 
 from minisgl.quantization.linear import DEQUANT_OPS, Int4Linear, Int8Linear, frozen_graphs
+from minisgl.quantization.w8a8 import W8A8Linear
 from minisgl.utils.log import get_logger
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-QUANTIZED = (Int4Linear, Int8Linear)
+QUANTIZED = (Int4Linear, Int8Linear, W8A8Linear)
 
 
 def row_bounds(model: torch.nn.Module) -> tuple[int, ...]:
@@ -86,7 +87,7 @@ def _packed(layer: torch.nn.Module, rows: int) -> bool:
     """Whether a decode graph for `rows` rows and up runs `layer` on its packed weights."""
     if not isinstance(layer, QUANTIZED):
         return False
-    return layer.packed_when_frozen or rows < max(layer.row_thresholds)
+    return layer.packed_when_frozen or rows < max(layer.row_thresholds, default=0)
 
 
 def _options(model: torch.nn.Module, device: torch.device, rows: int) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from torch import nn
 from minisgl.config import ModelConfig
 from minisgl.models.llama import STACKED_PARAMS
 from minisgl.quantization.linear import Int4Linear, Int8Embedding, Int8Linear, int4_supported
-from minisgl.quantization.w8a8 import W8A8Linear
 from minisgl.quantization.packed import (
     Int4Weight,
     Int8Weight,
@@ -23,6 +22,7 @@ from minisgl.quantization.packed import (
     quantize_int4,
     quantize_int8,
 )
+from minisgl.quantization.w8a8 import W8A8Linear
 
 PackedWeights = dict[str, Int4Weight | Int8Weight]
 _LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")

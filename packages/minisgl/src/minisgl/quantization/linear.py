@@ -89,6 +89,11 @@ def frozen_graphs() -> Iterator[None]:
         _FROZEN_GRAPH = before
 
 
+def frozen_graph() -> bool:
+    """Whether the call is inside a graph that freezes the weights (`frozen_graphs`)."""
+    return _FROZEN_GRAPH
+
+
 class Int8Linear(nn.Module):
     def __init__(self, w: Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()

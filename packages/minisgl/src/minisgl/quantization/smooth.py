@@ -19,6 +19,7 @@ SDPA, one sequence, no sliding window (the text is shorter than any window).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from torch import nn
 
 from minisgl.models.llama import DecoderLayer
 
-ALPHA = 0.7
+ALPHA = 0.5  # SmoothQuant's default
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 CALIBRATION_TEXT = (
     "Photosynthesis converts light energy into chemical energy stored in sugars. In "
@@ -81,7 +82,7 @@ def channel_maxima(model: nn.Module, ids: list[int]) -> dict[str, torch.Tensor]:
     for the four linears of every decoder layer, from one `float_logits` pass."""
     maxima: dict[str, torch.Tensor] = {}
 
-    def hook(name: str):  # noqa: ANN202
+    def hook(name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
         def record(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float().abs().amax(dim=0)
             maxima[name] = x if name not in maxima else torch.maximum(maxima[name], x)
