@@ -3,8 +3,6 @@ batched speed gates of issue 12 (`worklog/gates/P2-003.yaml`)."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 
@@ -15,6 +13,7 @@ import torch.nn.functional as F
 
 from minisgl import LLM, SamplingParams
 from minisgl.attention import cpu_native
+from minisgl.testing.cpu_speed import run_cpu_speed
 from minisgl.testing.hf_reference import hf_greedy, load_hf_model
 from minisgl.testing.scenarios import assert_kv_clean, cpu_attention, random_prompts
 from minisgl.testing.tiny_models import write_tiny_model
@@ -259,18 +258,6 @@ def test_prefill_per_request_matches_hf_and_the_padded_call(arch, tmp_path, monk
     ref = hf_greedy(load_hf_model(path), prompts, 12)
     assert outs["alone"] == [ref[0][:4], *ref[1:]]
     assert outs["alone"] == outs["padded"]
-
-
-def run_cpu_speed(tmp_path, configs: str) -> dict:
-    out = tmp_path / "cpu_speed.json"
-    cmd = [sys.executable, "-m", "minisgl.benchmark.cpu_speed", "--out", str(out),
-           "--profiles", "seed-offline,many-short", "--configs", configs, "--hf", "fp32,bf16",
-           "--set", "many-short.num_requests=128", "--threads", "2", "--repeats", "2",
-           "--no-quality"]  # fmt: skip
-    env = dict(os.environ, MINISGL_CPU_ATTENTION="native")
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3000, env=env, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(out.read_text())["results"]
 
 
 @pytest.mark.gate_only

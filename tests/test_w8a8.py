@@ -17,6 +17,7 @@ import torch
 from minisgl import LLM, SamplingParams
 from minisgl.config import ModelConfig
 from minisgl.models.loader import load_model
+from minisgl.testing.cpu_speed import run_cpu_speed
 from minisgl.testing.scenarios import assert_kv_clean, random_prompts
 from minisgl.testing.tiny_models import write_tiny_model
 
@@ -82,6 +83,31 @@ def test_int8_gemm_matches_the_integer_reference(m, n, k, out_dtype):
     err = (got.double() - ref).abs() / ref.abs().clamp(min=1e-3)
     assert float(err.max()) <= tol, float(err.max())
     assert w8.W8A8Linear is not None
+
+
+@pytest.mark.card(CARD, GEMM)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_w8a8_layer_is_the_integer_computation_of_its_rows(dtype):
+    """`W8A8Linear` written out: per-row int8 codes, an exact integer matmul, both scales, the
+    bias; within ~1% of the output range of the float product."""
+    w8 = _w8a8()
+    from minisgl.quantization.packed import quantize_int8
+
+    g = torch.Generator().manual_seed(1)
+    w, bias = torch.randn(96, 128, generator=g) * 0.3, torch.randn(96, generator=g) * 0.1
+    q = quantize_int8(w)
+    layer = w8.W8A8Linear(q, bias, dtype)
+    x = (torch.randn(40, 128, generator=g) * torch.linspace(0.1, 3.0, 40)[:, None]).to(dtype)
+    out = layer(x[None])[0]  # leading dimensions kept
+    xf = x.float()
+    sx = xf.abs().amax(dim=1, keepdim=True) / 127.0
+    acc = torch.round(xf / sx).long() @ q.q.long().t()
+    want = (acc.double() * sx.double() * q.scale.double()).float() + bias.to(dtype).float()
+    assert out.dtype == dtype and out.shape == (40, 96)
+    tol = 1e-5 if dtype == torch.float32 else 0.01
+    torch.testing.assert_close(out.float(), want, atol=tol * float(want.abs().max()), rtol=0)
+    ref = xf @ q.dequantize().t() + bias.to(dtype).float()
+    torch.testing.assert_close(out.float(), ref, atol=0.02 * float(ref.abs().max()), rtol=0)
 
 
 @pytest.mark.card(CARD, RED)
@@ -180,10 +206,11 @@ def test_a_w8a8_model_runs_its_linears_on_int8_activations(tiny_llama, monkeypat
     per_step = 4 * len(layers)
     assert max(rows) >= 240, "no prefill step ran its linears on int8 activations"
     # 7 decode steps of the 12 requests (the first token comes from the prefill): on int8
-    # activations, except in compiled decode graphs of a bf16 model on AMX (the weight-only
-    # AMX template there, faster at decode batches); the prefill's lm_head has 12 rows too
+    # activations, except the decoder linears in compiled decode graphs of a bf16 model on AMX
+    # (the weight-only AMX template there, faster at decode batches): then only the lm_head's
+    # 12 rows, in the prefill step and in each decode step
     if compiled and torch.cpu._is_amx_tile_supported():
-        assert rows.count(12) == 1, "compiled decode graphs on AMX use the int8 weights only"
+        assert rows.count(12) == 1 + 7, "compiled decode graphs on AMX: the lm_head only"
         assert llm.engine.compiled is not None and llm.engine.compiled.steps >= 7
     else:
         assert rows.count(12) >= per_step * 7, "decode steps did not run on int8 activations"
@@ -225,3 +252,20 @@ def test_a_cpu_without_int8_matrix_instructions_refuses_w8a8(tiny_llama, monkeyp
         from minisgl.config import EngineConfig
 
         EngineConfig(model_path="x", quantization="w4a4")
+
+
+@pytest.mark.gate_only
+@pytest.mark.bench
+@pytest.mark.card(
+    CARD, "many-short-at-least-3x-hf-bf16-with-w8a8-and-compiled-steps-perplexity-within-2-of-fp32"
+)
+def test_w8a8_many_short_vs_hf_bf16(metric, tmp_path):
+    """`cpu_speed` on many-short (128 requests): minisgl w8a8 with compiled steps beside HF bf16
+    `generate`, 2 threads, median of 2 repeats, same run (the perplexity bound is the embedded
+    model's test above)."""
+    arms = run_cpu_speed(tmp_path, "w8a8-compiled", profiles="many-short", hf="bf16")["many-short"]
+    mini, hf16 = arms["minisgl-w8a8-compiled"]["output_tok_s"], arms["hf-bf16"]["output_tok_s"]
+    print(f"many-short: minisgl w8a8 compiled {mini:.1f} tok/s, HF bf16 {hf16:.1f} "
+          f"({mini / hf16:.2f}x)")  # fmt: skip
+    metric("many_short_tok_s_minisgl", mini, unit="tok/s")
+    metric("many_short_tok_s_hf_bf16", hf16, unit="tok/s")

@@ -55,6 +55,7 @@ from minisgl.benchmark.profiles import (
     warmup_workload,
 )
 from minisgl.benchmark.report import Progress, latency_samples, plot, print_summary
+from minisgl.quantization import QUANTIZATION_METHODS
 from minisgl.utils.threads import set_threads
 
 RATIO_KEYS = (
@@ -502,9 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     off.add_argument("--gguf", default=None, help="llamacpp: GGUF file (default: embedded)")
     off.add_argument("--dtype", default=None, help="minisgl dtype (LLM dtype=...)")
-    off.add_argument(
-        "--quantization", default=None, choices=["auto", "none", "int8", "int4"], help="minisgl"
-    )
+    off.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS, help="minisgl")
     off.add_argument("--hf-dtype", default=None, help="HF dtype (default: minisgl's dtype)")
     off.add_argument("--ab", help="comma-separated CPU backends, e.g. python,rust_hotpath")
     off.add_argument("--ignore-arrivals", action="store_true", help="submit all at t=0")

@@ -85,7 +85,7 @@ def quantize_model(
         # steps); the int8 rows still serve the embedding lookup
         model.lm_head = Int4Linear(quantize_int4(hw.dequantize()), None, dtype)
     elif method == "w8a8":  # the same int8 rows, multiplied by int8 activations
-        model.lm_head = W8A8Linear(hw, None, dtype)
+        model.lm_head = W8A8Linear(hw, None, dtype, template_when_frozen=False)
     else:
         model.lm_head = head8
     if cfg.tie_word_embeddings:

@@ -32,17 +32,13 @@ freezing would otherwise fold the float weights into constants of the graph, a s
 every weight. Except in the decode graphs of a bf16 int8 model on an AMX CPU (`frozen_graphs`):
 there the packed kernel at every row count, which inductor turns into its AMX template.
 
-Opt-in (`MINISGL_INT8_ACTIVATIONS=1`): at M >= `W8A8_MIN_ROWS` rows (prefill, large decode
-batches) int8 layers quantize their activations per row (dynamic, symmetric) and run one int8 x
-int8 GEMM (`torch._int_mm`, VNNI), measured 420 GOP/s against 205 GFLOP/s for bf16 `F.linear`
-and 59 for `_weight_int8pack_mm` at [512, 576] x [576, 1536] on 1 thread. Off by default: it
-costs the embedded model 8.6% perplexity (40.72 against 37.50 in fp32; weight-only int8 +0.5%, the issue allows 2%): its outlier channels would need smoothing.
+int8 activations (an int8 x int8 GEMM, SmoothQuant-calibrated weights) are their own mode,
+`quantization="w8a8"` (`w8a8.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
@@ -53,8 +49,6 @@ from minisgl.attention import cpu_native
 from minisgl.quantization import INT4_GROUP
 from minisgl.quantization.packed import Int4Weight, Int8Weight
 
-# int8 layers: from this many rows on, int8 activations and one int8 GEMM; None: never
-W8A8_MIN_ROWS: int | None = 32 if os.environ.get("MINISGL_INT8_ACTIVATIONS") == "1" else None
 # int8 layers: from this many rows on, one float GEMM on the de-quantized weights
 DEQUANT_MIN_ROWS = 32
 # int4 layers: the same from this many rows on (torch ops de-quantize: fp32 layers, or no C
@@ -100,7 +94,6 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = w.q.shape
         self.register_buffer("qweight", w.q.contiguous())
         self.register_buffer("scales", w.scale.to(dtype))
-        self.register_buffer("scales_f32", w.scale.float())  # the int8 GEMM's output scale
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         self.dequant_min_rows = DEQUANT_MIN_ROWS
         # in frozen graphs: inductor's AMX template reads the int8 weights at any row count
@@ -109,8 +102,7 @@ class Int8Linear(nn.Module):
     @property
     def row_thresholds(self) -> tuple[int, ...]:
         """The row counts at which `forward` changes kernels."""
-        rows = (self.dequant_min_rows,)
-        return rows if W8A8_MIN_ROWS is None else (W8A8_MIN_ROWS, *rows)
+        return (self.dequant_min_rows,)
 
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
         """[N, K] weights (`rows` of them) in the activation dtype: what the packed kernel
@@ -119,25 +111,13 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _rows(x, self.scales.dtype)
-        if W8A8_MIN_ROWS is not None and x2.shape[0] >= W8A8_MIN_ROWS:
-            y = w8a8_mm(x2, self.qweight, self.scales_f32)
-        elif _FROZEN_GRAPH and self.packed_when_frozen:
+        if _FROZEN_GRAPH and self.packed_when_frozen:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         elif x2.shape[0] >= self.dequant_min_rows:
             return _out(_dequantized_linear(self, x2), None, x)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         return _out(y, self.bias, x)
-
-
-def w8a8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ (qweight [N, K] int8 * scales [N])^T with x quantized per row to int8
-    (scale = max |row| / 127, round to nearest): an int32 GEMM, then both scales; x's dtype."""
-    xf = x.float()
-    sx = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(127.0)
-    xq = torch.round(xf / sx).to(torch.int8)
-    acc = torch._int_mm(xq, qweight.t())
-    return (acc.float() * sx * scales).to(x.dtype)
 
 
 class Int4Linear(nn.Module):

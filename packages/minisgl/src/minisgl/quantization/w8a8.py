@@ -102,16 +102,26 @@ class W8A8Linear(nn.Module):
     the weight-only packed kernel, which inductor replaces by its AMX template, as a weight-only
     int8 layer does. Measured on many-short's batch-128 decode steps (embedded model, 2
     threads): 36.7 ms a step through the template, 41.4 through the int8 GEMM (its 121 GEMMs
-    17.7 ms, the activations' quantization and the operator calls the rest)."""
+    17.7 ms, the activations' quantization and the operator calls the rest). The lm_head is the
+    exception (`template_when_frozen=False`): its 128 x 49152 x 576 GEMM took 2.9 ms through
+    the int8 GEMM (+0.7 ms for the per-row rescale) against 4.5-5.8 ms through the template."""
 
-    def __init__(self, w: Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        w: Int8Weight,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        template_when_frozen: bool = True,
+    ) -> None:
+        """`template_when_frozen=False`: the int8 GEMM in the frozen decode graphs too."""
         super().__init__()
         self.out_features, self.in_features = w.q.shape
         self.register_buffer("qweight", w.q.contiguous())
         self.register_buffer("scales", w.scale.float().contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         self.dtype = dtype
-        self.packed_when_frozen = dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported()
+        amx = dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported()
+        self.packed_when_frozen = template_when_frozen and amx
         # the frozen decode graphs' template is autotuned per class of row counts (`row_bounds`):
         # one graph for every batch from 2 was autotuned at 2 rows, where ATen's GEMV wins
         # (gate / up and down at batch 128: 2.1 ms a call against 0.26 through the template)
