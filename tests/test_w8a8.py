@@ -269,3 +269,22 @@ def test_w8a8_many_short_vs_hf_bf16(metric, tmp_path):
           f"({mini / hf16:.2f}x)")  # fmt: skip
     metric("many_short_tok_s_minisgl", mini, unit="tok/s")
     metric("many_short_tok_s_hf_bf16", hf16, unit="tok/s")
+
+
+@pytest.mark.card(CARD, GEMM)
+def test_a_freed_layer_takes_its_packed_weights_with_it():
+    """The prepacked copies are found by the weight's storage; a freed model must not leave its
+    weights (or their packed copies) in the registry."""
+    import gc
+
+    w8 = _w8a8()
+    from minisgl.quantization.packed import quantize_int8
+
+    before = len(w8._PACKED)
+    layer = w8.W8A8Linear(quantize_int8(torch.randn(64, 96)), None, torch.bfloat16)
+    assert len(w8._PACKED) == before + 1
+    out = layer(torch.randn(5, 96).bfloat16())
+    assert out.shape == (5, 64)
+    del layer
+    gc.collect()
+    assert len(w8._PACKED) == before
