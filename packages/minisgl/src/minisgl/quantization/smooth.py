@@ -3,9 +3,10 @@
 A linear's input x and weight W give the same product as x / s and W * s for any positive
 per-input-channel factors s. With s = max|x|^alpha / max|W|^(1 - alpha) (channel maxima of x
 from a calibration forward, of W over its output rows) the activations' outlier channels shrink
-and the weights' grow, so both quantize to int8 with less error (alpha 0.7: the embedded
-model's perplexity +0.4% against fp32, +4.7% without smoothing). The 1 / s is folded into the
-weights that produce x, so nothing changes at run time:
+and the weights' grow, so both quantize to int8 with less error (the embedded model in w8a8:
+perplexity 38.51 without smoothing, 36.84-36.91 with alpha 0.5, fp32 37.50; alpha 0.7 gave
+39.34 and lost its "Paris"). The 1 / s is folded into the weights that produce x, so nothing
+changes at run time:
 - QKV's input: the input RMSNorm's weight;
 - gate / up's input: the post-attention RMSNorm's weight;
 - down's input (SiLU(gate) * up): the up rows of gate_up.
