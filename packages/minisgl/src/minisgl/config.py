@@ -141,9 +141,8 @@ class EngineConfig:
     memory_ratio: float | None = None
     cache_type: str = "radix"
     attention_backend: str = "torch_native"
-    quantization: str = (
-        "auto"  # auto (the file's precision class on CPU) / none / int8 / int4 / w8a8
-    )
+    # auto (the file's precision class on CPU) / none / int8 / int4 / w8a8 (CPU only)
+    quantization: str = "auto"
     sim_device: str | None = None  # "BASE_MS,TOKEN_MS": no model, see engine/sim.py
     enable_torch_compile: bool = False  # decode steps through torch.compile (engine/compiled.py)
     threads: int | None = None  # torch + tokenizer threads, set by make_engine (None: as is)
