@@ -6,6 +6,7 @@ import torch
 
 from minisgl.config import EngineConfig, ModelConfig
 from minisgl.kvcache.pool import KVPool
+from minisgl.utils.cpu import cpu_flags
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # On CPU the KV pool is host memory shared with everything else: a memory ratio applies to the
@@ -22,12 +23,7 @@ def resolve_device(device: str) -> torch.device:
 
 def cpu_has_fast_bf16() -> bool:
     """AVX512-BF16 or AMX: bf16 matmuls run natively (not emulated through fp32)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
 
 
 def resolve_quantization(quantization: str, model_path: str, device: torch.device) -> str:

@@ -68,9 +68,10 @@ def quantize_model(
             if use == "int4" and not int4_supported(lin.out_features, lin.in_features):
                 use = "int8"
             w = _weight(lin, name, use, packed)
-            cls = Int4Linear if isinstance(w, Int4Weight) else Int8Linear
             if method == "w8a8":
                 cls = W8A8Linear
+            else:
+                cls = Int4Linear if isinstance(w, Int4Weight) else Int8Linear
             bias = None if lin.bias is None else lin.bias.detach()
             setattr(parent, leaf, cls(w, bias, dtype))  # type: ignore[arg-type]
     head = model.lm_head

@@ -110,14 +110,14 @@ class Int8Linear(nn.Module):
         return torch.ops.minisgl.int8_dequant(self.qweight[rows], self.scales[rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = _rows(x, self.scales.dtype)
+        x2 = as_rows(x, self.scales.dtype)
         if _FROZEN_GRAPH and self.packed_when_frozen:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         elif x2.shape[0] >= self.dequant_min_rows:
-            return _out(_dequantized_linear(self, x2), None, x)
+            return as_output(_dequantized_linear(self, x2), None, x)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
-        return _out(y, self.bias, x)
+        return as_output(y, self.bias, x)
 
 
 class Int4Linear(nn.Module):
@@ -149,13 +149,13 @@ class Int4Linear(nn.Module):
         return torch.ops.minisgl.int4_dequant(self.codes[rows], self.scales_zeros[:, rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = _rows(x, self.scales_zeros.dtype)
+        x2 = as_rows(x, self.scales_zeros.dtype)
         if x2.shape[0] >= self.dequant_min_rows:
-            return _out(_dequantized_linear(self, x2), None, x)
+            return as_output(_dequantized_linear(self, x2), None, x)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.qweight, INT4_GROUP, self.scales_zeros
         )
-        return _out(y, self.bias, x)
+        return as_output(y, self.bias, x)
 
 
 def _dequantized_linear(layer: Int8Linear | Int4Linear, x: torch.Tensor) -> torch.Tensor:
@@ -222,15 +222,16 @@ _LIB.impl("int4_dequant", _int4_dequant_meta, "Meta")
 DEQUANT_OPS = (torch.ops.minisgl.int8_dequant.default, torch.ops.minisgl.int4_dequant.default)
 
 
-# decode runs ~120 of these per token: skip the no-op reshape / casts (each a dispatch)
-def _rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+# decode runs ~120 of these per token: skip the no-op reshape / casts (each a dispatch);
+# the W8A8 layers (`w8a8.py`) share them
+def as_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x as a 2-D [rows, in_features] matrix in the kernel's activation dtype."""
     if x.dim() != 2:
         x = x.reshape(-1, x.shape[-1])
     return x if x.dtype == dtype else x.to(dtype)
 
 
-def _out(y: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+def as_output(y: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """The kernel's [rows, out] result (+ bias) in x's leading shape and dtype."""
     if bias is not None:
         y += bias

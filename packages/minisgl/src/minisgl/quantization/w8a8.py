@@ -30,6 +30,7 @@ from torch import nn
 
 from minisgl.quantization import linear
 from minisgl.quantization.packed import Int8Weight
+from minisgl.utils.cpu import cpu_flags
 
 # a weight's storage (address, shape) -> (its strides, oneDNN's packed copy, its zero points);
 # an entry leaves with the tensor that registered it (`weakref.finalize`), so a freed model's
@@ -43,12 +44,7 @@ def w8a8_supported() -> bool:
     torch has oneDNN's int8 linear."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.onednn, "qlinear_prepack"):
         return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "amx_int8" in flags or "avx512_vnni" in flags
+    return not cpu_flags().isdisjoint({"amx_int8", "avx512_vnni"})
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,13 +132,11 @@ class W8A8Linear(nn.Module):
         _packed(self.qweight)  # at load: no packing in the first steps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        x2 = linear.as_rows(x, self.dtype)
         if linear.frozen_graph() and self.packed_when_frozen:
-            y = torch.ops.aten._weight_int8pack_mm(x2.to(self.dtype), self.qweight, self.scales_act)
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales_act)
         else:
             xq, sx = quantize_rows(x2)
             y = torch.ops.minisgl.w8a8_mm(xq, self.qweight, self.scales, self.dtype)
             y = (y.float() * sx).to(self.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+        return linear.as_output(y, self.bias, x)
