@@ -30,6 +30,9 @@ SMOOTH = "smoothing-leaves-the-float-model-s-logits-unchanged"
 ENGINE = "a-w8a8-model-runs-its-prefill-linears-on-int8-activations"
 EMBEDDED = "the-embedded-model-in-w8a8-answers-paris-within-2-of-fp32-perplexity"
 REFUSE = "a-cpu-without-int8-matrix-instructions-refuses-w8a8"
+RED_FUSED = "failing-tests-fused-input-quantization"
+FUSED_OP = "a-linear-s-input-norm-or-silu-x-up-quantizes-in-one-c-pass"
+FUSED_MODEL = "a-w8a8-model-quantizes-its-norms-and-silu-x-up-in-those-passes"
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
@@ -312,3 +315,115 @@ def test_a_freed_layer_takes_its_packed_weights_with_it():
     del layer
     gc.collect()
     assert len(w8._PACKED) == before
+
+
+def _quant_op() -> Any:
+    op = getattr(torch.ops.minisgl, "w8a8_quant", None) if _w8a8() else None
+    assert op is not None, "no minisgl::w8a8_quant operator"
+    return op
+
+
+def _reference_h(x: torch.Tensor, kind: str, w: Any, in_scale: Any, eps: float) -> torch.Tensor:
+    """The input each kind quantizes, formed in fp32 from the bf16 operands."""
+    xf = x.float()
+    if kind == "rmsnorm":
+        return w.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if kind == "silu_mul":
+        if in_scale is not None:
+            xf = xf * in_scale.reshape(-1, 1)
+        g, u = xf.chunk(2, dim=-1)
+        return torch.nn.functional.silu(g) * u
+    return xf
+
+
+@pytest.mark.card(CARD, RED_FUSED)
+@pytest.mark.card(CARD, FUSED_OP)
+@pytest.mark.parametrize("kind", ["rows", "rmsnorm", "silu_mul"])
+@pytest.mark.parametrize("rows,n", [(1, 64), (37, 72), (300, 576)])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_fused_input_quantization_codes_each_row_as_quantize_rows(kind, rows, n, scaled):
+    """`minisgl::w8a8_quant(x, weight, in_scale, eps, kind)` of bf16 rows: codes and scales of
+    `quantize_rows` over the kind's input (the row itself, its RMSNorm, SiLU(gate) x up of its
+    two halves, after a per-row scale) formed in fp32; a code may differ by one where the value
+    lies within a rounding of a half step."""
+    if scaled and kind != "silu_mul":
+        pytest.skip("a per-row input scale belongs to silu_mul")
+    op, w8 = _quant_op(), _w8a8()
+    g = torch.Generator().manual_seed(rows * 3 + n)
+    width = 2 * n if kind == "silu_mul" else n
+    x = (torch.randn(rows, width + 8, generator=g) * 3)[:, 4 : 4 + width].bfloat16()  # strided
+    x[0, 1] = 40.0  # an outlier sets row 0's scale
+    w = (torch.rand(n, generator=g) + 0.5).bfloat16() if kind == "rmsnorm" else None
+    sx = torch.rand(rows, 1, generator=g) * 0.02 + 1e-3 if scaled else None
+    codes, scales = op(x, w, sx, 1e-5, kind)
+    want_codes, want_scales = w8.quantize_rows(_reference_h(x, kind, w, sx, 1e-5))
+    assert codes.dtype == torch.int8 and codes.shape == (rows, n)
+    assert scales.dtype == torch.float32 and scales.shape == (rows, 1)
+    torch.testing.assert_close(scales, want_scales, rtol=1e-5, atol=0)
+    diff = (codes.int() - want_codes.int()).abs()
+    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01
+    assert int(codes.abs().max()) == 127
+
+
+@pytest.mark.card(CARD, RED_FUSED)
+@pytest.mark.card(CARD, FUSED_OP)
+def test_a_fused_input_quantization_refuses_bad_operands():
+    op = _quant_op()
+    x = torch.randn(4, 64).bfloat16()
+    with pytest.raises((ValueError, RuntimeError), match="kind"):
+        op(x, None, None, 0.0, "gelu")
+    with pytest.raises((ValueError, RuntimeError), match="weight"):
+        op(x, torch.ones(32).bfloat16(), None, 1e-5, "rmsnorm")
+    with pytest.raises((ValueError, RuntimeError), match="even"):
+        op(torch.randn(4, 63).bfloat16(), None, None, 0.0, "silu_mul")
+    codes, scales = op(torch.zeros(3, 64).bfloat16(), None, None, 0.0, "rows")
+    assert codes.eq(0).all() and torch.isfinite(scales).all()
+
+
+@pytest.mark.card(CARD, RED_FUSED)
+@pytest.mark.card(CARD, FUSED_MODEL)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_w8a8_model_quantizes_norms_and_silu_mul_in_the_fused_pass(
+    tiny_llama, monkeypatch, compiled
+):
+    """The input norms move into the QKV and gate/up linears' quantization, SiLU x up (with the
+    gate/up GEMM's per-row scale) into down's: three fused passes a layer in a prefill step
+    and no other per-row quantization there; the model's greedy tokens are those of the same
+    weights through the unfused ops."""
+    w8 = _w8a8()
+    if not _supported():
+        pytest.fail("this CPU lacks int8 matrix instructions: the refusal test covers it")
+    _quant_op()
+    opts = dict(quantization="w8a8", dtype="bfloat16", num_pages=2048, max_running_requests=16)
+    llm = LLM(str(tiny_llama), enable_torch_compile=compiled, **opts)
+    layers = llm.engine.model.model.layers
+    for ly in layers:
+        assert isinstance(ly.input_layernorm, torch.nn.Identity)
+        assert isinstance(ly.post_attention_layernorm, torch.nn.Identity)
+        assert isinstance(ly.mlp, w8.W8A8MLP)
+    kinds: list[tuple[str, int]] = []
+    impl = w8.quantize_input
+
+    def counted(x, weight, in_scale, eps, kind):
+        kinds.append((kind, x.shape[0]))
+        return impl(x, weight, in_scale, eps, kind)
+
+    monkeypatch.setattr(w8, "quantize_input", counted)
+    calls = _count_gemms(monkeypatch)
+    prompts = random_prompts(6, 40, 60, vocab=300, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    out = llm.generate(prompts, params)
+    prefill = [k for k, rows in kinds if rows >= 240]
+    n = len(layers)
+    assert sorted(set(prefill)) == ["rmsnorm", "rows", "silu_mul"], kinds[:8]
+    assert prefill.count("rmsnorm") == 2 * n and prefill.count("silu_mul") == n
+    assert prefill.count("rows") == n  # o_proj's input; the lm_head's rows are the sampled ones
+    assert sum(r >= 240 for r in calls) == 4 * n
+    assert_kv_clean(llm)
+    # the same weights through the unfused modules (`MINISGL_W8A8_FUSED=0`)
+    monkeypatch.setenv("MINISGL_W8A8_FUSED", "0")
+    ref = LLM(str(tiny_llama), **opts)
+    assert not isinstance(ref.engine.model.model.layers[0].mlp, w8.W8A8MLP)
+    ref_out = ref.generate(prompts, params)
+    same = sum(o["token_ids"] == r["token_ids"] for o, r in zip(out, ref_out, strict=True))
+    assert same >= 5, [(o["token_ids"], r["token_ids"]) for o, r in zip(out, ref_out)]
