@@ -26,8 +26,11 @@ import functools
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from minisgl.attention import cpu_native
+from minisgl.models.layers import RMSNorm, rms_norm
 from minisgl.quantization import linear
 from minisgl.quantization.packed import Int8Weight
 from minisgl.utils.cpu import cpu_flags
@@ -53,6 +56,68 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
     return torch.round(xf / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+def _input_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    in_scale: torch.Tensor | None,
+    eps: float,
+    kind: str,
+) -> torch.Tensor:
+    """The rows `quantize_input` codes, as the model's eager ops form them in x's dtype."""
+    if kind == "rmsnorm":
+        assert weight is not None
+        return rms_norm(x, weight, eps)
+    if kind == "silu_mul":
+        if in_scale is not None:
+            x = (x.float() * in_scale.reshape(-1, 1)).to(x.dtype)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return x
+
+
+def quantize_input(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    in_scale: torch.Tensor | None,
+    eps: float,
+    kind: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` of a linear's input formed from x [rows, k] by `kind`: "rows" (x
+    itself), "rmsnorm" (x's RMSNorm by `weight` [k] and `eps`), "silu_mul" (SiLU(gate) x up of
+    x's halves [rows, 2n], both scaled by `in_scale` [rows] or [rows, 1] first: an int8 GEMM's
+    output before its per-row activation scale), as the model's eager ops form it in x's dtype.
+    A bf16 x takes one C pass (`cpu_native.quant_rows`: the row formed, each intermediate
+    rounded to bf16 as those ops round it, its maximum and its codes, no tensor in between; a
+    code may differ by one where it lies within a rounding of a half), others the torch ops.
+
+    Why the bf16 roundings: rows formed in fp32 (as inductor's fused loops form them) were
+    0.3 ms faster a gate/up call of [2587, 2 x 1536], but the embedded model's perplexity, as
+    the geometric mean over 11 texts, was 0.6-1% higher (47.45 against 47.17 with the
+    weight-only lm_head; fp32 46.87). On the card's one 108-token text neutral changes move it
+    by several percent (dividing by the scale or multiplying by its inverse, in the unfused
+    model: 36.91 or 37.42)."""
+    if kind not in cpu_native.QUANT_KINDS:
+        raise ValueError(f"quantize_input: kind must be one of {cpu_native.QUANT_KINDS}, "
+                         f"got {kind!r}")  # fmt: skip
+    if x.dim() != 2:
+        raise ValueError(f"quantize_input: x must be [rows, k], got {tuple(x.shape)}")
+    if kind == "rmsnorm" and (weight is None or tuple(weight.shape) != (x.shape[1],)):
+        got = None if weight is None else tuple(weight.shape)
+        raise ValueError(f"quantize_input: rmsnorm needs a weight of [{x.shape[1]}], got {got}")
+    if kind == "silu_mul" and x.shape[1] % 2:
+        raise ValueError(f"quantize_input: silu_mul needs an even width, got {x.shape[1]}")
+    if in_scale is not None and in_scale.numel() != x.shape[0]:
+        raise ValueError(
+            f"quantize_input: in_scale needs {x.shape[0]} rows, got {in_scale.numel()}"
+        )
+    fused = (x.dtype == torch.bfloat16 and x.stride(-1) == 1 and x.device.type == "cpu"
+             and (weight is None or weight.dtype == torch.bfloat16)
+             and cpu_native.available(torch.bfloat16))  # fmt: skip
+    if fused and x.shape[0] > 0:
+        return cpu_native.quant_rows(x, weight, in_scale, eps, kind)
+    return quantize_rows(_input_rows(x, weight, in_scale, eps, kind))
 
 
 def _packed(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,10 +168,39 @@ def _w8a8_mm_meta(
     return xq.new_empty(xq.shape[0], qweight.shape[0], dtype=out_dtype)
 
 
+# the operator calls `quantize_input` through this module's namespace (looked up at each call)
+def _w8a8_quant(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    in_scale: torch.Tensor | None,
+    eps: float,
+    kind: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_input(x, weight, in_scale, eps, kind)
+
+
+def _w8a8_quant_meta(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    in_scale: torch.Tensor | None,
+    eps: float,
+    kind: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x.shape[1] // 2 if kind == "silu_mul" else x.shape[1]
+    return x.new_empty(x.shape[0], n, dtype=torch.int8), x.new_empty(
+        x.shape[0], 1, dtype=torch.float32
+    )
+
+
 _LIB = torch.library.Library("minisgl", "FRAGMENT")
 _LIB.define("w8a8_mm(Tensor xq, Tensor qweight, Tensor scales, ScalarType out_dtype) -> Tensor")
 _LIB.impl("w8a8_mm", _w8a8_mm, "CPU")
 _LIB.impl("w8a8_mm", _w8a8_mm_meta, "Meta")
+_LIB.define(
+    "w8a8_quant(Tensor x, Tensor? weight, Tensor? in_scale, float eps, str kind) -> (Tensor, Tensor)"
+)
+_LIB.impl("w8a8_quant", _w8a8_quant, "CPU")
+_LIB.impl("w8a8_quant", _w8a8_quant_meta, "Meta")
 
 
 class W8A8Linear(nn.Module):
@@ -116,18 +210,12 @@ class W8A8Linear(nn.Module):
     the weight-only packed kernel, which inductor replaces by its AMX template, as a weight-only
     int8 layer does. Measured on many-short's batch-128 decode steps (embedded model, 2
     threads): 36.7 ms a step through the template, 41.4 through the int8 GEMM (its 121 GEMMs
-    17.7 ms, the activations' quantization and the operator calls the rest). The lm_head is the
-    exception (`template_when_frozen=False`): its 128 x 49152 x 576 GEMM took 2.9 ms through
-    the int8 GEMM (+0.7 ms for the per-row rescale) against 4.5-5.8 ms through the template."""
+    17.7 ms, the activations' quantization and the operator calls the rest; measured again with
+    the fused input quantization: a many-short run's 15 decode steps 665-709 ms through the int8
+    GEMM against 648-659 through the template). A w8a8 model's lm_head is weight-only int8
+    (`quantization.apply`): the logits come from bf16 activations."""
 
-    def __init__(
-        self,
-        w: Int8Weight,
-        bias: torch.Tensor | None,
-        dtype: torch.dtype,
-        template_when_frozen: bool = True,
-    ) -> None:
-        """`template_when_frozen=False`: the int8 GEMM in the frozen decode graphs too."""
+    def __init__(self, w: Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
         self.out_features, self.in_features = w.q.shape
         self.register_buffer("qweight", w.q.contiguous())
@@ -135,21 +223,71 @@ class W8A8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         self.dtype = dtype
         amx = dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported()
-        self.packed_when_frozen = template_when_frozen and amx
+        self.packed_when_frozen = amx
         # the frozen decode graphs' template is autotuned per class of row counts (`row_bounds`):
         # one graph for every batch from 2 was autotuned at 2 rows, where ATen's GEMV wins
         # (gate / up and down at batch 128: 2.1 ms a call against 0.26 through the template)
         self.row_thresholds = (linear.DEQUANT_MIN_ROWS,) if self.packed_when_frozen else ()
         # the packed kernel's scales, in the activation dtype
         self.register_buffer("scales_act", w.scale.to(dtype) if self.packed_when_frozen else None)
+        self.norm: RMSNorm | None = None  # the RMSNorm of the input, once folded in
         _packed(self.qweight)  # at load: no packing in the first steps
+
+    def fold_norm(self, norm: RMSNorm) -> None:
+        """Take the RMSNorm that forms this layer's input: its caller passes the un-normed
+        rows, and the norm and the quantization are one pass (`quantize_input`, "rmsnorm")."""
+        self.norm = norm
+
+    def templated(self) -> bool:
+        """Whether this call runs the weight-only packed kernel (frozen decode graphs on AMX)."""
+        return linear.frozen_graph() and self.packed_when_frozen
+
+    def quantize(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 codes and per-row scales of this layer's input rows (normed if folded)."""
+        norm = self.norm
+        if norm is None:
+            return torch.ops.minisgl.w8a8_quant(x2, None, None, 0.0, "rows")
+        return torch.ops.minisgl.w8a8_quant(x2, norm.weight, None, norm.eps, "rmsnorm")
+
+    def gemm(self, xq: torch.Tensor) -> torch.Tensor:
+        """The int8 GEMM of codes, weight scales applied, the rows' scales not."""
+        return torch.ops.minisgl.w8a8_mm(xq, self.qweight, self.scales, self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = linear.as_rows(x, self.dtype)
-        if linear.frozen_graph() and self.packed_when_frozen:
+        if self.templated():
+            if self.norm is not None:
+                x2 = self.norm(x2)
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales_act)
         else:
-            xq, sx = quantize_rows(x2)
-            y = torch.ops.minisgl.w8a8_mm(xq, self.qweight, self.scales, self.dtype)
-            y = (y.float() * sx).to(self.dtype)
+            xq, sx = self.quantize(x2)
+            y = (self.gemm(xq).float() * sx).to(self.dtype)
         return linear.as_output(y, self.bias, x)
+
+
+class W8A8MLP(nn.Module):
+    """The MLP of a w8a8 decoder layer: gate/up, SiLU(gate) x up, down, where the SiLU x up
+    rows are formed and quantized in one pass from gate/up's int8 GEMM output, its per-row
+    activation scale applied there (`quantize_input`, "silu_mul"): no float SiLU x up tensor,
+    no separate rescale. Its gate/up layer usually holds the layer's post-attention norm
+    (`W8A8Linear.fold_norm`). Measured (many-short, 2 threads, AMX Xeon): inductor's fused loop
+    of the rescale, SiLU x up and the quantization took 2.6 ms a [2587, 2 x 1536] call (156 ms
+    of a 1.48 s run), the C pass 1.0 ms."""
+
+    def __init__(self, gate_up_proj: W8A8Linear, down_proj: W8A8Linear) -> None:
+        super().__init__()
+        if gate_up_proj.bias is not None or gate_up_proj.out_features % 2:
+            raise ValueError("W8A8MLP: gate/up must have no bias and an even number of rows")
+        self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
+        self.intermediate_size = gate_up_proj.out_features // 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu, down = self.gate_up_proj, self.down_proj
+        if gu.templated():  # the frozen decode graphs' weight-only kernels, as an MLP
+            gate, up = gu(x).split(self.intermediate_size, dim=-1)
+            return down(F.silu(gate) * up)
+        x2 = linear.as_rows(x, gu.dtype)
+        xq, sx = gu.quantize(x2)
+        hq, sh = torch.ops.minisgl.w8a8_quant(gu.gemm(xq), None, sx, 0.0, "silu_mul")
+        y = (down.gemm(hq).float() * sh).to(down.dtype)
+        return linear.as_output(y, down.bias, x)

@@ -41,6 +41,7 @@ SOURCES = tuple(
         "row_max",
         "kv_store",
         "dequant",
+        "quant",
     )
 )
 HEADERS = (_HERE / "bf16.h", _HERE / "spans.h")
@@ -131,6 +132,9 @@ def _library() -> ctypes.CDLL | None:
     lib.dequant_int4_bf16.argtypes = [_PTR] * 3 + [_I64] * 3 + [ctypes.c_int]
     lib.dequant_int8_bf16.restype = ctypes.c_int
     lib.dequant_int8_bf16.argtypes = [_PTR] * 3 + [_I64] * 2 + [ctypes.c_int]
+    lib.quant_rows_bf16.restype = ctypes.c_int
+    lib.quant_rows_bf16.argtypes = [_PTR, _I64, _PTR, _PTR, ctypes.c_float, ctypes.c_int,
+                                    _PTR, _PTR, _I64, _I64, ctypes.c_int]  # fmt: skip
     for suffix in _DTYPES.values():
         fn = getattr(lib, f"row_max_{suffix}")
         fn.restype = ctypes.c_int
@@ -361,6 +365,41 @@ def dequant_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     if rc != 0:
         raise ValueError(f"dequant_int8: {_ERRORS.get(rc, rc)} (shape)")
     return out
+
+
+QUANT_KINDS = ("rows", "rmsnorm", "silu_mul")  # `quant.c`'s ROWS, RMSNORM, SILU_MUL
+
+
+def quant_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    in_scale: torch.Tensor | None,
+    eps: float,
+    kind: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes [rows, n] and fp32 scales [rows, 1] of a bf16 [rows, n] matrix (rows
+    contiguous, any row stride), the row formed by `kind` (`quant.c`): the row itself, its
+    RMSNorm by the bf16 `weight` [n] and `eps`, or SiLU x up of its halves ([rows, 2n]) scaled
+    by the fp32 `in_scale` [rows] (or 1). `available(torch.bfloat16)` first; the caller checks
+    the shapes (`quantization.w8a8.quantize_input`)."""
+    lib = _library()
+    assert lib is not None and x.dtype == torch.bfloat16 and x.stride(-1) == 1
+    rows, width = x.shape
+    n = width // 2 if kind == "silu_mul" else width
+    codes = torch.empty(rows, n, dtype=torch.int8)
+    scales = torch.empty(rows, 1, dtype=torch.float32)
+    if in_scale is not None:
+        in_scale = in_scale.to(torch.float32).contiguous()
+    if weight is not None:
+        weight = weight.contiguous()
+    rc = lib.quant_rows_bf16(
+        x.data_ptr(), x.stride(0), None if weight is None else weight.data_ptr(),
+        None if in_scale is None else in_scale.data_ptr(), eps, QUANT_KINDS.index(kind),
+        codes.data_ptr(), scales.data_ptr(), rows, n, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"quant_rows: {_ERRORS.get(rc, rc)}")
+    return codes, scales
 
 
 def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

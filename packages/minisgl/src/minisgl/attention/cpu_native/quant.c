@@ -1,0 +1,152 @@
+/* Per-row int8 quantization of a W8A8 linear's input, fused with the op that forms it
+ * (quantization/w8a8.py, `quantize_input`): bf16 [rows, n] in (rows `stride` elements apart),
+ * int8 codes [rows, n] and fp32 scales [rows] out. The input h of a row, formed as the model's
+ * eager bf16 ops form it (every intermediate rounded to bf16, to nearest even):
+ *   ROWS:     h = x
+ *   RMSNORM:  h = bf16(w * bf16(x / sqrt(mean(x^2) + eps)))          (models.layers.rms_norm)
+ *   SILU_MUL: h = bf16(bf16(silu(bf16(s g))) * bf16(s u)), g | u the two halves of a row of 2n
+ *             and s = in_scale[r] (the gate/up GEMM's per-row activation scale; 1 without)
+ * then scale = max(max |h|, 1e-12) / 127 and code = h * (127 / that max) rounded to nearest
+ * even: `quantize_rows` but for the multiply, -ffast-math's order of the sums of squares and
+ * SILU_MUL's own exp (relative error ~2e-7), so a code may differ by one where h / scale lies
+ * within a rounding of a half. Finite inputs only. Each row is formed once into a buffer of n
+ * floats (L1 / L2 here), its maximum taken on the way, then coded: one read of the input.
+ * Measured (2 threads, AMX Xeon): SILU_MUL of [2587, 2 x 1536] with in_scale 1.3 ms, where
+ * inductor's fused loop took 2.6 (two vector divisions an element); RMSNORM of [2587, 576]
+ * 0.3 ms against 0.53-0.65. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+
+enum { ROWS = 0, RMSNORM = 1, SILU_MUL = 2 };
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* to bf16 (nearest even, as f32_to_bf16) and back */
+static inline __m512 round_bf16_16(__m512 v) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+static inline __m512 load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* e^x for x in about [-87, 88]: 2^n * 2^f, n = round(x log2 e), |f| <= 1/2, 2^f by a degree-6
+ * polynomial (relative error ~2e-7, below a bf16 rounding), scaled by vscalefps */
+static inline __m512 exp16(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)),
+                                                 _mm512_set1_ps(-87.0f)),
+                                   _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5353362e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6180197e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503406e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022652e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* 16 elements of silu_mul: h into `h`, returns max |h| so far */
+static inline __m512 silu_mul16(const uint16_t *g, const uint16_t *u, __m512 s, float *h,
+                                __m512 amax) {
+    const __m512 gv = round_bf16_16(_mm512_mul_ps(load_bf16(g), s));
+    const __m512 uv = round_bf16_16(_mm512_mul_ps(load_bf16(u), s));
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), e);
+    __m512 r = _mm512_rcp14_ps(d); /* one Newton step: relative error ~2^-28 */
+    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
+    const __m512 hv = round_bf16_16(_mm512_mul_ps(round_bf16_16(_mm512_mul_ps(gv, r)), uv));
+    _mm512_storeu_ps(h, hv);
+    return _mm512_max_ps(amax, _mm512_abs_ps(hv));
+}
+#endif
+
+/* code the n floats of h: codes and the row's scale */
+static inline void code_row(const float *h, float amax, int8_t *codes, float *scale, int64_t n) {
+    const float m = amax > 1e-12f ? amax : 1e-12f;
+    const float inv = 127.0f / m;
+    *scale = m / 127.0f;
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (; c + 16 <= n; c += 16) { /* rounded to nearest even by the conversion; |v| <= 127 */
+        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(h + c), iv));
+        _mm_storeu_si128((__m128i *)(codes + c), _mm512_cvtsepi32_epi8(v));
+    }
+#endif
+    for (; c < n; c++) {
+        float v = rintf(h[c] * inv);
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        codes[c] = (int8_t)v;
+    }
+}
+
+/* kind ROWS / RMSNORM: x [rows, n] (rows `stride` apart); w [n] (RMSNORM); in_scale unused.
+ * kind SILU_MUL: x [rows, 2n]; in_scale [rows] or NULL. codes [rows, n] contiguous. */
+int quant_rows_bf16(const uint16_t *x, int64_t stride, const uint16_t *w, const float *in_scale,
+                    float eps, int kind, int8_t *codes, float *scales, int64_t rows, int64_t n,
+                    int threads) {
+    if (rows < 0 || n < 1 || kind < ROWS || kind > SILU_MUL) return 10;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (rows * n >= 32768)
+    {
+        float *h = malloc((size_t)n * sizeof(float));
+        if (h == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (h == NULL) continue;
+            const uint16_t *xr = x + r * stride;
+            float amax = 0.0f;
+            if (kind == ROWS) {
+                for (int64_t c = 0; c < n; c++) {
+                    h[c] = bf16_to_f32(xr[c]);
+                    amax = fmaxf(amax, fabsf(h[c]));
+                }
+            } else if (kind == RMSNORM) {
+                float ss = 0.0f;
+                for (int64_t c = 0; c < n; c++) {
+                    const float v = bf16_to_f32(xr[c]);
+                    ss += v * v;
+                }
+                const float inv_rms = 1.0f / sqrtf(ss / (float)n + eps);
+                for (int64_t c = 0; c < n; c++) {
+                    const float v = round_bf16(bf16_to_f32(xr[c]) * inv_rms);
+                    h[c] = round_bf16(bf16_to_f32(w[c]) * v);
+                    amax = fmaxf(amax, fabsf(h[c]));
+                }
+            } else {
+                const float s = in_scale != NULL ? in_scale[r] : 1.0f;
+                const uint16_t *ur = xr + n;
+                int64_t c = 0;
+#if defined(__AVX512F__)
+                __m512 m = _mm512_setzero_ps();
+                const __m512 sv = _mm512_set1_ps(s);
+                for (; c + 16 <= n; c += 16) m = silu_mul16(xr + c, ur + c, sv, h + c, m);
+                amax = _mm512_reduce_max_ps(m);
+#endif
+                for (; c < n; c++) {
+                    float g = bf16_to_f32(xr[c]), u = bf16_to_f32(ur[c]);
+                    g = round_bf16(g * s), u = round_bf16(u * s);
+                    h[c] = round_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
+                    amax = fmaxf(amax, fabsf(h[c]));
+                }
+            }
+            code_row(h, amax, codes + r * n, scales + r, n);
+        }
+        free(h);
+    }
+    return failed ? 3 : 0;
+}
