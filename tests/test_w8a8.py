@@ -376,6 +376,22 @@ def test_a_fused_input_quantization_codes_each_row_as_quantize_rows(kind, scaled
     assert int(codes.abs().max()) == 127
 
 
+@pytest.mark.card(CARD, FUSED_OP)
+def test_silu_mul_quantization_of_extreme_gates():
+    """Gates far outside exp's range (|g| up to 1000: SiLU is g or 0 there) code as the eager
+    ops do: the kernel clamps exp's argument so 1 / (1 + e^-g) stays a normal float."""
+    op, w8 = _quant_op(), _w8a8()
+    g = torch.Generator().manual_seed(4)
+    gate = torch.tensor([-1000.0, -200.0, -90.0, -81.0, -20.0, 0.0, 20.0, 90.0, 200.0, 1000.0])
+    gate = gate.repeat(4, 4)[:, :32]
+    x = torch.cat([gate, torch.randn(4, 32, generator=g) + 2.0], dim=1).bfloat16()
+    codes, scales = op(x, None, None, 0.0, "silu_mul")
+    want_codes, want_scales = w8.quantize_rows(_reference_h(x, "silu_mul", None, None, 0.0))
+    torch.testing.assert_close(scales, want_scales, rtol=2.0**-6, atol=0)
+    assert int((codes.int() - want_codes.int()).abs().max()) <= 1
+    assert bool(codes[:, gate[0] < -50].eq(0).all())  # SiLU of a large negative gate is 0
+
+
 @pytest.mark.card(CARD, RED_FUSED)
 @pytest.mark.card(CARD, FUSED_OP)
 def test_a_fused_input_quantization_refuses_bad_operands():
