@@ -34,6 +34,8 @@ REFUSE = "a-cpu-without-int8-matrix-instructions-refuses-w8a8"
 RED_FUSED = "failing-tests-fused-input-quantization"
 FUSED_OP = "a-linear-s-input-norm-or-silu-x-up-quantizes-in-one-c-pass"
 FUSED_MODEL = "a-w8a8-model-quantizes-its-norms-and-silu-x-up-in-those-passes"
+GREEN = "w8a8-linears-through-onednn-s-int8-gemm"
+REFACTOR = "one-activation-quantization-for-every-w8a8-path"
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
@@ -90,6 +92,7 @@ def test_int8_gemm_matches_the_integer_reference(m, n, k, out_dtype):
 
 
 @pytest.mark.card(CARD, GEMM)
+@pytest.mark.card(CARD, GREEN)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_int8_gemm_runs_on_an_optimized_onednn_kernel(out_dtype, capfd):
     """oneDNN's verbose log names the matmul implementation each call runs: never its reference
@@ -409,6 +412,7 @@ def test_a_fused_input_quantization_refuses_bad_operands():
 
 @pytest.mark.card(CARD, RED_FUSED)
 @pytest.mark.card(CARD, FUSED_MODEL)
+@pytest.mark.card(CARD, REFACTOR)
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_w8a8_model_quantizes_norms_and_silu_mul_in_the_fused_pass(
     tiny_llama, monkeypatch, compiled
