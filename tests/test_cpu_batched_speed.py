@@ -161,6 +161,7 @@ def test_loading_the_kernel_keeps_denormals():
 
 
 @pytest.mark.card("P2-003", "decode-through-the-kernel-is-token-identical-to-hf-in-fp32")
+@pytest.mark.card("P2-003", "decode-attention-on-a-cpu-runs-through-the-kernel")
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_decode_through_the_kernel_matches_hf_and_sdpa(arch, tmp_path):
     path = write_tiny_model(arch, tmp_path / arch, seed=0)
@@ -187,6 +188,7 @@ def test_decode_through_the_kernel_matches_hf_and_sdpa(arch, tmp_path):
 
 
 @pytest.mark.card("P2-003", "a-machine-without-a-c-compiler-decodes-through-sdpa")
+@pytest.mark.card("P2-003", "sdpa-remains-the-fallback-and-the-reference")
 def test_no_compiler_falls_back_to_sdpa(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("PATH", str(tmp_path))
