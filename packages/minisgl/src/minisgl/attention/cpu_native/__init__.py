@@ -44,7 +44,7 @@ SOURCES = tuple(
         "quant",
     )
 )
-HEADERS = (_HERE / "bf16.h", _HERE / "spans.h")
+HEADERS = (_HERE / "bf16.h", _HERE / "spans.h", _HERE / "vexp.h")
 # -ffast-math at compile time only: linked with it, the object would set flush-to-zero for
 # the whole process when loaded (crtfastmath), changing every fp32 op in torch
 # 512-bit vectors where the CPU has them (gcc prefers 256 on most AVX-512 parts): the softmax's

@@ -19,6 +19,7 @@
 
 #include "bf16.h"
 #include "spans.h"
+#include "vexp.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) &&                 \
     defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -101,24 +102,6 @@ static void pack_v(const uint16_t *v, const int64_t *idx, int64_t n, int64_t n_p
     }
 }
 
-static inline __m512 exp_nonpositive(__m512 x) { /* 2^k p(r), |r| <= ln2 / 2; x <= 0 */
-    const __m512 low = _mm512_set1_ps(-103.0f);
-    const __mmask16 zero = _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, low);
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_scalef_ps((__mmask16)~zero, p, k);
-}
-
 static inline __mmask16 lanes(int64_t from, int64_t lo, int64_t hi) { /* from + j in [lo, hi) */
     const int64_t a = lo - from > 0 ? lo - from : 0, b = hi - from < 16 ? hi - from : 16;
     if (b <= a) return 0;
@@ -137,7 +120,7 @@ static float row_softmax(const float *s, uint16_t *p, int64_t from, int64_t to, 
     for (int64_t j = from; j < to; j += 16) {
         const __mmask16 keep = lanes(j, lo, hi);
         __m512 e = _mm512_setzero_ps();
-        if (keep) e = _mm512_maskz_mov_ps(keep, exp_nonpositive(_mm512_fmsub_ps(
+        if (keep) e = _mm512_maskz_mov_ps(keep, exp16(_mm512_fmsub_ps(
                                                        _mm512_loadu_ps(s + j), sc, m)));
         sum = _mm512_add_ps(sum, e);
         _mm256_storeu_si256((__m256i *)(p + j), (__m256i)_mm512_cvtneps_pbh(e));

@@ -8,7 +8,7 @@
  *             and s = in_scale[r] (the gate/up GEMM's per-row activation scale; 1 without)
  * then scale = max(max |h|, 1e-12) / 127 and code = h * (127 / that max) rounded to nearest
  * even: `quantize_rows` but for the multiply, -ffast-math's order of the sums of squares and
- * SILU_MUL's own exp (relative error ~2e-7), so a code may differ by one where h / scale lies
+ * SILU_MUL's vector exp (vexp.h), so a code may differ by one where h / scale lies
  * within a rounding of a half. Finite inputs only. Each row is formed once into a buffer of n
  * floats (L1 / L2 here), its maximum taken on the way, then coded: one read of the input.
  * The next row's lines are prefetched while a row is formed: a row of SILU_MUL spans two 4 KB
@@ -21,6 +21,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "vexp.h"
 
 enum { ROWS = 0, RMSNORM = 1, SILU_MUL = 2 };
 
@@ -40,32 +41,15 @@ static inline __m512 load_bf16(const uint16_t *p) {
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* e^x for x in [-87, 80] (clamped there): 2^n * 2^f, n = round(x log2 e), |f| <= 1/2, 2^f by
- * a degree-6 polynomial (relative error ~2e-7, below a bf16 rounding), scaled by vscalefps.
- * The bound of 80 keeps 1 / (1 + e^x) a normal float: a denormal there cost a microcode assist
- * an element (a row of large negative gates ran ~10x slower) */
-static inline __m512 exp16(__m512 x) {
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(80.0f)),
-                                                 _mm512_set1_ps(-87.0f)),
-                                   _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5353362e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6180197e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503406e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022652e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* 16 elements of silu_mul: h into `h`, returns max |h| so far */
 static inline __m512 silu_mul16(const uint16_t *g, const uint16_t *u, __m512 s, float *h,
                                 __m512 amax) {
     const __m512 gv = round_bf16_16(_mm512_mul_ps(load_bf16(g), s));
     const __m512 uv = round_bf16_16(_mm512_mul_ps(load_bf16(u), s));
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    /* e^-g with -g at most 80: 1 / (1 + e^-g) stays a normal float (a denormal cost a
+     * microcode assist an element: a row of large negative gates ran ~10x slower) */
+    const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), gv);
+    const __m512 e = exp16(_mm512_min_ps(neg, _mm512_set1_ps(80.0f)));
     const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), e);
     __m512 r = _mm512_rcp14_ps(d); /* one Newton step: relative error ~2^-28 */
     r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
