@@ -96,6 +96,35 @@ def test_yaml_file_and_format_errors(tmp_path: Path) -> None:
         load_gates(path)
 
 
+@P("P2-005", "cpu-gates-are-keyed-by-cpu-kind")
+@P("P2-005", "failing-tests-the-int4-gemv-the-c-decode-step-isa-levels-kind-keyed-gates")
+def test_cpu_rules_keyed_by_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cardgate import hardware
+
+    gates = _gates(
+        {"metric": "tok_s", "hardware": "cpu", "min": 10},
+        {"metric": "tok_s", "hardware": "cpu:amd-epyc", "min": 100},
+        {"metric": "tok_s", "hardware": "cpu:intel-*", "min": 50},
+        {"metric": "tok_s", "hardware": "*EPYC*", "min": 1000},
+    )
+    statuses = {key: [r.status for r in evaluate(gates, {"tok_s": 60.0}, key)]
+                for key in ("cpu:amd-epyc", "cpu:intel-amx", "cpu", "NVIDIA H100")}  # fmt: skip
+    assert statuses == {
+        "cpu:amd-epyc": ["pass", "fail", "n/a", "n/a"],
+        "cpu:intel-amx": ["pass", "n/a", "pass", "n/a"],
+        "cpu": ["pass", "n/a", "n/a", "n/a"],  # a record from before the kinds
+        "NVIDIA H100": ["n/a", "n/a", "n/a", "n/a"],
+    }
+    amd = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 avx512f avx512_vnni\n"
+    intel = "vendor_id\t: GenuineIntel\nflags\t\t: avx2 avx512f amx_tile amx_int8\n"
+    assert hardware.cpu_kind(amd) == "amd-epyc"
+    assert hardware.cpu_kind(intel) == "intel-amx"
+    assert hardware.cpu_kind(intel.replace(" amx_tile amx_int8", "")) == "x86-avx512"
+    assert hardware.cpu_kind("flags : sse2 avx2\n") == "x86-avx2"
+    monkeypatch.setattr(hardware, "gpu_info", lambda: {})
+    assert hardware.hardware_key() == f"cpu:{hardware.cpu_kind()}"
+
+
 def test_one_hardware_key_for_gate_and_benchmarks(monkeypatch: pytest.MonkeyPatch) -> None:
     common = pytest.importorskip("minisgl.benchmark.common", exc_type=ImportError)
     from cardgate import hardware

@@ -80,6 +80,91 @@ PPL_TEXT = (
 )
 
 
+# perplexity over several texts (geometric mean): one ~110-token text moves by several percent
+# under neutral changes of rounding order (w8a8: 37.02 or 38.69 for the same weights, SDPA or
+# the C prefill kernel); the first is PPL_TEXT
+PPL_TEXTS = (
+    PPL_TEXT,
+    (
+        "Honeybees live in colonies of tens of thousands of workers, a few hundred drones and a "
+        "single queen. Workers gather nectar and pollen, build wax combs, feed the larvae and "
+        "guard the entrance. When a forager finds a rich patch of flowers, she returns to the "
+        "hive and performs a waggle dance whose angle and duration tell her sisters the direction"
+        " and distance of the food. In winter the colony clusters tightly and shivers its flight "
+        "muscles to keep the queen warm."
+    ),
+    (
+        "To make a simple loaf of bread, mix five hundred grams of flour with ten grams of salt, "
+        "seven grams of dried yeast and about three hundred and fifty millilitres of warm water. "
+        "Knead the dough for ten minutes until it is smooth and elastic, then cover it and leave "
+        "it to rise for an hour. Shape it into a loaf, let it rise again, and bake it in a hot "
+        "oven for thirty to thirty-five minutes, until the crust is golden and the base sounds "
+        "hollow when tapped."
+    ),
+    (
+        "The French Revolution began in 1789, when financial crisis and food shortages pushed the"
+        " king to summon the Estates-General. The Third Estate declared itself a National "
+        "Assembly, and in July crowds in Paris stormed the Bastille. Over the following decade "
+        "the monarchy was abolished, the king was executed, and a period of terror gave way to "
+        "the Directory and finally to the rise of Napoleon Bonaparte, who crowned himself emperor"
+        " in 1804."
+    ),
+    (
+        "A binary search finds an item in a sorted list by repeatedly halving the range that "
+        "could contain it. Start with the whole list, compare the target with the middle element,"
+        " and discard the half in which the target cannot lie. Each comparison removes half of "
+        "the remaining candidates, so a list of a million elements needs at most twenty "
+        "comparisons. The method fails on unsorted data, and off-by-one errors in the bounds are "
+        "a classic source of bugs."
+    ),
+    (
+        "Dear Ms. Carter, thank you for your letter of the twelfth. I am pleased to confirm that "
+        "your order has been shipped and should arrive within five working days. If any item is "
+        "damaged or missing, please contact our customer service team and we will arrange a "
+        "replacement at no cost. We appreciate your business and hope you enjoy your purchase. "
+        "Kind regards, Daniel Moore, Sales Manager."
+    ),
+    (
+        "The water cycle describes how water moves between the oceans, the air and the land. Heat"
+        " from the sun evaporates water from seas and lakes; the vapour rises, cools and "
+        "condenses into clouds. When droplets grow heavy enough they fall as rain or snow. Some "
+        "of it runs off into rivers, some soaks into the ground to feed springs and wells, and "
+        "plants return part of it to the air through their leaves."
+    ),
+    (
+        "User: Can you recommend a good book for a long train journey?\nAssistant: Sure! If you "
+        "enjoy mysteries, try a classic detective novel such as The Hound of the Baskervilles. "
+        "For something lighter, a collection of short stories is easy to pick up and put down "
+        "between stations. And if you want to learn something, a popular science book about the "
+        "history of the universe can make the hours fly by."
+    ),
+    (
+        "Mount Everest, on the border between Nepal and China, is the highest mountain above sea "
+        "level. Climbers usually attempt the summit in May, when the jet stream moves north and "
+        "the winds ease. The thin air at the top holds about a third of the oxygen available at "
+        "sea level, so most climbers carry bottled oxygen. The first confirmed ascent was made in"
+        " 1953 by Edmund Hillary and Tenzing Norgay."
+    ),
+    (
+        "In economics, inflation is the rate at which the general level of prices rises over "
+        "time. Moderate inflation is normal in a growing economy, but rapid inflation erodes "
+        "savings and makes planning difficult. Central banks try to keep it stable by raising "
+        "interest rates when prices climb too quickly and lowering them when the economy slows. "
+        "Wages, exchange rates and expectations all play a part in how inflation develops."
+    ),
+)
+
+
+def perplexity_texts(llm, texts=PPL_TEXTS) -> list[float]:
+    """`perplexity_minisgl` of each text (through the model's tokenizer)."""
+    return [perplexity_minisgl(llm, llm.tokenizer.encode(t)) for t in texts]
+
+
+def geometric_mean(values) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
 def measure_bandwidth() -> dict[str, float]:
     """GB/s of a 1 GiB-ish read (sum) and copy (read + write), median of 5."""
     import torch
@@ -173,6 +258,36 @@ def perplexity_minisgl(llm, ids: list[int]) -> float:
     )
     logits = llm.engine.forward(plan)[:-1].float()
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    return math.exp(float(nll))
+
+
+def decode_logits(llm, ids: list[int], prefix: int):
+    """fp32 logits [len(ids) - prefix, vocab] predicting ids[prefix:]: a prefill of
+    ids[:prefix], then one decode step a token, fed the text's own tokens (a fresh engine: the
+    KV pool locations 0..T-1 are free). The decode path's quality, where `perplexity_minisgl`
+    measures prefill's."""
+    import numpy as np
+    import torch
+
+    from minisgl.scheduler.plan import build_step_plan
+
+    if not 1 <= prefix < len(ids):
+        raise ValueError(f"decode_logits: prefix must be in [1, {len(ids)}), got {prefix}")
+    table = np.arange(len(ids), dtype=np.int32)[None, :]
+    one = np.array([True])
+    rows = [llm.engine.forward(build_step_plan(table, [0], [0], [prefix], ids[:prefix], one, True))]
+    for t in range(prefix, len(ids) - 1):
+        rows.append(llm.engine.forward(build_step_plan(table, [0], [t], [1], [ids[t]], one, False)))
+    return torch.cat([r[-1:] for r in rows]).float()
+
+
+def decode_perplexity(llm, ids: list[int], prefix: int) -> float:
+    """Perplexity of ids[prefix:] through decode steps (`decode_logits`)."""
+    import torch
+
+    nll = torch.nn.functional.cross_entropy(
+        decode_logits(llm, ids, prefix), torch.tensor(ids[prefix:])
+    )
     return math.exp(float(nll))
 
 
