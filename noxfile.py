@@ -72,15 +72,42 @@ def install_extension(session: nox.Session) -> None:
         )
 
 
+# the `isa_paths` tests run again at each MINISGL_CPU_ISA level below the machine's own
+# (`minisgl/utils/cpu.py`): the no-AMX paths on an AMX Xeon (u8 activations in W8A8, the vector
+# prefill kernel), the plain C loops without AVX-512 anywhere; w8a8 needs int8 matrix units
+ISA_PASS_TESTS = {
+    "avx512": ("tests/test_cpu_decode_step.py", "tests/test_cpu_prefill_kernel.py",
+               "tests/test_w8a8.py"),
+    "avx2": ("tests/test_cpu_decode_step.py", "tests/test_cpu_prefill_kernel.py"),
+}  # fmt: skip
+
+
+def isa_passes() -> list[tuple[str, tuple[str, ...]]]:
+    """The levels this CPU can emulate below its own, with their test files."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
+    except OSError:
+        return []
+    levels = (["avx512"] if "amx_tile" in flags else []) + (["avx2"] if "avx512f" in flags else [])
+    return [(level, ISA_PASS_TESTS[level]) for level in levels]
+
+
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """The full test suite (pytest-xdist, -n auto; extra args go to pytest), in two runs: every
     test but the PyO3 bindings' own (`rust_ext`) with the extension uninstalled, which proves
-    the runtime and its tests need no PyO3 module (P1-012), then the `rust_ext` tests with it
+    the runtime and its tests need no PyO3 module (P1-012), then the `isa_paths` tests at each
+    MINISGL_CPU_ISA level below the machine's (`isa_passes`), then the `rust_ext` tests with it
     built. A run that selects no test (exit 5) is not a failure of that half."""
     install_runtime(session, extension=False)
     args = session.posargs or ["-n", "auto"]
     session.run("pytest", "-m", "not rust_ext", *args, success_codes=[0, 5])
+    if not session.posargs:  # each CPU path the machine can emulate (card P2-005)
+        for level, paths in isa_passes():
+            session.log(f"the isa_paths tests again with MINISGL_CPU_ISA={level}")
+            session.run("pytest", "-m", "isa_paths", "-n", "auto", *paths,
+                        env={"MINISGL_CPU_ISA": level})  # fmt: skip
     install_extension(session)
     session.run("pytest", "-m", "rust_ext", *args, success_codes=[0, 5])
 
@@ -234,7 +261,7 @@ def gpu(session: nox.Session) -> None:
 
 
 # cards whose gate compares with llama.cpp (their bench tests are marked `requires("llama_cpp")`)
-LLAMACPP_CARDS = {"P2-002"}
+LLAMACPP_CARDS = {"P2-002", "P2-005"}
 
 
 def install_llamacpp(session: nox.Session) -> None:

@@ -8,10 +8,7 @@ int4 decode of the embedded model with llama.cpp on the GGUF it ships, same run
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -313,13 +310,9 @@ def test_thread_budget(tmp_path, restore_threads):
 def test_single_stream_vs_llamacpp(metric, tmp_path):
     """`cpu_speed` single profile: minisgl int4 with compiled decode beside llama.cpp (the
     `llamacpp` extra: `nox -s llamacpp`), 2 threads, median of 3 repeats."""
-    out = tmp_path / "cpu_speed.json"
-    cmd = [sys.executable, "-m", "minisgl.benchmark.cpu_speed", "--out", str(out),
-           "--profiles", "single", "--configs", "int4-compiled", "--hf", "",
-           "--threads", "2", "--repeats", "3", "--llamacpp", "--no-quality"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=2000, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    single = json.loads(out.read_text())["results"]["single"]
+    from minisgl.testing.cpu_speed import run_single_vs_llamacpp
+
+    single = run_single_vs_llamacpp(tmp_path, "int4-compiled")["results"]["single"]
     mini = single["minisgl-int4-compiled"]["output_tok_s"]
     lcpp = single["llamacpp"]["output_tok_s"]
     print(f"single stream: minisgl int4 compiled {mini:.1f} tok/s, llama.cpp {lcpp:.1f}, "

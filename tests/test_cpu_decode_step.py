@@ -293,3 +293,30 @@ def test_benchmark_records_name_the_cpu_kind_and_features() -> None:
         assert info["cpu_kind"] in CPU_KINDS
     assert info["isa"]["isa_level"] in ("native", "avx512", "avx2")
     assert set(info["isa"]["features_used"]) <= set(info["isa"]["features"])
+
+
+@pytest.mark.gate_only
+@pytest.mark.bench
+@pytest.mark.requires(
+    "llama_cpp", "`nox -s card -- P2-005` builds llama-cpp-python (or: nox -s llamacpp)"
+)
+@pytest.mark.card(
+    CARD,
+    "single-stream-decode-of-the-default-config-at-least-1-2x-llama-cpp-on-an-amd-epyc-1-3x-on-an-"
+    "intel-amx-xeon",
+)
+def test_single_stream_default_config_vs_llamacpp(metric, tmp_path) -> None:
+    """`cpu_speed` single profile: `LLM()` as a user gets it (config `default`) beside llama.cpp
+    on the GGUF the embedded model ships, 2 threads, medians of 3, same run; the gate's rule is
+    the machine's CPU kind (`worklog/gates/P2-005.yaml`)."""
+    from minisgl.testing.cpu_speed import run_single_vs_llamacpp
+
+    record = run_single_vs_llamacpp(tmp_path, "default")
+    single = record["results"]["single"]
+    mini, lcpp = single["minisgl-default"]["output_tok_s"], single["llamacpp"]["output_tok_s"]
+    bound = record["single_stream_bound"]["default"]
+    print(f"single stream on {record['machine']['cpu_kind']}: minisgl default {mini:.1f} tok/s, "
+          f"llama.cpp {lcpp:.1f} ({mini / lcpp:.2f}x); {bound['weight_mb_per_token']:.1f} MB a "
+          f"token, {bound['fraction_of_bound']:.0%} of the bandwidth bound")  # fmt: skip
+    metric("single_stream_tok_s_minisgl_default", mini, unit="tok/s")
+    metric("single_stream_tok_s_llamacpp", lcpp, unit="tok/s")

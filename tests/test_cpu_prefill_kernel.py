@@ -3,8 +3,6 @@ place over the KV pool, checked against SDPA per request and, through the engine
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +15,9 @@ from minisgl.testing.tiny_models import write_tiny_model
 
 PREFILL = "prefill-attention-of-short-requests-through-the-kernel-matches-sdpa-and-hf"
 GAP = 2  # q rows between two requests that no request names (the kernel must not write them)
+
+
+pytestmark = pytest.mark.isa_paths
 
 
 def prefill_case(q_lens, prefixes, kvh, gqa, d, dtype, seed):
@@ -196,9 +197,10 @@ def amx_here(dtype: torch.dtype, head_dim: int) -> bool:
 
 
 def cpu_has_amx() -> bool:
-    lines = Path("/proc/cpuinfo").read_text().splitlines()
-    flags = [ln for ln in lines if ln.startswith("flags")]
-    return bool(flags) and "amx_bf16" in flags[0].split()
+    """AMX-BF16 as the code paths see it: the CPU's, under MINISGL_CPU_ISA's cap."""
+    from minisgl.utils.cpu import cpu_flags
+
+    return "amx_bf16" in cpu_flags()
 
 
 @pytest.mark.card("P2-003", RED_AMX)

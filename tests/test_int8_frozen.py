@@ -21,10 +21,11 @@ from minisgl.quantization.packed import quantize_int4
 from minisgl.testing.quantized import count_dequantizations, int8_layer
 from minisgl.testing.scenarios import assert_kv_clean, random_prompts
 from minisgl.testing.tiny_models import write_tiny_model
+from minisgl.utils.cpu import amx_tiles
 
 ITEM = "a-compiled-bf16-int8-model-decodes-its-batches-on-the-int8-weights"
 RED = "failing-tests-int8-decode-batches-in-frozen-graphs"
-AMX = torch.cpu._is_amx_tile_supported()
+AMX = amx_tiles()
 
 
 def _frozen_graphs() -> Any:

@@ -21,7 +21,9 @@ from minisgl.quantization.linear import Int8Linear
 from minisgl.testing.cpu_speed import run_cpu_speed
 from minisgl.testing.scenarios import assert_kv_clean, random_prompts
 from minisgl.testing.tiny_models import write_tiny_model
+from minisgl.utils.cpu import amx_tiles
 
+pytestmark = pytest.mark.isa_paths  # again without AMX on an AMX Xeon (noxfile.py)
 CARD = "P2-004"
 RED = "failing-tests-w8a8-layers-calibration-and-smoothing"
 GEMM = "int8-activations-times-int8-weights-match-the-integer-reference"
@@ -241,7 +243,7 @@ def test_a_w8a8_model_runs_its_linears_on_int8_activations(tiny_llama, monkeypat
     # template there, faster at decode batches); the lm_head is weight-only int8 everywhere
     # (the logits from bf16 activations), so no int8 GEMM of 12 rows there
     assert isinstance(llm.engine.model.lm_head, Int8Linear)
-    if compiled and torch.cpu._is_amx_tile_supported():
+    if compiled and amx_tiles():
         assert rows.count(12) == 0, "compiled decode graphs on AMX: the weight-only template"
         assert llm.engine.compiled is not None and llm.engine.compiled.steps >= 7
     else:
@@ -257,18 +259,25 @@ def test_a_w8a8_model_runs_its_linears_on_int8_activations(tiny_llama, monkeypat
 @pytest.mark.slow
 @pytest.mark.card(CARD, RED)
 @pytest.mark.card(CARD, EMBEDDED)
+@pytest.mark.card("P2-005", "w8a8-stays-within-2-of-fp32-perplexity-over-ten-texts")
 def test_the_embedded_model_in_w8a8_answers_paris_within_2pc_perplexity():
-    from minisgl.benchmark.cpu_speed import PPL_TEXT, perplexity_minisgl
+    """Perplexity as the geometric mean over ten texts (`PPL_TEXTS`), each through one prefill:
+    on the card's one ~110-token text neutral changes of rounding order moved w8a8 by ~4%
+    (SDPA 37.02, the C prefill kernel 38.69, the same weights, AMD EPYC), on ten the mean moves
+    by ~0.1%."""
+    from minisgl.benchmark.cpu_speed import geometric_mean, perplexity_texts
 
     _w8a8()
     if not _supported():
         pytest.fail("this CPU lacks int8 matrix instructions: the refusal test covers it")
     llm = LLM(quantization="w8a8", dtype="bfloat16", max_seq_len_override=512)
-    ids = llm.tokenizer.encode(PPL_TEXT)
-    ppl = perplexity_minisgl(llm, ids)  # first: a fresh pool
-    fp32 = perplexity_minisgl(LLM(quantization="none", dtype="float32"), ids)
+    ppl = geometric_mean(perplexity_texts(llm))  # first: a fresh pool
     msgs = [[{"role": "user", "content": "What is the capital of France?"}]]
     out = llm.generate(msgs, SamplingParams(temperature=0.0, max_tokens=12))
+    del llm
+    fp32 = geometric_mean(perplexity_texts(LLM(quantization="none", dtype="float32",
+                                               max_seq_len_override=512)))  # fmt: skip
+    print(f"perplexity over ten texts: w8a8 {ppl:.3f}, fp32 {fp32:.3f} ({ppl / fp32 - 1:+.2%})")
     assert "Paris" in out[0]["text"]
     assert math.isfinite(ppl) and ppl <= fp32 * 1.02, (ppl, fp32)
 

@@ -88,10 +88,38 @@ def gpu_info() -> dict[str, str]:
     return info
 
 
+CPU_KINDS = ("intel-amx", "amd-epyc", "x86-avx512", "x86-avx2")
+
+
+def cpu_kind(cpuinfo: str | None = None) -> str:
+    """The kind of CPU a number was measured on, from /proc/cpuinfo's vendor and flags:
+    `intel-amx` (AMX tiles), `amd-epyc` (an AMD CPU with AVX-512), `x86-avx512`, `x86-avx2`,
+    else the machine name. The same code runs different kernels on each (AMX tiles, VNNI,
+    plain AVX2), so a speed gated on one kind says nothing of another."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as handle:
+                cpuinfo = handle.read(1 << 16)
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    if "amx_tile" in flags:
+        return "intel-amx"
+    if "avx512f" in flags:
+        return "amd-epyc" if fields.get("vendor_id") == "AuthenticAMD" else "x86-avx512"
+    if "avx2" in flags:
+        return "x86-avx2"
+    return platform.machine().lower() or "unknown"
+
+
 def hardware_key(info: dict[str, str] | None = None) -> str:
-    """The hardware string gates are keyed by: "cpu", or the GPU name."""
+    """The hardware string gates are keyed by: the GPU name, or "cpu:<kind>" (`cpu_kind`)."""
     info = gpu_info() if info is None else info
-    return info.get("gpu_name") or "cpu"
+    return info.get("gpu_name") or f"cpu:{cpu_kind()}"
 
 
 def cpu_model() -> str:
@@ -120,6 +148,7 @@ def describe() -> dict[str, Any]:
         "implementation": platform.python_implementation(),
         "platform": f"{platform.system()}-{platform.machine()}",
         "cpu_model": cpu_model(),
+        "cpu_kind": cpu_kind(),
         "cpu_count": os.cpu_count(),
         "hardware": hardware_key(gpu),
         "gpu": gpu or None,

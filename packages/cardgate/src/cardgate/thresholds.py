@@ -11,8 +11,8 @@ Format (``worklog/gates/*.yaml``)::
     version: 1
     gates:
       - metric: radix_insert_ops_per_s     # required: the metric name
-        hardware: cpu                      # optional (default "any"): "cpu", "any", or a
-                                           #   glob on the GPU name, e.g. "*H100*" (case-insens.)
+        hardware: cpu:amd-epyc             # optional (default "any"): "cpu", "cpu:<kind>", "any",
+                                           #   or a glob on the GPU name, e.g. "*H100*"
         min: 1.0e5                         # optional: value >= min
         max: 5.0e9                         # optional: value <= max
         relative:                          # optional: compare with another metric
@@ -27,8 +27,10 @@ Format (``worklog/gates/*.yaml``)::
 
 A rule applies when its ``hardware`` matches the hardware string given to `evaluate`: ``"cpu"``
 on machines without a CUDA device, else the GPU name (``torch.cuda.get_device_name()`` or
-``nvidia-smi``). ``any`` (or no key) matches everything; ``cpu`` only ``"cpu"``; any other value
-is a case-insensitive `fnmatch` pattern on the GPU name. All matching rules are checked.
+``nvidia-smi``). ``any`` (or no key) matches everything; ``cpu`` every CPU machine;
+``cpu:<kind>`` (a glob: ``cpu:amd-epyc``, ``cpu:intel-amx``) the CPU kinds it names
+(`hardware.cpu_kind`: the kernels differ by kind, so a CPU speed gate names its kind); any other
+value is a case-insensitive `fnmatch` pattern on the GPU name. All matching rules are checked.
 
 The relative baseline is looked up first among the metrics of the same run, then in the optional
 ``baseline`` mapping given to `evaluate` (e.g. the metrics of a recorded baseline run).
@@ -122,13 +124,18 @@ class GateResult:
 
 
 def hardware_matches(pattern: str, hardware: str) -> bool:
-    """`any` matches all; `cpu` only "cpu"; anything else is a GPU-name glob (case-insensitive)."""
-    pattern = pattern.strip()
-    if pattern.lower() in {"any", "*", ""}:
+    """`any` matches all; `cpu` every CPU machine ("cpu" or "cpu:<kind>"); `cpu:<glob>` the CPU
+    kinds it matches (`cpu:amd-epyc`, `cpu:intel-amx`); anything else is a GPU-name glob
+    (case-insensitive)."""
+    pattern, hardware = pattern.strip().lower(), hardware.strip().lower()
+    if pattern in {"any", "*", ""}:
         return True
-    if pattern.lower() == "cpu" or hardware.lower() == "cpu":
-        return pattern.lower() == hardware.lower()
-    return fnmatch.fnmatchcase(hardware.lower(), pattern.lower())
+    on_cpu = hardware == "cpu" or hardware.startswith("cpu:")
+    if pattern == "cpu":
+        return on_cpu
+    if pattern.startswith("cpu:"):
+        return hardware.startswith("cpu:") and fnmatch.fnmatchcase(hardware[4:], pattern[4:])
+    return not on_cpu and fnmatch.fnmatchcase(hardware, pattern)
 
 
 def _number(value: Any, what: str) -> float:

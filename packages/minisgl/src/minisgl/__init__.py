@@ -7,6 +7,21 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
+
+def _cap_onednn() -> None:
+    """oneDNN reads its ISA cap once, at first use: set it from MINISGL_CPU_ISA before torch
+    runs anything (`utils/cpu.py`)."""
+    import os
+
+    level = os.environ.get("MINISGL_CPU_ISA", "").strip().lower()
+    from minisgl.utils.cpu import ONEDNN_ISA
+
+    if level in ONEDNN_ISA:
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", ONEDNN_ISA[level])
+
+
+_cap_onednn()
+
 if TYPE_CHECKING:
     from minisgl.core import SamplingParams
     from minisgl.llm import LLM

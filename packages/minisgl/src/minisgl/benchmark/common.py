@@ -15,9 +15,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-# One definition of the hardware string gate rules match on ("cpu" or the GPU name), shared with
+# One definition of the hardware string gate rules match on ("cpu:<kind>" or the GPU name), shared with
 # the card gate: the benchmark package already depends on cardgate for its gates format.
-from cardgate.hardware import hardware_key
+from cardgate.hardware import cpu_kind, hardware_key
+from minisgl.utils.cpu import isa_summary
 
 SCHEMA_VERSION = 1
 ENV_PREFIXES = ("MINISGL_", "OMP_", "MKL_", "TORCH_", "CUDA_VISIBLE_DEVICES", "CARDGATE_")
@@ -89,6 +90,8 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "gpu": gpu_info() or None,
         "hardware": hardware_key(),
+        "cpu_kind": cpu_kind(),  # the kernels differ by kind: AMX tiles, VNNI, AVX2
+        "isa": isa_summary(),  # the features the code paths chose by (MINISGL_CPU_ISA)
     }
     with contextlib.suppress(OSError):
         info["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]

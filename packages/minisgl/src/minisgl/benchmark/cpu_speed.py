@@ -54,6 +54,7 @@ CONFIGS = {  # name -> LLM(dtype=..., quantization=...)
     "int8": ("bfloat16", "int8"),
     "int4": ("bfloat16", "int4"),
     "w8a8": ("bfloat16", "w8a8"),
+    "default": ("auto", "auto"),  # `LLM()` as a user gets it (the embedded model: int4, bf16)
 }
 COMPILED = "-compiled"  # `int4-compiled`: the same, decode steps through torch.compile
 

@@ -14,6 +14,8 @@ import torch
 from minisgl.attention import create_backend
 from minisgl.config import EngineConfig, ModelConfig
 from minisgl.engine.compiled import CompiledDecode, CompiledPrefill
+from minisgl.engine.cpu_decode import MAX_ROWS as CPU_DECODE_ROWS
+from minisgl.engine.cpu_decode import CpuDecode, unsupported
 from minisgl.engine.graph_runner import GraphRunner, make_graph_runner, resolve_runner
 from minisgl.engine.memory import (
     plan_num_pages,
@@ -85,6 +87,19 @@ class Engine:
             device=self.device,
         )
 
+        # small decode steps of an int4 bf16 model on a CPU: one C call (engine/cpu_decode.py)
+        # (with enable_torch_compile the compiled graphs run every decode step, as asked)
+        why_not = (
+            "enable_torch_compile"
+            if config.enable_torch_compile
+            else unsupported(self.model, self.pool, self.device)
+        )
+        self.cpu_decode = (
+            CpuDecode(self.model, self.pool, cfg.sliding_window) if why_not is None else None
+        )
+        if self.device.type == "cpu":
+            logger.info("decode steps of <= %d requests: %s", CPU_DECODE_ROWS,
+                        "one C call" if why_not is None else f"torch modules ({why_not})")  # fmt: skip
         self.stager = PlanStager(self.device)
         self.graphs: GraphRunner | None = self._graph_runner(config)
         self.compiled = (
@@ -134,6 +149,8 @@ class Engine:
             if prefill is not None and prefill.runs(plan.num_tokens):
                 return self.model(*args, run_layer=prefill)
             return self.model(*args)
+        if self.cpu_decode is not None and self.cpu_decode.runs(plan.num_tokens, meta):
+            return self.cpu_decode(*args)
         compiled = self.compiled is not None and self.backend.compiles(meta)
         return (self.compiled if compiled else self.model)(*args)
 

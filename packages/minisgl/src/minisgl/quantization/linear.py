@@ -48,6 +48,7 @@ from torch import nn
 from minisgl.attention import cpu_native
 from minisgl.quantization import INT4_GROUP
 from minisgl.quantization.packed import Int4Weight, Int8Weight
+from minisgl.utils.cpu import amx_tiles
 
 # int8 layers: from this many rows on, one float GEMM on the de-quantized weights
 DEQUANT_MIN_ROWS = 32
@@ -97,7 +98,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         self.dequant_min_rows = DEQUANT_MIN_ROWS
         # in frozen graphs: inductor's AMX template reads the int8 weights at any row count
-        self.packed_when_frozen = dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported()
+        self.packed_when_frozen = dtype == torch.bfloat16 and amx_tiles()
 
     @property
     def row_thresholds(self) -> tuple[int, ...]:

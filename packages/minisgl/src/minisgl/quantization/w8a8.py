@@ -33,7 +33,7 @@ from minisgl.attention import cpu_native
 from minisgl.models.layers import RMSNorm, rms_norm
 from minisgl.quantization import linear
 from minisgl.quantization.packed import Int8Weight
-from minisgl.utils.cpu import cpu_flags
+from minisgl.utils.cpu import amx_tiles, cpu_flags
 
 # a weight's storage (address, shape) -> (its strides, oneDNN's packed copy, its zero points);
 # an entry leaves with the tensor that registered it (`weakref.finalize`), so a freed model's
@@ -222,7 +222,7 @@ class W8A8Linear(nn.Module):
         self.register_buffer("scales", w.scale.float().contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         self.dtype = dtype
-        self.packed_when_frozen = dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported()
+        self.packed_when_frozen = dtype == torch.bfloat16 and amx_tiles()
         # the frozen decode graphs' template is autotuned per class of row counts (`row_bounds`):
         # one graph for every batch from 2 was autotuned at 2 rows, where ATen's GEMV wins
         # (gate / up and down at batch 128: 2.1 ms a call against 0.26 through the template)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from minisgl.utils.cpu import cpu_flags, march_flags
 from minisgl.utils.log import get_logger
 
 logger = get_logger(__name__)
@@ -42,6 +43,7 @@ SOURCES = tuple(
         "kv_store",
         "dequant",
         "quant",
+        "decode_step",
     )
 )
 HEADERS = (_HERE / "bf16.h", _HERE / "spans.h", _HERE / "vexp.h")
@@ -93,8 +95,9 @@ def build() -> Path:
     if cc is None:
         raise RuntimeError("no C compiler (set CC)")
     texts = [f.read_text() for f in (*SOURCES, *HEADERS)]
+    flags = (*COMPILE_FLAGS, *march_flags())  # MINISGL_CPU_ISA's cap (utils/cpu.py)
     key = hashlib.sha256(
-        "\0".join((*texts, cc, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_id())).encode()
+        "\0".join((*texts, cc, *flags, *LINK_FLAGS, _cpu_id())).encode()
     ).hexdigest()[:16]
     out_dir = _cache_dir() / "kernels"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -105,7 +108,7 @@ def build() -> Path:
                 objs = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
                 lib = Path(tmp) / "k.so"
                 for cmd in (
-                    *([cc, *COMPILE_FLAGS, "-o", obj, str(src)] for obj, src in zip(objs, SOURCES)),
+                    *([cc, *flags, "-o", obj, str(src)] for obj, src in zip(objs, SOURCES)),
                     [cc, *LINK_FLAGS, "-o", str(lib), *objs, "-lm"],
                 ):
                     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -135,6 +138,11 @@ def _library() -> ctypes.CDLL | None:
     lib.quant_rows_bf16.restype = ctypes.c_int
     lib.quant_rows_bf16.argtypes = [_PTR, _I64, _PTR, _PTR, ctypes.c_float, ctypes.c_int,
                                     _PTR, _PTR, _I64, _I64, ctypes.c_int]  # fmt: skip
+    lib.int4_gemv_bf16.restype = ctypes.c_int
+    lib.int4_gemv_bf16.argtypes = [_PTR, _I64] + [_PTR] * 4 + [_I64] * 4 + [ctypes.c_int]
+    lib.decode_layers_bf16.restype = ctypes.c_int
+    lib.decode_layers_bf16.argtypes = ([_PTR, _I64] + [_PTR] * 7 + [_I64] + [_PTR] * 2
+                                       + [_I64] * 9 + [ctypes.c_float, ctypes.c_int])  # fmt: skip
     for suffix in _DTYPES.values():
         fn = getattr(lib, f"row_max_{suffix}")
         fn.restype = ctypes.c_int
@@ -163,6 +171,7 @@ def prefill_amx(dtype: torch.dtype, head_dim: int) -> bool:
     lib = _library()
     return (dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256
             and lib is not None and os.environ.get("MINISGL_CPU_AMX", "1") != "0"
+            and "amx_bf16" in cpu_flags()
             and bool(lib.prefill_amx_supported()))  # fmt: skip
 
 

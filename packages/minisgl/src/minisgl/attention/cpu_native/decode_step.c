@@ -1,0 +1,361 @@
+/* A decode step of an int4 bf16 Llama-family model in one C call (engine/cpu_decode.py): every
+ * decoder layer's norms, int4 GEMVs, RoPE, KV store, attention, SiLU x up and residual adds,
+ * then the final norm; and the int4 GEMV alone (the lm_head). No Python, no dispatch between
+ * the ops of a layer: on the embedded model a batch-1 decode step through the torch modules
+ * spent ~6 ms of its ~14 in per-op dispatch (AMD EPYC, 2 threads).
+ *
+ * Weights: `Int4Linear`'s codes, uint8 [N, K / 2] (low nibble the even column of a pair), and
+ * per group of 32 columns a bf16 scale s and zero z (w = (code - 8) s + z), here row-major
+ * [N, gp, 2] (gp = groups rounded up to 4, zero padded). A GEMV quantizes its input rows per
+ * group of 32 to int8 (scale d = max |x| / 127, as llama.cpp's Q8 blocks) and multiplies codes
+ * by codes: sum_j w_j x_j ~ s d (sum_j code_j q_j - 8 sum_j q_j) + z sum_j x_j, the sums of
+ * codes exact in int32 (AVX512-VNNI vpdpbusd: unsigned codes times signed activations, 64 products an
+ * instruction), the second from the group's float sum. The activations are split per group
+ * into their even and odd columns, so the low and high nibbles of 16 code bytes meet their 16
+ * activations without a shuffle. Without AVX512-VNNI the same arithmetic runs as plain loops.
+ *
+ * Roundings follow the model's eager bf16 ops (models/layers.py): RMSNorm normalised in fp32,
+ * rounded, times the weight, rounded; a linear's output rounded once (bias added before);
+ * RoPE's two products and their sum each rounded; SiLU then the product each rounded; every
+ * residual add rounded. The activations' int8 codes are this path's own approximation. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "bf16.h"
+
+#define GROUP 32
+#define MAX_ROWS 16 /* decode rows of one call */
+
+static inline float rbf(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+static inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+/* one int4 matrix: row r's codes at codes + r * k / 2, its scales and zeros interleaved at
+ * sz + r * gp * 2 (s of group g at 2 g, z at 2 g + 1) */
+typedef struct {
+    const uint8_t *codes;
+    const uint16_t *sz;
+    const uint16_t *bias; /* [n] or NULL */
+    int64_t n, k, gp;
+} q4mat;
+
+/* one input row quantized per group of 32: its even / odd codes per group (16 each), and per
+ * VNNI lane (4 a group) the group's scale d, a quarter of its float sum and 2 d times the sum
+ * of its codes (a quarter of 8 d sum q: the codes' term is s d (sum code q - 8 sum q), so the
+ * offset of 8 meets the same rounded activations as the codes; only the zeros meet the exact
+ * sum, their rounding error otherwise grew with the codes' mean of 7.5 instead of 8 - code) */
+typedef struct {
+    int8_t *xe, *xo;
+    float *d4, *sum4, *q8sum4;
+} qrow;
+
+/* a[0..rows) start zeroed (`qrows_free` frees what was allocated) */
+static int qrows_alloc(qrow *a, int64_t rows, int64_t kmax) {
+    const int64_t gp = round_up(kmax / GROUP + 1, 16);
+    for (int64_t m = 0; m < rows; m++) {
+        a[m].xe = aligned_alloc(64, (size_t)(gp * 16));
+        a[m].xo = aligned_alloc(64, (size_t)(gp * 16));
+        a[m].d4 = aligned_alloc(64, (size_t)(gp * 4) * sizeof(float));
+        a[m].sum4 = aligned_alloc(64, (size_t)(gp * 4) * sizeof(float));
+        a[m].q8sum4 = aligned_alloc(64, (size_t)(gp * 4) * sizeof(float));
+        if (!a[m].xe || !a[m].xo || !a[m].d4 || !a[m].sum4 || !a[m].q8sum4) return 0;
+    }
+    return 1;
+}
+
+static void qrows_free(qrow *a, int64_t rows) {
+    for (int64_t m = 0; m < rows; m++) {
+        free(a[m].xe);
+        free(a[m].xo);
+        free(a[m].d4);
+        free(a[m].sum4);
+        free(a[m].q8sum4);
+    }
+}
+
+/* quantize k floats (k a multiple of 32); the groups up to a multiple of 4 are zeroed */
+static void quantize_row(const float *x, int64_t k, qrow *a) {
+    const int64_t groups = k / GROUP, gp = round_up(groups, 4);
+    for (int64_t g = 0; g < groups; g++) {
+        const float *xg = x + g * GROUP;
+#if defined(__AVX512F__)
+        const __m512 v0 = _mm512_loadu_ps(xg), v1 = _mm512_loadu_ps(xg + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+        const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+        const __m512 iv = _mm512_set1_ps(id);
+        /* rounded to nearest even by the conversion, as lrintf; |v| <= 127 */
+        const __m512i qe = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(v0, ev, v1), iv));
+        const __m512i qo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(v0, od, v1), iv));
+        _mm_store_si128((__m128i *)(a->xe + g * 16), _mm512_cvtsepi32_epi8(qe));
+        _mm_store_si128((__m128i *)(a->xo + g * 16), _mm512_cvtsepi32_epi8(qo));
+        const int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qe, qo));
+#else
+        float amax = 0.0f, sum = 0.0f;
+        for (int j = 0; j < GROUP; j++) {
+            const float v = fabsf(xg[j]);
+            amax = v > amax ? v : amax;
+            sum += xg[j];
+        }
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t qsum = 0;
+        for (int j = 0; j < GROUP / 2; j++) {
+            a->xe[g * 16 + j] = (int8_t)lrintf(xg[2 * j] * id);
+            a->xo[g * 16 + j] = (int8_t)lrintf(xg[2 * j + 1] * id);
+            qsum += a->xe[g * 16 + j] + a->xo[g * 16 + j];
+        }
+#endif
+        const float d = amax / 127.0f;
+        for (int j = 0; j < 4; j++) {
+            a->d4[g * 4 + j] = d;
+            a->sum4[g * 4 + j] = 0.25f * sum;
+            a->q8sum4[g * 4 + j] = 2.0f * d * (float)qsum;
+        }
+    }
+    for (int64_t g = groups; g < gp; g++) {
+        memset(a->xe + g * 16, 0, 16);
+        memset(a->xo + g * 16, 0, 16);
+        for (int j = 0; j < 4; j++) a->d4[g * 4 + j] = a->sum4[g * 4 + j] = a->q8sum4[g * 4 + j] = 0.0f;
+    }
+}
+
+/* out[m] = row n of w . input row m, for the `rows` quantized inputs */
+static void row_dots(const q4mat *w, int64_t n, const qrow *a, int64_t rows, float *out) {
+    const int64_t groups = w->k / GROUP;
+    const uint8_t *c = w->codes + n * (w->k / 2);
+    const uint16_t *sz = w->sz + n * w->gp * 2;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    /* two accumulators a row (the codes' term, the zeros' term): no chain of two FMAs */
+    __m512 acc[MAX_ROWS], accz[MAX_ROWS];
+    for (int64_t m = 0; m < rows; m++) acc[m] = accz[m] = _mm512_setzero_ps();
+    /* lanes 4 j .. 4 j + 3 hold group j of 4: its s from 2 j, its z from 2 j + 1 */
+    const __m512i s_at = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+    const __m512i z_at = _mm512_add_epi32(s_at, _mm512_set1_epi32(1));
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int64_t g = 0; g < groups; g += 4) { /* 4 groups: 64 code bytes, 128 columns */
+        const int64_t left = groups - g;
+        const __mmask64 mask = left >= 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * left)) - 1);
+        const __m512i v = _mm512_maskz_loadu_epi8(mask, c + g * 16);
+        const __m512i lo = _mm512_and_si512(v, nib);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        /* sz is padded to a multiple of 4 groups: 8 bf16 always readable */
+        const __m512 f8 = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(sz + 2 * g)))), 16));
+        const __m512 sv = _mm512_permutexvar_ps(s_at, f8);
+        const __m512 zv = _mm512_permutexvar_ps(z_at, f8);
+        for (int64_t m = 0; m < rows; m++) {
+            __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
+                                               _mm512_load_si512((const void *)(a[m].xe + g * 16)));
+            isum = _mm512_dpbusd_epi32(isum, hi, _mm512_load_si512((const void *)(a[m].xo + g * 16)));
+            /* s (d sum code q - 8 d sum q), z sum x */
+            const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(isum), _mm512_load_ps(a[m].d4 + g * 4),
+                                             _mm512_load_ps(a[m].q8sum4 + g * 4));
+            acc[m] = _mm512_fmadd_ps(sv, t, acc[m]);
+            accz[m] = _mm512_fmadd_ps(zv, _mm512_load_ps(a[m].sum4 + g * 4), accz[m]);
+        }
+    }
+    for (int64_t m = 0; m < rows; m++)
+        out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], accz[m]));
+#else
+    for (int64_t m = 0; m < rows; m++) out[m] = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        const float sg = bf16_to_f32(sz[2 * g]), zg = bf16_to_f32(sz[2 * g + 1]);
+        for (int64_t m = 0; m < rows; m++) {
+            int32_t isum = 0;
+            for (int j = 0; j < 16; j++) {
+                const uint8_t b = c[g * 16 + j];
+                isum += (int32_t)(b & 15) * a[m].xe[g * 16 + j] + (int32_t)(b >> 4) * a[m].xo[g * 16 + j];
+            }
+            out[m] += (float)isum * sg * a[m].d4[g * 4] + zg * 4.0f * a[m].sum4[g * 4] -
+                      sg * 4.0f * a[m].q8sum4[g * 4];
+        }
+    }
+#endif
+}
+
+/* y [rows, n] (floats rounded to bf16) = the quantized rows times w^T (+ bias) */
+static void gemv(const q4mat *w, const qrow *a, int64_t rows, float *y, int threads) {
+    const int64_t n = w->n;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++) {
+        float o[MAX_ROWS];
+        row_dots(w, r, a, rows, o);
+        const float b = w->bias != NULL ? bf16_to_f32(w->bias[r]) : 0.0f;
+        for (int64_t m = 0; m < rows; m++) y[m * n + r] = rbf(o[m] + b);
+    }
+}
+
+static int check_mat(const q4mat *w) {
+    return w->codes != NULL && w->sz != NULL && w->k % GROUP == 0 && w->n > 0 &&
+           w->gp >= round_up(w->k / GROUP, 4) && w->gp % 4 == 0;
+}
+
+/* the int4 GEMV alone: x bf16 [rows, k] (rows x_stride apart) -> out bf16 [rows, n] */
+int int4_gemv_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *codes, const uint16_t *sz,
+                   const uint16_t *bias, uint16_t *out, int64_t rows, int64_t n, int64_t k, int64_t gp,
+                   int threads) {
+    const q4mat w = {codes, sz, bias, n, k, gp};
+    if (!check_mat(&w)) return 9;
+    if (rows < 1 || rows > MAX_ROWS) return 9;
+    qrow a[MAX_ROWS] = {{0}};
+    float *xf = malloc((size_t)k * sizeof(float));
+    float *y = malloc((size_t)(rows * n) * sizeof(float));
+    int ok = xf != NULL && y != NULL && qrows_alloc(a, rows, k);
+    if (ok) {
+        for (int64_t m = 0; m < rows; m++) {
+            for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(x[m * x_stride + i]);
+            quantize_row(xf, k, &a[m]);
+        }
+        gemv(&w, a, rows, y, threads);
+        for (int64_t i = 0; i < rows * n; i++) out[i] = f32_to_bf16(y[i]);
+    }
+    qrows_free(a, rows);
+    free(xf);
+    free(y);
+    return ok ? 0 : 3;
+}
+
+/* one decoder layer's weights and KV pools */
+typedef struct {
+    q4mat qkv, o, gate_up, down;
+    const uint16_t *in_norm, *post_norm; /* [h] */
+    const uint16_t *q_norm, *k_norm;     /* [d] each, or NULL (no q/k norm) */
+    uint16_t *k_pool, *v_pool;           /* [num_rows, kvh, d], rows row_stride apart */
+} layer_w;
+
+/* the paged decode attention kernel (decode_attention.c) */
+int decode_attention_bf16_paged(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
+                                const int64_t *indices, int64_t num_indices, const int64_t *indptr,
+                                const int64_t *lens, int64_t bs, int64_t kvh, int64_t gqa, int64_t d,
+                                int64_t num_rows, int64_t k_sh, int64_t k_sl, int64_t v_sh,
+                                int64_t v_sl, int64_t window, float scale, int threads);
+
+/* out = bf16(w * bf16(x / sqrt(mean(x^2) + eps))), x already bf16 values */
+static void rms_norm(const float *x, const uint16_t *w, float eps, int64_t n, float *out) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = rbf(bf16_to_f32(w[i]) * rbf(x[i] * r));
+}
+
+/* head of d values in place: q * cos + swap_halves(q) * sin (sin signed, as the model's table) */
+static void rope(float *q, const uint16_t *cos, const uint16_t *sin, int64_t d) {
+    float t[MAX_D];
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < d; i++) {
+        const float sw = q[i < half ? i + half : i - half];
+        t[i] = rbf(rbf(q[i] * bf16_to_f32(cos[i])) + rbf(sw * bf16_to_f32(sin[i])));
+    }
+    memcpy(q, t, (size_t)d * sizeof(float));
+}
+
+static float silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* The decoder layers of `rows` decode tokens: x [rows, h] bf16 (the embeddings) is the residual
+ * stream, updated in place; out [rows, h] its final RMSNorm. cos / sin [rows, d] (the tokens'
+ * positions already looked up), out_loc [rows] the pool rows their K / V go to; attention reads
+ * pool rows indices[indptr[b] + l], l < lens[b] (decode_attention.c's paged kernel). */
+int decode_layers_bf16(const layer_w *layers, int64_t num_layers, uint16_t *x, const uint16_t *final_norm,
+                       uint16_t *out, const uint16_t *cos, const uint16_t *sin, const int64_t *out_loc,
+                       const int64_t *indices, int64_t num_indices, const int64_t *indptr,
+                       const int64_t *lens, int64_t rows, int64_t h, int64_t nh, int64_t kvh,
+                       int64_t d, int64_t inter, int64_t num_rows, int64_t row_stride, int64_t window,
+                       float eps, int threads) {
+    if (rows < 1 || rows > MAX_ROWS || d > MAX_D || d % 2 || nh % kvh) return 9;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const layer_w *L = &layers[l];
+        if (!check_mat(&L->qkv) || !check_mat(&L->o) || !check_mat(&L->gate_up) || !check_mat(&L->down))
+            return 9;
+        if (L->qkv.k != h || L->qkv.n != (nh + 2 * kvh) * d || L->o.k != nh * d || L->o.n != h ||
+            L->gate_up.k != h || L->gate_up.n != 2 * inter || L->down.k != inter || L->down.n != h)
+            return 9;
+    }
+    for (int64_t m = 0; m < rows; m++)
+        if (out_loc[m] < 0 || out_loc[m] >= num_rows) return 4;
+    const int64_t qn = nh * d, kvn = kvh * d, nqkv = qn + 2 * kvn;
+    int64_t kmax = h > qn ? h : qn;
+    kmax = kmax > inter ? kmax : inter;
+    int64_t ymax = nqkv > 2 * inter ? nqkv : 2 * inter;
+    qrow a[MAX_ROWS] = {{0}};
+    float *xf = malloc((size_t)(rows * h) * sizeof(float));
+    float *hb = malloc((size_t)kmax * sizeof(float));
+    float *y = malloc((size_t)(rows * ymax) * sizeof(float));
+    uint16_t *qb = malloc((size_t)(rows * qn) * sizeof(uint16_t));
+    uint16_t *ob = malloc((size_t)(rows * qn) * sizeof(uint16_t));
+    int rc = (xf && hb && y && qb && ob && qrows_alloc(a, rows, kmax)) ? 0 : 3;
+    const float scale = 1.0f / sqrtf((float)d);
+    for (int64_t i = 0; rc == 0 && i < rows * h; i++) xf[i] = bf16_to_f32(x[i]);
+    for (int64_t l = 0; rc == 0 && l < num_layers; l++) {
+        const layer_w *L = &layers[l];
+        /* attention: norm, QKV, q / k norms, RoPE, KV store */
+        for (int64_t m = 0; m < rows; m++) {
+            rms_norm(xf + m * h, L->in_norm, eps, h, hb);
+            quantize_row(hb, h, &a[m]);
+        }
+        gemv(&L->qkv, a, rows, y, threads);
+        for (int64_t m = 0; m < rows; m++) {
+            float *ym = y + m * nqkv;
+            for (int64_t hd = 0; hd < nh + kvh; hd++) {
+                float *head = ym + hd * d;
+                if (L->q_norm != NULL) {
+                    float t[MAX_D];
+                    rms_norm(head, hd < nh ? L->q_norm : L->k_norm, eps, d, t);
+                    memcpy(head, t, (size_t)d * sizeof(float));
+                }
+                rope(head, cos + m * d, sin + m * d, d);
+            }
+            for (int64_t i = 0; i < qn; i++) qb[m * qn + i] = f32_to_bf16(ym[i]);
+            uint16_t *kr = L->k_pool + out_loc[m] * row_stride, *vr = L->v_pool + out_loc[m] * row_stride;
+            for (int64_t i = 0; i < kvn; i++) {
+                kr[i] = f32_to_bf16(ym[qn + i]);
+                vr[i] = f32_to_bf16(ym[qn + kvn + i]);
+            }
+        }
+        rc = decode_attention_bf16_paged(qb, L->k_pool, L->v_pool, ob, indices, num_indices, indptr,
+                                         lens, rows, kvh, nh / kvh, d, num_rows, d, row_stride, d,
+                                         row_stride, window, scale, threads);
+        if (rc != 0) break;
+        /* o_proj and the residual */
+        for (int64_t m = 0; m < rows; m++) {
+            for (int64_t i = 0; i < qn; i++) hb[i] = bf16_to_f32(ob[m * qn + i]);
+            quantize_row(hb, qn, &a[m]);
+        }
+        gemv(&L->o, a, rows, y, threads);
+        for (int64_t i = 0; i < rows * h; i++) xf[i] = rbf(xf[i] + y[i]);
+        /* MLP: norm, gate / up, SiLU x up, down, the residual */
+        for (int64_t m = 0; m < rows; m++) {
+            rms_norm(xf + m * h, L->post_norm, eps, h, hb);
+            quantize_row(hb, h, &a[m]);
+        }
+        gemv(&L->gate_up, a, rows, y, threads);
+        for (int64_t m = 0; m < rows; m++) {
+            const float *g = y + m * 2 * inter, *u = g + inter;
+            for (int64_t i = 0; i < inter; i++) hb[i] = rbf(rbf(silu(g[i])) * u[i]);
+            quantize_row(hb, inter, &a[m]);
+        }
+        gemv(&L->down, a, rows, y, threads);
+        for (int64_t i = 0; i < rows * h; i++) xf[i] = rbf(xf[i] + y[i]);
+    }
+    if (rc == 0) {
+        for (int64_t m = 0; m < rows; m++) {
+            rms_norm(xf + m * h, final_norm, eps, h, hb);
+            for (int64_t i = 0; i < h; i++) {
+                out[m * h + i] = f32_to_bf16(hb[i]);
+                x[m * h + i] = f32_to_bf16(xf[m * h + i]);
+            }
+        }
+    }
+    qrows_free(a, rows);
+    free(xf);
+    free(hb);
+    free(y);
+    free(qb);
+    free(ob);
+    return rc;
+}

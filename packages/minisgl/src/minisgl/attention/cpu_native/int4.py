@@ -1,0 +1,170 @@
+"""The int4 GEMV and the whole-model decode step in C (`decode_step.c`) over `Int4Linear`'s
+codes: the tensors they read (`Int4Matrix`, `LayerWeights`) and their calls."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.attention.cpu_native import _ERRORS, _library
+
+GROUP = 32  # columns a scale and zero cover (`INT4_GROUP`)
+MAX_ROWS = 16  # decode rows of one call (decode_step.c's MAX_ROWS)
+_PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Mat(ctypes.Structure):
+    _fields_ = [("codes", _PTR), ("sz", _PTR), ("bias", _PTR),
+                ("n", _I64), ("k", _I64), ("gp", _I64)]  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Mat), ("o", _Mat), ("gate_up", _Mat), ("down", _Mat),
+                ("in_norm", _PTR), ("post_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR),
+                ("k_pool", _PTR), ("v_pool", _PTR)]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Int4Matrix:
+    """An int4 matrix as the C GEMV reads it: codes uint8 [N, K / 2] (low nibble the even
+    column), bf16 scales and zeros interleaved [N, gp, 2] (gp: the K / 32 groups rounded up to
+    4, zeros after), an optional bf16 bias [N]. Weights (code - 8) * scale + zero, as
+    `Int4Linear`'s."""
+
+    codes: torch.Tensor
+    scales_zeros: torch.Tensor
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, codes: torch.Tensor, scales_zeros: torch.Tensor,
+           bias: torch.Tensor | None) -> Int4Matrix:  # fmt: skip
+        """From `Int4Linear`'s codes [N, K / 2] and scales_zeros [K / 32, N, 2] (bf16)."""
+        n, half = codes.shape
+        groups = scales_zeros.shape[0]
+        if (codes.dtype != torch.uint8 or scales_zeros.dtype != torch.bfloat16
+                or 2 * half != groups * GROUP or scales_zeros.shape[1:] != (n, 2)):  # fmt: skip
+            raise ValueError(f"Int4Matrix: codes {tuple(codes.shape)} {codes.dtype} and scales "
+                             f"{tuple(scales_zeros.shape)} {scales_zeros.dtype} do not match")  # fmt: skip
+        gp = -(-groups // 4) * 4
+        sz = torch.zeros(n, gp, 2, dtype=torch.bfloat16)
+        sz[:, :groups] = scales_zeros.transpose(0, 1)
+        if bias is not None:
+            bias = bias.to(torch.bfloat16).contiguous()
+        return cls(codes.contiguous(), sz, bias)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * 2
+
+    def struct(self) -> _Mat:
+        n, k = self.shape
+        bias = None if self.bias is None else self.bias.data_ptr()
+        return _Mat(
+            self.codes.data_ptr(),
+            self.scales_zeros.data_ptr(),
+            bias,
+            n,
+            k,
+            self.scales_zeros.shape[1],
+        )
+
+
+def int4_gemv(x: torch.Tensor, w: Int4Matrix) -> torch.Tensor:
+    """bf16 x [rows, K] (1 <= rows <= MAX_ROWS, rows contiguous) times w^T (+ bias): bf16
+    [rows, N]. x is quantized per group of 32 to int8 (decode_step.c), so the result is not
+    the packed torch kernel's to the bit; ValueError on other shapes."""
+    lib = _library()
+    assert lib is not None
+    n, k = w.shape
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"int4_gemv: x {tuple(x.shape)} {x.dtype} for a [{n}, {k}] matrix")
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"int4_gemv: 1 to {MAX_ROWS} rows, got {rows}")
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    m = w.struct()
+    rc = lib.int4_gemv_bf16(x.data_ptr(), x.stride(0), m.codes, m.sz, m.bias, out.data_ptr(),
+                            rows, n, k, m.gp, torch.get_num_threads())  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"int4_gemv: {_ERRORS.get(rc, rc)}")
+    return out
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer as `decode_layers` reads it (bf16 norms; q_norm / k_norm or None)."""
+
+    qkv: Int4Matrix
+    o: Int4Matrix
+    gate_up: Int4Matrix
+    down: Int4Matrix
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def layer_structs(layers: list[LayerWeights], k_pools: list[torch.Tensor],
+                  v_pools: list[torch.Tensor]) -> ctypes.Array:  # fmt: skip
+    """The C array of `decode_layers`' layer records (pointers into the given tensors: keep
+    them alive as long as the array)."""
+    arr = (_Layer * len(layers))()
+    for i, (w, kp, vp) in enumerate(zip(layers, k_pools, v_pools, strict=True)):
+        arr[i] = _Layer(w.qkv.struct(), w.o.struct(), w.gate_up.struct(), w.down.struct(),
+                        w.in_norm.data_ptr(), w.post_norm.data_ptr(), _ptr(w.q_norm),
+                        _ptr(w.k_norm), kp.data_ptr(), vp.data_ptr())  # fmt: skip
+    return arr
+
+
+@dataclass(frozen=True)
+class Dims:
+    """A model's decode dimensions as `decode_layers` checks them."""
+
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+
+def decode_layers(
+    structs: ctypes.Array,
+    dims: Dims,
+    x: torch.Tensor,
+    final_norm: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out_loc: torch.Tensor,
+    kv_index: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_lens: torch.Tensor,
+    pool_rows: int,
+    row_stride: int,
+    window: int,
+) -> torch.Tensor:
+    """Every decoder layer of a decode step and the final norm (`decode_step.c`): x bf16
+    [rows, hidden] (the tokens' embeddings, contiguous) is updated in place to the residual
+    stream after the last layer; returns its final RMSNorm [rows, hidden]. cos / sin bf16
+    [rows, head_dim] at the tokens' positions; K / V of token m go to pool row out_loc[m];
+    request m attends pool rows kv_index[kv_indptr[m] + l], l < kv_lens[m] (int64)."""
+    lib = _library()
+    assert lib is not None and x.is_contiguous() and x.dtype == torch.bfloat16
+    rows = x.shape[0]
+    out = torch.empty_like(x)
+    rc = lib.decode_layers_bf16(
+        ctypes.addressof(structs), len(structs), x.data_ptr(), final_norm.data_ptr(),
+        out.data_ptr(), cos.data_ptr(), sin.data_ptr(), out_loc.data_ptr(), kv_index.data_ptr(),
+        kv_index.numel(), kv_indptr.data_ptr(), kv_lens.data_ptr(), rows, dims.hidden,
+        dims.num_heads, dims.num_kv_heads, dims.head_dim, dims.intermediate, pool_rows,
+        row_stride, window, dims.eps, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"decode_layers: {_ERRORS.get(rc, rc)}")
+    return out
