@@ -154,6 +154,10 @@ def test_benchmark_gates_decide(repo: Repo) -> None:
     )
     repo.commit()
     assert repo.gate().ret == PASS  # 95 >= 10 x 10 x 0.9; the H100 rule does not apply
+    # the evidence names the gates file by its repo-relative path, never the checkout's own
+    files = [p for p in (repo.path / "worklog/evidence").rglob("*") if p.is_file()]
+    assert files and not [p.name for p in files if str(repo.path) in p.read_text()]
+    assert "worklog/gates/T-001.yaml#0" in (files[0].parent / "summary.json").read_text()
 
     repo.git("reset", "-q", "--hard", "HEAD")  # undo the staged move to done/
     card = repo.path / "kanban/in-progress/T-001-demo.md"

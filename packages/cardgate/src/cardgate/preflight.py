@@ -101,7 +101,7 @@ def preflight(opts: GateOptions) -> Preflight:
             f"{target.relative_to(root).as_posix()} already exists: the card cannot move there"
         )
     try:
-        gates = load_gates(*gate_files(root, card))
+        gates = load_gates(*gate_files(root, card), root=root)
     except (GateFormatError, OSError) as exc:
         raise GateUsageError(f"gates: {exc}") from None
     red_keys = tuple(item.key for item in card.red_items())

@@ -219,8 +219,9 @@ def parse_gates(data: Any, source: str = "<gates>") -> GateSet:
     return GateSet(gates, [source])
 
 
-def load_gates(*paths: Path | str) -> GateSet:
-    """Load and merge gates files (YAML). Raises `GateFormatError` or `OSError`."""
+def load_gates(*paths: Path | str, root: Path | None = None) -> GateSet:
+    """Load and merge gates files (YAML). Raises `GateFormatError` or `OSError`. With `root`,
+    each rule's `source` names its file relative to it (evidence holds no absolute path)."""
     merged = GateSet()
     for path in paths:
         text = Path(path).read_text(encoding="utf-8")
@@ -228,7 +229,13 @@ def load_gates(*paths: Path | str) -> GateSet:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise GateFormatError(f"{path}: invalid YAML: {exc}") from None
-        merged = merged.extend(parse_gates(data, str(path)))
+        name = str(path)
+        if root is not None and Path(path).is_absolute():
+            try:
+                name = Path(path).resolve().relative_to(root.resolve()).as_posix()
+            except ValueError:
+                pass  # outside the root: named as given
+        merged = merged.extend(parse_gates(data, name))
     return merged
 
 
