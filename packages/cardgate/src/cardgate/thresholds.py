@@ -43,6 +43,7 @@ means failed) and ``margin_pct`` the same relative to the threshold.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 from collections.abc import Mapping
@@ -231,10 +232,8 @@ def load_gates(*paths: Path | str, root: Path | None = None) -> GateSet:
             raise GateFormatError(f"{path}: invalid YAML: {exc}") from None
         name = str(path)
         if root is not None and Path(path).is_absolute():
-            try:
+            with contextlib.suppress(ValueError):  # outside the root: named as given
                 name = Path(path).resolve().relative_to(root.resolve()).as_posix()
-            except ValueError:
-                pass  # outside the root: named as given
         merged = merged.extend(parse_gates(data, name))
     return merged
 
