@@ -1,6 +1,6 @@
 """The C decode step of int4 bf16 models and the ISA levels (card P2-005, issue 35).
 
-A decode step of at most 16 requests runs as one C call over the decoder layers
+A decode step of at most 8 requests runs as one C call over the decoder layers
 (`engine/cpu_decode.py`, `cpu_native/decode_step.c`); its int4 GEMVs multiply the codes by
 per-32 int8 activations. The reference is the torch modules (`MINISGL_CPU_DECODE=modules`) on the
 same weights: logits close at every decode step of a teacher-forced text, the same greedy
