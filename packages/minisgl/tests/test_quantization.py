@@ -170,6 +170,37 @@ def test_gguf_q8_0_converts_to_int8_like_quantize_int8_of_its_values():
     assert torch.equal(got.q, ref.q) and torch.equal(got.scale, ref.scale)
 
 
+@pytest.mark.slow
+def test_the_embedded_gguf_converts_to_the_tensors_transformers_loads(tmp_path):
+    """`read_gguf_float` (the cold start's one read of the file) gives every tensor of the
+    embedded GGUF bit for bit as transformers' GGUF loader does, under the names its tied save
+    keeps (`lm_head.weight` for the embedding); the converted folder holds them and a config
+    that loads as the model's (architecture, dtype, tied embeddings)."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from minisgl.default_model import _convert, gguf_path
+    from minisgl.quantization.gguf import read_gguf_float
+
+    g = gguf_path()
+    cfg = AutoConfig.from_pretrained(str(g.parent), gguf_file=g.name)
+    got = read_gguf_float(g, cfg.num_attention_heads, cfg.num_key_value_heads, True)
+    model = AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name, config=cfg,
+                                                 dtype=torch.float32)  # fmt: skip
+    ref = {k: v for k, v in model.state_dict().items() if k != "model.embed_tokens.weight"}
+    assert set(got) == set(ref) and len(got) == 272
+    assert not [k for k in ref if not torch.equal(got[k], ref[k])]
+    _convert(g, tmp_path / "m")
+    written = load_file(str(tmp_path / "m" / "model.safetensors"))
+    assert set(written) == set(got) and all(torch.equal(written[k], got[k]) for k in got)
+    conf = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert conf["architectures"] == ["LlamaForCausalLM"] and conf["dtype"] == "float32"
+    assert conf["tie_word_embeddings"] is True and "quantization_config" not in conf
+    assert (tmp_path / "m" / "tokenizer.json").is_file()
+
+
 def test_unpermute_rows_matches_transformers():
 
     rows = _unpermute_rows(12, 3)  # 3 heads of 4 rows: pairs (0,1)(2,3) -> 0,2,1,3

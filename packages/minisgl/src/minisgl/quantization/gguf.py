@@ -39,16 +39,58 @@ _LAYER_NAMES = {
 _BLOCK = 32
 
 
+_NORM_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def _layer_name(gguf_name: str, names: dict[str, str]) -> str | None:
+    """`model.layers.{i}.{names[leaf]}.weight` of a `blk.{i}.{leaf}.weight` tensor."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.weight"
+    return None
+
+
 def hf_name(gguf_name: str) -> str | None:
     """HF name of a GGUF linear / embedding weight (None for norms and other tensors)."""
     if gguf_name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if gguf_name == "output.weight":
         return "lm_head.weight"
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
-    return None
+    return _layer_name(gguf_name, _LAYER_NAMES)
+
+
+def float_name(gguf_name: str, tied: bool) -> str | None:
+    """HF name of any tensor of a Llama-family GGUF file: linears, the embedding (as
+    `lm_head.weight` when tied: the name transformers' tied save keeps), the norms."""
+    if gguf_name == "token_embd.weight" and tied:
+        return "lm_head.weight"
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    return _layer_name(gguf_name, _NORM_NAMES) or hf_name(gguf_name)
+
+
+def read_gguf_float(path: Path, num_heads: int, num_kv_heads: int, tied: bool):
+    """{HF name: fp32 tensor} of every tensor of a Llama-family GGUF file, de-quantized by
+    gguf's own `dequantize` and Q / K rows un-permuted as transformers' GGUF loader does (the
+    same numbers its conversion writes, in one read of the file instead of its three)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch_field = reader.fields["general.architecture"]
+    permuted = bytes(arch_field.parts[arch_field.data[0]]).decode() == "llama"
+    out: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = float_name(t.name, tied)
+        if name is None:
+            raise ValueError(f"{path.name}: no HF name for the GGUF tensor {t.name!r}")
+        shape = [int(x) for x in reversed(t.shape)]  # GGUF lists dims innermost first
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        f = torch.from_numpy(w.reshape(shape).copy())
+        heads = {"q_proj": num_heads, "k_proj": num_kv_heads}.get(name.split(".")[-2])
+        if permuted and heads is not None:
+            f = f[_unpermute_rows(f.shape[0], heads)].contiguous()
+        out[name] = f
+    return out
 
 
 def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
