@@ -239,10 +239,13 @@ def embedded():
 
 @pytest.mark.slow
 def test_embedded_model_serves_int4_and_answers_paris(embedded):
+    """24 tokens, as P0-010's test: through the C decode step (P2-005) the greedy answer is
+    "L'Étoile 18, the capital of France is Paris." and its 12 first tokens stop before Paris
+    (the modules: "L'Étoile, the capital of France is Paris.")."""
     llm = embedded
     assert llm.engine.quantization == "int4"
     msgs = [[{"role": "user", "content": "What is the capital of France?"}]]
-    out = llm.generate(msgs, SamplingParams(temperature=0.0, max_tokens=12))
+    out = llm.generate(msgs, SamplingParams(temperature=0.0, max_tokens=24))
     assert "Paris" in out[0]["text"]
 
 
