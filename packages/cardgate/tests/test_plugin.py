@@ -5,6 +5,8 @@ import json
 import pytest
 from cardgate_repo import Repo
 
+from cardgate.hardware import cpu_kind
+
 P = pytest.mark.card
 
 
@@ -87,7 +89,7 @@ def test_xdist_workers_report_to_the_controller(repo: Repo) -> None:
         ("ops", 123.5, "ops/s"),
         ("base_ops", 10.0, "ops/s"),
     ]
-    assert report["hardware"] == "cpu" and report["card"] == "T-001"
+    assert report["hardware"] == f"cpu:{cpu_kind()}" and report["card"] == "T-001"
 
 
 @P("P0-000", "gpu-tests-skip-without-cuda-as-missing-evidence")

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from cardgate.hardware import hardware_key  # the device: cpu:<kind> here
 from minisgl.benchmark import harness, online_ab, release_gate
 from minisgl.benchmark.observations import read_jsonl, workload_fingerprint
 from minisgl.benchmark.observe import RunLabels, build, kv_peak
@@ -71,7 +72,7 @@ def test_offline_run_writes_observations(offline_obs, tiny_model_dir):
     items = build_workload(get_profile("seed-offline", {"num_requests": "3", "output_len": "4",
                            "input_len_min": "4", "input_len_max": "12"}), 384)  # fmt: skip
     for o in observations:
-        assert (o.backend, o.device, o.source) == ("python", "cpu", "minisgl-offline")
+        assert (o.backend, o.device, o.source) == ("python", hardware_key(), "minisgl-offline")
         assert o.model == tiny_model_dir("llama").name and o.error is None
         assert len(o.output_token_ids) == o.output_tokens == 4
         assert o.prompt_tokens == len(items[o.index].prompt_ids)
@@ -139,5 +140,7 @@ def test_online_ab_writes_one_file_per_arm(monkeypatch, tmp_path, tiny_model_dir
     py = read_jsonl(tmp_path / "F.python.jsonl")
     rs = read_jsonl(tmp_path / "F.rust_service.jsonl")
     assert [(o.request_id, o.repeat) for o in py] == [("seed-online-0", 0), ("seed-online-0", 1)]
-    assert {o.backend for o in rs} == {"rust_service"} and {o.device for o in rs} == {"sim:cpu"}
+    assert {o.backend for o in rs} == {"rust_service"} and {o.device for o in rs} == {
+        f"sim:{hardware_key()}"
+    }
     assert rs[0].output_text == "other"

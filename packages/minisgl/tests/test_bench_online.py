@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from cardgate.hardware import hardware_key  # the device: cpu:<kind> here
+
 sys.path.insert(0, str(Path(__file__).parent / "server"))
 from minisgl.benchmark import harness
 from minisgl.benchmark.observations import read_jsonl
@@ -68,7 +70,7 @@ def test_online_run_writes_observations(bench_server, tiny_model_dir, tmp_path):
         (f"seed-online-{i}", r) for r in (0, 1) for i in range(4)
     ]
     for o in observations:
-        assert (o.backend, o.device, o.source) == ("python", "cpu", "minisgl-online")
+        assert (o.backend, o.device, o.source) == ("python", hardware_key(), "minisgl-online")
         assert o.error is None and o.output_text and o.output_token_ids is None
         assert o.output_tokens == 4 and o.prompt_tokens > 0  # the server's count (template)
         assert 0 < o.ttft_s <= o.e2e_s and o.e2e_s == pytest.approx(o.ttft_s + sum(o.itl_s))

@@ -8,7 +8,7 @@ by the release gate (`release_gate.py`); vLLM / SGLang result files convert into
     index           the request's position in the workload (adapters join on it)
     repeat          which repeat of the workload (0-based); (request_id, repeat) is unique
     backend         "python", "rust_service", "vllm", ... (the CPU backend for minisgl)
-    device          "cpu", the GPU name, or "sim:<host>" for the simulated device
+    device          "cpu:<kind>" (cardgate.hardware.cpu_kind), the GPU name, or "sim:<host>"
     model           model name (and version when known)
     output_token_ids / output_text / output_fingerprint   any of them, or none
     workload_fingerprint  what was asked (prompt token ids + max tokens): when both sides

@@ -43,8 +43,8 @@ class RunLabels:
 
 
 def device_label(simulated: bool) -> str:
-    """The device string: `cpu` or the GPU name (the gates' hardware key), `sim:` for the
-    simulated device."""
+    """The device string: `cpu:<kind>` or the GPU name (the gates' hardware key), `sim:` before
+    it for the simulated device."""
     from cardgate.hardware import hardware_key
 
     hw = hardware_key()
