@@ -11,8 +11,6 @@ at each level in a child process.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -25,6 +23,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
+from minisgl.testing.modules import require_module
 from minisgl.testing.scenarios import assert_kv_clean, random_prompts
 from minisgl.testing.tiny_models import write_tiny_model
 
@@ -37,14 +36,8 @@ REFACTOR = "one-reader-of-cpu-features-and-one-isa-switch-for-every-path"
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 
-def _module(name: str) -> Any:
-    """A module of the C decode step (an assertion, not an ImportError, where it is missing)."""
-    assert importlib.util.find_spec(name) is not None, f"no module {name}"
-    return importlib.import_module(name)
-
-
 def _int4() -> Any:
-    return _module("minisgl.attention.cpu_native.int4")
+    return require_module("minisgl.attention.cpu_native.int4")
 
 
 def _matrix(n: int, k: int, seed: int, bias: bool) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
@@ -126,7 +119,7 @@ def test_the_c_decode_step_matches_the_modules(tiny: Path, monkeypatch) -> None:
     wherever the modules' top-2 margin exceeds the logits' difference."""
     from minisgl.benchmark.cpu_speed import decode_logits
 
-    _module("minisgl.engine.cpu_decode")
+    require_module("minisgl.engine.cpu_decode")
     ids = random_prompts(1, 49, 49, vocab=300, seed=3)[0]
     c = _llm(tiny, monkeypatch, "c")
     got = decode_logits(c, ids, prefix=9)
@@ -242,8 +235,8 @@ def test_every_isa_level_builds_the_kernels_and_agrees() -> None:
     """Each level builds its own shared object and masks its features; the int4 GEMV gives the
     same numbers on VNNI and in plain loops (exact int32 sums of the same int8 codes: only the
     float accumulation order differs); oneDNN's int8 GEMM stays exact where w8a8 runs."""
-    _module("minisgl.attention.cpu_native.int4")
-    cpu = _module("minisgl.utils.cpu")
+    require_module("minisgl.attention.cpu_native.int4")
+    cpu = require_module("minisgl.utils.cpu")
     assert cpu.ISA_LEVELS == ("native", "avx512", "avx2")
     runs = {level: _child(level) for level in cpu.ISA_LEVELS}
     assert len({r["so"] for r in runs.values()}) == 3  # three builds, one per level
@@ -261,7 +254,7 @@ def test_every_isa_level_builds_the_kernels_and_agrees() -> None:
 
 @pytest.mark.card(CARD, REFACTOR)
 def test_the_isa_switch_masks_flags_and_refuses_unknown_levels(monkeypatch) -> None:
-    cpu = _module("minisgl.utils.cpu")
+    cpu = require_module("minisgl.utils.cpu")
     flags = frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"})
     monkeypatch.setattr(cpu, "native_flags", lambda: flags)
     seen = {}

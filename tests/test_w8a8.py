@@ -19,6 +19,7 @@ from minisgl.config import ModelConfig
 from minisgl.models.loader import load_model
 from minisgl.quantization.linear import Int8Linear
 from minisgl.testing.cpu_speed import run_cpu_speed
+from minisgl.testing.modules import require_module
 from minisgl.testing.scenarios import assert_kv_clean, random_prompts
 from minisgl.testing.tiny_models import write_tiny_model
 from minisgl.utils.cpu import amx_tiles
@@ -41,21 +42,12 @@ REFACTOR = "one-activation-quantization-for-every-w8a8-path"
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
-def _module(name: str) -> ModuleType:
-    import importlib
-
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError:
-        raise AssertionError(f"{name} is missing") from None
-
-
 def _w8a8() -> ModuleType:
-    return _module("minisgl.quantization.w8a8")
+    return require_module("minisgl.quantization.w8a8")
 
 
 def _smooth() -> ModuleType:
-    return _module("minisgl.quantization.smooth")
+    return require_module("minisgl.quantization.smooth")
 
 
 def _supported() -> bool:

@@ -26,6 +26,10 @@ class _Layer(ctypes.Structure):
                 ("k_pool", _PTR), ("v_pool", _PTR)]  # fmt: skip
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 @dataclass(frozen=True)
 class Int4Matrix:
     """An int4 matrix as the C GEMV reads it: codes uint8 [N, K / 2] (low nibble the even
@@ -60,15 +64,8 @@ class Int4Matrix:
 
     def struct(self) -> _Mat:
         n, k = self.shape
-        bias = None if self.bias is None else self.bias.data_ptr()
-        return _Mat(
-            self.codes.data_ptr(),
-            self.scales_zeros.data_ptr(),
-            bias,
-            n,
-            k,
-            self.scales_zeros.shape[1],
-        )
+        sz = self.scales_zeros
+        return _Mat(self.codes.data_ptr(), sz.data_ptr(), _ptr(self.bias), n, k, sz.shape[1])
 
 
 def int4_gemv(x: torch.Tensor, w: Int4Matrix) -> torch.Tensor:
@@ -84,9 +81,10 @@ def int4_gemv(x: torch.Tensor, w: Int4Matrix) -> torch.Tensor:
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"int4_gemv: 1 to {MAX_ROWS} rows, got {rows}")
     out = torch.empty(rows, n, dtype=torch.bfloat16)
-    m = w.struct()
-    rc = lib.int4_gemv_bf16(x.data_ptr(), x.stride(0), m.codes, m.sz, m.bias, out.data_ptr(),
-                            rows, n, k, m.gp, torch.get_num_threads())  # fmt: skip
+    sz = w.scales_zeros  # the lm_head's call, every decode step: no ctypes record built
+    rc = lib.int4_gemv_bf16(x.data_ptr(), x.stride(0), w.codes.data_ptr(), sz.data_ptr(),
+                            _ptr(w.bias), out.data_ptr(), rows, n, k, sz.shape[1],
+                            torch.get_num_threads())  # fmt: skip
     if rc != 0:
         raise ValueError(f"int4_gemv: {_ERRORS.get(rc, rc)}")
     return out
@@ -104,10 +102,6 @@ class LayerWeights:
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 def layer_structs(layers: list[LayerWeights], k_pools: list[torch.Tensor],
