@@ -121,3 +121,26 @@ class Repo:
             for p in sorted(self.path.rglob("*"))
             if p.is_file() and not skip.intersection(p.relative_to(self.path).parts)
         }
+
+
+PASS, FAIL, HOLD, USAGE = 0, 1, 2, 3
+IN_PROGRESS_CARD = "kanban/in-progress/T-001-demo.md"
+
+
+def ready(repo: Repo, impl: str = "True", ops: float = 100.0) -> str:
+    """A committed card without TDD phases and its tests (test_one asserts `impl`)."""
+    repo.card(tdd=False)
+    repo.tests(impl=impl, tdd=False, ops=ops)
+    return repo.commit()
+
+
+def summary_of(record: Path) -> dict:
+    import json
+
+    return json.loads((record / "summary.json").read_text())
+
+
+def manifest_of(record: Path) -> dict:
+    import json
+
+    return json.loads((record / "manifest.json").read_text())
