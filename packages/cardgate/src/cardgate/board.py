@@ -18,6 +18,7 @@ from typing import Any
 
 from cardgate.card import STATUSES, Card, CardError, parse_card
 from cardgate.scan import scan_bindings
+from cardgate.thresholds import GateFormatError, load_gates, never_matching
 from cardgate.verify import verify_card
 
 LANES: tuple[str, ...] = STATUSES
@@ -116,6 +117,17 @@ def _lint_gates_files(board: Board) -> None:
         for path in card.gates:
             if not (board.root / path).is_file():
                 board.errors.append(CardError(card.path, line, f"Gates: {path!r} does not exist"))
+        default = f"{GATES_DIR}/{card.id}.yaml"
+        if card.gates and (board.root / default).is_file() and default not in card.gates:
+            board.errors.append(
+                CardError(
+                    card.path,
+                    line,
+                    f"{default} exists but 'Gates:' does not name it, so the gate would not "
+                    "read it: name it in 'Gates:' too, or remove it",
+                )
+            )
+        _lint_gate_rules(board, card, line)
         if card.gates or not gates_dir.is_dir():
             continue
         for other in sorted(gates_dir.glob(f"{card.id}.*")):
@@ -128,6 +140,17 @@ def _lint_gates_files(board: Board) -> None:
                         f"{GATES_DIR}/{card.id}.yaml): rename it or name it in 'Gates:'",
                     )
                 )
+
+
+def _lint_gate_rules(board: Board, card: Card, line: int) -> None:
+    paths = card.gates or [f"{GATES_DIR}/{card.id}.yaml"]
+    files = [board.root / p for p in paths if (board.root / p).is_file()]
+    try:
+        gates = load_gates(*files, root=board.root)
+    except (GateFormatError, OSError) as exc:
+        board.errors.append(CardError(card.path, line, f"gates: {exc}"))
+        return
+    board.errors.extend(CardError(card.path, line, message) for message in never_matching(gates))
 
 
 def _lint_dependencies(board: Board) -> None:

@@ -53,12 +53,19 @@ _CHECKBOX_RE = re.compile(r"^(?P<indent>[ \t]*)[-*+][ \t]+\[(?P<mark>[ xX])\][ \
 _BAD_CHECKBOX_RE = re.compile(r"^[ \t]*(?:[-*+]|\d+[.)])[ \t]*\[")
 _BULLET_RE = re.compile(r"^[ \t]*[-*+][ \t]+\S")
 _PHASE_RE = re.compile(r"^[ \t]*\d+[.)][ \t]+(?P<label>\S.*)$")
-_MANUAL_RE = re.compile(r"\(manual\)", re.IGNORECASE)
+_MANUAL_RE = re.compile(r"\s*\(manual\)\s*$", re.IGNORECASE)  # a trailing marker only
 _FENCE_RE = re.compile(r"^[ \t]*(```|~~~)")
 _DATE_SUFFIX_RE = re.compile(r"\s*\(.*\)\s*$")
+_ANY_LIST_RE = re.compile(r"^[ \t]*(?:[-*+]|\d+[.)])(?:[ \t]|$)")
 _ANY_CHECKBOX_RE = re.compile(r"^[ \t]*(?:[-*+]|\d+[.)])[ \t]*\[[ xX]?\]")
 _PHASE_PREFIX_RE = re.compile(
     r"^(?:(?:phase|step)\s*)?\d*\s*[:.)\-\u2013\u2014]*\s*", re.IGNORECASE
+)
+# a line of the TDD section that reads as a heading: `Red:`, `**Red**`, `1 - Red`, `Step 1: Red`
+_HEADING_LIKE_RE = re.compile(
+    r"^(?P<prefix>(?:phase|step|stage)\b[^:]*:?|\d+\s*[-:.)\u2013\u2014]+)?\s*"
+    r"(?P<word>[A-Za-z]+)(?P<rest>.*)$",
+    re.IGNORECASE,
 )
 
 _ErrorFn = Callable[[int, str], None]
@@ -210,6 +217,24 @@ def phase_of(label: str) -> str | None:
     return word if word in PHASES else None
 
 
+def phase_heading(line: str) -> str | None:
+    """A TDD-section line that reads as a phase heading: its phase ("red", ...), "" when it
+    looks like a heading but names no phase (`Phase A`), None for prose. `🔴 Red`, `Red:`,
+    `**Red**`, `1 - Red` and `Step 1: Red` are Red headings; `No red records yet.` is prose."""
+    plain = re.sub(r"[*_`~#>]", "", "".join(ch for ch in line if ch.isascii())).strip()
+    match = _HEADING_LIKE_RE.match(plain)
+    if match is None:
+        return "" if plain.endswith(":") and len(plain) <= 40 else None
+    word, rest = match.group("word").lower(), match.group("rest").strip()
+    if word in PHASES and (not rest or rest[0] in ":(-\u2013\u2014"):
+        return word
+    if match.group("prefix") or (plain.endswith(":") and len(plain) <= 40):
+        return ""
+    if re.match(r"(?i)^(phase|step|stage)\b", plain):
+        return ""
+    return None
+
+
 def parse_card(text: str, path: str | Path = "<card>") -> ParseResult:
     """Parse card text. Never raises: problems come back as `CardError`s with line numbers."""
     where = str(path)
@@ -290,6 +315,18 @@ def parse_card(text: str, path: str | Path = "<card>") -> ParseResult:
                     "expected Red, Green or Refactor (e.g. '1. Red')",
                 )
             continue
+        if section == "tdd subtasks" and line.strip() and not _ANY_LIST_RE.match(line):
+            heading = phase_heading(line)
+            if heading is not None:
+                phase = heading or None
+                stack.clear()
+                if not heading:
+                    error(
+                        lineno,
+                        f"unrecognised TDD phase heading {line.strip()!r}: "
+                        "expected Red, Green or Refactor (e.g. '1. Red')",
+                    )
+                continue
         _parse_item_line(card, line, lineno, section, phase, stack, error)
     if in_fence:
         error(len(lines), "unclosed ``` code fence")

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from cardgate import privacy
 from cardgate.board import board_json, load_board
 from cardgate.gate import GateOptions, run_gate
 from cardgate.outcome import Decision, GateUsageError, Phase
@@ -59,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_argument(
         "--timeout", type=float, help="seconds per test phase (default: the card's Timeout:)"
     )
+    gate.add_argument(
+        "--allow-changed-tests",
+        action="store_true",
+        help="accept red records whose bound tests changed since (recorded in the manifest)",
+    )
     gate.add_argument("--json", action="store_true", help="print only the decision as JSON")
     gate.add_argument(
         "--decision-file", type=Path, help="also write the final decision line to this file"
@@ -72,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
         "lint", help="lint every card and flag unverified done cards (exit 3 on any)"
     )
     lint.add_argument("--root", type=Path, default=Path("."))
+    migrate = sub.add_parser(
+        "migrate-paths",
+        help="rewrite absolute local paths in worklog/ as repo-relative paths or placeholders "
+        "(gate records get a renewed digest and a migration note)",
+    )
+    migrate.add_argument("--root", type=Path, default=Path("."))
+    migrate.add_argument("--dry-run", action="store_true", help="list what would change")
     return parser
 
 
@@ -98,10 +111,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             for card in board.cards.values()
             for flag in verify_card(board.root, card).flags
         ]
-        for line in [*map(str, board.errors), *flags]:
+        private = privacy.scan(args.root.resolve())
+        for line in [*map(str, board.errors), *flags, *map(str, private.findings)]:
             print(line)
         print(f"{len(board.cards)} cards, {len(board.errors)} lint errors, {len(flags)} flags")
-        return Decision.USAGE.exit_code if board.errors or flags else 0
+        print(f"privacy: {len(private.findings)} findings in {private.files} files")
+        bad = board.errors or flags or private.findings
+        return Decision.USAGE.exit_code if bad else 0
+    if args.command == "migrate-paths":
+        for line in privacy.migrate(args.root.resolve(), dry_run=args.dry_run):
+            print(line)
+        return 0
     return _gate(args, extra)
 
 
@@ -116,6 +136,7 @@ def _gate(args: argparse.Namespace, extra: list[str]) -> int:
         timeout=args.timeout,
         pytest_args=tuple(extra),
         python=sys.executable,
+        allow_changed_tests=args.allow_changed_tests,
     )
     out = sys.stderr if args.json else sys.stdout
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from cardgate.card import Card, Item
 from cardgate.outcome import Check, GateOutcome, ItemVerdict, Phase, RedFailure, Verdict, worst
 from cardgate.preflight import Preflight
+from cardgate.provenance import collection_checks, inventory_checks, provenance_checks
 from cardgate.run import Metric, RunResult, TestPhase
 from cardgate.thresholds import GateResult, evaluate
 from cardgate.verify import RedEvidence, red_evidence
@@ -24,20 +25,27 @@ class NodeResult:
 
 
 def node_results(run: RunResult) -> dict[str, NodeResult]:
-    by_node: dict[str, dict[str, TestPhase]] = {}
+    """Every phase counts: a test id that ran twice fails if either run failed, and a phase
+    that raised fails even when its report says `passed` (a plugin rewrote it)."""
+    by_node: dict[str, list[TestPhase]] = {}
     for p in run.phases:
-        by_node.setdefault(p.nodeid, {})[p.when] = p
+        by_node.setdefault(p.nodeid, []).append(p)
     out: dict[str, NodeResult] = {}
-    for nodeid, phases in by_node.items():
-        recs = list(phases.values())
-        failed = [p for p in recs if p.outcome == "failed"]
+    for nodeid, recs in by_node.items():
+        failed = [p for p in recs if p.outcome == "failed" or _contradicts(p)]
         skipped = [p for p in recs if p.outcome == "skipped"]
-        call = phases.get("call")
-        assertion = any(p.when == "call" and p.failure == "assertion" for p in failed)
+        calls = [p for p in recs if p.when == "call"]
+        assertion = any(
+            p.when == "call" and (p.failure or "").startswith("assertion") for p in failed
+        )
+        runs = f" (ran {len(calls)} times)" if len(calls) > 1 else ""
         if failed:
             f = failed[0]
             msg = (f.message or "failed").strip().splitlines()
-            reason = f"{nodeid} {f.when}: {(msg[-1] if msg else 'failed')[:300]}"
+            last = (msg[-1] if msg else "failed")[:300]
+            if _contradicts(f):
+                last = f"the report says passed but the test raised ({f.failure}): {last}"
+            reason = f"{nodeid} {f.when}{runs}: {last}"
             out[nodeid] = NodeResult(nodeid, Verdict.FAIL, reason, True, assertion)
         elif skipped:
             s = skipped[0]
@@ -45,13 +53,41 @@ def node_results(run: RunResult) -> dict[str, NodeResult]:
             out[nodeid] = NodeResult(
                 nodeid, Verdict.HOLD, f"{nodeid} {what}: {s.message.strip()}", True, False
             )
-        elif call is not None and call.wasxfail:
+        elif any(c.wasxfail for c in calls):
             out[nodeid] = NodeResult(nodeid, Verdict.HOLD, f"{nodeid} xpassed", True, False)
-        elif call is not None and call.outcome == "passed":
+        elif calls and all(c.outcome == "passed" for c in calls):
             out[nodeid] = NodeResult(nodeid, Verdict.PASS, nodeid, True, False)
         else:
             out[nodeid] = NodeResult(nodeid, Verdict.HOLD, f"{nodeid}: no result", False, False)
     return out
+
+
+def _contradicts(phase: TestPhase) -> bool:
+    return phase.outcome == "passed" and phase.failure is not None
+
+
+def uncollected_bindings(
+    card: Card, verdicts: list[ItemVerdict], run: RunResult
+) -> list[ItemVerdict]:
+    """An item bound (by the static scan) in a file the run did not collect fails: its test
+    was hidden by an --ignore, a collect_ignore or a path outside testpaths."""
+    collected = {n.split("::", 1)[0] for nodes in run.bound.values() for n in nodes}
+    missing: dict[str, list[str]] = {}
+    for path, key in run.static_bindings:
+        if path not in collected:
+            missing.setdefault(key, []).append(path)
+    out = [
+        replace(
+            v,
+            status=Verdict.FAIL,
+            reason=v.reason + f"; bound in {', '.join(missing[v.key])} (static scan) "
+            "but not collected",
+        )
+        if v.key in missing
+        else v
+        for v in verdicts
+    ]
+    return _reparent(card, out)
 
 
 def marker_hint(card: Card, item: Item) -> str:
@@ -188,9 +224,10 @@ def apply_red_rule(card: Card, verdicts: list[ItemVerdict], reds: RedEvidence) -
         if item.phase != "red" or item.manual or item.children:
             out.append(v)
         elif v.key in reds.found:
-            out.append(replace(v, reason=v.reason + f"; red at {reds.found[v.key][-1]}"))
+            note = "".join(f"; {n}" for n in reds.notes.get(v.key, ()))
+            out.append(replace(v, reason=v.reason + f"; red at {reds.found[v.key][-1]}{note}"))
         elif v.status is Verdict.PASS:
-            why = f" ({reds.rejected[-1]})" if reds.rejected else ""
+            why = f" ({reds.why_not(v.key)})" if reds.rejected else ""
             out.append(
                 replace(
                     v,
@@ -273,10 +310,27 @@ def decide(pre: Preflight, run: RunResult, phase: Phase) -> GateOutcome:
     nodes = node_results(run)
     only = set(pre.red_keys) if phase is Phase.RED else None
     verdicts = judge_items(card, run, nodes, phase, only)
+    verdicts = uncollected_bindings(card, verdicts, run)
+    reds = red_evidence(
+        pre.root,
+        card,
+        pre.commit,
+        run.bound,
+        sources=run.sources(),
+        modules=run.inventory.modules,
+        allow_changed=pre.allow_changed_tests,
+    )
     if phase is Phase.RED:
-        verdicts = _earlier_reds(verdicts, red_evidence(pre.root, card, pre.commit, run.bound))
+        verdicts = _earlier_reds(verdicts, reds)
     values, metrics, checks = metric_checks(run)
-    checks = [*pre.checks, *checks, *run_checks(run)]
+    checks = [
+        *pre.checks,
+        *checks,
+        *run_checks(run),
+        *inventory_checks(run.inventory),
+        *collection_checks(run),
+        *provenance_checks(pre.root, pre.commit, run),
+    ]
     results: list[GateResult] = []
     red_failures: list[RedFailure] = []
     if phase is Phase.GREEN:
@@ -284,9 +338,7 @@ def decide(pre: Preflight, run: RunResult, phase: Phase) -> GateOutcome:
         checks.extend(threshold_checks(pre, results))
         verdicts = attribute_thresholds(verdicts, results, metrics)
         verdicts = _reparent(card, verdicts)
-        verdicts = apply_red_rule(
-            card, verdicts, red_evidence(pre.root, card, pre.commit, run.bound)
-        )
+        verdicts = apply_red_rule(card, verdicts, reds)
     else:
         for v in verdicts:
             failing = [t for t in v.tests if t in nodes and nodes[t].failed_by_assertion]

@@ -12,8 +12,12 @@ class GitError(RuntimeError):
     pass
 
 
-def git(root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+def git(
+    root: Path, *args: str, check: bool = True, input_text: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        ["git", *args], cwd=root, capture_output=True, text=True, input=input_text
+    )
     if check and proc.returncode != 0:
         raise GitError(f"git {' '.join(args)}: {proc.stderr.strip() or proc.stdout.strip()}")
     return proc
@@ -50,6 +54,14 @@ def is_strict_ancestor(root: Path, commit: str, of: str) -> bool:
         return False
     proc = git(root, "merge-base", "--is-ancestor", full, head_, check=False)
     return proc.returncode == 0
+
+
+def is_ancestor(root: Path, commit: str, of: str) -> bool:
+    """True when `commit` is `of` or one of its ancestors."""
+    full, head_ = resolve(root, commit), resolve(root, of)
+    if full is None or head_ is None:
+        return False
+    return git(root, "merge-base", "--is-ancestor", full, head_, check=False).returncode == 0
 
 
 def resolve(root: Path, rev: str) -> str | None:

@@ -2,7 +2,9 @@
 
 `CARDGATE_GPU=0` forces "no GPU" (for CPU-only runs and tests on GPU machines); `=1` trusts
 that a device exists. Otherwise torch is consulted lazily: only when a `gpu` test runs, and a
-missing torch counts as no GPU.
+missing torch counts as no GPU. The GPU name gates are keyed by comes from torch (when the tests
+imported it) or the kernel driver (`/proc/driver/nvidia`), never from a program on `PATH`, and
+the manifest records which (`hardware_source`).
 """
 
 from __future__ import annotations
@@ -11,10 +13,9 @@ import functools
 import os
 import platform
 import re
-import shutil
-import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 GPU_ENV = "CARDGATE_GPU"
@@ -47,45 +48,58 @@ def _torch_cuda() -> bool:
         return False
 
 
-def _nvidia_smi() -> dict[str, str]:
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return {}
+DRIVER_GPUS = "/proc/driver/nvidia/gpus"
+DRIVER_VERSION = "/proc/driver/nvidia/version"
+
+
+def _driver() -> dict[str, str]:
+    """GPU name and driver version from the kernel driver's own files (`/proc/driver/nvidia`):
+    not a program found on PATH, which anyone can shadow."""
+    names: list[str] = []
+    base = Path(DRIVER_GPUS)
     try:
-        query = subprocess.run(
-            [exe, "--query-gpu=name,driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        ).stdout
-        banner = subprocess.run([exe], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
+        for info in sorted(base.glob("*/information")):
+            for line in info.read_text(encoding="utf-8", errors="replace").splitlines():
+                key, _, value = line.partition(":")
+                if key.strip() == "Model" and value.strip():
+                    names.append(value.strip())
+    except OSError:
         return {}
-    first = query.strip().splitlines()[0] if query.strip() else ""
-    name, _, driver = first.partition(",")
-    info = {"gpu_name": name.strip(), "gpu_driver": driver.strip()}
-    match = re.search(r"CUDA Version:\s*([\d.]+)", banner)
+    if not names:
+        return {}
+    found = {"gpu_name": names[0], "gpu_count": str(len(names)), "source": "driver"}
+    try:
+        banner = Path(DRIVER_VERSION).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        banner = ""
+    match = re.search(r"Kernel Module\s+([\d.]+)", banner)
     if match:
-        info["cuda_driver_version"] = match.group(1)
-    return {k: v for k, v in info.items() if v}
+        found["gpu_driver"] = match.group(1)
+    return found
 
 
 def gpu_info() -> dict[str, str]:
-    """GPU name/driver/CUDA when present; {} on CPU-only machines or with CARDGATE_GPU=0."""
+    """GPU name/driver when present; {} on CPU-only machines or with CARDGATE_GPU=0. From torch
+    when it is already imported and sees a device, else from the kernel driver; `source` says
+    which ("torch" or "driver")."""
     if _forced() is False:
         return {}
-    info = _nvidia_smi()
     torch = sys.modules.get("torch")
     if torch is not None:
         try:
             if torch.cuda.is_available():
-                info.setdefault("gpu_name", torch.cuda.get_device_name(0))
+                info = {"gpu_name": torch.cuda.get_device_name(0), "source": "torch"}
                 if torch.version.cuda:
                     info["torch_cuda"] = str(torch.version.cuda)
+                return {**_driver(), **info}
         except Exception:
             pass
-    return info
+    return _driver()
+
+
+def hardware_source(info: dict[str, str]) -> str:
+    """How the hardware key was found: "torch", "driver" or "none" (no GPU: the CPU kind)."""
+    return info.get("source", "none")
 
 
 CPU_KINDS = ("intel-amx", "amd-epyc", "x86-avx512", "x86-avx2")
@@ -151,6 +165,7 @@ def describe() -> dict[str, Any]:
         "cpu_kind": cpu_kind(),
         "cpu_count": os.cpu_count(),
         "hardware": hardware_key(gpu),
+        "hardware_source": hardware_source(gpu),
         "gpu": gpu or None,
         "versions": {
             name: version_of(name)

@@ -1,74 +1,68 @@
-"""The pytest plugin (entry point `pytest11: cardgate`).
+"""The pytest plugin (entry point `pytest11: cardgate`): options and hooks only; the parts live
+in their own modules, after pytest-benchmark's split:
 
-- `@pytest.mark.card("P0-003", "item-key-or-exact-text", ...)` binds a test to card items; a
-  marker naming an unknown card or item (or a `(manual)` item) is a collection error.
-- `--cardgate-card ID` keeps only the tests bound to that card (`--cardgate-items k1,k2`
-  narrows to items and their children); `--cardgate-report PATH` writes a JSON report of every
-  test phase, with bound items and metrics, collected on the xdist controller.
-- `metric(name, value, unit=..., higher_is_better=...)` records a benchmark metric (tests
-  marked `bench`); `parity(path)` asserts a parity JSON and records its mismatch count;
-  `release_gate(path)` asserts a release-gate report decided `promote` and records the decision.
-- `gpu` tests are skipped without a CUDA device (torch imported lazily; no torch = no GPU);
-  `requires(module, install)` tests without that importable module (an optional package),
-  the reason saying how to install it; `gate_only` tests (long benchmarks) outside the card
-  gate (`--cardgate-card`) unless `--cardgate-gate-only` is given. Each skip is missing
-  evidence to a gate.
-- `--cardgate-timeout S` fails any test phase running longer than S seconds (SIGALRM).
-- `--cardgate-testpaths` adds the ini `testpaths` to explicit path arguments (the gate's
-  collection pass sees the whole suite even when a card names `Tests:` paths).
-- Every report records the tests bound to the card before `-k`/`-m`/`--deselect` act, and,
-  for a failed phase, whether it failed by assertion (`failure: "assertion"`) or otherwise.
-- Card files under `<root>/kanban/<lane>/*.md` are collected as lint items.
+- bindings (`@pytest.mark.card("P0-003", "item-key-or-exact-text", ...)`): here; a marker naming
+  an unknown card or item (or a `(manual)` item) is a collection error. `--cardgate-card ID`
+  keeps only the tests bound to that card (`--cardgate-items k1,k2` narrows to items and their
+  children); the tests bound before `-k`/`-m`/`--deselect` act are recorded.
+- fixtures (`cardgate.fixtures`): `metric`, `parity`, `release_gate`.
+- skips: `gpu` tests without a CUDA device, `requires(module, install)` without the module,
+  `gate_only` tests outside the card gate unless `--cardgate-gate-only`: each is missing evidence.
+- timeouts (`cardgate.timeouts`): `--cardgate-timeout S` fails a phase running longer than S.
+- the report (`cardgate.recorder`, `--cardgate-report PATH`): every phase, failure kind
+  (`assertion` / `error`, also when a report claims `passed` while the test raised), source hash
+  of bound tests, and the run's inventory (`cardgate.inventory`) from every process.
+- lint items (`cardgate.lintitems`): card files under `<root>/kanban/<lane>/*.md`.
+- `--cardgate-testpaths` adds the ini `testpaths` to explicit path arguments.
 """
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import importlib.util
 import json
-import math
-import os
-import signal
-from collections.abc import Generator, Iterator
-from dataclasses import dataclass
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cardgate import hardware
-from cardgate.board import KANBAN_DIR, Board, load_board, rel
-from cardgate.evidence import write_json
-from cardgate.parity import ParityResult, assert_parity_json
-from cardgate.release import ReleaseResult, check_release_json, failure_message
-from cardgate.verify import verify_card
+from cardgate.board import Board
+from cardgate.fixtures import MetricRecorder, metric, parity, release_gate
+from cardgate.inventory import INI_PLUGINS, source_sha256
+from cardgate.lintitems import CardFile, CardLintError, CardLintItem, collect_card
+from cardgate.recorder import (
+    BINDING_PROP,
+    FAILURE_PROP,
+    REPORT_VERSION,
+    SOURCE_PROP,
+    WORKER_KEY,
+    Recorder,
+    load_report,
+    process_inventory,
+)
+from cardgate.state import STATE, CardgateState
+from cardgate.timeouts import PhaseTimeout, alarm
 
-BINDING_PROP = "cardgate_items"
-METRIC_PROP = "cardgate_metric"
-FAILURE_PROP = "cardgate_failure"
-REPORT_VERSION = 2
-
-
-@dataclass
-class CardgateState:
-    root: Path
-    card: str | None
-    items: set[str] | None
-    report_path: Path | None
-    board: Board | None = None
-    selected: int = 0
-    timeout: float | None = None
-    gate_only: bool = False
-    bound: dict[str, list[str]] | None = None
-
-    def get_board(self) -> Board:
-        if self.board is None:
-            self.board = load_board(self.root)
-        return self.board
-
-
-STATE = pytest.StashKey[CardgateState]()
+__all__ = [
+    "BINDING_PROP",
+    "FAILURE_PROP",
+    "REPORT_VERSION",
+    "STATE",
+    "CardFile",
+    "CardLintError",
+    "CardLintItem",
+    "CardgateState",
+    "MetricRecorder",
+    "PhaseTimeout",
+    "Recorder",
+    "load_report",
+    "metric",
+    "parity",
+    "release_gate",
+    "resolve_bindings",
+]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -95,6 +89,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="also collect the ini testpaths when paths are given",
     )
     parser.addini("cardgate_lint", type="bool", default=True, help="collect kanban cards as lint")
+    parser.addini(
+        INI_PLUGINS,
+        type="linelist",
+        default=[],
+        help="plugins and conftest files (module names or repo-relative paths) allowed to "
+        "implement report hooks under the card gate",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -184,6 +185,9 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, A
         errors.extend(item_errors)
         if bound:
             item.user_properties.append((BINDING_PROP, bound))
+            digest = source_sha256(item)
+            if digest:
+                item.user_properties.append((SOURCE_PROP, digest))
     if errors:
         report.outcome = "failed"
         report.longrepr = "cardgate binding errors:\n" + "\n".join(errors)
@@ -237,29 +241,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     state.selected = len(keep)
 
 
-# --- gpu marker, timeouts, failure kind -------------------------------------------------
-
-
-class PhaseTimeout(Exception):
-    """A test phase ran longer than `--cardgate-timeout` (or the card's `Timeout:`)."""
-
-
-@contextlib.contextmanager
-def _alarm(seconds: float | None, what: str) -> Iterator[None]:
-    if not seconds or not hasattr(signal, "setitimer"):
-        yield
-        return
-
-    def expire(signum: int, frame: Any) -> None:
-        raise PhaseTimeout(f"timeout: {what} ran longer than {seconds:g}s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+# --- skips, timeouts, failure kind -----------------------------------------------------------
 
 
 def _skip_unless_importable(marker: pytest.Mark) -> None:
@@ -291,226 +273,51 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
     gate_only = item.get_closest_marker("gate_only")
     if gate_only is not None:
         _skip_outside_the_gate(item, gate_only, state)
-    with _alarm(state.timeout, f"{item.nodeid} setup"):
+    with alarm(state.timeout, f"{item.nodeid} setup"):
         return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
-    with _alarm(item.config.stash[STATE].timeout, item.nodeid):
+    with alarm(item.config.stash[STATE].timeout, item.nodeid):
         return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
-    with _alarm(item.config.stash[STATE].timeout, f"{item.nodeid} teardown"):
+    with alarm(item.config.stash[STATE].timeout, f"{item.nodeid} teardown"):
         return (yield)
 
 
-@pytest.hookimpl(wrapper=True)
+_NOT_FAILURES = (pytest.skip.Exception, pytest.xfail.Exception)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Outermost: sees the report after every other plugin; a phase that raised is a failure
+    of that kind even if some plugin rewrote the report to `passed`."""
     report = yield
-    if report.failed and call.excinfo is not None:
-        kind = "assertion" if call.excinfo.errisinstance(AssertionError) else "error"
+    excinfo = call.excinfo
+    if excinfo is not None and not excinfo.errisinstance(_NOT_FAILURES):
+        kind = "assertion" if excinfo.errisinstance(AssertionError) else "error"
+        if report.passed:
+            kind += "; the report says passed"
         report.user_properties = [*report.user_properties, (FAILURE_PROP, kind)]
     return report
 
 
-# --- fixtures ------------------------------------------------------------------------------
+# --- the run's inventory from every process ----------------------------------------------
 
 
-class MetricRecorder:
-    """`metric(name, value, unit="", higher_is_better=True)`: record one benchmark metric."""
-
-    def __init__(self, node: pytest.Item) -> None:
-        self._node = node
-
-    def __call__(
-        self, name: str, value: float, unit: str = "", higher_is_better: bool = True
-    ) -> float:
-        if not isinstance(name, str) or not name.strip():
-            raise ValueError("metric name must be a non-empty string")
-        number = float(value)
-        if not math.isfinite(number):
-            raise ValueError(f"metric {name!r} is not finite: {value!r}")
-        if any(k == METRIC_PROP and v["name"] == name for k, v in self._node.user_properties):
-            raise ValueError(f"metric {name!r} recorded twice by {self._node.nodeid}")
-        record = {"name": name, "value": number, "unit": unit, "higher_is_better": higher_is_better}
-        self._node.user_properties.append((METRIC_PROP, record))
-        return number
-
-
-@pytest.fixture
-def metric(request: pytest.FixtureRequest) -> MetricRecorder:
-    """Record benchmark metrics from a test marked `@pytest.mark.bench`."""
-    node = request.node
-    if node.get_closest_marker("bench") is None:
-        pytest.fail("the metric fixture is for tests marked @pytest.mark.bench", pytrace=False)
-    return MetricRecorder(node)
-
-
-@pytest.fixture
-def parity(request: pytest.FixtureRequest) -> Iterator[Any]:
-    """`parity(path)`: fail unless the parity JSON passed; records `parity_mismatches`."""
-
-    def check(path: Path | str, metric_name: str = "parity_mismatches") -> ParityResult:
-        result = assert_parity_json(path)
-        recorder = MetricRecorder(request.node)
-        recorder(metric_name, float(result.mismatches or 0), unit="count", higher_is_better=False)
-        return result
-
-    yield check
-
-
-@pytest.fixture
-def release_gate(request: pytest.FixtureRequest) -> Iterator[Any]:
-    """`release_gate(path)`: fail unless the release-gate report's decision is `promote`;
-    records `release_decision` (0 promote, 1 hold, 2 rollback; lower is better) whenever the
-    report has a decision, so a hold or rollback is evidence too."""
-
-    def check(path: Path | str, metric_name: str = "release_decision") -> ReleaseResult:
-        result = check_release_json(path)
-        if result.code is not None:
-            recorder = MetricRecorder(request.node)
-            recorder(metric_name, float(result.code), unit="decision", higher_is_better=False)
-        if not result.passed:
-            raise AssertionError(failure_message(result))
-        return result
-
-    yield check
-
-
-# --- reporting (controller only) -----------------------------------------------------------
-
-
-def _message(report: pytest.TestReport | pytest.CollectReport, root: Path) -> str:
-    longrepr = report.longrepr
-    if longrepr is None:
-        return ""
-    if isinstance(longrepr, tuple) and len(longrepr) == 3:
-        text = str(longrepr[2]).removeprefix("Skipped: ")
-    else:
-        crash = getattr(longrepr, "reprcrash", None)
-        text = getattr(crash, "message", None) or str(longrepr)
-    text = text.replace(str(root), ".").replace(os.path.expanduser("~"), "~")
-    return text if len(text) <= 2000 else text[:2000] + "..."
-
-
-class Recorder:
-    """Collects every test phase on the controller (xdist workers forward their reports)."""
-
-    def __init__(self, config: pytest.Config, path: Path) -> None:
-        self.config = config
-        self.path = path
-        self.tests: list[dict[str, Any]] = []
-        self.collection_errors: list[dict[str, Any]] = []
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        root = self.config.stash[STATE].root
-        bound: list[str] = []
-        metrics: list[dict[str, Any]] = []
-        failure: str | None = None
-        for name, value in report.user_properties:
-            if name == BINDING_PROP:
-                bound = list(value)
-            elif name == METRIC_PROP and report.when == "teardown":
-                metrics.append(dict(value))
-            elif name == FAILURE_PROP:
-                failure = str(value)
-        self.tests.append(
-            {
-                "nodeid": report.nodeid,
-                "when": report.when,
-                "outcome": report.outcome,
-                "duration": round(report.duration, 6),
-                "items": bound,
-                "metrics": metrics,
-                "wasxfail": hasattr(report, "wasxfail"),
-                "failure": failure,
-                "message": "" if report.passed else _message(report, root),
-            }
-        )
-
-    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
-        if report.failed:
-            root = self.config.stash[STATE].root
-            self.collection_errors.append(
-                {"nodeid": report.nodeid, "message": _message(report, root)}
-            )
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
-        state = self.config.stash[STATE]
-        gpu = hardware.gpu_info()
-        report = {
-            "version": REPORT_VERSION,
-            "card": state.card,
-            "items_filter": sorted(state.items) if state.items else None,
-            "exitstatus": int(exitstatus),
-            "selected": state.selected,
-            "bound": state.bound,
-            "tests": self.tests,
-            "collection_errors": self.collection_errors,
-            "hardware": hardware.hardware_key(gpu),
-            "gpu": gpu or None,
-        }
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():
-            self.path.unlink()
-        write_json(self.path, report)
-
-
-# --- kanban lint items ---------------------------------------------------------------------
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    config = session.config
+    if _is_worker(config) and config.getoption("cardgate_report"):
+        inventory = process_inventory(config, list(session.items))
+        config.workeroutput[WORKER_KEY] = json.dumps(inventory)  # type: ignore[attr-defined]
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
-    config = parent.config
-    if file_path.suffix != ".md" or not config.getini("cardgate_lint"):
-        return None
-    root = config.stash[STATE].root
-    if file_path.parent.parent != root / KANBAN_DIR:
-        return None
-    return CardFile.from_parent(parent, path=file_path)
-
-
-class CardLintError(Exception):
-    pass
-
-
-class CardFile(pytest.File):
-    def collect(self) -> Iterator[pytest.Item]:
-        yield CardLintItem.from_parent(self, name="lint")
-
-
-class CardLintItem(pytest.Item):
-    """Fails with `file:line: message` lines when the card (or the board around it) is broken."""
-
-    def runtest(self) -> None:
-        state = self.config.stash[STATE]
-        board = state.get_board()
-        where = rel(self.path, state.root)
-        problems = [str(e) for e in board.errors_for(where)]
-        card = next((c for c in board.cards.values() if c.path == where), None)
-        if card is not None:
-            problems += [f"{where}:1: {flag}" for flag in verify_card(state.root, card).flags]
-        if problems:
-            raise CardLintError("\n".join(problems))
-
-    def repr_failure(
-        self,
-        excinfo: pytest.ExceptionInfo[BaseException],
-        style: Any = None,
-    ) -> str:
-        if isinstance(excinfo.value, CardLintError):
-            return str(excinfo.value)
-        return super().repr_failure(excinfo)
-
-    def reportinfo(self) -> tuple[Path, int, str]:
-        return self.path, 0, f"card lint: {self.path.name}"
-
-
-def load_report(path: Path | str) -> dict[str, Any]:
-    """Read a report written by `--cardgate-report`."""
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+    return collect_card(file_path, parent, parent.config.stash[STATE].root)

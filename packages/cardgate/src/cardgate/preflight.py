@@ -39,6 +39,7 @@ class GateOptions:
     timeout: float | None = None
     pytest_args: tuple[str, ...] = ()
     python: str = ""
+    allow_changed_tests: bool = False
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class Preflight:
     dirty: tuple[str, ...]
     checks: tuple[Check, ...]
     timeout: float | None
+    allow_changed_tests: bool = False
 
 
 def gate_files(root: Path, card: Card) -> list[Path]:
@@ -93,7 +95,13 @@ def preflight(opts: GateOptions) -> Preflight:
     if lint:
         raise GateUsageError("card does not lint clean:\n" + "\n".join(map(str, lint)))
     for test_path in card.tests:
-        if not (root / test_path).exists():
+        full = (root / test_path).resolve()
+        if not full.is_relative_to(root):
+            raise GateUsageError(
+                f"{card.path}: 'Tests:' path {test_path!r} is outside the repository: the "
+                "commit would not hold the tests that ran"
+            )
+        if not full.exists():
             raise GateUsageError(f"{card.path}: 'Tests:' path {test_path!r} does not exist")
     target = root / KANBAN_DIR / "done" / Path(card.path).name
     if card.lane != "done" and target.exists():
@@ -137,6 +145,7 @@ def preflight(opts: GateOptions) -> Preflight:
         dirty=tuple(dirty),
         checks=tuple(checks),
         timeout=opts.timeout or card.timeout,
+        allow_changed_tests=opts.allow_changed_tests,
     )
 
 

@@ -10,7 +10,6 @@ move together with the evidence folder; otherwise it stages both and prints the 
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -21,6 +20,7 @@ from cardgate.board import KANBAN_DIR
 from cardgate.card import Card
 from cardgate.outcome import GateOutcome, GateReport, Phase, Recorded, Verdict
 from cardgate.preflight import GateOptions, Preflight
+from cardgate.redact import redact
 from cardgate.run import RunResult
 from cardgate.verify import file_sha256
 
@@ -52,6 +52,9 @@ def manifest(
         "timeout_s": pre.timeout,
         "env": dict(run.env),
         "bound_tests": {k: list(v) for k, v in sorted(run.bound.items())},
+        "static_bound_files": list(run.static_files),
+        "allow_changed_tests": opts.allow_changed_tests,
+        **run.inventory.to_dict(),
         **hardware.describe(),
     }
 
@@ -60,7 +63,7 @@ def _relative(arg: str, root: Path) -> str:
     """A command-line argument without absolute paths (the repo is `.`, the report `<tmp>`)."""
     if arg.startswith("--cardgate-report="):
         return "--cardgate-report=<tmp>/report.json"
-    return arg.replace(str(root), ".").replace(os.path.expanduser("~"), "~")
+    return redact(arg, root)
 
 
 def _closed_text(pre: Preflight, outcome: GateOutcome, record_dir: str, day: str) -> str:

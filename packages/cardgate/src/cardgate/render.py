@@ -36,7 +36,8 @@ def gate_summary(report: GateReport) -> str:
         lines.append(f"  {c.status.label}  {c.name}: {c.reason}")
     skipped = [g for g in o.thresholds if not g.applicable]
     if skipped:
-        lines.append(f"  ({len(skipped)} gate checks not for this hardware)")
+        lines.append(f"gate rules that did not apply ({len(skipped)}):")
+        lines.extend(f"  n/a   {g.metric} {g.check}: {g.message} ({g.source})" for g in skipped)
     if o.phase is Phase.RED and o.red_failures:
         lines.append("red record:")
         for red in o.red_failures:

@@ -15,14 +15,16 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 from cardgate.hardware import hardware_key
 from cardgate.outcome import Phase
-from cardgate.plugin import load_report
 from cardgate.preflight import GateOptions, Preflight
+from cardgate.recorder import load_report
+from cardgate.redact import redact
+from cardgate.scan import scan_files
 
 ENV_PREFIXES = ("MINISGL_", "CARDGATE_", "PYTEST_")
 
@@ -45,6 +47,27 @@ class TestPhase:
     failure: str | None
     wasxfail: bool
     metrics: tuple[Metric, ...]
+    source_sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """What ran besides the tests (`cardgate.inventory`), over every pytest process."""
+
+    plugins: tuple[dict[str, Any], ...] = ()
+    fixture_overrides: tuple[dict[str, str], ...] = ()
+    modules: tuple[str, ...] = ()
+    outside_modules: tuple[str, ...] = ()
+    environment: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "plugins": list(self.plugins),
+            "fixture_overrides": list(self.fixture_overrides),
+            "imported_modules": list(self.modules),
+            "outside_modules": list(self.outside_modules),
+            "environment": dict(self.environment),
+        }
 
 
 @dataclass(frozen=True)
@@ -58,14 +81,22 @@ class RunResult:
     bound: dict[str, tuple[str, ...]]  # item key -> every node id bound to it (whole suite)
     hardware: str
     raw_tests: tuple[dict[str, Any], ...]
+    static_bindings: tuple[tuple[str, str], ...] = ()  # (file, item key) by a static scan
+    inventory: Inventory = field(default_factory=Inventory)
+    hardware_source: str = "none"
+
+    @property
+    def static_files(self) -> tuple[str, ...]:
+        return tuple(sorted({path for path, _ in self.static_bindings}))
+
+    def sources(self) -> dict[str, str]:
+        """nodeid -> sha256 of the bound test's source, as this run collected it."""
+        return {p.nodeid: p.source_sha256 for p in self.phases if p.source_sha256}
 
 
 def env_overrides(root: Path) -> tuple[tuple[str, str], ...]:
-    home = os.path.expanduser("~")
     return tuple(
-        (k, v.replace(str(root), ".").replace(home, "~"))
-        for k, v in sorted(os.environ.items())
-        if k.startswith(ENV_PREFIXES)
+        (k, redact(v, root)) for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)
     )
 
 
@@ -82,10 +113,12 @@ def _base(opts: GateOptions, pre: Preflight, report: Path) -> list[str]:
     ]
 
 
-def _collect(opts: GateOptions, pre: Preflight, tmp: Path, stream: TextIO) -> dict[str, Any]:
+def _collect(
+    opts: GateOptions, pre: Preflight, tmp: Path, stream: TextIO, static: list[str]
+) -> dict[str, Any]:
     report = tmp / "collect.json"
     cmd = [*_base(opts, pre, report), "--collect-only", "-q", "--cardgate-testpaths"]
-    cmd += pre.card.tests
+    cmd += [*pre.card.tests, *static]
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     subprocess.run(cmd, cwd=pre.root, env=env, stdout=subprocess.DEVNULL, stderr=stream)
     return load_report(report) if report.exists() else {}
@@ -116,14 +149,16 @@ def run_pytest(
 ) -> RunResult:
     single = _single_pass(opts)
     wanted = _expand(pre, set(pre.red_keys)) if opts.phase is Phase.RED else None
+    static_bindings = _static_bindings(pre)
+    static = sorted({path for path, _ in static_bindings})  # passed explicitly to pytest
     with tempfile.TemporaryDirectory(prefix="cardgate-") as tmp_name:
         tmp = Path(tmp_name)
         errors: list[tuple[str, str]] = []
         bound: dict[str, tuple[str, ...]] = {}
         if single:
-            paths = ["--cardgate-testpaths", *pre.card.tests]
+            paths = ["--cardgate-testpaths", *pre.card.tests, *static]
         else:
-            collected = _collect(opts, pre, tmp, stream)
+            collected = _collect(opts, pre, tmp, stream, static)
             if not collected:
                 errors.append(("<collection>", "the collection pass wrote no report"))
             errors += _errors(collected)
@@ -135,6 +170,7 @@ def run_pytest(
                     for n in ns
                     if not wanted or k in wanted
                 }
+                | ({*static} if not wanted else set())
             )
         report = tmp / "report.json"
         cmd = _base(opts, pre, report)
@@ -175,7 +211,25 @@ def run_pytest(
         bound=bound,
         hardware=str(data.get("hardware") or hardware_key()),
         raw_tests=tuple(data.get("tests", [])),
+        static_bindings=static_bindings,
+        inventory=Inventory(
+            plugins=tuple(data.get("plugins", [])),
+            fixture_overrides=tuple(data.get("fixture_overrides", [])),
+            modules=tuple(data.get("modules", [])),
+            outside_modules=tuple(data.get("outside_modules", [])),
+            environment=dict(data.get("environment") or {}),
+        ),
+        hardware_source=str(data.get("hardware_source") or "none"),
     )
+
+
+def _static_bindings(pre: Preflight) -> tuple[tuple[str, str], ...]:
+    found = set()
+    for binding in scan_files(pre.root):
+        item = pre.card.lookup(binding.ref) if binding.card == pre.card.id else None
+        if item is not None:
+            found.add((binding.path, item.key))
+    return tuple(sorted(found))
 
 
 def _expand(pre: Preflight, keys: set[str]) -> set[str]:
@@ -193,6 +247,7 @@ def _phase(rec: dict[str, Any]) -> TestPhase:
         message=rec.get("message") or "",
         failure=rec.get("failure"),
         wasxfail=bool(rec.get("wasxfail")),
+        source_sha256=rec.get("source_sha256"),
         metrics=tuple(
             Metric(
                 name=m["name"],

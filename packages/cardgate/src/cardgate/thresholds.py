@@ -27,7 +27,7 @@ Format (``worklog/gates/*.yaml``)::
 
 A rule applies when its ``hardware`` matches the hardware string given to `evaluate`: ``"cpu"``
 on machines without a CUDA device, else the GPU name (``torch.cuda.get_device_name()`` or
-``nvidia-smi``). ``any`` (or no key) matches everything; ``cpu`` every CPU machine;
+the kernel driver's ``/proc/driver/nvidia``; never a program on ``PATH``). ``any`` (or no key) matches everything; ``cpu`` every CPU machine;
 ``cpu:<kind>`` (a glob: ``cpu:amd-epyc``, ``cpu:intel-amx``) the CPU kinds it names
 (`hardware.cpu_kind`: the kernels differ by kind, so a CPU speed gate names its kind); any other
 value is a case-insensitive `fnmatch` pattern on the GPU name. All matching rules are checked.
@@ -52,6 +52,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from cardgate.hardware import CPU_KINDS
 
 Status = Literal["pass", "fail", "missing", "n/a"]
 _RULE_KEYS = frozenset({"metric", "hardware", "min", "max", "relative", "note"})
@@ -137,6 +139,45 @@ def hardware_matches(pattern: str, hardware: str) -> bool:
     if pattern.startswith("cpu:"):
         return hardware.startswith("cpu:") and fnmatch.fnmatchcase(hardware[4:], pattern[4:])
     return not on_cpu and fnmatch.fnmatchcase(hardware, pattern)
+
+
+def can_match(pattern: str) -> bool:
+    """False for a hardware pattern no machine can have: a `cpu:` glob that matches no CPU kind
+    (`hardware.CPU_KINDS`), or a GPU pattern that is neither a glob nor a full device name
+    (`h100` never equals `NVIDIA H100 80GB HBM3`; write `*H100*`)."""
+    pattern = pattern.strip().lower()
+    if pattern in {"any", "*", "", "cpu"}:
+        return True
+    if pattern.startswith("cpu:"):
+        return any(fnmatch.fnmatchcase(kind, pattern[4:]) for kind in CPU_KINDS)
+    return any(ch in pattern for ch in "*?[") or " " in pattern
+
+
+def never_matching(gates: GateSet) -> list[str]:
+    """A message per rule whose hardware pattern can never match (a lint error)."""
+    return [
+        f"{gate.source}: hardware {gate.hardware!r} can never match (CPU kinds: cpu:"
+        + ", cpu:".join(CPU_KINDS)
+        + "; a GPU rule needs a glob such as '*H100*' or the full device name)"
+        for gate in gates
+        if not can_match(gate.hardware)
+    ]
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.safe_load` that refuses a mapping with the same key twice (YAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise GateFormatError(
+                    f"duplicate key {key!r} (line {line}; first at line {seen[key]})"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _number(value: Any, what: str) -> float:
@@ -227,9 +268,11 @@ def load_gates(*paths: Path | str, root: Path | None = None) -> GateSet:
     for path in paths:
         text = Path(path).read_text(encoding="utf-8")
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_UniqueKeyLoader)
         except yaml.YAMLError as exc:
             raise GateFormatError(f"{path}: invalid YAML: {exc}") from None
+        except GateFormatError as exc:
+            raise GateFormatError(f"{path}: {exc}") from None
         name = str(path)
         if root is not None and Path(path).is_absolute():
             with contextlib.suppress(ValueError):  # outside the root: named as given

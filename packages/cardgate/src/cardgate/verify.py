@@ -2,25 +2,28 @@
 
 A card in `done/` is *verified* when a record the gate wrote (its digest checks) says `pass`
 for the green phase of this card with `card_sha256` equal to the sha256 of the card file as it
-is now, at a commit this repository knows. Anything else is a flag.
+is now, at a commit that is HEAD or one of its ancestors (not a record copied from another
+branch), and no later green gate of the same card text failed. Anything else is a flag.
 
 A red record counts for a Red item when the gate wrote it for this card, its commit is a strict
 ancestor of HEAD (resolved with git), the tree was clean, it names bound tests of the item that
-failed in the call phase by assertion, and files other than tests, cards and evidence changed
-between that commit and HEAD (tests, `conftest.py`, `kanban/`, `worklog/`, `docs/` and markdown
-files do not count as implementation).
+failed in the call phase by assertion, those tests' sources are unchanged since (or the gate was
+told `--allow-changed-tests`, and records it), and the implementation changed between that
+commit and HEAD: a file the bound tests import now (or a compiled-language source), never
+tests, `conftest.py`, `kanban/`, `worklog/`, `docs/`, markdown or a file nothing imports.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cardgate import evidence, gitutil
 from cardgate.card import Card
 
+COMPILED_SOURCES = (".rs", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".cuh", ".pyx")
 NOT_IMPLEMENTATION = re.compile(
     r"(^|/)(tests?|testing)/|(^|/)test_[^/]*\.py$|_test\.py$|(^|/)conftest\.py$"
     r"|^kanban/|^worklog/|^docs/|\.md$"
@@ -91,13 +94,44 @@ def verify_card(root: Path, card: Card) -> Verification:
             + f": re-gate it (python -m cardgate gate {card.id} --commit)"
         )
         return Verification(False, (why,), last)
-    record = matching[-1]
-    if gitutil.is_repo(root) and gitutil.resolve(root, record.commit) is None:
+    later = [
+        r
+        for r in records
+        if r.phase == "green"
+        and r.card == card.id
+        and r.intact
+        and r.summary.get("card_sha256") == current
+        and r.path.name > matching[-1].path.name
+        and r.outcome == "fail"
+    ]
+    if later:
         return Verification(
             False,
-            (f"passing record {record.path.name} names unknown commit {record.commit}",),
+            (
+                f"the last gate of this card text failed ({later[-1].path.name}, after the "
+                f"passing {matching[-1].path.name}): fix it and re-gate",
+            ),
             last,
         )
+    record = matching[-1]
+    if gitutil.is_repo(root):
+        head = gitutil.head(root)
+        if gitutil.resolve(root, record.commit) is None:
+            return Verification(
+                False,
+                (f"passing record {record.path.name} names unknown commit {record.commit}",),
+                last,
+            )
+        if head is not None and not gitutil.is_ancestor(root, record.commit, head):
+            return Verification(
+                False,
+                (
+                    f"passing record {record.path.name} names commit {record.commit[:10]}, "
+                    "which is not an ancestor of HEAD (a record copied from another branch?): "
+                    "re-gate it here",
+                ),
+                last,
+            )
     return Verification(True, (), last)
 
 
@@ -107,12 +141,30 @@ class RedEvidence:
 
     found: dict[str, tuple[str, ...]]
     rejected: tuple[str, ...]
+    notes: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def why_not(self, key: str) -> str:
+        """The last rejection that names `key`, else the last one."""
+        mine = [r for r in self.rejected if f": {key}: " in r]
+        return (mine or list(self.rejected) or [""])[-1]
 
 
 def red_evidence(
-    root: Path, card: Card, head: str | None, bound: dict[str, tuple[str, ...]]
+    root: Path,
+    card: Card,
+    head: str | None,
+    bound: dict[str, tuple[str, ...]],
+    *,
+    sources: dict[str, str] | None = None,
+    modules: tuple[str, ...] | None = None,
+    allow_changed: bool = False,
 ) -> RedEvidence:
+    """Red records that prove each Red item. With `sources` (nodeid -> source sha256 of this
+    run), a record whose bound test changed since is rejected unless `allow_changed`; with
+    `modules` (repo files this run imported), "the implementation changed" means one of them
+    (or a compiled-language source) changed since the red commit."""
     found: dict[str, list[str]] = {}
+    notes: dict[str, list[str]] = {}
     rejected: list[str] = []
     if head is None:
         return RedEvidence({}, ())
@@ -121,16 +173,20 @@ def red_evidence(
         if s.get("phase") != "red":
             continue
         name = record.path.name
-        problem = _red_problem(root, record, card, head)
+        problem = _red_problem(root, record, card, head, modules)
         if problem:
             rejected.append(f"{name}: {problem}")
             continue
+        lines = record.report_lines()
         failed_by_assertion = {
             line["nodeid"]
-            for line in record.report_lines()
+            for line in lines
             if line.get("when") == "call"
             and line.get("outcome") == "failed"
             and line.get("failure") == "assertion"
+        }
+        red_sources = {
+            line["nodeid"]: line["source_sha256"] for line in lines if line.get("source_sha256")
         }
         # each Red item on its own: the run may have failed on another one (a Red item whose
         # tests already pass), which says nothing about this one's red result
@@ -140,14 +196,47 @@ def red_evidence(
                 rejected.append(f"{name}: {key}: not red as expected in that run")
                 continue
             valid = set(nodeids) & failed_by_assertion & set(bound.get(key, ()))
-            if valid:
-                found.setdefault(key, []).append(f"{record.commit[:10]} {name}")
-            else:
+            if not valid:
                 rejected.append(f"{name}: {key}: no bound test of the item failed by assertion")
-    return RedEvidence({k: tuple(v) for k, v in found.items()}, tuple(rejected))
+                continue
+            changed = sorted(
+                n
+                for n in set(bound.get(key, ())) & set(red_sources)
+                if sources is not None and n in sources and sources[n] != red_sources[n]
+            )
+            if changed and not allow_changed:
+                more = f" (+{len(changed) - 1} more)" if len(changed) > 1 else ""
+                rejected.append(
+                    f"{name}: {key}: bound test {changed[0]}{more} changed since the red record "
+                    "(--allow-changed-tests accepts it, and the record says so)"
+                )
+                continue
+            if changed:
+                notes.setdefault(key, []).append(
+                    f"{len(changed)} bound tests changed since red (accepted)"
+                )
+            found.setdefault(key, []).append(f"{record.commit[:10]} {name}")
+    return RedEvidence(
+        {k: tuple(v) for k, v in found.items()},
+        tuple(rejected),
+        {k: tuple(v) for k, v in notes.items()},
+    )
 
 
-def _red_problem(root: Path, record: evidence.Record, card: Card, head: str) -> str:
+def implementation_changes(changed: list[str], modules: tuple[str, ...] | None) -> list[str]:
+    """The changed files that count as implementation. Without a module list: every file but
+    tests, cards, evidence and docs. With one: files the bound tests imported, and sources of
+    compiled code (`COMPILED_SOURCES`: no import names them)."""
+    candidates = [f for f in changed if not NOT_IMPLEMENTATION.search(f)]
+    if modules is None:
+        return candidates
+    imported = set(modules)
+    return [f for f in candidates if f in imported or f.endswith(COMPILED_SOURCES)]
+
+
+def _red_problem(
+    root: Path, record: evidence.Record, card: Card, head: str, modules: tuple[str, ...] | None
+) -> str:
     s = record.summary
     if not record.intact:
         return "not a record the gate wrote (digest missing or wrong)"
@@ -158,9 +247,15 @@ def _red_problem(root: Path, record: evidence.Record, card: Card, head: str) -> 
     commit = gitutil.resolve(root, record.commit)
     if commit is None or not gitutil.is_strict_ancestor(root, commit, head):
         return f"commit {record.commit[:10]!r} is not a strict ancestor of HEAD"
-    changed = [
-        f for f in gitutil.changed_files(root, commit, head) if not NOT_IMPLEMENTATION.search(f)
-    ]
-    if not changed:
-        return "no implementation file changed since the red commit (only tests, cards, evidence)"
+    changed = gitutil.changed_files(root, commit, head)
+    if not implementation_changes(changed, modules):
+        if modules is None:
+            return (
+                "no implementation file changed since the red commit (only tests, cards, evidence)"
+            )
+        shown = ", ".join(changed[:5]) + (" ..." if len(changed) > 5 else "")
+        return (
+            "no implementation file changed since the red commit: no file the bound tests "
+            f"import changed (changed: {shown or 'nothing'})"
+        )
     return ""

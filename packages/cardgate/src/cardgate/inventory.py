@@ -1,0 +1,191 @@
+"""What ran besides the tests, taken in every pytest process of a gate run: the plugins and
+conftest files that could rewrite a result, fixtures that replace cardgate's, the repository
+modules imported (the gate checks git holds them), the interpreter and its environment, and
+each bound test's source hash (a red record keeps them).
+
+A plugin is *allowed* when it is pytest's own, cardgate's, installed in the interpreter (an
+entry-point plugin such as xdist or hypothesis: recorded with its distribution), or declared in
+the ini option `cardgate_plugins` (a module name or a repo-relative conftest path). A repo
+conftest that implements no `REPORT_HOOKS` needs no declaration; a module from outside the
+repository always does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import site
+import sys
+import sysconfig
+from collections.abc import Iterable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from cardgate.redact import redact
+
+INI_PLUGINS = "cardgate_plugins"
+REPORT_HOOKS = (
+    "pytest_runtest_protocol",
+    "pytest_runtest_setup",
+    "pytest_runtest_call",
+    "pytest_runtest_teardown",
+    "pytest_runtest_makereport",
+    "pytest_runtest_logreport",
+    "pytest_pyfunc_call",
+)
+CARDGATE_FIXTURES = ("metric", "parity", "release_gate")
+FIXTURES_MODULE = "cardgate.fixtures"
+EXECNET_MODULES = frozenset({"__channelexec__"})
+
+
+def _installed_dirs() -> list[Path]:
+    dirs = {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib", "platstdlib")}
+    dirs.update(site.getsitepackages())
+    return [Path(d).resolve() for d in dirs if d]
+
+
+def _inside(path: Path, base: Path) -> bool:
+    try:
+        path.relative_to(base)
+    except ValueError:
+        return False
+    return True
+
+
+def _module_of(plugin: object) -> tuple[str, str | None]:
+    if isinstance(plugin, ModuleType):
+        return plugin.__name__, getattr(plugin, "__file__", None)
+    name = type(plugin).__module__
+    module = sys.modules.get(name)
+    return name, getattr(module, "__file__", None) if module is not None else None
+
+
+def plugins(config: pytest.Config, root: Path) -> list[dict[str, Any]]:
+    """Every plugin that is not pytest's own, with the report hooks it implements."""
+    declared = set(config.getini(INI_PLUGINS) or [])
+    dists = {
+        id(plugin): f"{dist.project_name}=={dist.version}"
+        for plugin, dist in config.pluginmanager.list_plugin_distinfo()
+    }
+    installed = _installed_dirs()
+    out: dict[str, dict[str, Any]] = {}
+    for _, plugin in config.pluginmanager.list_name_plugin():
+        if plugin is None:
+            continue
+        module, file = _module_of(plugin)
+        if module.split(".")[0] in {"_pytest", "pytest", "pluggy"}:
+            continue
+        hooks = sorted(h for h in REPORT_HOOKS if callable(getattr(plugin, h, None)))
+        path = Path(file).resolve() if file else None
+        if module in EXECNET_MODULES and id(plugin) not in dists and file is None:
+            origin, allowed, name = "installed", True, module  # xdist's channel to a worker
+        elif module == "cardgate" or module.startswith("cardgate."):
+            origin, allowed, name = "cardgate", True, module
+        elif path is not None and _inside(path, root.resolve()):
+            rel = path.relative_to(root.resolve()).as_posix()
+            name = rel if path.name == "conftest.py" else module
+            origin = "repo"
+            allowed = not hooks or name in declared or module in declared
+        elif id(plugin) in dists or (path is not None and any(_inside(path, d) for d in installed)):
+            origin, allowed, name = "installed", True, module
+        else:
+            origin, name = "outside", module
+            allowed = name in declared
+        entry = out.setdefault(
+            name,
+            {
+                "name": name,
+                "origin": origin,
+                "file": redact(str(path), root) if path else None,
+                "dist": dists.get(id(plugin)),
+                "hooks": [],
+                "allowed": allowed,
+            },
+        )
+        entry["hooks"] = sorted(set(entry["hooks"]) | set(hooks))
+        entry["allowed"] = entry["allowed"] and allowed
+    return sorted(out.values(), key=lambda e: e["name"])
+
+
+def fixture_overrides(items: Iterable[pytest.Item], root: Path) -> list[dict[str, str]]:
+    """cardgate fixtures (`metric`, ...) that a test gets from somewhere else."""
+    found: dict[tuple[str, str], dict[str, str]] = {}
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)  # pytest's resolved fixture closure
+        defs_by_name = getattr(info, "name2fixturedefs", {}) or {}
+        for name in CARDGATE_FIXTURES:
+            defs = defs_by_name.get(name)
+            if not defs:
+                continue
+            func = defs[-1].func
+            if getattr(func, "__module__", "") == FIXTURES_MODULE:
+                continue
+            try:
+                where = redact(inspect.getsourcefile(func) or "?", root)
+            except TypeError:
+                where = "?"
+            found[(name, where)] = {"fixture": name, "where": where.removeprefix("./")}
+    return sorted(found.values(), key=lambda e: (e["fixture"], e["where"]))
+
+
+def repo_modules(root: Path) -> tuple[list[str], list[str]]:
+    """(repo-relative files of imported modules, those that resolve outside the root)."""
+    base = Path(os.path.abspath(root))
+    real = base.resolve()
+    inside: set[str] = set()
+    outside: set[str] = set()
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if not file:
+            continue
+        path = Path(os.path.abspath(file))
+        if not _inside(path, base) and not _inside(path, real):
+            continue
+        rel = path.relative_to(base if _inside(path, base) else real).as_posix()
+        if "/__pycache__/" in f"/{rel}":
+            continue
+        inside.add(rel)
+        if not _inside(path.resolve(), real):
+            outside.add(rel)
+    return sorted(inside), sorted(outside)
+
+
+def _foreign(module: str) -> str | None:
+    """The file of `sitecustomize` / `usercustomize` when it comes from outside the
+    interpreter's own prefixes (it runs before any test and can change any result)."""
+    loaded = sys.modules.get(module)
+    file = getattr(loaded, "__file__", None)
+    if not file:
+        return None
+    path = Path(file).resolve()
+    prefixes = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    return None if any(_inside(path, p) for p in prefixes) else str(path)
+
+
+def environment(root: Path) -> dict[str, Any]:
+    """The interpreter, PATH, PYTHONPATH and start-up customisations, without private paths."""
+    site_file = getattr(sys.modules.get("sitecustomize"), "__file__", None)
+    user_file = getattr(sys.modules.get("usercustomize"), "__file__", None)
+    foreign = [f for f in (_foreign("sitecustomize"), _foreign("usercustomize")) if f]
+    return {
+        "python": redact(sys.executable, root),
+        "PATH": redact(os.environ.get("PATH", ""), root),
+        "PYTHONPATH": redact(os.environ.get("PYTHONPATH", ""), root),
+        "sitecustomize": redact(site_file, root) if site_file else "",
+        "usercustomize": redact(user_file, root) if user_file else "",
+        "foreign_startup": [redact(f, root) for f in foreign],
+    }
+
+
+def source_sha256(item: pytest.Item) -> str | None:
+    """sha256 of the test function's source (None for items that are not Python functions)."""
+    obj = getattr(item, "obj", None)
+    try:
+        source = inspect.getsource(obj) if obj is not None else None
+    except (OSError, TypeError):
+        source = None
+    return hashlib.sha256(source.encode()).hexdigest() if source else None
