@@ -43,8 +43,10 @@ EXECNET_MODULES = frozenset({"__channelexec__"})
 
 
 def _installed_dirs() -> list[Path]:
+    """The interpreter's own folders (its prefix, stdlib and site-packages)."""
     dirs = {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib", "platstdlib")}
     dirs.update(site.getsitepackages())
+    dirs.update({sys.prefix, sys.base_prefix, sys.exec_prefix})
     return [Path(d).resolve() for d in dirs if d]
 
 
@@ -85,13 +87,13 @@ def plugins(config: pytest.Config, root: Path) -> list[dict[str, Any]]:
             origin, allowed, name = "installed", True, module  # xdist's channel to a worker
         elif module == "cardgate" or module.startswith("cardgate."):
             origin, allowed, name = "cardgate", True, module
+        elif id(plugin) in dists or (path is not None and any(_inside(path, d) for d in installed)):
+            origin, allowed, name = "installed", True, module  # a venv may live in the repo
         elif path is not None and _inside(path, root.resolve()):
             rel = path.relative_to(root.resolve()).as_posix()
             name = rel if path.name == "conftest.py" else module
             origin = "repo"
             allowed = not hooks or name in declared or module in declared
-        elif id(plugin) in dists or (path is not None and any(_inside(path, d) for d in installed)):
-            origin, allowed, name = "installed", True, module
         else:
             origin, name = "outside", module
             allowed = name in declared
@@ -133,17 +135,21 @@ def fixture_overrides(items: Iterable[pytest.Item], root: Path) -> list[dict[str
 
 
 def repo_modules(root: Path) -> tuple[list[str], list[str]]:
-    """(repo-relative files of imported modules, those that resolve outside the root)."""
+    """(repo-relative files of imported modules, those that resolve outside the root); files
+    of the interpreter's own folders (a virtualenv inside the repo) are not the repo's."""
     base = Path(os.path.abspath(root))
     real = base.resolve()
+    installed = _installed_dirs()
     inside: set[str] = set()
     outside: set[str] = set()
     for module in list(sys.modules.values()):
         file = getattr(module, "__file__", None)
-        if not file:
+        if not isinstance(file, str) or not os.path.isabs(file):  # torch's `_ops.py`: no file
             continue
-        path = Path(os.path.abspath(file))
+        path = Path(os.path.normpath(file))
         if not _inside(path, base) and not _inside(path, real):
+            continue
+        if any(_inside(path.resolve(), d) for d in installed):  # a virtualenv in the repo
             continue
         rel = path.relative_to(base if _inside(path, base) else real).as_posix()
         if "/__pycache__/" in f"/{rel}":

@@ -98,8 +98,8 @@ def provenance_checks(root: Path, commit: str | None, run: RunResult) -> list[Ch
     for path, sha in _hashes(root, regular).items():
         if tree[path][1] != sha:
             problems.append(
-                f"{path} differs from the commit although git status shows it clean "
-                "(skip-worktree / assume-unchanged?)"
+                f"{path} differs from the commit (uncommitted, or hidden from git status by "
+                "skip-worktree / assume-unchanged)"
             )
     checks = [Check("provenance", Verdict.HOLD, p) for p in problems[:MAX_SHOWN]]
     if len(problems) > MAX_SHOWN:
