@@ -25,9 +25,8 @@ def test_every_entry_point_defaults_to_auto():
     assert inspect.signature(LLM).parameters["attention_backend"].default == "auto"
     assert ServerArgs().attention_backend == "auto"
     assert parse_args(["--model-path", "m"]).attention_backend == "auto"
-    assert parse_args(["--model-path", "m", "--attention-backend", "torch_native"]).llm_kwargs()[
-        "attention_backend"
-    ] == "torch_native"
+    named = parse_args(["--model-path", "m", "--attention-backend", "torch_native"])
+    assert named.llm_kwargs()["attention_backend"] == "torch_native"
 
 
 def test_default_on_cpu_is_torch_native_and_logged(tiny_model_dir, caplog):
@@ -60,4 +59,3 @@ def test_a_named_backend_is_logged_as_asked(tiny_model_dir, caplog):
                                      num_pages=64, attention_backend="torch_native"))  # fmt: skip
     assert engine.attention_backend == "torch_native"
     assert "attention backend torch_native (asked for by name)" in caplog.text
-

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from minisgl.attention import create_backend
+from minisgl.attention import create_backend, resolve_backend
 from minisgl.config import EngineConfig, ModelConfig
 from minisgl.engine.compiled import CompiledDecode, CompiledPrefill
 from minisgl.engine.cpu_decode import MAX_ROWS as CPU_DECODE_ROWS
@@ -77,8 +77,9 @@ class Engine:
             self.dtype,
             self.device,
         )
+        self.attention_backend = resolve_backend(config.attention_backend, self.device)
         self.backend = create_backend(
-            config.attention_backend,
+            self.attention_backend,
             pool=self.pool,
             num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads,
@@ -125,7 +126,7 @@ class Engine:
         if config.graph_runner == "auto" and not getattr(self.backend, "graph_friendly", False):
             logger.info("no decode graphs: the %s attention backend pads every decode to the "
                         "longest sequence in a graph (use --attention-backend triton)",
-                        config.attention_backend)  # fmt: skip
+                        self.attention_backend)  # fmt: skip
             return None
         return make_graph_runner(kind, self.model, self.backend, self.spare_loc, max_bs,
                                  self.max_seq_len, self.device)  # fmt: skip
