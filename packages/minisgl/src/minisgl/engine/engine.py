@@ -24,6 +24,7 @@ from minisgl.engine.memory import (
     resolve_quantization,
 )
 from minisgl.engine.staging import DevicePlan, InputFill, PlanStager
+from minisgl.kernels import resolve_fused_ops
 from minisgl.kvcache.pool import KVPool
 from minisgl.models.loader import load_model
 from minisgl.sampler import (
@@ -101,6 +102,9 @@ class Engine:
         if self.device.type == "cpu":
             logger.info("decode steps of <= %d requests: %s", CPU_DECODE_ROWS,
                         "one C call" if why_not is None else f"torch modules ({why_not})")  # fmt: skip
+        fused, why = resolve_fused_ops(self.device, compiled=config.enable_torch_compile)
+        self.model.use_fused_ops(fused)  # before the graphs capture the forward
+        logger.info("fused decode-layer ops: %s (%s)", "on" if fused else "off", why)
         self.stager = PlanStager(self.device)
         self.graphs: GraphRunner | None = self._graph_runner(config)
         self.compiled = (
