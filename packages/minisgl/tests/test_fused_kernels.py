@@ -147,3 +147,52 @@ def test_silu_and_mul_matches_the_reference(dtype, inter):
     got = silu_and_mul(x)
     assert got.shape == (3, inter) and got.dtype == dtype
     torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+# --- compile for a GPU without one --------------------------------------------------------------
+
+_COMPILE_SM90 = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from minisgl.kernels.triton import activation, norm, rope
+
+def build(fn, types, consts, **options):
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                          options=options)
+
+for dt in sys.argv[1:]:
+    ptr = lambda *names: {n: "*" + dt for n in names}
+    kernels = [
+        build(norm._rms_norm_kernel, {**ptr("X", "R", "W", "OUT"), "ROWS": "*i64", "eps": "fp32"},
+              dict(N=896, BLOCK=1024, HAS_RESIDUAL=True, STORE_RESIDUAL=True, HAS_ROWS=False,
+                   BF16_RNE=False), num_warps=4),
+        build(norm._rms_norm_kernel, {**ptr("X", "R", "W", "OUT"), "ROWS": "*i64", "eps": "fp32"},
+              dict(N=1024, BLOCK=1024, HAS_RESIDUAL=True, STORE_RESIDUAL=False, HAS_ROWS=True,
+                   BF16_RNE=False), num_warps=4),
+        build(rope._rope_kernel, {**ptr("Q", "K", "COS", "SIN", "QW", "KW"), "POS": "*i32",
+                                  "eps": "fp32"},
+              dict(NUM_Q=16, NUM_K=8, HALF=64, BLOCK_Q=16, BLOCK_K=8, BLOCK_HALF=64,
+                   QK_NORM=True, BF16_RNE=False), enable_fp_fusion=False),
+        build(activation._silu_and_mul_kernel, ptr("X", "OUT"),
+              dict(N=4864, BLOCK=1024, BF16_RNE=False)),
+    ]
+    assert all(len(k.asm["cubin"]) > 0 for k in kernels)
+    print(dt, "ok")
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_to_sm90_cubins():
+    """Not a GPU run: the compiled (not interpreted) kernels go through triton's whole
+    pipeline, ptxas included, for an H100 (sm_90), bf16 and fp32, in a fresh process."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-c", _COMPILE_SM90, "bf16", "fp32"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "bf16 ok" in res.stdout and "fp32 ok" in res.stdout
