@@ -92,11 +92,15 @@ def test_cpu_default_keeps_the_torch_path(tiny_model_dir, monkeypatch, caplog):
 # --- numbers: HF parity (fp32), the torch path (fp32, bf16) --------------------------------
 
 
-@pytest.mark.parametrize(("arch", "backend"), [("qwen3", "triton"), ("qwen2", "torch_native"),
-                                               ("mistral", "triton")])  # fmt: skip
-def test_fused_greedy_matches_hf(arch, backend, tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize(
+    ("arch", "backend", "runner"),
+    [("qwen3", "triton", "none"), ("qwen2", "torch_native", "none"), ("mistral", "triton", "none"),
+     ("llama", "triton", "replay")],
+)  # fmt: skip
+def test_fused_greedy_matches_hf(arch, backend, runner, tiny_model_dir, monkeypatch):
     """Chunked prefill, decode and a prefix hit through the fused layer; Mistral's prompts
-    outgrow its sliding window. torch_native reads the strided, rotated-in-place q and k."""
+    outgrow its sliding window; torch_native reads the strided, rotated-in-place q and k; the
+    graph stand-in replays the fused decode step under `SyncGuard` (no host reads)."""
     monkeypatch.setenv("MINISGL_FUSED_OPS", "on")
     path = tiny_model_dir(arch)
     lo, hi = (20, 30) if arch != "mistral" else (50, 58)
@@ -104,11 +108,13 @@ def test_fused_greedy_matches_hf(arch, backend, tiny_model_dir, monkeypatch):
     prompts.append(prompts[0][:16] + random_prompts(1, 4, 6, seed=4)[0])
     ref = hf_greedy(load_hf_model(path), prompts, 4)
     llm = LLM(path, device=DEVICE, dtype="float32", attention_backend=backend, num_pages=256,
-              max_extend_tokens=24)  # fmt: skip
+              max_extend_tokens=24, graph_runner=runner, cuda_graph_max_bs=4)  # fmt: skip
     assert llm.engine.model.fused_ops is not None
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     out = llm.generate(prompts[:2], greedy) + llm.generate(prompts[2:], greedy)
     assert [o["token_ids"] for o in out] == ref
+    if runner == "replay":
+        assert llm.engine.graphs.replays == 6  # 3 decode steps of each generate call
     assert_kv_clean(llm)
 
 
@@ -160,3 +166,66 @@ def test_decode_layer_launch_budget(arch, tmp_path, monkeypatch):
     unfused = old[1].total - old[0].total
     print(f"{arch}: {unfused} launches a decode layer through the torch ops")
     assert unfused > BUDGET[arch]  # the counter sees the torch path's small ops
+
+
+# --- on a GPU (`nox -s gpu`) ------------------------------------------------------------------
+
+QWEN_SIZES = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+                  num_key_value_heads=2, head_dim=64, initializer_range=0.02)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_gpu_kernels_a_decode_layer(arch, tmp_path, monkeypatch):
+    """CUDA kernels of one eager decode step (torch.profiler; copies and memsets left out)
+    with 2 layers minus 1, at Qwen2.5-0.5B's sizes in bf16: what the CPU count predicts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.delenv("MINISGL_FUSED_OPS", raising=False)
+    kernels = {}
+    for layers in (1, 2):
+        path = write_tiny_model(arch, tmp_path / f"{arch}-{layers}", seed=0,
+                                num_hidden_layers=layers, **QWEN_SIZES)  # fmt: skip
+        engine = Engine(EngineConfig(model_path=str(path), device="cuda", dtype="bfloat16",
+                                     num_pages=64 * 128 + 64, max_seq_len_override=512,
+                                     graph_runner="none"))  # fmt: skip
+        assert engine.attention_backend == "triton" and engine.model.fused_ops is not None
+        batch = PlannedBatch.for_engine(engine, [100] * 64, 128)
+        batch.push(engine.sample_step(batch.plan(True), [GreedyRow()] * 64, frozenset()).tokens)
+        plan = batch.plan(False)
+        engine.forward(plan)  # compiles the kernels of this shape
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.forward(plan)
+            torch.cuda.synchronize()
+        kernels[layers] = [
+            e.name for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+            and not e.name.startswith(("Memcpy", "Memset"))
+        ]  # fmt: skip
+    per_layer = len(kernels[2]) - len(kernels[1])
+    print(f"{arch}: {per_layer} CUDA kernels a decode layer; 2-layer step: {kernels[2]}")
+    assert per_layer <= BUDGET[arch]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_fused_logits_match_the_torch_path(dtype, tmp_path, monkeypatch):
+    """Qwen3 at Qwen2.5-0.5B's sizes on CUDA: prefill and two decode steps fused and through
+    the torch ops, the same weights: logits close, greedy tokens (nearly) all equal."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = write_tiny_model("qwen3", tmp_path / "m", seed=1, num_hidden_layers=2, **QWEN_SIZES)
+    engines = [engine_of(path, mode, monkeypatch, dtype=dtype, num_pages=2048)
+               for mode in ("auto", "off")]  # fmt: skip
+    assert engines[0].model.fused_ops is not None and engines[1].model.fused_ops is None
+    batches = [PlannedBatch.for_engine(e, [40, 90, 7, 120], 128, seed=2) for e in engines]
+    same = total = 0
+    for step in range(3):
+        a, b = (e.forward(x.plan(step == 0)).float() for e, x in zip(engines, batches, strict=True))
+        scale = b.abs().max().item()
+        assert (a - b).abs().max().item() <= (1e-4 if dtype == "float32" else 3e-2) * scale
+        same += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += b.shape[0]
+        for x in batches:
+            x.push(b.argmax(-1).tolist())
+    assert same == total if dtype == "float32" else same >= total - 1
