@@ -151,6 +151,7 @@ def decode_step_launches(arch: str, layers: int, fused: str, tmp_path, monkeypat
     return counter
 
 
+@pytest.mark.card("P2-001", "launches-per-decode-layer-within-budget-counted-on-the-cpu")
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_decode_layer_launch_budget(arch, tmp_path, monkeypatch):
     """Launches of one decode step with 2 layers minus those with 1: one layer's, the step's
@@ -175,6 +176,7 @@ QWEN_SIZES = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=1
 
 
 @pytest.mark.gpu
+@pytest.mark.card("P2-001", "cuda-kernels-per-decode-layer-within-budget-on-the-gpu")
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_gpu_kernels_a_decode_layer(arch, tmp_path, monkeypatch):
     """CUDA kernels of one eager decode step (torch.profiler; copies and memsets left out)
