@@ -105,6 +105,10 @@ def test_padding_isolation_on_cuda_graphs(tmp_path):
     batch = prefilled(engine, [5, 17, 9])  # bucket 4: one padding row
     for step in range(3):
         plan = batch.plan(False)
+        # a sentinel in the spare slot: the padding row may write the same K/V as the step
+        # before (same garbage ids and position), which "changed" alone could not see
+        for t in (*engine.pool.k, *engine.pool.v):
+            t[engine.spare_loc] = -7777.0
         before = [t.clone() for t in (*engine.pool.k, *engine.pool.v)]
         first = runner.run(plan, engine.stager.stage(plan)).logits.clone()
         changed = torch.zeros(before[0].shape[0], dtype=torch.bool, device="cuda")

@@ -140,7 +140,7 @@ class EngineConfig:
     num_pages: int | None = None
     memory_ratio: float | None = None
     cache_type: str = "radix"
-    attention_backend: str = "torch_native"
+    attention_backend: str = "auto"  # triton (+ CUDA graphs) on CUDA, torch_native elsewhere
     # auto (the file's precision class on CPU) / none / int8 / int4 / w8a8 (CPU only)
     quantization: str = "auto"
     sim_device: str | None = None  # "BASE_MS,TOKEN_MS": no model, see engine/sim.py

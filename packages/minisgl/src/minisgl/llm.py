@@ -47,7 +47,7 @@ class LLM:
         num_pages: int | None = None,
         memory_ratio: float | None = None,
         cache_type: str = "radix",
-        attention_backend: str = "torch_native",
+        attention_backend: str = "auto",
         max_running_requests: int = 256,
         device: str = "auto",
         quantization: str = "auto",

@@ -52,8 +52,9 @@ def unavailable_reason(name: str) -> str | None:
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
-    """`auto` -> triton on CUDA when triton imports, else torch_native; logs why."""
+    """`auto` -> triton on CUDA when triton imports, else torch_native; logs the choice."""
     if name != AUTO:
+        logger.info("attention backend %s (asked for by name)", name)
         return name
     if device.type != "cuda":
         choice, why = "torch_native", f"device is {device.type}, triton kernels need CUDA"

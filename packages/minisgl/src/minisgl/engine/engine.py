@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from minisgl.attention import create_backend
+from minisgl.attention import create_backend, resolve_backend
 from minisgl.config import EngineConfig, ModelConfig
 from minisgl.engine.compiled import CompiledDecode, CompiledPrefill
 from minisgl.engine.cpu_decode import MAX_ROWS as CPU_DECODE_ROWS
@@ -24,6 +24,7 @@ from minisgl.engine.memory import (
     resolve_quantization,
 )
 from minisgl.engine.staging import DevicePlan, InputFill, PlanStager
+from minisgl.kernels import resolve_fused_ops
 from minisgl.kvcache.pool import KVPool
 from minisgl.models.loader import load_model
 from minisgl.sampler import (
@@ -77,8 +78,9 @@ class Engine:
             self.dtype,
             self.device,
         )
+        self.attention_backend = resolve_backend(config.attention_backend, self.device)
         self.backend = create_backend(
-            config.attention_backend,
+            self.attention_backend,
             pool=self.pool,
             num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads,
@@ -100,6 +102,9 @@ class Engine:
         if self.device.type == "cpu":
             logger.info("decode steps of <= %d requests: %s", CPU_DECODE_ROWS,
                         "one C call" if why_not is None else f"torch modules ({why_not})")  # fmt: skip
+        fused, why = resolve_fused_ops(self.device, compiled=config.enable_torch_compile)
+        self.model.use_fused_ops(fused)  # before the graphs capture the forward
+        logger.info("fused decode-layer ops: %s (%s)", "on" if fused else "off", why)
         self.stager = PlanStager(self.device)
         self.graphs: GraphRunner | None = self._graph_runner(config)
         self.compiled = (
@@ -125,7 +130,7 @@ class Engine:
         if config.graph_runner == "auto" and not getattr(self.backend, "graph_friendly", False):
             logger.info("no decode graphs: the %s attention backend pads every decode to the "
                         "longest sequence in a graph (use --attention-backend triton)",
-                        config.attention_backend)  # fmt: skip
+                        self.attention_backend)  # fmt: skip
             return None
         return make_graph_runner(kind, self.model, self.backend, self.spare_loc, max_bs,
                                  self.max_seq_len, self.device)  # fmt: skip

@@ -1,11 +1,19 @@
 """Llama-family decoder: Llama, Mistral, Qwen2 (QKV bias) and Qwen3 (q/k RMSNorm).
 
 Parameter names equal HF's, so checkpoints load tensor by tensor without renaming.
+
+Two forwards over the same weights: the torch ops (`forward` of each module: the CPU path, the
+reference), and the fused one of the CUDA path (`use_fused_ops`, `kernels/triton`): the
+residual stream carried beside the hidden state, so a layer is add + RMSNorm (one launch), the
+QKV GEMM, RoPE in place on q and k (one launch, Qwen3's q/k norms in it), attention, the o
+GEMM, add + RMSNorm, the gate/up GEMM, SiLU-and-mul, the down GEMM.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -67,6 +75,22 @@ class Attention(nn.Module):
         q, k = apply_rope(q, k, cos_sin)
         return q, k, v
 
+    def fused_qkv(
+        self, ops: ModuleType, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`qkv` through the fused ops: q and k views of the QKV output, rotated in place."""
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            ops.rope_(q, k, positions, rotary.cos, rotary.sin, self.q_norm.weight,
+                      self.k_norm.weight, self.q_norm.eps)  # fmt: skip
+        else:
+            ops.rope_(q, k, positions, rotary.cos, rotary.sin)
+        return q, k, v
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -79,6 +103,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def fused_forward(self, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -119,6 +146,30 @@ class DecoderLayer(nn.Module):
         q, k, v = pre(self, x, cos_sin)
         return post(self, x, backend.forward(self.self_attn.layer_id, q, k, v, meta))
 
+    def fused_forward(
+        self,
+        ops: ModuleType,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        backend: Any,
+        meta: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual stream before it): the next layer, or the final
+        norm, adds them. `residual` None: x is the embedding (the first layer)."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, x = x, ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            ops.add_rms_norm_(x, residual, norm.weight, norm.eps)
+        attn = self.self_attn
+        q, k, v = attn.fused_qkv(ops, x, positions, rotary)
+        x = attn.o_proj(backend.forward(attn.layer_id, q, k, v, meta))
+        norm = self.post_attention_layernorm
+        ops.add_rms_norm_(x, residual, norm.weight, norm.eps)
+        return self.mlp.fused_forward(ops, x), residual
+
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -129,6 +180,8 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    fused_ops: ModuleType | None = None  # `kernels.triton` once `use_fused_ops(True)`
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
@@ -139,6 +192,10 @@ class LlamaForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def use_fused_ops(self, on: bool) -> None:
+        """Run every step through the fused Triton ops (CUDA; `kernels.resolve_fused_ops`)."""
+        self.fused_ops = importlib.import_module("minisgl.kernels.triton") if on else None
 
     def forward(  # the engine sets the grad mode (inference_mode, or no_grad when compiled)
         self,
@@ -151,6 +208,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """`run_layer(layer, x, cos_sin, backend, meta)` in place of `layer(...)`: the
         compiled prefill (`engine/compiled.py`)."""
+        if self.fused_ops is not None and run_layer is None:
+            return self.fused_forward(self.fused_ops, input_ids, positions, logits_indices,
+                                      backend, meta)  # fmt: skip
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary(positions)
         for layer in self.model.layers:
@@ -160,6 +220,25 @@ class LlamaForCausalLM(nn.Module):
                 x = run_layer(layer, x, cos_sin, backend, meta)
         x = self.model.norm(x[logits_indices])
         return self.lm_head(x)  # the model's dtype: the sampler widens where it computes
+
+    def fused_forward(
+        self,
+        ops: ModuleType,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+        backend: Any,
+        meta: Any,
+    ) -> torch.Tensor:
+        """`forward` through the fused ops; the final norm adds the last residual and reads
+        only the rows of `logits_indices` (one launch)."""
+        x, residual = self.model.embed_tokens(input_ids), None
+        for layer in self.model.layers:
+            x, residual = layer.fused_forward(ops, x, residual, positions, self.rotary,
+                                              backend, meta)  # fmt: skip
+        norm = self.model.norm
+        return self.lm_head(ops.rms_norm(x, norm.weight, norm.eps, residual=residual,
+                                         rows=logits_indices))  # fmt: skip
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -18,7 +18,7 @@ class ServerArgs:
     num_pages: int | None = None
     memory_ratio: float | None = None
     cache_type: str = "radix"
-    attention_backend: str = "torch_native"
+    attention_backend: str = "auto"
     max_running_requests: int = 256
     max_queued_requests: int | None = None  # default: 4 x max_running_requests
     max_prefill_length: int = 4096
@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-type", default="radix", choices=["radix", "naive"])
     p.add_argument(
         "--attention-backend",
-        default="torch_native",
-        help="torch_native, triton (CUDA), or auto: triton on CUDA when triton imports",
+        default="auto",
+        help="auto (default): triton on CUDA when triton imports, else torch_native; "
+        "torch_native; triton (CUDA)",
     )
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument(
