@@ -103,12 +103,18 @@ class Repo:
         return self.git("rev-parse", "HEAD")
 
     def cardgate(self, *args: str) -> pytest.RunResult:
-        return self.pytester.run(sys.executable, "-m", "cardgate", *args, "--root", str(self.path))
+        return self._run("-m", "cardgate", *args, "--root", str(self.path))
 
     def gate(self, *args: str) -> pytest.RunResult:
-        return self.pytester.run(
-            sys.executable, "-m", "cardgate", "gate", "T-001", "--root", str(self.path), *args
-        )
+        return self._run("-m", "cardgate", "gate", "T-001", "--root", str(self.path), *args)
+
+    def _run(self, *args: str) -> pytest.RunResult:
+        """The CLI in a subprocess. Its pytest runs load no installed plugin but cardgate (and
+        xdist, which the gate names with -n): autoloading hypothesis, schemathesis, anyio...
+        costs ~2 s a pytest process and the throwaway repos use none of them."""
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+            return self.pytester.run(sys.executable, *args)
 
     def evidence(self) -> list[Path]:
         base = self.path / "worklog" / "evidence" / "T-001"
