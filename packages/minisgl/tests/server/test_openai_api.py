@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 
@@ -121,17 +122,45 @@ def test_completion_stream_raw_sse(server, model, llm_ref):
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
-    assert events[-1] == "data: [DONE]"
-    assert events[0].startswith(":")  # the SSE comment sent once the request is queued
-    import json
-
-    chunks = [json.loads(e[len("data: ") :]) for e in events[1:-1]]
+    chunks = strict_sse(events)
     assert all(c["object"] == "text_completion" for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
     assert "usage" not in chunks[-1]
     want = ref(llm_ref, PROMPT, 10, ignore_eos=True)
     assert "".join(c["choices"][0]["text"] for c in chunks) == want["text"]
+
+
+def strict_sse(lines: list[str]) -> list[dict]:
+    """Parse a stream as peer clients do (SGLang's and vLLM's bench_serving, many hand-written
+    ones): every non-empty line is `data: <json>`, the last one `data: [DONE]`; no comments,
+    no `event:` / `id:` lines."""
+    assert lines and lines[-1] == "data: [DONE]", lines[-3:]
+    chunks = []
+    for line in lines[:-1]:
+        assert line.startswith("data: "), f"not a data line: {line!r}"
+        payload = line[len("data: ") :]
+        assert payload != "[DONE]", "[DONE] before the end of the stream"
+        chunks.append(json.loads(payload))
+    return chunks
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_streams_carry_only_data_lines(server, model, endpoint):
+    """Issue 41: a peer client `json.loads` every non-empty line (an SSE comment crashed
+    SGLang's bench_serving on our first line)."""
+    body = {"model": model, "max_tokens": 6, "temperature": 0, "stream": True}
+    if endpoint == "completions":
+        body["prompt"] = PROMPT
+    else:
+        body["messages"] = CHAT
+    url = f"{server.base_url}/v1/{endpoint}"
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    chunks = strict_sse(lines)
+    assert chunks and all(c["choices"] for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in {"length", "stop"}
 
 
 def test_stop_string(client, model, llm_ref):
