@@ -133,12 +133,14 @@ def test_logprobs_both_endpoints_match_offline(client, model, llm_ref):
     assert no.choices[0].logprobs is None
 
 
-def test_stream_starts_with_an_sse_comment_before_any_token(server, model):
-    """Headers (and a first byte) go out once the scheduler queued the request, not at the
-    first token; errors found before that stay plain 4xx (see test_bad_input)."""
+def test_stream_starts_once_queued_with_data_lines_only(server, model):
+    """The response (status and headers) starts once the scheduler queued the request, not at
+    the first token; errors found before that stay plain 4xx (see test_bad_input). The body
+    holds only `data:` lines (issue 41: no SSE comment, which peer clients cannot parse)."""
     body = {"model": model, "prompt": "hi", "max_tokens": 3, "stream": True}
     with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line]
-    assert lines[0].startswith(":") and lines[1].startswith("data: {")
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[0].startswith("data: {")
     assert lines[-1] == "data: [DONE]"

@@ -541,7 +541,8 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
         item: Item = first
         left = len(job.states)
         try:
-            yield b": accepted\n\n"  # an SSE comment: headers and a first byte at once
+            # only `data:` lines: peer clients json.loads every non-empty line (the headers go
+            # out as the response starts, once the scheduler queued the request)
             if reply.chat:
                 for st in job.states:
                     yield chunk(st.index, "", None, role=True)
