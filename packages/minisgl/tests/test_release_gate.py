@@ -528,3 +528,39 @@ def test_a_baseline_that_varies_across_repeats_sets_the_bar():
     ev = evaluate(base, c, POLICY, "request_id")
     sig = next(s for s in ev.signals if s.name == "output_mismatch")
     assert ev.decision == "rollback" and sig.examples[0]["first_divergence"] == 3
+
+
+# --------------------------------------------------------------------------- workloads
+def _sglang_run(tmp_path: Path, name: str, output_lens: list[int], texts: list[str]) -> Path:
+    """An SGLang bench_serving `--output-details` line with these outputs (4 requests)."""
+    doc = json.loads((DATA / "sglang_bench_serving_details.jsonl").read_text().splitlines()[0])
+    doc["output_lens"], doc["generated_texts"] = output_lens, texts
+    doc["errors"] = [""] * len(texts)
+    path = tmp_path / name
+    path.write_text(json.dumps(doc) + "\n")
+    return path
+
+
+def test_external_runs_of_different_workloads_are_a_mismatch_not_a_rollback(tmp_path, capsys):
+    """Issue 41: fed a run with other output lengths, the gate rolled back on '30 of 30
+    outputs differ'. Per-request (input, output) lengths fingerprint an external file's
+    workload; runs of different workloads are their own outcome (exit 4)."""
+    base = _sglang_run(tmp_path, "b.jsonl", [3, 3, 3, 3], [" the cat", " a dog", " hi", " x"])
+    other = _sglang_run(tmp_path, "c.jsonl", [9, 9, 9, 9], [" one two three"] * 4)
+    out = tmp_path / "r.json"
+    rc = release_gate.main(["--baseline", str(base), "--candidate", str(other), "--out",
+                            str(out)])  # fmt: skip
+    report = json.loads(out.read_text())
+    assert (rc, report["decision"], report["exit_code"]) == (4, "mismatch", 4)
+    assert any("different workloads" in r for r in report["reasons"]), report["reasons"]
+    assert "output_mismatch" not in report.get("failed_signals", [])
+    assert {o.workload_fingerprint for o in load_sglang(base)} >= {"lengths:12:3"}
+
+
+def test_same_workload_other_outputs_still_roll_back(tmp_path):
+    base = _sglang_run(tmp_path, "b.jsonl", [3, 3, 3, 3], [" the cat", " a dog", " hi", " x"])
+    cand = _sglang_run(tmp_path, "c.jsonl", [3, 3, 3, 3], [" the dog", " a cat", " ho", " y"])
+    out = tmp_path / "r.json"
+    rc = release_gate.main(["--baseline", str(base), "--candidate", str(cand), "--out",
+                            str(out)])  # fmt: skip
+    assert (rc, json.loads(out.read_text())["decision"]) == (2, "rollback")
