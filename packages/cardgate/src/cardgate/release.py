@@ -5,7 +5,8 @@
     assert_release_json("worklog/baselines/release-online.json")
 
 The report is read as JSON (cardgate does not import minisgl): `decision` must be one of
-promote / hold / rollback and agree with `exit_code` when present (0 / 1 / 2); anything but
+promote / hold / rollback / mismatch and agree with `exit_code` when present (0 / 1 / 2 / 4:
+mismatch means the two runs were of different workloads); anything but
 promote fails, with the report's `reasons`. `check_release_json` never raises: a missing or
 malformed file is a failed result.
 """
@@ -18,7 +19,7 @@ from typing import Any
 
 from cardgate.parity import read_json_report
 
-DECISIONS = {"promote": 0, "hold": 1, "rollback": 2}
+DECISIONS = {"promote": 0, "hold": 1, "rollback": 2, "mismatch": 4}
 
 
 @dataclass
@@ -31,7 +32,7 @@ class ReleaseResult:
 
     @property
     def code(self) -> int | None:
-        """0 promote, 1 hold, 2 rollback; None when the decision is unknown."""
+        """0 promote, 1 hold, 2 rollback, 4 mismatch; None when the decision is unknown."""
         return DECISIONS.get(self.decision or "")
 
 

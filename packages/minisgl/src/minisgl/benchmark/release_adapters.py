@@ -137,11 +137,22 @@ def _run(
                 e2e_s=None if failed else e2e,
                 prompt_tokens=_opt_int(doc["input_lens"][i]),
                 output_tokens=_opt_int(n_out),
+                workload_fingerprint=None
+                if failed
+                else lengths_fingerprint(_opt_int(doc["input_lens"][i]), _opt_int(n_out)),
                 source=backend,
                 extra={"file": Path(where).name},
             )
         )
     return out
+
+
+def lengths_fingerprint(input_len: int | None, output_len: int | None) -> str | None:
+    """An external file's workload per request: its (input, output) token lengths (those files
+    hold no prompt ids). Compared only with fingerprints of the same kind (`lengths:`)."""
+    if input_len is None or output_len is None:
+        return None
+    return f"lengths:{input_len}:{output_len}"
 
 
 def _opt_int(v: Any) -> int | None:

@@ -15,7 +15,8 @@ Decision (`release_signals.py`): an output mismatch or an error-rate increase ->
 latency or KV-pressure regressions, or too little matched traffic -> hold; else promote.
 
 Exit status: 0 promote, 1 hold, 2 rollback, 3 bad input (an unreadable or malformed
-observations / result file, a bad policy, bad arguments). R.json holds the decision, reasons,
+observations / result file, a bad policy, bad arguments), 4 mismatch (the two runs are of
+different workloads: more than half the shared requests differ in prompt or lengths). R.json holds the decision, reasons,
 every signal, per-segment summaries, triage items, counts, the policy and the inputs' hashes.
 """
 
@@ -34,7 +35,7 @@ from minisgl.benchmark.release_adapters import FORMATS, load
 from minisgl.benchmark.release_policy import Policy, PolicyError, load_policy
 from minisgl.benchmark.release_signals import Evaluation, evaluate, triage
 
-EXIT = {"promote": 0, "hold": 1, "rollback": 2}
+EXIT = {"promote": 0, "hold": 1, "rollback": 2, "mismatch": 4}
 BAD_INPUT = 3
 REPORT_VERSION = 1
 

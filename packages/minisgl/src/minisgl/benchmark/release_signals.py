@@ -20,7 +20,12 @@ Signals and what a failure means:
   first, per request) and inter-token latency (every gap of every request pooled; online a gap
   is between stream chunks, so backends that group tokens differently differ here), candidate /
   baseline;
-- kv_pressure (hold): peak and p95 of `kv_pages_in_use`, candidate / baseline.
+- kv_pressure (hold): peak and p95 of `kv_pages_in_use`, candidate / baseline;
+- workload (mismatch): more than half of the requests on both sides carry different workload
+  fingerprints of the same kind (`workload:` prompt ids and output length for the harness's
+  observations, `lengths:` input / output lengths for vLLM / SGLang result files): the runs
+  are of different workloads, its own outcome (exit 4), never promote, never a rollback; a few
+  such requests are only left unmatched.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from minisgl.benchmark.common import quantile
 from minisgl.benchmark.observations import Observation
 from minisgl.benchmark.release_policy import Policy, Thresholds
 
-Decision = Literal["promote", "hold", "rollback"]
+Decision = Literal["promote", "hold", "rollback", "mismatch"]
+MISMATCH_FRACTION = 0.5  # shared requests whose workloads differ, above which the runs differ
 JOINS = ("request_id", "index")
 EXAMPLES = 5
 
@@ -145,8 +151,9 @@ def join(baseline: list[Observation], candidate: list[Observation], how: str) ->
             obs_list.sort(key=lambda o: o.repeat)
     conflicts = []
     for key in sorted(set(sides[0]) & set(sides[1])):
-        prints = {o.workload_fingerprint for o in sides[0][key] + sides[1][key]}
-        if len(prints - {None}) > 1:
+        prints = {o.workload_fingerprint for o in sides[0][key] + sides[1][key]} - {None}
+        kinds = [p.split(":", 1)[0] for p in prints]  # workload:... (prompt ids), lengths:...
+        if len(kinds) != len(set(kinds)):
             conflicts.append(key)
     return Joined(how, dict(sides[0]), dict(sides[1]), conflicts)
 
@@ -182,6 +189,8 @@ class SegmentResult:
 
 def decide(signals: Sequence[Signal]) -> Decision:
     failed = {s.on_fail for s in signals if s.failed}
+    if "mismatch" in failed:  # runs of different workloads: nothing else can be judged
+        return "mismatch"
     if "rollback" in failed:
         return "rollback"
     if "hold" in failed:
@@ -435,10 +444,18 @@ def evaluate(
             f" ({len(joined.conflicts)} present on both sides with a different workload "
             "fingerprint: other prompts or lengths under the same id)"
         )
+    shared = set(joined.baseline) & set(joined.candidate)
+    cfrac = len(joined.conflicts) / len(shared) if shared else 0.0
     signals = [
         Signal("baseline_match_fraction", "evidence", "all", None, None, frac,
                th.min_match_fraction, ">=", frac >= th.min_match_fraction, "hold", detail,
-               tuple({"request": k} for k in missing_b[:EXAMPLES]))
+               tuple({"request": k} for k in missing_b[:EXAMPLES])),
+        Signal("workload_conflict_fraction", "workload", "all", None, None, cfrac,
+               MISMATCH_FRACTION, "<=", cfrac <= MISMATCH_FRACTION, "mismatch",
+               f"{len(joined.conflicts)} of {len(shared)} request(s) on both sides differ in "
+               "their workload (prompt, or input / output lengths): the runs are of different "
+               "workloads; compare runs of the same workload",
+               tuple({"request": k} for k in joined.conflicts[:EXAMPLES])),
     ]  # fmt: skip
     if not segments:
         signals.append(
@@ -462,6 +479,9 @@ def evaluate(
 
 
 NEXT_ACTIONS = {
+    "workload": "the two runs are of different workloads (other prompts or lengths under the "
+    "same ids): run baseline and candidate with the same profile, seed and lengths, then gate "
+    "again",
     "evidence": "rerun baseline and candidate on the same workload (same profile and seed, so "
     "request ids join) with enough requests; then gate again",
     "outputs": "diff the listed requests (first divergence) between baseline and candidate, "
@@ -477,12 +497,14 @@ NEXT_ACTIONS = {
 RESPONSES = {
     "rollback": "roll back: keep (or switch back to) the baseline backend",
     "hold": "hold: do not promote; keep the current default",
+    "mismatch": "nothing decided: the runs do not measure the same workload; keep the current "
+    "default",
 }
 
 
 def triage(signals: Sequence[Signal]) -> list[dict[str, Any]]:
-    """One item per failed signal, rollbacks first."""
-    order = {"rollback": 0, "hold": 1}
+    """One item per failed signal, a workload mismatch first, then rollbacks."""
+    order = {"mismatch": 0, "rollback": 1, "hold": 2}
     failed = sorted(
         (s for s in signals if s.failed), key=lambda s: (order.get(s.on_fail, 2), s.segment)
     )
