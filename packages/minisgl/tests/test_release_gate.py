@@ -564,3 +564,64 @@ def test_same_workload_other_outputs_still_roll_back(tmp_path):
     rc = release_gate.main(["--baseline", str(base), "--candidate", str(cand), "--out",
                             str(out)])  # fmt: skip
     assert (rc, json.loads(out.read_text())["decision"]) == (2, "rollback")
+
+
+# --------------------------------------------------------------------------- repeats
+def noisy(seed: int, slowdown: float = 1.0, repeats: int = 3, run_sd: float = 0.08,
+          req_sd: float = 0.25, backend: str = "python") -> list[Observation]:  # fmt: skip
+    """`repeats` runs of N requests: each run slower or faster as a whole (a VM's drift),
+    each request on its own (lognormal), every latency times `slowdown`; same outputs."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for r in range(repeats):
+        run_f = slowdown * rng.lognormvariate(0.0, run_sd)
+        for i in range(N):
+            f = run_f * rng.lognormvariate(0.0, req_sd)
+            out.append(obs(i, repeat=r, backend=backend, ttft_s=0.004 * f, e2e_s=0.016 * f,
+                           itl_s=tuple(0.004 * f for _ in range(3))))  # fmt: skip
+    return out
+
+
+def test_identical_builds_under_noise_promote():
+    """Issue 41: two runs of one build gave 'hold' (e2e p95 1.41x: noise). With >= 3 repeats
+    a side, hold means the slowdown is real at the stated confidence."""
+    decisions = [
+        evaluate(noisy(2 * s), noisy(2 * s + 1, backend="rust_service"), POLICY,
+                 "request_id").decision
+        for s in range(10)
+    ]  # fmt: skip
+    assert decisions.count("promote") >= 9, decisions
+    assert "hold" not in decisions, decisions
+
+
+def test_a_real_20pc_slowdown_holds_under_noise():
+    decisions = [
+        evaluate(noisy(2 * s), noisy(2 * s + 1, slowdown=1.2, backend="rust_service"), POLICY,
+                 "request_id").decision
+        for s in range(10)
+    ]  # fmt: skip
+    assert decisions.count("hold") >= 9, decisions
+
+
+def test_too_noisy_to_tell_is_its_own_outcome_with_the_repeats_needed():
+    base, cand_ = [], []
+    for r, f in enumerate((1.0, 1.5, 0.7)):  # a run-to-run spread of 2x
+        base += [obs(i, repeat=r, e2e_s=0.016 * f, ttft_s=0.004 * f,
+                     itl_s=(0.004 * f,) * 3) for i in range(N)]  # fmt: skip
+        g = 1.2 * (0.7, 1.0, 1.5)[r]
+        cand_ += [obs(i, repeat=r, backend="rust_service", e2e_s=0.016 * g, ttft_s=0.004 * g,
+                      itl_s=(0.004 * g,) * 3) for i in range(N)]  # fmt: skip
+    ev = evaluate(base, cand_, POLICY, "request_id")
+    assert ev.decision == "insufficient", failed(ev)
+    sig = next(s for s in ev.signals if s.name == "e2e_q0.95")
+    assert sig.on_fail == "insufficient" and sig.value == pytest.approx(1.2, rel=1e-6)
+    needed = int(sig.detail.split("about ")[1].split(" repeats")[0])
+    assert needed > 3, sig.detail
+
+
+def test_a_flipped_token_rolls_back_whatever_the_repeats():
+    c = noisy(1, backend="rust_service")
+    c[5] = dataclasses.replace(c[5], output_token_ids=(2, 3, 9, 9))
+    assert evaluate(noisy(0), c, POLICY, "request_id").decision == "rollback"
