@@ -5,8 +5,9 @@
     assert_release_json("worklog/baselines/release-online.json")
 
 The report is read as JSON (cardgate does not import minisgl): `decision` must be one of
-promote / hold / rollback / mismatch and agree with `exit_code` when present (0 / 1 / 2 / 4:
-mismatch means the two runs were of different workloads); anything but
+promote / hold / rollback / mismatch / insufficient and agree with `exit_code` when present
+(0 / 1 / 2 / 4 / 5: mismatch means the two runs were of different workloads, insufficient that
+their repeats could not tell a latency regression from noise); anything but
 promote fails, with the report's `reasons`. `check_release_json` never raises: a missing or
 malformed file is a failed result.
 """
@@ -19,7 +20,7 @@ from typing import Any
 
 from cardgate.parity import read_json_report
 
-DECISIONS = {"promote": 0, "hold": 1, "rollback": 2, "mismatch": 4}
+DECISIONS = {"promote": 0, "hold": 1, "rollback": 2, "mismatch": 4, "insufficient": 5}
 
 
 @dataclass
@@ -32,7 +33,7 @@ class ReleaseResult:
 
     @property
     def code(self) -> int | None:
-        """0 promote, 1 hold, 2 rollback, 4 mismatch; None when the decision is unknown."""
+        """0 promote, 1 hold, 2 rollback, 4 mismatch, 5 insufficient; None when unknown."""
         return DECISIONS.get(self.decision or "")
 
 

@@ -11,12 +11,17 @@ files of `vllm bench serve --save-result --save-detailed` / SGLang `bench_servin
 join is by request id, or by index when either side comes from vLLM / SGLang (`auto`).
 `--*-device` sets the device of an adapter's observations (those files do not record it).
 
-Decision (`release_signals.py`): an output mismatch or an error-rate increase -> rollback;
-latency or KV-pressure regressions, or too little matched traffic -> hold; else promote.
+Decision (`release_signals.py`): runs of different workloads -> mismatch; an output mismatch
+or an error-rate increase -> rollback; latency regressions real at the policy's confidence
+(bootstrap over >= 3 runs a side, `release_stats.py`; one point ratio with fewer runs),
+KV-pressure regressions or too little matched traffic -> hold; a latency ratio the runs cannot
+tell from noise -> insufficient; else promote.
 
 Exit status: 0 promote, 1 hold, 2 rollback, 3 bad input (an unreadable or malformed
 observations / result file, a bad policy, bad arguments), 4 mismatch (the two runs are of
-different workloads: more than half the shared requests differ in prompt or lengths). R.json holds the decision, reasons,
+different workloads: more than half the shared requests differ in prompt or lengths), 5
+insufficient (with >= `latency.min_repeats` runs a side, a latency ratio above its threshold
+that the runs cannot tell from noise: the detail says how many repeats would). R.json holds the decision, reasons,
 every signal, per-segment summaries, triage items, counts, the policy and the inputs' hashes.
 """
 
@@ -35,7 +40,7 @@ from minisgl.benchmark.release_adapters import FORMATS, load
 from minisgl.benchmark.release_policy import Policy, PolicyError, load_policy
 from minisgl.benchmark.release_signals import Evaluation, evaluate, triage
 
-EXIT = {"promote": 0, "hold": 1, "rollback": 2, "mismatch": 4}
+EXIT = {"promote": 0, "hold": 1, "rollback": 2, "mismatch": 4, "insufficient": 5}
 BAD_INPUT = 3
 REPORT_VERSION = 1
 

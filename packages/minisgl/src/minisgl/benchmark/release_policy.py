@@ -18,6 +18,9 @@ Format (YAML, `worklog/gates/release.cpu.yaml` documents every key with the CPU 
       max_error_rate_delta: 0.0   # candidate error rate - baseline's above it: rollback
     latency:
       quantile: 0.95              # the quantile compared (0 < q <= 1)
+      min_repeats: 3              # with this many runs on each side: judged on a bootstrap
+      confidence: 0.95            #   interval of the ratio (release_stats.py); fewer: one
+                                  #   point ratio (noise not separated from regression)
       e2e:  {max_ratio: 1.10, slack_s: 0.0}   # candidate / baseline above max_ratio AND
       ttft: {max_ratio: 1.10, slack_s: 0.0}   #   candidate - baseline above slack_s: hold;
       tpot: {max_ratio: 1.10, slack_s: 0.0}   #   max_ratio null: not checked. tpot: decode
@@ -63,6 +66,8 @@ class Thresholds:
     match_any_baseline_repeat: bool = True
     max_error_rate_delta: float = 0.0
     latency_quantile: float = 0.95
+    latency_min_repeats: int = 3  # per side, for the bootstrap judgement (else one point ratio)
+    latency_confidence: float = 0.95
     e2e_max_ratio: float | None = 1.10
     e2e_slack_s: float = 0.0
     ttft_max_ratio: float | None = 1.10
@@ -161,6 +166,8 @@ SCHEMA: dict[tuple[str, ...], tuple[str, Check]] = {
     ("outputs", "match_any_baseline_repeat"): ("match_any_baseline_repeat", _bool),
     ("errors", "max_error_rate_delta"): ("max_error_rate_delta", _fraction),
     ("latency", "quantile"): ("latency_quantile", _quantile),
+    ("latency", "min_repeats"): ("latency_min_repeats", _count),
+    ("latency", "confidence"): ("latency_confidence", _fraction),
     ("kv_pressure", "peak", "max_ratio"): ("kv_peak_max_ratio", _ratio),
     ("kv_pressure", "p95", "max_ratio"): ("kv_p95_max_ratio", _ratio),
     ("kv_pressure", "required"): ("kv_required", _bool),

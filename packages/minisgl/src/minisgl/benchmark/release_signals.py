@@ -16,10 +16,13 @@ Signals and what a failure means:
   kernels, sets the bar; such requests are reported); mismatched / compared above
   `max_mismatch_fraction`;
 - errors (rollback): candidate error rate - baseline error rate above `max_error_rate_delta`;
-- latency (hold): the `latency.quantile` of e2e, TTFT, TPOT (decode time per token after the
-  first, per request) and inter-token latency (every gap of every request pooled; online a gap
-  is between stream chunks, so backends that group tokens differently differ here), candidate /
-  baseline;
+- latency (hold / insufficient): the `latency.quantile` of e2e, TTFT, TPOT (decode time per
+  token after the first, per request) and inter-token latency (every gap of every request
+  pooled; online a gap is between stream chunks, so backends that group tokens differently
+  differ here), candidate / baseline. With `latency.min_repeats` runs on each side the ratio
+  is of the per-run quantiles' means, judged on a bootstrap lower bound (`release_stats.py`):
+  hold only when the slowdown is real at `latency.confidence`, `insufficient` when the runs
+  cannot tell it from noise (with the repeats that would); with fewer runs, one point ratio;
 - kv_pressure (hold): peak and p95 of `kv_pages_in_use`, candidate / baseline;
 - workload (mismatch): more than half of the requests on both sides carry different workload
   fingerprints of the same kind (`workload:` prompt ids and output length for the harness's
@@ -32,14 +35,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from minisgl.benchmark.common import quantile
 from minisgl.benchmark.observations import Observation
 from minisgl.benchmark.release_policy import Policy, Thresholds
+from minisgl.benchmark.release_stats import per_run, ratio_interval
 
-Decision = Literal["promote", "hold", "rollback", "mismatch"]
+Decision = Literal["promote", "hold", "rollback", "mismatch", "insufficient"]
 MISMATCH_FRACTION = 0.5  # shared requests whose workloads differ, above which the runs differ
 JOINS = ("request_id", "index")
 EXAMPLES = 5
@@ -195,6 +199,8 @@ def decide(signals: Sequence[Signal]) -> Decision:
         return "rollback"
     if "hold" in failed:
         return "hold"
+    if "insufficient" in failed:  # a latency ratio the runs cannot tell from noise
+        return "insufficient"
     return "promote"
 
 
@@ -224,6 +230,54 @@ def _ratio_signal(
     detail = f"{cand:.6g} vs {base:.6g} {unit}: {ratio:.3f}x (max {max_ratio:g}x"
     detail += f", slack {slack:g} {unit})" if slack else ")"
     return make(ratio if ratio != float("inf") else None, ok, detail)
+
+
+def _latency_signal(
+    name: str,
+    metric: str,
+    get: Callable[[Observation], Any],
+    base: list[Observation],
+    cand: list[Observation],
+    th: Thresholds,
+) -> Signal:
+    """One latency quantile, candidate / baseline: over runs when each side brings
+    `latency_min_repeats` of them (`release_stats`), else one point ratio."""
+    q = th.latency_quantile
+    max_ratio = getattr(th, f"{metric}_max_ratio")
+    slack = getattr(th, f"{metric}_slack_s")
+    point = _ratio_signal(f"{metric}_q{q:g}", "latency", name, quantile(_values(base, get), q),
+                          quantile(_values(cand, get), q), max_ratio, slack, True, "s")  # fmt: skip
+    b_runs, c_runs = per_run(base, get, q), per_run(cand, get, q)
+    if max_ratio is None or min(len(b_runs), len(c_runs)) < th.latency_min_repeats:
+        if point.ok is not None and max_ratio is not None:
+            runs = f"; {len(b_runs)} / {len(c_runs)} run(s): one point ratio, noise not separated"
+            return replace(point, detail=point.detail + runs)
+        return point
+    # family-wise: the segment's latency signals share the error budget (Bonferroni)
+    family = sum(1 for m, _ in LATENCY if getattr(th, f"{m}_max_ratio") is not None)
+    iv = ratio_interval(b_runs, c_runs, 1.0 - (1.0 - th.latency_confidence) / max(family, 1))
+    if iv is None:
+        return point
+    b_mean, c_mean = sum(b_runs) / len(b_runs), sum(c_runs) / len(c_runs)
+    how = (
+        f"mean of per-run q{q:g} {c_mean:.6g} vs {b_mean:.6g} s over {iv.runs[1]} / "
+        f"{iv.runs[0]} runs: {iv.ratio:.3f}x, {iv.confidence:.2%} lower bound {iv.lower:.3f}x "
+        f"(max {max_ratio:g}x"
+    ) + (f", slack {slack:g} s)" if slack else ")")
+    within = iv.ratio <= max_ratio or c_mean - b_mean <= slack
+    if within:
+        outcome, ok = "hold", True
+    elif iv.lower > 1.0:
+        outcome, ok = "hold", False
+        how += ": slower at that confidence"
+    else:
+        outcome, ok = "insufficient", False
+        how += (
+            f": cannot tell a slowdown from noise; about {iv.runs_needed()} repeats a side "
+            "would separate them at this spread"
+        )
+    return Signal(point.name, "latency", name, b_mean, c_mean, iv.ratio, max_ratio, "<=", ok,
+                  outcome, how)  # fmt: skip
 
 
 def _values(observations: Sequence[Observation], get: Callable[[Observation], Any]) -> list[float]:
@@ -362,13 +416,7 @@ def _error_signal(
 def _latency_and_kv_signals(
     name: str, base: list[Observation], cand: list[Observation], th: Thresholds
 ) -> list[Signal]:
-    q = th.latency_quantile
-    out = [
-        _ratio_signal(f"{metric}_q{q:g}", "latency", name, quantile(_values(base, get), q),
-                      quantile(_values(cand, get), q), getattr(th, f"{metric}_max_ratio"),
-                      getattr(th, f"{metric}_slack_s"), True, "s")
-        for metric, get in LATENCY
-    ]  # fmt: skip
+    out = [_latency_signal(name, metric, get, base, cand, th) for metric, get in LATENCY]
     bkv = _values(base, lambda o: o.kv_pages_in_use)
     ckv = _values(cand, lambda o: o.kv_pages_in_use)
     out += [
@@ -499,12 +547,14 @@ RESPONSES = {
     "hold": "hold: do not promote; keep the current default",
     "mismatch": "nothing decided: the runs do not measure the same workload; keep the current "
     "default",
+    "insufficient": "not enough evidence: rerun both sides with the repeats the detail names "
+    "(ABBA order), then gate again; keep the current default meanwhile",
 }
 
 
 def triage(signals: Sequence[Signal]) -> list[dict[str, Any]]:
     """One item per failed signal, a workload mismatch first, then rollbacks."""
-    order = {"mismatch": 0, "rollback": 1, "hold": 2}
+    order = {"mismatch": 0, "rollback": 1, "hold": 2, "insufficient": 3}
     failed = sorted(
         (s for s in signals if s.failed), key=lambda s: (order.get(s.on_fail, 2), s.segment)
     )
