@@ -94,11 +94,11 @@ def test_json_object_mode_gives_an_object(llm):
     """Every token is one the JSON grammar allows (a 135M model may run to max_tokens inside an
     endless object: a prefix, as on vLLM / SGLang); what finishes is an object."""
     llguidance = require_module("llguidance")
-    import llguidance.hf
+    llguidance_hf = require_module("llguidance.hf")
     from transformers import AutoTokenizer
 
     outs = llm.generate(PROMPTS[:4], params(max_tokens=64, response_format={"type": "json_object"}))
-    tok = llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(llm.config.model_path))
+    tok = llguidance_hf.from_tokenizer(AutoTokenizer.from_pretrained(llm.config.model_path))
     grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}')
     for out in outs:
         matcher = llguidance.LLMatcher(tok, grammar)
