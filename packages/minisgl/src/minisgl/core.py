@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's threshold)
 
@@ -20,6 +21,9 @@ class SamplingParams:
     stop / EOS tokens are banned until that many tokens were generated. logprobs: None for
     none, k >= 0 for the sampled token's logprob plus the k most likely (at most 20).
     n: the number of samples `LLM.generate` draws per prompt (parallel sampling).
+    response_format: OpenAI's `{"type": "json_object"}` or `{"type": "json_schema",
+    "json_schema": {"schema": {...}}}` (`{"type": "text"}` is none): decoding is constrained
+    by its grammar (`structured.py`); stored as a `ResponseFormat`.
     """
 
     temperature: float = 0.0
@@ -38,6 +42,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     n: int = 1
+    response_format: Any = None  # an OpenAI response_format mapping, or a ResponseFormat
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -96,10 +101,25 @@ class SamplingParams:
         object.__setattr__(self, "stop_strings", strings)
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.response_format is not None:
+            from minisgl.structured import ResponseFormat
+
+            fmt = ResponseFormat.parse(self.response_format)
+            if fmt is not None and self.ignore_eos:
+                raise ValueError(
+                    "response_format cannot combine with ignore_eos: a constrained output ends "
+                    "with EOS once the grammar is complete"
+                )
+            object.__setattr__(self, "response_format", fmt)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def needs_history(self) -> bool:
+        """The sampler reads the request's committed outputs (penalties, a grammar)."""
+        return self.has_penalties or self.response_format is not None
 
     @property
     def has_penalties(self) -> bool:

@@ -176,14 +176,14 @@ class OverlapLoop:
         rows: list[Any] = [reqs[r] for r in plan.sample_rows.tolist()]
         for k, req in enumerate(rows):
             p = req.params
-            if p.is_greedy and not p.min_tokens and not p.has_penalties:
+            if p.is_greedy and not p.min_tokens and not p.needs_history:
                 continue  # the sampler reads only its params (immutable): no snapshot
             rid = req.rid
             n = len(req.output_ids) + self._pending[rid]
-            hist = tuple(req.output_ids) if p.has_penalties else _Outputs(n)
+            hist = tuple(req.output_ids) if p.needs_history else _Outputs(n)
             rows[k] = SampleView(rid, p, req.generator, req.input_ids, hist)
             self._pending[rid] += 1
-            if p.has_penalties:
+            if p.needs_history:  # penalties, a grammar: the next sample needs this token
                 self._penalized[rid] += 1
         unknown, slots = unknown_inputs(plan)
         sample_slots = plan.slots[plan.sample_rows]

@@ -1,7 +1,8 @@
 """Batched sampling: one pass over a step's rows, per-request parameters held as tensors.
 
 Order (HF's): logit_bias, min_tokens (stop tokens banned), repetition / presence / frequency
-penalties, then temperature, top-k, top-p, min-p. Greedy rows (temperature < 1e-5 or
+penalties, the grammar of rows with a `response_format` (tokens it forbids at -inf), then
+temperature, top-k, top-p, min-p. Greedy rows (temperature < 1e-5 or
 top_k == 1) take the argmax of the processed logits. Sampled rows use the Gumbel-max trick
 with noise from a counter-based hash of (request key, step, token id): a request's draws do
 not depend on what else is in the batch, need no per-request `torch.Generator` (a per-row
@@ -26,6 +27,7 @@ import torch
 
 from minisgl.attention import cpu_native
 from minisgl.core import SamplingParams
+from minisgl.structured import GrammarBank
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as signed int64
@@ -167,6 +169,8 @@ def is_plain_greedy(rows: Sequence[SampleRow]) -> bool:
         p = r.params
         if not p.is_greedy or p.logit_bias or p.has_penalties or p.logprobs is not None:
             return False
+        if p.response_format is not None:
+            return False
         if p.min_tokens and len(r.output_ids) < p.min_tokens:
             return False
     return True
@@ -190,9 +194,13 @@ def greedy_device(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sample_on_device(
-    logits: torch.Tensor, rows: Sequence[SampleRow], eos_ids: frozenset[int] = frozenset()
+    logits: torch.Tensor,
+    rows: Sequence[SampleRow],
+    eos_ids: frozenset[int] = frozenset(),
+    grammars: GrammarBank | None = None,
 ) -> DeviceSample:
-    """`sample` without reading anything back: the tokens stay on the logits' device."""
+    """`sample` without reading anything back: the tokens stay on the logits' device.
+    `grammars`: the matchers of rows with a `response_format` (their allowed tokens)."""
     vocab = logits.shape[-1]
     dev = logits.device
     raw = logits  # the model's dtype: widened only where arithmetic follows (the argmax and the
@@ -233,6 +241,15 @@ def sample_on_device(
             _host([params[i].frequency_penalty for i in pen], torch.float32, dev),
             _host([params[i].repetition_penalty for i in pen], torch.float32, dev),
         )
+        x = x.index_copy(0, idx, sub)
+    cons = [i for i, p in enumerate(params) if p.response_format is not None]
+    if cons:  # after the penalties, before any choice: only allowed tokens stay finite
+        if grammars is None:
+            raise ValueError("a row with a response_format needs the engine's GrammarBank")
+        idx = _host(cons, torch.int64, dev)
+        x = x.float() if x is not raw else x.float().clone()
+        sub = grammars.apply(x[idx], [rows[i] for i in cons],
+                             [params[i].response_format for i in cons])  # fmt: skip
         x = x.index_copy(0, idx, sub)
     # a bad row: a NaN or +inf among the raw logits, or nothing above -inf once biased and
     # penalised (a penalty may make +inf of a finite logit: then that is the row's argmax). A
@@ -277,10 +294,13 @@ def sample_on_device(
 
 
 def sample(
-    logits: torch.Tensor, rows: Sequence[SampleRow], eos_ids: frozenset[int] = frozenset()
+    logits: torch.Tensor,
+    rows: Sequence[SampleRow],
+    eos_ids: frozenset[int] = frozenset(),
+    grammars: GrammarBank | None = None,
 ) -> SampleResult:
     """logits: [len(rows), vocab]; one request per row."""
-    return sample_on_device(logits, rows, eos_ids).result()
+    return sample_on_device(logits, rows, eos_ids, grammars).result()
 
 
 class DeviceSample:

@@ -35,6 +35,7 @@ from minisgl.sampler import (
     sample_on_device,
 )
 from minisgl.scheduler.plan import StepPlan
+from minisgl.structured import GrammarBank
 from minisgl.utils.log import get_logger
 from minisgl.utils.malloc import keep_freed_memory
 
@@ -45,6 +46,8 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = cfg = ModelConfig.from_dir(config.model_path)
+        # matchers of constrained requests (response_format); the tokenizer loads on first use
+        self.grammars = GrammarBank(config.model_path, cfg.vocab_size)
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()  # activations reuse the heap's pages step after step
@@ -184,8 +187,8 @@ class Engine:
             out = self.graphs.run(plan, staged)
             if is_plain_greedy(rows):  # copies: the next replay overwrites the graph's outputs
                 return DeviceSample(out.tokens.clone(), out.bad.clone())
-            return sample_on_device(out.logits, rows, eos_ids)
-        return sample_on_device(self._forward(plan, staged), rows, eos_ids)
+            return sample_on_device(out.logits, rows, eos_ids, self.grammars)
+        return sample_on_device(self._forward(plan, staged), rows, eos_ids, self.grammars)
 
     def launch_step(
         self, plan: StepPlan, rows: Sequence[SampleRow], eos_ids: frozenset[int]

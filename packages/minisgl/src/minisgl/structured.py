@@ -1,0 +1,175 @@
+"""Grammar-constrained decoding: `response_format` JSON object / JSON schema via llguidance.
+
+`ResponseFormat.parse(raw)` validates an OpenAI `response_format` (a ValueError names the
+field); the sampler asks a `GrammarBank` for the allowed tokens of each constrained row, and
+only those rows pay. A row's matcher lives as long as its request's `input_ids` array (a weak
+reference ends it: no registry to leak) and catches up with the row's committed outputs before
+each mask, so it works for any request type that has `output_ids`. Masks cost ~20 us a token on
+a 49k vocabulary (SmolLM2, AMD EPYC dev VM); llguidance is a Rust crate as well, which the Rust
+service can use directly.
+
+llguidance is chosen over xgrammar (torch- and transformers-pinned wheels, no Rust API) and
+outlines-core (slower to compile large schemas): one `abi3` wheel, no torch dependency, and
+the same engine in Python and Rust.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+KINDS = ("json_object", "json_schema")
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """A validated `response_format`: its kind and the JSON schema text it constrains to."""
+
+    kind: Literal["json_object", "json_schema"]
+    schema: str  # canonical JSON text
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any] | ResponseFormat) -> ResponseFormat | None:
+        """None for `{"type": "text"}`; ValueError naming the field for anything invalid."""
+        if isinstance(raw, ResponseFormat):
+            return raw
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"response_format must be an object, got {type(raw).__name__}")
+        kind = raw.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls("json_object", JSON_OBJECT_SCHEMA)
+        if kind != "json_schema":
+            raise ValueError(
+                f"response_format.type must be one of text, json_object, json_schema; got {kind!r}"
+            )
+        spec = raw.get("json_schema")
+        if not isinstance(spec, Mapping):
+            raise ValueError("response_format.json_schema must be an object with a 'schema'")
+        schema = spec.get("schema")
+        if not isinstance(schema, Mapping | bool):
+            raise ValueError("response_format.json_schema.schema must be a JSON schema object")
+        text = json.dumps(schema, sort_keys=True)
+        fmt = cls("json_schema", text)
+        fmt.check()
+        return fmt
+
+    def grammar(self) -> str:
+        import llguidance
+
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            self.schema, defaults={"whitespace_flexible": False}
+        )
+
+    def check(self) -> None:
+        """The schema compiles (without a tokenizer): else a ValueError with llguidance's
+        reason."""
+        import llguidance
+
+        try:
+            message = llguidance.LLMatcher.validate_grammar(self.grammar())  # "" when valid
+        except (ValueError, TypeError, RuntimeError) as exc:
+            message = str(exc) or type(exc).__name__
+        if message:
+            raise ValueError(f"response_format.json_schema: unsupported schema: {message}")
+
+
+class ConstrainedRow(Protocol):
+    """What the bank reads of a sampled row (`Req`, `SampleView`)."""
+
+    input_ids: np.ndarray
+
+    @property
+    def output_ids(self) -> Sequence[int]: ...
+
+
+@dataclass
+class _State:
+    matcher: Any  # llguidance.LLMatcher
+    consumed: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+class GrammarBank:
+    """Matchers of the constrained requests of one model (its tokenizer, its vocab size)."""
+
+    def __init__(self, model_path: str | Path, vocab_size: int) -> None:
+        self.model_path = str(model_path)
+        self.vocab_size = vocab_size
+        self._tokenizer: Any = None
+        self._states: dict[int, _State] = {}
+        self._grammars: dict[str, Any] = {}
+
+    def _lltokenizer(self) -> Any:
+        if self._tokenizer is None:
+            import llguidance.hf
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(self.model_path)
+            self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size)
+        return self._tokenizer
+
+    def _state(self, row: ConstrainedRow, fmt: ResponseFormat) -> _State:
+        key = id(row.input_ids)
+        state = self._states.get(key)
+        if state is None:
+            import llguidance
+
+            grammar = self._grammars.get(fmt.schema)
+            if grammar is None:
+                grammar = self._grammars[fmt.schema] = fmt.grammar()
+            state = _State(llguidance.LLMatcher(self._lltokenizer(), grammar))
+            self._states[key] = state
+            weakref.finalize(row.input_ids, self._states.pop, key, None)
+        return state
+
+    def _catch_up(self, state: _State, outputs: Sequence[int]) -> None:
+        done = state.consumed
+        if len(outputs) < len(done) or (done and outputs[len(done) - 1] != done[-1]):
+            state.matcher.reset()  # another request reused the id, or a restart
+            done.clear()
+            state.error = None
+        for token in outputs[len(done) :]:
+            if state.error is None and not state.matcher.consume_token(int(token)):
+                state.error = f"the grammar rejected token {int(token)}"
+            done.append(int(token))
+
+    def allowed(
+        self, rows: Sequence[ConstrainedRow], formats: Sequence[ResponseFormat]
+    ) -> np.ndarray:
+        """bool [len(rows), vocab]: the tokens each row may sample next."""
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+        masks = allocate_token_bitmask(len(rows), self.vocab_size)
+        for i, (row, fmt) in enumerate(zip(rows, formats, strict=True)):
+            state = self._state(row, fmt)
+            self._catch_up(state, row.output_ids)
+            if state.error is None and not state.matcher.is_error():
+                fill_next_token_bitmask(state.matcher, masks, i)
+            else:
+                masks[i] = 0  # nothing allowed: the sampler fails this row alone
+        bits = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")
+        return bits[:, : self.vocab_size].astype(bool)
+
+    def apply(
+        self, logits: Any, rows: Sequence[ConstrainedRow], formats: Sequence[ResponseFormat]
+    ) -> Any:
+        """`logits` (a torch tensor [len(rows), vocab]) with every token the grammar forbids
+        at -inf."""
+        import torch
+
+        allowed = torch.from_numpy(self.allowed(rows, formats)).to(logits.device)
+        return logits.masked_fill(~allowed[:, : logits.shape[-1]], float("-inf"))
+
+    @property
+    def live(self) -> int:
+        """Matchers held (one per constrained request alive)."""
+        return len(self._states)
