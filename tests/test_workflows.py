@@ -8,6 +8,7 @@ that drops one of them fails here.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -147,3 +148,31 @@ def test_lint_session_runs_actionlint():
         noxfile.index("def lint(") : noxfile.index("\n@nox.session", noxfile.index("def lint("))
     ]
     assert 'session.run("actionlint"' in lint
+
+
+USES_LINE = re.compile(r"^\s*(?:-\s+)?uses:\s*(?P<ref>\S+)(?P<rest>.*)$")
+PINNED = re.compile(r"^[\w.-]+/[\w./-]+@[0-9a-f]{40}$")
+TAG_COMMENT = re.compile(r"^\s+# v\d+(\.\d+)*\s*$")
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in WORKFLOWS.glob("*.y*ml")))
+def test_every_action_is_pinned_by_commit_sha_with_its_tag_in_a_comment(name):
+    # YAML drops comments, so the raw lines: `uses: owner/repo@<40 hex> # v1.2.3`
+    lines = (WORKFLOWS / name).read_text(encoding="utf-8").splitlines()
+    uses = [m for m in map(USES_LINE.match, lines) if m]
+    assert uses, name
+    for m in uses:
+        ref = m["ref"]
+        if ref.startswith("./"):
+            continue  # a local action is pinned by the checkout itself
+        assert PINNED.match(ref), f"{name}: {ref} is not pinned by a full commit SHA"
+        assert TAG_COMMENT.match(m["rest"]), f"{name}: {ref} has no '# vX.Y.Z' tag comment"
+
+
+def test_lint_session_runs_zizmor_offline():
+    noxfile = (ROOT / "noxfile.py").read_text(encoding="utf-8")
+    lint = noxfile[
+        noxfile.index("def lint(") : noxfile.index("\n@nox.session", noxfile.index("def lint("))
+    ]
+    assert 'session.run("zizmor"' in lint and '"--offline"' in lint
+    assert lint.index('session.run("actionlint"') < lint.index('session.run("zizmor"')
