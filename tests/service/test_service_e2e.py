@@ -149,6 +149,30 @@ SCENARIOS: dict[str, list[tuple[str, dict]]] = {
     "logprobs": [
         ("completions", {"prompt": "hello", "max_tokens": 6, "temperature": 0, "logprobs": 2})
     ],
+    "structured": [  # issue 38: the grammar's masks on the worker, whichever control plane
+        (
+            kind,
+            {
+                **({"prompt": "Answer:"} if kind == "completions" else {"messages": CHATS[0]}),
+                "max_tokens": 32,
+                "temperature": 0.8,
+                "seed": 5,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "out",
+                        "schema": {
+                            "type": "object",
+                            "properties": {"pick": {"enum": ["a", "b", "c"]}},
+                            "required": ["pick"],
+                            "additionalProperties": False,
+                        },
+                    },
+                },
+            },
+        )
+        for kind in ("completions", "chat")
+    ],
 }
 
 
