@@ -49,7 +49,8 @@ EXTRA = {"ignore_eos", "stop_token_ids", "top_k", "min_p", "repetition_penalty",
 
 def ask(server, kind: str, stream: bool, **kw) -> Answer:
     """One request through the openai client; a stream is joined chunk by chunk."""
-    extra = {k: kw.pop(k) for k in list(kw) if k in EXTRA}
+    body_only = EXTRA | ({"response_format"} if kind == "completions" else set())
+    extra = {k: kw.pop(k) for k in list(kw) if k in body_only}  # not in the client's signature
     if extra:
         kw["extra_body"] = extra
     c = client(server)

@@ -58,6 +58,10 @@ impl std::error::Error for WireError {}
 
 type Result<T> = std::result::Result<T, WireError>;
 
+/// Fields of a `WireParams` list; the last, `response_format` (issue 38), is only forwarded:
+/// the worker's sampler applies the grammar.
+pub const PARAMS_FIELDS: usize = 18;
+
 /// Sampling parameters as they travel (`WireParams`); `raw` is forwarded to the worker as is.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WireParams {
@@ -189,10 +193,10 @@ fn i32_payload(v: &Value, name: &'static str) -> Result<Vec<i32>> {
 
 fn params(v: &Value) -> Result<WireParams> {
     let items = as_array(v, "params")?;
-    if items.len() != 17 {
+    if items.len() != PARAMS_FIELDS {
         return Err(WireError::Field(
             "params",
-            format!("{} fields, expected 17", items.len()),
+            format!("{} fields, expected {PARAMS_FIELDS}", items.len()),
         ));
     }
     let stop = as_array(&items[6], "stop")?
@@ -547,6 +551,7 @@ mod tests {
             0.into(),
             Value::Nil,
             0.into(),
+            Value::Nil,
         ])
     }
 

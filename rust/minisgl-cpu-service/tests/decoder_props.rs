@@ -30,6 +30,7 @@ fn params() -> Value {
         0.into(),
         Value::Nil,
         0.into(),
+        Value::Nil,
     ])
 }
 

@@ -15,6 +15,7 @@ with a clear error instead of being misread.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -64,6 +65,7 @@ class WireParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prefix_leader: int = 0  # uid whose prefill this choice waits for (n > 1); 0: none
+    response_format: str | None = None  # the OpenAI response_format as JSON (validated)
 
     def pack(self) -> list:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
@@ -91,6 +93,7 @@ class WireParams:
             logit_bias=tuple((int(t), float(b)) for t, b in self.logit_bias or ()),
             min_tokens=self.min_tokens,
             logprobs=self.logprobs,
+            response_format=json.loads(self.response_format) if self.response_format else None,
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,7 @@ COMMON = {
     "min_p",
     "logit_bias",
     "min_tokens",
+    "response_format",
 }
 CHAT = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 COMPLETION = COMMON | {"prompt", "logprobs"}
@@ -78,7 +80,6 @@ DEFAULT_ONLY: dict[str, tuple] = {
     "tool_choice": (None, "none"),
     "functions": (None,),
     "function_call": (None, "none"),
-    "response_format": (None,),
 }
 IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 MAX_N = 128
@@ -167,11 +168,7 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
             continue
         if k in DEFAULT_ONLY:
             ok = DEFAULT_ONLY[k]
-            if (
-                v in ok
-                or (k == "response_format" and v == {"type": "text"})
-                or (k == "tools" and not v)
-            ):
+            if v in ok or (k == "tools" and not v):
                 continue
             raise _bad(
                 f"'{k}' is not supported by this server (got {v!r})", k, "unsupported_parameter"
@@ -297,7 +294,9 @@ def parse_common(
                 "'stream_options.include_usage' must be a boolean", "stream_options", "invalid_type"
             )
         include_usage = iu
+    response_format = _response_format(body.get("response_format"), body.get("ignore_eos"))
     params = WireParams(
+        response_format=response_format,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
@@ -364,6 +363,27 @@ def _logprobs(body: dict, key: str) -> int | None:
     if not 0 <= top <= MAX_LOGPROBS:
         raise _bad(f"'{key}' must be in [0, {MAX_LOGPROBS}], got {top}", key)
     return top
+
+
+def _response_format(v: Any, ignore_eos: Any) -> str | None:
+    """The validated response_format as JSON for the wire (None: plain text)."""
+    if v is None:
+        return None
+    from minisgl.structured import ResponseFormat
+
+    try:
+        fmt = ResponseFormat.parse(v)
+    except ValueError as exc:
+        raise _bad(str(exc), "response_format") from None
+    if fmt is None:
+        return None
+    if ignore_eos:
+        raise _bad(
+            "response_format cannot combine with ignore_eos: a constrained output ends with EOS "
+            "once the grammar is complete",
+            "response_format",
+        )
+    return json.dumps(v, sort_keys=True)
 
 
 def _logit_bias(v: Any) -> list[list] | None:
