@@ -150,7 +150,7 @@ def test_large_decode_batch_is_decision_identical_to_the_rust_core(ps, num_pages
                 assert out is None
                 break
             plan, reqs = planned
-            is_prefill, _admitted, bs, t, nkv, ns, flat = out
+            is_prefill, _admitted, bs, *_sizes, flat = out
             assert plan.is_prefill == is_prefill
             want = FlatStep.of(plan).data[:-bs]  # batch_pos: the Rust core's own
             assert want.tolist() == flat[:-bs].tolist()
