@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from minisgl.core import SamplingParams
+from minisgl.scheduler.slots import SlotTable
 
 # finish codes shared with the Rust core (`commit_step` returns one code per sample row);
 # code 3 (`DROPPED`) only comes from the pipelined `commit_oldest`: the sample's request had
@@ -56,6 +57,23 @@ def validate_request(
     return ids, max_total
 
 
+class _SlotColumn:
+    """A `Req` attribute kept in its `SlotTable` row: 0 while it holds no slot."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, req: Req | None, owner: type | None = None) -> Any:
+        if req is None:
+            return self
+        return int(getattr(req.table, self.name)[req.slot]) if req.slot >= 0 else 0
+
+    def __set__(self, req: Req, value: int) -> None:
+        if req.slot < 0:
+            raise ValueError(f"request {req.rid}: {self.name} is only kept while it holds a slot")
+        getattr(req.table, self.name)[req.slot] = value
+
+
 @dataclass(eq=False)
 class Req:
     rid: int
@@ -65,16 +83,19 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     slot: int = -1  # page-table row while admitted
     fill_ids: np.ndarray | None = None  # tokens to prefill (prompt, + outputs after a retract)
-    kv_len: int = 0  # leading tokens whose KV is in the pool
-    alloc_len: int = 0  # leading positions that have a KV location
-    cache_len: int = 0  # leading tokens whose KV belongs to the prefix cache
     cache_node: Any = None
     finish_reason: str | None = None
     cached_tokens: int = 0  # prefix-cache hit of the first admission (for stats)
     generator: Any = None
-    inflight: int = 0  # pipelined mode: unconfirmed steps that contain this request
-    pending_out: int = 0  # pipelined mode: its samples in unconfirmed steps
     sched_key: int = 0  # priority mode: waiting-queue order (priority * aging steps + clock)
+    table: SlotTable | None = field(default=None, repr=False)  # its scheduler's slot state
+
+    # in `table`'s row while it holds a slot, 0 otherwise
+    kv_len = _SlotColumn()  # leading tokens whose KV is in the pool
+    alloc_len = _SlotColumn()  # leading positions that have a KV location
+    cache_len = _SlotColumn()  # leading tokens whose KV belongs to the prefix cache
+    inflight = _SlotColumn()  # pipelined mode: unconfirmed steps that contain this request
+    pending_out = _SlotColumn()  # pipelined mode: its samples in unconfirmed steps
 
     @property
     def prefill_len(self) -> int:

@@ -1,0 +1,75 @@
+"""Per-slot request state as arrays, so a decode step reads and advances every running request
+with a few numpy operations (no per-request Python loop).
+
+Row `slot` describes the request that holds page-table row `slot`; a `Req` reads and writes
+its lengths and in-flight counters here while it holds one (`Req.kv_len` ...). A row is
+written whole by `admit` and is meaningless while its slot is free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SlotTable:
+    rid: np.ndarray  # request id
+    kv_len: np.ndarray  # leading tokens whose KV is in the pool
+    alloc_len: np.ndarray  # leading positions that have a KV location
+    cache_len: np.ndarray  # leading tokens whose KV belongs to the prefix cache
+    fill_len: np.ndarray  # tokens to prefill
+    input_len: np.ndarray  # prompt tokens
+    out_len: np.ndarray  # committed output tokens
+    last_token: np.ndarray  # the last committed output token (-1: none yet)
+    max_tokens: np.ndarray  # SamplingParams.max_tokens
+    max_total_len: np.ndarray  # prompt + outputs never exceed this
+    inflight: np.ndarray  # pipelined: unconfirmed steps that contain the request
+    pending_out: np.ndarray  # pipelined: its samples in unconfirmed steps
+    ignore_eos: np.ndarray  # bool
+    has_stop: np.ndarray  # bool: stop_token_ids is not empty
+    done: np.ndarray  # bool: finished or retired (pipelined: still holding the slot)
+
+    @classmethod
+    def empty(cls, max_slots: int) -> SlotTable:
+        def ints() -> np.ndarray:
+            return np.zeros(max_slots, dtype=np.int64)
+
+        def flags() -> np.ndarray:
+            return np.zeros(max_slots, dtype=bool)
+
+        return cls(ints(), ints(), ints(), ints(), ints(), ints(), ints(), ints(), ints(),
+                   ints(), ints(), ints(), flags(), flags(), flags())  # fmt: skip
+
+    def admit(
+        self,
+        slot: int,
+        rid: int,
+        prefix: int,
+        fill_len: int,
+        input_len: int,
+        output_ids: list[int],
+        max_tokens: int,
+        max_total_len: int,
+        ignore_eos: bool,
+        has_stop: bool,
+    ) -> None:
+        """Row `slot` for a request admitted with `prefix` tokens of KV from the cache."""
+        self.rid[slot] = rid
+        self.kv_len[slot] = self.alloc_len[slot] = self.cache_len[slot] = prefix
+        self.fill_len[slot], self.input_len[slot] = fill_len, input_len
+        self.out_len[slot] = len(output_ids)
+        self.last_token[slot] = output_ids[-1] if output_ids else -1
+        self.max_tokens[slot], self.max_total_len[slot] = max_tokens, max_total_len
+        self.inflight[slot] = self.pending_out[slot] = 0
+        self.ignore_eos[slot], self.has_stop[slot] = ignore_eos, has_stop
+        self.done[slot] = False
+
+    def length_certain(self, slots: np.ndarray) -> np.ndarray:
+        """Committed plus in-flight samples reach a length limit (pipelined: the last
+        unconfirmed sample finishes the request)."""
+        n = self.out_len[slots] + self.pending_out[slots]
+        return (n >= self.max_tokens[slots]) | (
+            self.input_len[slots] + n >= self.max_total_len[slots]
+        )
