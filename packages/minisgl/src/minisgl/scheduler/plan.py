@@ -190,15 +190,19 @@ def build_step_plan(
     bs = len(slots)
     flat = page_table.reshape(-1)
     row0 = slots.astype(np.int64) * page_table.shape[1]  # flat index of each slot's row
-    q_indptr = np.zeros(bs + 1, dtype=np.int64)
-    np.cumsum(extend_lens, out=q_indptr[1:])
-    total = int(q_indptr[-1])
-    # token t of request i sits at position starts[i] + (t - q_indptr[i])
-    pos_shift = np.repeat(starts - q_indptr[:-1], extend_lens)
-    pos_shift += _arange(total)
-    positions = pos_shift.astype(np.int32)
-    pos_shift += np.repeat(row0, extend_lens)
-    out_loc = flat.take(pos_shift)
+    if (extend_lens == 1).all():  # decode: token i is request i's
+        q_indptr = _arange(bs + 1)
+        positions = starts.copy()
+        out_loc = flat.take(row0 + starts)
+    else:
+        q_indptr = np.zeros(bs + 1, dtype=np.int64)
+        np.cumsum(extend_lens, out=q_indptr[1:])
+        # token t of request i sits at position starts[i] + (t - q_indptr[i])
+        pos_shift = np.repeat(starts - q_indptr[:-1], extend_lens)
+        pos_shift += _arange(int(q_indptr[-1]))
+        positions = pos_shift.astype(np.int32)
+        pos_shift += np.repeat(row0, extend_lens)
+        out_loc = flat.take(pos_shift)
     kv_indptr = np.zeros(bs + 1, dtype=np.int64)
     np.cumsum(seq_lens, out=kv_indptr[1:])
     # KV entry k of request i is its row's position k - kv_indptr[i]

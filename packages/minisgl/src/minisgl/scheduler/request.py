@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -58,7 +58,8 @@ def validate_request(
 
 
 class _SlotColumn:
-    """A `Req` attribute kept in its `SlotTable` row: 0 while it holds no slot."""
+    """A `Req` attribute kept in its `SlotTable` row: 0 while it holds no slot (a write is
+    then dropped)."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -69,9 +70,8 @@ class _SlotColumn:
         return int(getattr(req.table, self.name)[req.slot]) if req.slot >= 0 else 0
 
     def __set__(self, req: Req, value: int) -> None:
-        if req.slot < 0:
-            raise ValueError(f"request {req.rid}: {self.name} is only kept while it holds a slot")
-        getattr(req.table, self.name)[req.slot] = value
+        if req.slot >= 0:  # without a slot there is nothing to keep: it reads 0
+            getattr(req.table, self.name)[req.slot] = value
 
 
 @dataclass(eq=False)
@@ -115,8 +115,9 @@ class Req:
         return np.concatenate([self.input_ids, out]) if len(out) else self.input_ids
 
 
-@dataclass(frozen=True)
-class StepOutput:
+class StepOutput(NamedTuple):
+    """One sampled token of a step (a NamedTuple: a commit builds one per running request)."""
+
     rid: int
     token_id: int
     finish_reason: str | None

@@ -142,7 +142,7 @@ class Scheduler:
         self.max_running = max_running_requests
         self.max_extend_tokens = max_extend_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._eos = np.array(sorted(self.eos_token_ids), dtype=np.int64)
+        self._eos = sorted(self.eos_token_ids)
         self.alloc = PageAllocator(num_pages, page_size, max_running_requests, max_seq_len)
         self.table = SlotTable.empty(max_running_requests)
         self.cache = create_prefix_cache(cache_type, page_size)
@@ -277,7 +277,10 @@ class Scheduler:
         `max_tokens` outputs or `max_total_len` tokens in all is "length"."""
         t = self.table
         n = t.out_len[slots] + 1
-        stop = ~t.ignore_eos[slots] & np.isin(tokens, self._eos)
+        stop = np.zeros(len(tokens), dtype=bool)
+        for eos in self._eos:  # a few ids: cheaper than np.isin
+            stop |= tokens == eos
+        stop &= ~t.ignore_eos[slots]
         for k in np.flatnonzero(t.has_stop[slots]).tolist():
             stop[k] |= int(tokens[k]) in row_reqs[k].params.stop_token_ids
         length = (n >= t.max_tokens[slots]) | (t.input_len[slots] + n >= t.max_total_len[slots])
