@@ -365,7 +365,8 @@ class Scheduler:
         live = ~t.done[slots]
         row_reqs = _rows_of(st.reqs, rows)
         tokens = np.asarray(next_tokens, dtype=np.int64).reshape(-1)
-        codes = self._append_tokens(row_reqs, slots, tokens, live)
+        all_live = bool(live.all())
+        codes = self._append_tokens(row_reqs, slots, tokens, None if all_live else live)
         finished: list[tuple[int, list[int]]] = []
         for k in np.flatnonzero(live & (codes > 0)).tolist():  # finished, in row order
             req = row_reqs[k]
@@ -384,7 +385,7 @@ class Scheduler:
         outputs = self._outputs(row_reqs, tokens, codes)
         self.stats.commit_s.append(time.perf_counter() - t0)
         self.stats.steps += 1
-        self.stats.generated_tokens += int(live.sum())
+        self.stats.generated_tokens += len(tokens) if all_live else int(live.sum())
         return AheadCommit(st.step, outputs, finished)
 
     def retire(self, rid: int, abort: bool) -> bool:
