@@ -64,6 +64,9 @@ class PageAllocator:
         del self._free_pages[-n:]
         ps = self.page_size
         locs = (pages[:, None] * ps + self._offsets[None, :]).reshape(-1)
+        if ps == 1 and (counts == 1).all():  # one location each (a decode step)
+            self.page_table[slots, starts] = locs
+            return
         per = counts * ps  # locations of each request
         first = np.cumsum(per) - per  # its first one in `locs`
         rows = np.repeat(slots, per)

@@ -71,6 +71,7 @@ from minisgl.scheduler.request import (
     RequestError,
     StepOutput,
     pages,
+    step_outputs,
     validate_request,
 )
 from minisgl.scheduler.slots import SlotTable
@@ -303,7 +304,7 @@ class Scheduler:
     ) -> list[StepOutput]:
         rids = map(attrgetter("rid"), row_reqs)
         reasons = map(FINISH_REASONS.__getitem__, codes.tolist())
-        return list(map(StepOutput, rids, tokens.tolist(), reasons))
+        return step_outputs(rids, tokens.tolist(), reasons)
 
     # ------------------------------------------------------------------ pipelined mode
     def schedule_ahead(self) -> AheadStep | None:
