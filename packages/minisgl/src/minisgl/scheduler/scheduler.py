@@ -251,14 +251,15 @@ class Scheduler:
                 self._cache_prefix(req)
         row_reqs = _rows_of(reqs, rows)
         tokens = np.asarray(next_tokens, dtype=np.int64).reshape(-1)
-        codes = self._append_tokens(row_reqs, plan.slots[rows], tokens, None)
+        slots = plan.slots[rows]
+        codes = self._append_tokens(row_reqs, slots, tokens, None)
+        outputs = self._outputs(slots, tokens, codes)
         for k in np.flatnonzero(codes).tolist():  # finished, in row order
             req = row_reqs[k]
             req.finish_reason = FINISH_REASONS[codes[k]]
             self._leave_running(req)
             self._release(req)
             del self.requests[req.rid]
-        outputs = self._outputs(row_reqs, tokens, codes)
         self.stats.commit_s.append(time.perf_counter() - t0)
         self.stats.steps += 1
         self.stats.generated_tokens += len(outputs)
@@ -300,11 +301,14 @@ class Scheduler:
         return codes
 
     def _outputs(
-        self, row_reqs: Sequence[Req], tokens: np.ndarray, codes: np.ndarray
+        self, slots: np.ndarray, tokens: np.ndarray, codes: np.ndarray
     ) -> list[StepOutput]:
-        rids = map(attrgetter("rid"), row_reqs)
-        reasons = map(FINISH_REASONS.__getitem__, codes.tolist())
-        return step_outputs(rids, tokens.tolist(), reasons)
+        """The outputs of sample rows in `slots` (read before any of them is released)."""
+        if codes.any():
+            reasons: Sequence[str | None] = list(map(FINISH_REASONS.__getitem__, codes.tolist()))
+        else:
+            reasons = [None] * len(codes)
+        return step_outputs(self.table.rid[slots].tolist(), tokens.tolist(), reasons)
 
     # ------------------------------------------------------------------ pipelined mode
     def schedule_ahead(self) -> AheadStep | None:
@@ -368,6 +372,7 @@ class Scheduler:
         tokens = np.asarray(next_tokens, dtype=np.int64).reshape(-1)
         all_live = bool(live.all())
         codes = self._append_tokens(row_reqs, slots, tokens, None if all_live else live)
+        outputs = self._outputs(slots, tokens, codes)
         finished: list[tuple[int, list[int]]] = []
         for k in np.flatnonzero(live & (codes > 0)).tolist():  # finished, in row order
             req = row_reqs[k]
@@ -383,7 +388,6 @@ class Scheduler:
             req = st.reqs[i]
             self._retiring.remove(req)
             self._release(req)
-        outputs = self._outputs(row_reqs, tokens, codes)
         self.stats.commit_s.append(time.perf_counter() - t0)
         self.stats.steps += 1
         self.stats.generated_tokens += len(tokens) if all_live else int(live.sum())
