@@ -15,7 +15,7 @@ from minisgl.kvcache.allocator import PageAllocator
 from minisgl.scheduler.plan import PLAN_FIELDS, FlatStep, StepPlan, build_step_plan
 from minisgl.scheduler.request import FINISH_REASONS, validate_request
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.testing.modules import require_module
+from minisgl.testing.rust_hotpath import extension
 
 
 def _reference_plan(pt, slots, starts, lens, ids, mask, is_prefill) -> StepPlan:
@@ -89,7 +89,7 @@ def _py(ps: int, num_pages: int, cache: str) -> Scheduler:
 
 
 def _rs(ps: int, num_pages: int, cache: str):
-    return require_module("minisgl_cpu").SchedulerCore(
+    return extension().SchedulerCore(
         num_pages=num_pages, page_size=ps, max_seq_len=256, max_running_requests=96,
         max_extend_tokens=512, radix=cache == "radix", eos_token_ids=[0],
         priority_aging_steps=None,
@@ -109,6 +109,7 @@ def _requests(seed: int, n: int) -> list[tuple[list[int], SamplingParams]]:
     return out
 
 
+@pytest.mark.rust_ext
 @pytest.mark.parametrize("ps,num_pages,cache", [(1, 6000, "radix"), (4, 1500, "naive"),
                                                  (1, 1200, "radix"), (4, 300, "radix")])  # fmt: skip
 @pytest.mark.parametrize("pipelined", [False, True])
