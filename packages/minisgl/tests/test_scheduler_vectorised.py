@@ -1,7 +1,8 @@
-"""The vectorised hot path of the Python scheduler (issue 39): the step plan, batched page
-allocation and the per-slot request state give exactly what the per-request code gave, and a
-large decode batch (the size the step-cost benchmark runs) stays decision-identical to the
-Rust core in serial and pipelined mode, eviction and stop tokens included."""
+"""The vectorised hot path of the Python scheduler (issue 39): the step plan (built whole, or
+extended from the previous decode step's), batched page allocation and the per-slot request
+state give exactly what the per-request code gave, and a large decode batch (the size the
+step-cost benchmark runs) stays decision-identical to the Rust core in serial and pipelined
+mode, eviction and stop tokens included."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from hypothesis import strategies as st
 
 from minisgl.core import SamplingParams
 from minisgl.kvcache.allocator import PageAllocator
-from minisgl.scheduler.plan import PLAN_FIELDS, FlatStep, StepPlan, build_step_plan
+from minisgl.scheduler.plan import (
+    PLAN_FIELDS,
+    FlatStep,
+    StepPlan,
+    build_step_plan,
+    next_decode_plan,
+)
 from minisgl.scheduler.request import FINISH_REASONS, validate_request
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.testing.rust_hotpath import extension
@@ -57,6 +64,29 @@ def test_build_step_plan_equals_the_per_request_plan(data, bs, width, prefill):
     for f in PLAN_FIELDS:
         x, y = getattr(got, f), getattr(want, f)
         assert x.dtype == np.int32 and x.tolist() == y.tolist(), f
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), bs=st.integers(0, 12), steps=st.integers(1, 4))
+def test_next_decode_plan_equals_a_full_build(data, bs, steps):
+    """Decode steps of the same requests, one token further each time: the KV read mapping
+    extended from the previous plan equals the one gathered again from the page table."""
+    rows, width = 16, 32
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    pt = rng.integers(0, 10_000, size=(rows, width)).astype(np.int32)
+    slots = rng.permutation(rows)[:bs].astype(np.int32)
+    starts = np.array([data.draw(st.integers(0, width - 1 - steps)) for _ in slots], np.int32)
+    ones, every = np.ones(bs, np.int32), np.ones(bs, bool)
+    plan = build_step_plan(pt, slots, starts, ones, np.zeros(bs, np.int32), every, False)
+    for _ in range(steps):
+        ids = rng.integers(0, 100, size=bs).astype(np.int32)
+        got = next_decode_plan(plan, pt, ids)
+        want = build_step_plan(pt, slots, plan.seq_lens, ones, ids, every, False)
+        assert got.is_prefill is False
+        for f in PLAN_FIELDS:
+            x, y = getattr(got, f), getattr(want, f)
+            assert x.dtype == np.int32 and x.tolist() == y.tolist(), f
+        plan = got
 
 
 @settings(max_examples=100, deadline=None)
