@@ -224,3 +224,36 @@ def build_step_plan(
         logits_indices=logits_indices,
         sample_rows=sample_rows,
     )
+
+
+def next_decode_plan(prev: StepPlan, page_table: np.ndarray, input_ids: np.ndarray) -> StepPlan:
+    """The decode step after decode step `prev`, for the same requests one token further:
+    `build_step_plan(page_table, prev.slots, prev.seq_lens, 1, input_ids, every row, False)`,
+    its KV read mapping being `prev.kv_indices` with each request's new location inserted
+    after its run instead of gathered again. Valid while the page-table entries `prev` read
+    are unchanged: a decode step only appends (the scheduler builds whole after a prefill)."""
+    bs = prev.batch_size
+    starts = prev.seq_lens
+    rows = _arange(bs + 1)
+    kv_indptr = (prev.kv_indptr + rows).astype(np.int32)
+    flat_at = prev.slots.astype(np.int64) * page_table.shape[1] + starts
+    out_loc = page_table.reshape(-1).take(flat_at)
+    kv_indices = np.empty(int(kv_indptr[-1]), dtype=np.int32)
+    new_at = kv_indptr[1:] - 1
+    kv_indices[new_at] = out_loc
+    old = np.ones(len(kv_indices), dtype=bool)
+    old[new_at] = False
+    kv_indices[old] = prev.kv_indices
+    return StepPlan(
+        is_prefill=False,
+        slots=prev.slots,
+        extend_lens=np.ones(bs, dtype=np.int32),
+        seq_lens=starts + 1,
+        kv_indptr=kv_indptr,
+        input_ids=np.asarray(input_ids, dtype=np.int32),
+        positions=starts.copy(),
+        out_loc=out_loc,
+        kv_indices=kv_indices,
+        logits_indices=rows[:bs].astype(np.int32),
+        sample_rows=rows[:bs].astype(np.int32),
+    )

@@ -35,6 +35,11 @@ retired while a later unconfirmed step contains it leaves `running` and `request
 but keeps its slot, pages and cache lock until then. One step in flight at a time is exactly
 `schedule` + `commit`.
 
+Per-request state a step reads and advances (KV / allocated / cached lengths, outputs, last
+token, in-flight counters, finish limits) lives in `slots.SlotTable`, one row per page-table
+slot (`Req.kv_len` ... read it), so a decode step is whole-batch numpy on the running slots:
+no per-request Python loop but appending each sampled token to its `output_ids`.
+
 Priority scheduling (`priority_aging_steps=K`; off, i.e. FIFO, when None): `add_request(...,
 priority=p)`, a lower number is served first (vLLM's convention). The waiting queue is kept
 sorted by `p * K + clock` (`clock`: steps scheduled so far), new requests going after the
@@ -63,7 +68,7 @@ from minisgl.kvcache import RadixCache, create_prefix_cache
 from minisgl.kvcache.allocator import PageAllocator
 from minisgl.scheduler.backend import ScheduledStep
 from minisgl.scheduler.cpu_backend import served_counter
-from minisgl.scheduler.plan import StepPlan, build_step_plan
+from minisgl.scheduler.plan import StepPlan, build_step_plan, next_decode_plan
 from minisgl.scheduler.request import (
     DROPPED,
     FINISH_REASONS,
@@ -150,6 +155,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted, in admission order (prefilling or decoding)
         self._run_slots: np.ndarray | None = None  # slots of `running` (None: recompute)
+        self._last_decode: StepPlan | None = None  # the last step, while it was a decode step
         self.requests: dict[int, Req] = {}
         self.stats = SchedulerStats()
         self._rids = itertools.count()
@@ -236,7 +242,9 @@ class Scheduler:
 
         Order: (1) `kv_len += extend_len` for every batch request; (2) on a prefill step with
         the radix cache, `_cache_prefix` for every batch request in batch order; (3) per sample
-        row in order: append the token, apply the finish rules, release a finished request.
+        row in order: append the token, apply the finish rules, release a finished request
+        (done as: every row's append and rules at once, then the releases in row order, which
+        decides the same: the rules read no allocator or cache state).
         """
         t0 = time.perf_counter()
         self._served["commit"] += 1
@@ -528,6 +536,7 @@ class Scheduler:
         sample = starts + lens == np.array([r.prefill_len for r in reqs])
         slots = np.array([r.slot for r in reqs], dtype=np.int32)
         plan = build_step_plan(self.alloc.page_table, slots, starts, lens, ids, sample, True)
+        self._last_decode = None
         return ScheduledStep(plan, reqs)
 
     def _decode_plan(self, keep: np.ndarray | None = None) -> ScheduledStep | None:
@@ -543,11 +552,20 @@ class Scheduler:
         starts = t.kv_len[slots]
         self._ensure_capacity(slots, starts + 1)
         ids = np.where(t.pending_out[slots] > 0, -1, t.last_token[slots])
-        n = len(reqs)
-        plan = build_step_plan(
-            self.alloc.page_table, slots, starts, np.ones(n, dtype=np.int32), ids,
-            np.ones(n, dtype=bool), False,
-        )  # fmt: skip
+        prev = self._last_decode
+        if (
+            prev is not None
+            and np.array_equal(prev.slots, slots)
+            and np.array_equal(prev.seq_lens, starts)
+        ):  # the same requests one token further: extend its KV read mapping
+            plan = next_decode_plan(prev, self.alloc.page_table, ids)
+        else:
+            n = len(reqs)
+            plan = build_step_plan(
+                self.alloc.page_table, slots, starts, np.ones(n, dtype=np.int32), ids,
+                np.ones(n, dtype=bool), False,
+            )  # fmt: skip
+        self._last_decode = plan
         return ScheduledStep(plan, reqs)
 
     # ------------------------------------------------------------------ caching
