@@ -286,15 +286,14 @@ class Scheduler:
         The finish rules, in order: a stop token or (unless `ignore_eos`) an EOS id is "stop";
         `max_tokens` outputs or `max_total_len` tokens in all is "length"."""
         t = self.table
-        n = t.out_len[slots] + 1
         stop = np.zeros(len(tokens), dtype=bool)
         for eos in self._eos:  # a few ids: cheaper than np.isin
             stop |= tokens == eos
-        stop &= ~t.ignore_eos[slots]
+        stop &= t.eos_stops[slots]
         for k in np.flatnonzero(t.has_stop[slots]).tolist():
             stop[k] |= int(tokens[k]) in row_reqs[k].params.stop_token_ids
-        length = (n >= t.max_tokens[slots]) | (t.input_len[slots] + n >= t.max_total_len[slots])
-        codes = np.where(stop, 1, np.where(length, 2, 0)).astype(np.int8)
+        codes = (t.out_len[slots] >= t.out_limit[slots] - 1).astype(np.int8) * np.int8(2)
+        codes[stop] = 1
         toks = tokens.tolist()
         if live is None:
             for req, tok in zip(row_reqs, toks, strict=True):
@@ -326,10 +325,10 @@ class Scheduler:
         self._served["schedule"] += 1
         n_waiting = len(self.waiting)
         batch = self._schedule_prefill()
+        run = self._running_slots()
         if batch:
             step = self._prefill_plan(batch)
         else:
-            run = self._running_slots()
             keep = ~self.table.length_certain(run)
             step = self._decode_plan(None if keep.all() else keep)
         if step is None:
@@ -338,10 +337,12 @@ class Scheduler:
         plan, reqs = step.plan, list(step.reqs)
         t = self.table
         slots = plan.slots
-        where = np.zeros(self.alloc.max_slots, dtype=np.int32)  # slot -> position in running
-        run = self._running_slots()
-        where[run] = np.arange(len(run), dtype=np.int32)
-        batch_pos = where[slots]
+        if plan.is_prefill:
+            where = np.zeros(self.alloc.max_slots, dtype=np.int32)  # slot -> running position
+            where[run] = np.arange(len(run), dtype=np.int32)
+            batch_pos = where[slots]
+        else:  # the running requests that got a row
+            batch_pos = np.flatnonzero(keep).astype(np.int32)
         t.kv_len[slots] += plan.extend_lens
         t.inflight[slots] += 1
         t.pending_out[slots[plan.sample_rows]] += 1

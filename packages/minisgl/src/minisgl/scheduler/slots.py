@@ -20,14 +20,13 @@ class SlotTable:
     alloc_len: np.ndarray  # leading positions that have a KV location
     cache_len: np.ndarray  # leading tokens whose KV belongs to the prefix cache
     fill_len: np.ndarray  # tokens to prefill
-    input_len: np.ndarray  # prompt tokens
     out_len: np.ndarray  # committed output tokens
+    out_limit: np.ndarray  # outputs that finish it by length: max_tokens, or the context's
     last_token: np.ndarray  # the last committed output token (-1: none yet)
-    max_tokens: np.ndarray  # SamplingParams.max_tokens
     max_total_len: np.ndarray  # prompt + outputs never exceed this
     inflight: np.ndarray  # pipelined: unconfirmed steps that contain the request
     pending_out: np.ndarray  # pipelined: its samples in unconfirmed steps
-    ignore_eos: np.ndarray  # bool
+    eos_stops: np.ndarray  # bool: an EOS id finishes it (not `ignore_eos`)
     has_stop: np.ndarray  # bool: stop_token_ids is not empty
     done: np.ndarray  # bool: finished or retired (pipelined: still holding the slot)
 
@@ -40,7 +39,7 @@ class SlotTable:
             return np.zeros(max_slots, dtype=bool)
 
         return cls(ints(), ints(), ints(), ints(), ints(), ints(), ints(), ints(), ints(),
-                   ints(), ints(), ints(), flags(), flags(), flags())  # fmt: skip
+                   ints(), ints(), flags(), flags(), flags())  # fmt: skip
 
     def admit(
         self,
@@ -58,18 +57,16 @@ class SlotTable:
         """Row `slot` for a request admitted with `prefix` tokens of KV from the cache."""
         self.rid[slot] = rid
         self.kv_len[slot] = self.alloc_len[slot] = self.cache_len[slot] = prefix
-        self.fill_len[slot], self.input_len[slot] = fill_len, input_len
+        self.fill_len[slot] = fill_len
         self.out_len[slot] = len(output_ids)
+        self.out_limit[slot] = min(max_tokens, max_total_len - input_len)
         self.last_token[slot] = output_ids[-1] if output_ids else -1
-        self.max_tokens[slot], self.max_total_len[slot] = max_tokens, max_total_len
+        self.max_total_len[slot] = max_total_len
         self.inflight[slot] = self.pending_out[slot] = 0
-        self.ignore_eos[slot], self.has_stop[slot] = ignore_eos, has_stop
+        self.eos_stops[slot], self.has_stop[slot] = not ignore_eos, has_stop
         self.done[slot] = False
 
     def length_certain(self, slots: np.ndarray) -> np.ndarray:
         """Committed plus in-flight samples reach a length limit (pipelined: the last
         unconfirmed sample finishes the request)."""
-        n = self.out_len[slots] + self.pending_out[slots]
-        return (n >= self.max_tokens[slots]) | (
-            self.input_len[slots] + n >= self.max_total_len[slots]
-        )
+        return self.out_len[slots] + self.pending_out[slots] >= self.out_limit[slots]
