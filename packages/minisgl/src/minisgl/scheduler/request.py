@@ -81,7 +81,7 @@ class Req:
     input_ids: np.ndarray  # int32 prompt
     params: SamplingParams
     max_total_len: int  # prompt + generated tokens never exceed this
-    output_ids: list[int] = field(default_factory=list)
+    saved_output_ids: list[int] = field(default_factory=list)  # its outputs while slotless
     slot: int = -1  # page-table row while admitted
     fill_ids: np.ndarray | None = None  # tokens to prefill (prompt, + outputs after a retract)
     cache_node: Any = None
@@ -97,6 +97,15 @@ class Req:
     cache_len = _SlotColumn()  # leading tokens whose KV belongs to the prefix cache
     inflight = _SlotColumn()  # pipelined mode: unconfirmed steps that contain this request
     pending_out = _SlotColumn()  # pipelined mode: its samples in unconfirmed steps
+
+    @property
+    def output_ids(self) -> list[int]:
+        """Its generated tokens (read from its slot's row while it holds one: a copy)."""
+        if self.slot < 0:
+            return self.saved_output_ids
+        t = self.table
+        assert t is not None
+        return t.out_tok[self.slot, : t.out_len[self.slot]].tolist()
 
     @property
     def prefill_len(self) -> int:

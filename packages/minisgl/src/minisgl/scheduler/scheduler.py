@@ -38,7 +38,7 @@ but keeps its slot, pages and cache lock until then. One step in flight at a tim
 Per-request state a step reads and advances (KV / allocated / cached lengths, outputs, last
 token, in-flight counters, finish limits) lives in `slots.SlotTable`, one row per page-table
 slot (`Req.kv_len` ... read it), so a decode step is whole-batch numpy on the running slots:
-no per-request Python loop but appending each sampled token to its `output_ids`.
+no per-request Python loop (a request's `output_ids` are read from its row on demand).
 
 Priority scheduling (`priority_aging_steps=K`; off, i.e. FIFO, when None): `add_request(...,
 priority=p)`, a lower number is served first (vLLM's convention). The waiting queue is kept
@@ -150,7 +150,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self._eos = sorted(self.eos_token_ids)
         self.alloc = PageAllocator(num_pages, page_size, max_running_requests, max_seq_len)
-        self.table = SlotTable.empty(max_running_requests)
+        self.table = SlotTable.empty(max_running_requests, max_seq_len)
         self.cache = create_prefix_cache(cache_type, page_size)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted, in admission order (prefilling or decoding)
@@ -294,17 +294,11 @@ class Scheduler:
             stop[k] |= int(tokens[k]) in row_reqs[k].params.stop_token_ids
         codes = (t.out_len[slots] >= t.out_limit[slots] - 1).astype(np.int8) * np.int8(2)
         codes[stop] = 1
-        toks = tokens.tolist()
         if live is None:
-            for req, tok in zip(row_reqs, toks, strict=True):
-                req.output_ids.append(tok)
+            t.append(slots, tokens)
         else:
             codes[~live] = FINISH_REASONS.index(DROPPED)
-            for req, tok in compress(zip(row_reqs, toks, strict=True), live):
-                req.output_ids.append(tok)
-            slots, tokens = slots[live], tokens[live]
-        t.out_len[slots] += 1
-        t.last_token[slots] = tokens
+            t.append(slots[live], tokens[live])
         return codes
 
     def _outputs(
@@ -387,7 +381,7 @@ class Scheduler:
             req = row_reqs[k]
             req.finish_reason = FINISH_REASONS[codes[k]]
             t.done[req.slot] = True
-            finished.append((k, list(req.output_ids)))
+            finished.append((k, req.output_ids))
             self._leave_running(req)
             del self.requests[req.rid]
             self._retiring.append(req)
@@ -500,11 +494,11 @@ class Scheduler:
         m = match.length
         self.alloc.page_table[req.slot, :m] = match.indices
         p = req.params
-        self.table.admit(req.slot, req.rid, m, len(fill), len(req.input_ids), req.output_ids,
+        self.table.admit(req.slot, req.rid, m, len(fill), len(req.input_ids), req.saved_output_ids,
                          p.max_tokens, req.max_total_len, p.ignore_eos,
                          bool(p.stop_token_ids))  # fmt: skip
         req.cache_node = match.node
-        if not req.output_ids:
+        if not req.saved_output_ids:
             req.cached_tokens = m
             self.stats.prompt_tokens += len(fill)
             self.stats.cached_prompt_tokens += m
@@ -629,6 +623,7 @@ class Scheduler:
         self.alloc.free_locations(row[max(aligned, present) : req.alloc_len])
         self.cache.unlock(req.cache_node)
         self.alloc.free_slot(slot)
+        req.saved_output_ids = req.output_ids
         req.slot, req.cache_node = -1, None  # its lengths read 0 from now on
 
     # ------------------------------------------------------------------ integrity

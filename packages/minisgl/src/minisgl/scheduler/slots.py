@@ -29,9 +29,10 @@ class SlotTable:
     eos_stops: np.ndarray  # bool: an EOS id finishes it (not `ignore_eos`)
     has_stop: np.ndarray  # bool: stop_token_ids is not empty
     done: np.ndarray  # bool: finished or retired (pipelined: still holding the slot)
+    out_tok: np.ndarray  # [slot, i]: its i-th output token, i < out_len (int32)
 
     @classmethod
-    def empty(cls, max_slots: int) -> SlotTable:
+    def empty(cls, max_slots: int, max_seq_len: int) -> SlotTable:
         def ints() -> np.ndarray:
             return np.zeros(max_slots, dtype=np.int64)
 
@@ -39,7 +40,8 @@ class SlotTable:
             return np.zeros(max_slots, dtype=bool)
 
         return cls(ints(), ints(), ints(), ints(), ints(), ints(), ints(), ints(), ints(),
-                   ints(), ints(), flags(), flags(), flags())  # fmt: skip
+                   ints(), ints(), flags(), flags(), flags(),
+                   np.zeros((max_slots, max_seq_len), dtype=np.int32))  # fmt: skip
 
     def admit(
         self,
@@ -59,6 +61,7 @@ class SlotTable:
         self.kv_len[slot] = self.alloc_len[slot] = self.cache_len[slot] = prefix
         self.fill_len[slot] = fill_len
         self.out_len[slot] = len(output_ids)
+        self.out_tok[slot, : len(output_ids)] = output_ids
         self.out_limit[slot] = min(max_tokens, max_total_len - input_len)
         self.last_token[slot] = output_ids[-1] if output_ids else -1
         self.max_total_len[slot] = max_total_len
@@ -70,3 +73,9 @@ class SlotTable:
         """Committed plus in-flight samples reach a length limit (pipelined: the last
         unconfirmed sample finishes the request)."""
         return self.out_len[slots] + self.pending_out[slots] >= self.out_limit[slots]
+
+    def append(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """One output token more for each of `slots` (distinct)."""
+        self.out_tok[slots, self.out_len[slots]] = tokens
+        self.out_len[slots] += 1
+        self.last_token[slots] = tokens
