@@ -508,9 +508,13 @@ class Scheduler:
         """Give each request of `slots` KV locations up to `lengths`, in order (evicting from
         the prefix cache only when the free pages run out)."""
         ps, t = self.page_size, self.table
-        need = -(-lengths // ps) - t.alloc_len[slots] // ps
-        grow = need > 0
-        slots, need = slots[grow], need[grow]
+        alloc = t.alloc_len[slots]  # page aligned
+        grow = alloc < lengths
+        if not grow.all():
+            if not grow.any():
+                return
+            slots, alloc, lengths = slots[grow], alloc[grow], lengths[grow]
+        need = (lengths - alloc + ps - 1) // ps
         if int(need.sum()) > self.alloc.num_free_pages:  # one at a time, evicting as it goes
             for slot, n in zip(slots.tolist(), need.tolist(), strict=True):
                 short = n - self.alloc.num_free_pages
@@ -519,8 +523,8 @@ class Scheduler:
                 self.alloc.alloc_pages(slot, int(t.alloc_len[slot]), n)
                 t.alloc_len[slot] += n * ps
             return
-        self.alloc.alloc_pages_batch(slots, t.alloc_len[slots], need)
-        t.alloc_len[slots] += need * ps
+        self.alloc.alloc_pages_batch(slots, alloc, need)
+        t.alloc_len[slots] = alloc + need * ps
 
     # ------------------------------------------------------------------ plans
     def _prefill_plan(self, batch: list[tuple[Req, int]]) -> ScheduledStep:
