@@ -262,7 +262,7 @@ class Scheduler:
         slots = plan.slots[rows]
         codes = self._append_tokens(row_reqs, slots, tokens, None)
         outputs = self._outputs(slots, tokens, codes)
-        for k in np.flatnonzero(codes).tolist():  # finished, in row order
+        for k in () if codes is None else np.flatnonzero(codes).tolist():  # in row order
             req = row_reqs[k]
             req.finish_reason = FINISH_REASONS[codes[k]]
             self._leave_running(req)
@@ -279,36 +279,50 @@ class Scheduler:
         slots: np.ndarray,
         tokens: np.ndarray,
         live: np.ndarray | None,
-    ) -> np.ndarray:
+    ) -> np.ndarray | None:
         """Append each sample row's token to its request (`live`: the rows to append, None for
-        all) and return its finish code (`FINISH_REASONS` index; `DROPPED` where not live).
+        all) and return the rows' finish codes (`FINISH_REASONS` indices, `DROPPED` where not
+        live), None when every row goes on.
 
         The finish rules, in order: a stop token or (unless `ignore_eos`) an EOS id is "stop";
         `max_tokens` outputs or `max_total_len` tokens in all is "length"."""
         t = self.table
-        stop = np.zeros(len(tokens), dtype=bool)
+        n_out = t.out_len[slots]
+        length = n_out >= t.out_limit[slots] - 1
+        stop: np.ndarray | None = None
         for eos in self._eos:  # a few ids: cheaper than np.isin
-            stop |= tokens == eos
-        stop &= t.eos_stops[slots]
-        for k in np.flatnonzero(t.has_stop[slots]).tolist():
-            stop[k] |= int(tokens[k]) in row_reqs[k].params.stop_token_ids
-        codes = (t.out_len[slots] >= t.out_limit[slots] - 1).astype(np.int8) * np.int8(2)
-        codes[stop] = 1
+            stop = tokens == eos if stop is None else stop | (tokens == eos)
+        if stop is not None:
+            stop &= t.eos_stops[slots]
+        has_stop = t.has_stop[slots]
+        if has_stop.any():
+            stop = np.zeros(len(tokens), dtype=bool) if stop is None else stop
+            for k in np.flatnonzero(has_stop).tolist():
+                stop[k] |= int(tokens[k]) in row_reqs[k].params.stop_token_ids
         if live is None:
-            t.append(slots, tokens)
+            t.append(slots, tokens, n_out)
         else:
+            t.append(slots[live], tokens[live], n_out[live])
+        ends = length if stop is None else length | stop
+        if live is not None:
+            ends = ends | ~live
+        if not ends.any():
+            return None
+        codes = length.astype(np.int8) * np.int8(2)
+        if stop is not None:
+            codes[stop] = 1
+        if live is not None:
             codes[~live] = FINISH_REASONS.index(DROPPED)
-            t.append(slots[live], tokens[live])
         return codes
 
     def _outputs(
-        self, slots: np.ndarray, tokens: np.ndarray, codes: np.ndarray
+        self, slots: np.ndarray, tokens: np.ndarray, codes: np.ndarray | None
     ) -> list[StepOutput]:
         """The outputs of sample rows in `slots` (read before any of them is released)."""
-        if codes.any():
-            reasons: Sequence[str | None] = list(map(FINISH_REASONS.__getitem__, codes.tolist()))
+        if codes is None:
+            reasons: Sequence[str | None] = [None] * len(tokens)
         else:
-            reasons = [None] * len(codes)
+            reasons = list(map(FINISH_REASONS.__getitem__, codes.tolist()))
         return step_outputs(self.table.rid[slots].tolist(), tokens.tolist(), reasons)
 
     # ------------------------------------------------------------------ pipelined mode
@@ -368,16 +382,17 @@ class Scheduler:
             self.alloc.free_locations(dup)
         t = self.table
         rows = st.sample_rows
-        slots = st.slots[rows]
+        slots = st.slots if len(rows) == len(st.slots) else st.slots[rows]
         t.pending_out[slots] -= 1
-        live = ~t.done[slots]
+        # a request holding a slot is done (finished or retired) iff it is retiring
+        live = ~t.done[slots] if self._retiring else None
         row_reqs = _rows_of(st.reqs, rows)
         tokens = np.asarray(next_tokens, dtype=np.int64).reshape(-1)
-        all_live = bool(live.all())
-        codes = self._append_tokens(row_reqs, slots, tokens, None if all_live else live)
+        codes = self._append_tokens(row_reqs, slots, tokens, live)
         outputs = self._outputs(slots, tokens, codes)
         finished: list[tuple[int, list[int]]] = []
-        for k in np.flatnonzero(live & (codes > 0)).tolist():  # finished, in row order
+        ends = () if codes is None else np.flatnonzero((codes > 0) & (codes < 3)).tolist()
+        for k in ends:  # finished, in row order
             req = row_reqs[k]
             req.finish_reason = FINISH_REASONS[codes[k]]
             t.done[req.slot] = True
@@ -386,14 +401,15 @@ class Scheduler:
             del self.requests[req.rid]
             self._retiring.append(req)
         t.inflight[st.slots] -= 1
-        gone = (t.inflight[st.slots] == 0) & t.done[st.slots]
-        for i in np.flatnonzero(gone).tolist():  # in batch order
-            req = st.reqs[i]
-            self._retiring.remove(req)
-            self._release(req)
+        if self._retiring:
+            gone = (t.inflight[st.slots] == 0) & t.done[st.slots]
+            for i in np.flatnonzero(gone).tolist():  # in batch order
+                req = st.reqs[i]
+                self._retiring.remove(req)
+                self._release(req)
         self.stats.commit_s.append(time.perf_counter() - t0)
         self.stats.steps += 1
-        self.stats.generated_tokens += len(tokens) if all_live else int(live.sum())
+        self.stats.generated_tokens += len(tokens) if live is None else int(live.sum())
         return AheadCommit(st.step, outputs, finished)
 
     def retire(self, rid: int, abort: bool) -> bool:

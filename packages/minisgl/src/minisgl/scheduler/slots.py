@@ -74,8 +74,8 @@ class SlotTable:
         unconfirmed sample finishes the request)."""
         return self.out_len[slots] + self.pending_out[slots] >= self.out_limit[slots]
 
-    def append(self, slots: np.ndarray, tokens: np.ndarray) -> None:
-        """One output token more for each of `slots` (distinct)."""
-        self.out_tok[slots, self.out_len[slots]] = tokens
-        self.out_len[slots] += 1
+    def append(self, slots: np.ndarray, tokens: np.ndarray, out_len: np.ndarray) -> None:
+        """One output token more for each of `slots` (distinct; `out_len`: theirs now)."""
+        self.out_tok[slots, out_len] = tokens
+        self.out_len[slots] = out_len + 1
         self.last_token[slots] = tokens
