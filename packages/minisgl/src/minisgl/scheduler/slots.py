@@ -2,8 +2,9 @@
 with a few numpy operations (no per-request Python loop).
 
 Row `slot` describes the request that holds page-table row `slot`; a `Req` reads and writes
-its lengths and in-flight counters here while it holds one (`Req.kv_len` ...). A row is
-written whole by `admit` and is meaningless while its slot is free.
+its lengths and in-flight counters here while it holds one (`Req.kv_len` ...) and reads its
+output tokens from `out_tok` (`Req.output_ids`). A row is written whole by `admit` and is
+meaningless while its slot is free.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SlotTable:
+    """One int64 / bool array per field, indexed by slot (`out_tok`: one row per slot)."""
+
     rid: np.ndarray  # request id
     kv_len: np.ndarray  # leading tokens whose KV is in the pool
     alloc_len: np.ndarray  # leading positions that have a KV location
