@@ -53,12 +53,32 @@ class PageAllocator:
         locs = (pages[:, None] * self.page_size + self._offsets[None, :]).reshape(-1)
         self.page_table[slot, start : start + len(locs)] = locs
 
+    def alloc_pages_batch(self, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> None:
+        """`alloc_pages(slots[i], starts[i], counts[i])` for every i in order, in one go."""
+        n = int(counts.sum())
+        if n > len(self._free_pages):
+            raise OutOfPages(f"need {n} pages, {len(self._free_pages)} free")
+        if n == 0:
+            return
+        pages = np.array(self._free_pages[-n:][::-1], dtype=np.int64)
+        del self._free_pages[-n:]
+        ps = self.page_size
+        locs = (pages[:, None] * ps + self._offsets[None, :]).reshape(-1)
+        if ps == 1 and (counts == 1).all():  # one location each (a decode step)
+            self.page_table[slots, starts] = locs
+            return
+        per = counts * ps  # locations of each request
+        first = np.cumsum(per) - per  # its first one in `locs`
+        rows = np.repeat(slots, per)
+        cols = np.repeat(starts - first, per) + np.arange(n * ps)
+        self.page_table[rows, cols] = locs
+
     def free_locations(self, locs: np.ndarray) -> None:
         """Return the pages that own these page-aligned token locations."""
         if len(locs) == 0:
             return
         pages = locs[:: self.page_size] // self.page_size
-        self._free_pages.extend(int(p) for p in pages[::-1])
+        self._free_pages.extend(pages[::-1].tolist())
 
     def owned_pages(self, locs: np.ndarray) -> np.ndarray:
         return locs[:: self.page_size] // self.page_size

@@ -157,6 +157,18 @@ def unknown_inputs(plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
     return unknown, plan.slots[row_of[unknown]]
 
 
+def _arange(n: int) -> np.ndarray:
+    """`np.arange(n)` (int64) as a view of a cached buffer (read only; grown on demand)."""
+    global _ARANGE
+    if len(_ARANGE) < n:
+        _ARANGE = np.arange(max(n, 2 * len(_ARANGE)), dtype=np.int64)
+        _ARANGE.flags.writeable = False
+    return _ARANGE[:n]
+
+
+_ARANGE = np.zeros(0, dtype=np.int64)
+
+
 def build_step_plan(
     page_table: np.ndarray,
     slots: np.ndarray,
@@ -166,26 +178,37 @@ def build_step_plan(
     sample_mask: np.ndarray,
     is_prefill: bool,
 ) -> StepPlan:
-    """Requests `slots` feed tokens [starts, starts + extend_lens); `input_ids` is their concat."""
+    """Requests `slots` feed tokens [starts, starts + extend_lens); `input_ids` is their concat.
+
+    Whole-batch numpy: every token-level array is one gather from the flat page table at
+    `slot * width + position`, the position ranges laid out by `np.repeat` of per-request
+    offsets over a shared `arange`."""
     slots = np.asarray(slots, dtype=np.int32)
     starts = np.asarray(starts, dtype=np.int32)
     extend_lens = np.asarray(extend_lens, dtype=np.int32)
     seq_lens = starts + extend_lens
     bs = len(slots)
-    q_indptr = np.zeros(bs + 1, dtype=np.int64)
-    np.cumsum(extend_lens, out=q_indptr[1:])
-    total = int(q_indptr[-1])
-    # positions: for each fed token, start of its request + offset inside the request
-    req_of_token = np.repeat(np.arange(bs, dtype=np.int64), extend_lens)
-    offset = np.arange(total, dtype=np.int64) - q_indptr[req_of_token]
-    positions = (starts[req_of_token] + offset).astype(np.int32)
-    rows = slots[req_of_token]
-    out_loc = page_table[rows, positions]
+    flat = page_table.reshape(-1)
+    row0 = slots.astype(np.int64) * page_table.shape[1]  # flat index of each slot's row
+    if (extend_lens == 1).all():  # decode: token i is request i's
+        q_indptr = _arange(bs + 1)
+        positions = starts.copy()
+        out_loc = flat.take(row0 + starts)
+    else:
+        q_indptr = np.zeros(bs + 1, dtype=np.int64)
+        np.cumsum(extend_lens, out=q_indptr[1:])
+        # token t of request i sits at position starts[i] + (t - q_indptr[i])
+        pos_shift = np.repeat(starts - q_indptr[:-1], extend_lens)
+        pos_shift += _arange(int(q_indptr[-1]))
+        positions = pos_shift.astype(np.int32)
+        pos_shift += np.repeat(row0, extend_lens)
+        out_loc = flat.take(pos_shift)
     kv_indptr = np.zeros(bs + 1, dtype=np.int64)
     np.cumsum(seq_lens, out=kv_indptr[1:])
-    req_of_kv = np.repeat(np.arange(bs, dtype=np.int64), seq_lens)
-    kv_pos = np.arange(int(kv_indptr[-1]), dtype=np.int64) - kv_indptr[req_of_kv]
-    kv_indices = page_table[slots[req_of_kv], kv_pos]
+    # KV entry k of request i is its row's position k - kv_indptr[i]
+    kv_at = np.repeat(row0 - kv_indptr[:-1], seq_lens)
+    kv_at += _arange(int(kv_indptr[-1]))
+    kv_indices = flat.take(kv_at)
     sample_rows = np.flatnonzero(np.asarray(sample_mask, dtype=bool)).astype(np.int32)
     logits_indices = (q_indptr[1:][sample_rows] - 1).astype(np.int32)
     return StepPlan(
@@ -200,4 +223,37 @@ def build_step_plan(
         kv_indices=kv_indices.astype(np.int32, copy=False),
         logits_indices=logits_indices,
         sample_rows=sample_rows,
+    )
+
+
+def next_decode_plan(prev: StepPlan, page_table: np.ndarray, input_ids: np.ndarray) -> StepPlan:
+    """The decode step after decode step `prev`, for the same requests one token further:
+    `build_step_plan(page_table, prev.slots, prev.seq_lens, 1, input_ids, every row, False)`,
+    its KV read mapping being `prev.kv_indices` with each request's new location inserted
+    after its run instead of gathered again. Valid while the page-table entries `prev` read
+    are unchanged: a decode step only appends (the scheduler builds whole after a prefill)."""
+    bs = prev.batch_size
+    starts = prev.seq_lens
+    rows = _arange(bs + 1)
+    kv_indptr = (prev.kv_indptr + rows).astype(np.int32)
+    flat_at = prev.slots.astype(np.int64) * page_table.shape[1] + starts
+    out_loc = page_table.reshape(-1).take(flat_at)
+    kv_indices = np.empty(int(kv_indptr[-1]), dtype=np.int32)
+    new_at = kv_indptr[1:] - 1
+    kv_indices[new_at] = out_loc
+    old = np.ones(len(kv_indices), dtype=bool)
+    old[new_at] = False
+    kv_indices[old] = prev.kv_indices
+    return StepPlan(
+        is_prefill=False,
+        slots=prev.slots,
+        extend_lens=np.ones(bs, dtype=np.int32),
+        seq_lens=starts + 1,
+        kv_indptr=kv_indptr,
+        input_ids=np.asarray(input_ids, dtype=np.int32),
+        positions=starts.copy(),
+        out_loc=out_loc,
+        kv_indices=kv_indices,
+        logits_indices=rows[:bs].astype(np.int32),
+        sample_rows=rows[:bs].astype(np.int32),
     )

@@ -3,13 +3,15 @@ every backend applies to a new request, and the per-token step output."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from itertools import repeat
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from minisgl.core import SamplingParams
+from minisgl.scheduler.slots import SlotTable
 
 # finish codes shared with the Rust core (`commit_step` returns one code per sample row);
 # code 3 (`DROPPED`) only comes from the pipelined `commit_oldest`: the sample's request had
@@ -56,25 +58,54 @@ def validate_request(
     return ids, max_total
 
 
+class _SlotColumn:
+    """A `Req` attribute kept in its `SlotTable` row: 0 while it holds no slot (a write is
+    then dropped)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, req: Req | None, owner: type | None = None) -> Any:
+        if req is None:
+            return self
+        return int(getattr(req.table, self.name)[req.slot]) if req.slot >= 0 else 0
+
+    def __set__(self, req: Req, value: int) -> None:
+        if req.slot >= 0:  # without a slot there is nothing to keep: it reads 0
+            getattr(req.table, self.name)[req.slot] = value
+
+
 @dataclass(eq=False)
 class Req:
     rid: int
     input_ids: np.ndarray  # int32 prompt
     params: SamplingParams
     max_total_len: int  # prompt + generated tokens never exceed this
-    output_ids: list[int] = field(default_factory=list)
+    saved_output_ids: list[int] = field(default_factory=list)  # its outputs while slotless
     slot: int = -1  # page-table row while admitted
     fill_ids: np.ndarray | None = None  # tokens to prefill (prompt, + outputs after a retract)
-    kv_len: int = 0  # leading tokens whose KV is in the pool
-    alloc_len: int = 0  # leading positions that have a KV location
-    cache_len: int = 0  # leading tokens whose KV belongs to the prefix cache
     cache_node: Any = None
     finish_reason: str | None = None
     cached_tokens: int = 0  # prefix-cache hit of the first admission (for stats)
     generator: Any = None
-    inflight: int = 0  # pipelined mode: unconfirmed steps that contain this request
-    pending_out: int = 0  # pipelined mode: its samples in unconfirmed steps
     sched_key: int = 0  # priority mode: waiting-queue order (priority * aging steps + clock)
+    table: SlotTable | None = field(default=None, repr=False)  # its scheduler's slot state
+
+    # in `table`'s row while it holds a slot, 0 otherwise
+    kv_len = _SlotColumn()  # leading tokens whose KV is in the pool
+    alloc_len = _SlotColumn()  # leading positions that have a KV location
+    cache_len = _SlotColumn()  # leading tokens whose KV belongs to the prefix cache
+    inflight = _SlotColumn()  # pipelined mode: unconfirmed steps that contain this request
+    pending_out = _SlotColumn()  # pipelined mode: its samples in unconfirmed steps
+
+    @property
+    def output_ids(self) -> list[int]:
+        """Its generated tokens (read from its slot's row while it holds one: a copy)."""
+        if self.slot < 0:
+            return self.saved_output_ids
+        t = self.table
+        assert t is not None
+        return t.out_tok[self.slot, : t.out_len[self.slot]].tolist()
 
     @property
     def prefill_len(self) -> int:
@@ -94,8 +125,17 @@ class Req:
         return np.concatenate([self.input_ids, out]) if len(out) else self.input_ids
 
 
-@dataclass(frozen=True)
-class StepOutput:
+class StepOutput(NamedTuple):
+    """One sampled token of a step (a NamedTuple: a commit builds one per running request)."""
+
     rid: int
     token_id: int
     finish_reason: str | None
+
+
+def step_outputs(
+    rids: Iterable[int], tokens: Iterable[int], reasons: Iterable[str | None]
+) -> list[StepOutput]:
+    """`[StepOutput(*x) for x in zip(rids, tokens, reasons)]` without a Python call per output
+    (what `StepOutput.__new__` does, from C)."""
+    return list(map(tuple.__new__, repeat(StepOutput), zip(rids, tokens, reasons)))

@@ -35,6 +35,11 @@ retired while a later unconfirmed step contains it leaves `running` and `request
 but keeps its slot, pages and cache lock until then. One step in flight at a time is exactly
 `schedule` + `commit`.
 
+Per-request state a step reads and advances (KV / allocated / cached lengths, outputs, last
+token, in-flight counters, finish limits) lives in `slots.SlotTable`, one row per page-table
+slot (`Req.kv_len` ... read it), so a decode step is whole-batch numpy on the running slots:
+no per-request Python loop (a request's `output_ids` are read from its row on demand).
+
 Priority scheduling (`priority_aging_steps=K`; off, i.e. FIFO, when None): `add_request(...,
 priority=p)`, a lower number is served first (vLLM's convention). The waiting queue is kept
 sorted by `p * K + clock` (`clock`: steps scheduled so far), new requests going after the
@@ -52,6 +57,8 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -61,15 +68,18 @@ from minisgl.kvcache import RadixCache, create_prefix_cache
 from minisgl.kvcache.allocator import PageAllocator
 from minisgl.scheduler.backend import ScheduledStep
 from minisgl.scheduler.cpu_backend import served_counter
-from minisgl.scheduler.plan import StepPlan, build_step_plan
+from minisgl.scheduler.plan import StepPlan, build_step_plan, next_decode_plan
 from minisgl.scheduler.request import (
     DROPPED,
+    FINISH_REASONS,
     Req,
     RequestError,
     StepOutput,
     pages,
+    step_outputs,
     validate_request,
 )
+from minisgl.scheduler.slots import SlotTable
 from minisgl.scheduler.stats import KvUsage, SchedulerStats
 
 
@@ -96,13 +106,13 @@ class AheadCommit:
     finished: list[tuple[int, list[int]]]
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Inflight:
     step: int
     reqs: list[Req]
-    extend_lens: list[int]
-    sample_rows: list[int]
-    pages: np.ndarray  # every page the step reads or writes
+    slots: np.ndarray  # of `reqs`
+    sample_rows: np.ndarray
+    reads: np.ndarray  # every KV location the step reads or writes
     deferred_free: list[np.ndarray]  # duplicate location runs to free on commit
 
 
@@ -138,10 +148,14 @@ class Scheduler:
         self.max_running = max_running_requests
         self.max_extend_tokens = max_extend_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
+        self._eos = sorted(self.eos_token_ids)
         self.alloc = PageAllocator(num_pages, page_size, max_running_requests, max_seq_len)
+        self.table = SlotTable.empty(max_running_requests, max_seq_len)
         self.cache = create_prefix_cache(cache_type, page_size)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted, in admission order (prefilling or decoding)
+        self._run_slots: np.ndarray | None = None  # slots of `running` (None: recompute)
+        self._last_decode: StepPlan | None = None  # the last step, while it was a decode step
         self.requests: dict[int, Req] = {}
         self.stats = SchedulerStats()
         self._rids = itertools.count()
@@ -165,7 +179,7 @@ class Scheduler:
         rid = next(self._rids) if rid is None else rid
         if rid in self.requests:
             raise RequestError(f"duplicate request id {rid}")
-        req = Req(rid, ids, params, max_total, generator=generator)
+        req = Req(rid, ids, params, max_total, generator=generator, table=self.table)
         req.fill_ids = ids
         self.requests[rid] = req
         self._enqueue(req, priority)
@@ -193,7 +207,8 @@ class Scheduler:
             return False
         req.finish_reason = reason
         if req.slot >= 0:
-            self.running.remove(req)
+            self.table.done[req.slot] = True
+            self._leave_running(req)
             if req.inflight > 0:  # pipelined: released when its last step is committed
                 del self.requests[rid]
                 self._retiring.append(req)
@@ -227,43 +242,88 @@ class Scheduler:
 
         Order: (1) `kv_len += extend_len` for every batch request; (2) on a prefill step with
         the radix cache, `_cache_prefix` for every batch request in batch order; (3) per sample
-        row in order: append the token, apply the finish rules, release a finished request.
+        row in order: append the token, apply the finish rules, release a finished request
+        (done as: every row's append and rules at once, then the releases in row order, which
+        decides the same: the rules read no allocator or cache state).
         """
         t0 = time.perf_counter()
         self._served["commit"] += 1
-        for req, n in zip(reqs, plan.extend_lens.tolist(), strict=True):
-            req.kv_len += n
+        rows = plan.sample_rows
+        if len(next_tokens) != len(rows):
+            raise ValueError(f"commit got {len(next_tokens)} tokens for {len(rows)} samples")
+        if len(reqs) != plan.batch_size:
+            raise ValueError(f"commit got {len(reqs)} requests for a batch of {plan.batch_size}")
+        self.table.kv_len[plan.slots] += plan.extend_lens
         if plan.is_prefill and isinstance(self.cache, RadixCache):
             for req in reqs:
                 self._cache_prefix(req)
-        outputs: list[StepOutput] = []
-        for row, token in zip(plan.sample_rows.tolist(), next_tokens, strict=True):
-            req = reqs[row]
-            req.output_ids.append(token)
-            reason = self._finish_reason(req, token)
-            if reason is not None:
-                req.finish_reason = reason
-                self.running.remove(req)
-                self._release(req)
-                del self.requests[req.rid]
-            outputs.append(StepOutput(req.rid, token, reason))
+        row_reqs = _rows_of(reqs, rows)
+        tokens = np.asarray(next_tokens, dtype=np.int64).reshape(-1)
+        slots = plan.slots[rows]
+        codes = self._append_tokens(row_reqs, slots, tokens, None)
+        outputs = self._outputs(slots, tokens, codes)
+        for k in () if codes is None else np.flatnonzero(codes).tolist():  # in row order
+            req = row_reqs[k]
+            req.finish_reason = FINISH_REASONS[codes[k]]
+            self._leave_running(req)
+            self._release(req)
+            del self.requests[req.rid]
         self.stats.commit_s.append(time.perf_counter() - t0)
         self.stats.steps += 1
         self.stats.generated_tokens += len(outputs)
         return outputs
 
-    def _finish_reason(self, req: Req, token: int) -> str | None:
-        p = req.params
-        if p.stop_token_ids and token in p.stop_token_ids:
-            return "stop"
-        if not p.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        if (
-            len(req.output_ids) >= p.max_tokens
-            or len(req.input_ids) + len(req.output_ids) >= req.max_total_len
-        ):
-            return "length"
-        return None
+    def _append_tokens(
+        self,
+        row_reqs: Sequence[Req],
+        slots: np.ndarray,
+        tokens: np.ndarray,
+        live: np.ndarray | None,
+    ) -> np.ndarray | None:
+        """Append each sample row's token to its request (`live`: the rows to append, None for
+        all) and return the rows' finish codes (`FINISH_REASONS` indices, `DROPPED` where not
+        live), None when every row goes on.
+
+        The finish rules, in order: a stop token or (unless `ignore_eos`) an EOS id is "stop";
+        `max_tokens` outputs or `max_total_len` tokens in all is "length"."""
+        t = self.table
+        n_out = t.out_len[slots]
+        length = n_out >= t.out_limit[slots] - 1
+        stop: np.ndarray | None = None
+        for eos in self._eos:  # a few ids: cheaper than np.isin
+            stop = tokens == eos if stop is None else stop | (tokens == eos)
+        if stop is not None:
+            stop &= t.eos_stops[slots]
+        has_stop = t.has_stop[slots]
+        if has_stop.any():
+            stop = np.zeros(len(tokens), dtype=bool) if stop is None else stop
+            for k in np.flatnonzero(has_stop).tolist():
+                stop[k] |= int(tokens[k]) in row_reqs[k].params.stop_token_ids
+        if live is None:
+            t.append(slots, tokens, n_out)
+        else:
+            t.append(slots[live], tokens[live], n_out[live])
+        ends = length if stop is None else length | stop
+        if live is not None:
+            ends = ends | ~live
+        if not ends.any():
+            return None
+        codes = length.astype(np.int8) * np.int8(2)
+        if stop is not None:
+            codes[stop] = 1
+        if live is not None:
+            codes[~live] = FINISH_REASONS.index(DROPPED)
+        return codes
+
+    def _outputs(
+        self, slots: np.ndarray, tokens: np.ndarray, codes: np.ndarray | None
+    ) -> list[StepOutput]:
+        """The outputs of sample rows in `slots` (read before any of them is released)."""
+        if codes is None:
+            reasons: Sequence[str | None] = [None] * len(tokens)
+        else:
+            reasons = list(map(FINISH_REASONS.__getitem__, codes.tolist()))
+        return step_outputs(self.table.rid[slots].tolist(), tokens.tolist(), reasons)
 
     # ------------------------------------------------------------------ pipelined mode
     def schedule_ahead(self) -> AheadStep | None:
@@ -273,33 +333,36 @@ class Scheduler:
         self._served["schedule"] += 1
         n_waiting = len(self.waiting)
         batch = self._schedule_prefill()
+        run = self._running_slots()
         if batch:
             step = self._prefill_plan(batch)
         else:
-            rows = [r for r in self.running if not self._length_certain(r)]
-            step = self._decode_plan(rows) if rows else None
+            keep = ~self.table.length_certain(run)
+            step = self._decode_plan(None if keep.all() else keep)
         if step is None:
             return None
         self._clock += 1
         plan, reqs = step.plan, list(step.reqs)
-        ps = self.page_size
-        lens = plan.extend_lens.tolist()
-        pages_read = plan.kv_indices.astype(np.int64) // ps  # every page the step reads
-        at = {r: i for i, r in enumerate(self.running)}
-        batch_pos = np.fromiter((at[r] for r in reqs), dtype=np.int32, count=len(reqs))
-        for req, n in zip(reqs, lens, strict=True):
-            req.kv_len += n
-            req.inflight += 1
-        sample_rows = plan.sample_rows.tolist()
-        for row in sample_rows:
-            reqs[row].pending_out += 1
+        t = self.table
+        slots = plan.slots
+        if plan.is_prefill:
+            where = np.zeros(self.alloc.max_slots, dtype=np.int32)  # slot -> running position
+            where[run] = np.arange(len(run), dtype=np.int32)
+            batch_pos = where[slots]
+        else:  # the running requests that got a row
+            batch_pos = np.flatnonzero(keep).astype(np.int32)
+        t.kv_len[slots] += plan.extend_lens
+        t.inflight[slots] += 1
+        t.pending_out[slots[plan.sample_rows]] += 1
         deferred: list[np.ndarray] = []
         if plan.is_prefill and isinstance(self.cache, RadixCache):
             for req in reqs:
                 self._cache_prefix(req, deferred)
         sid = self._next_step
         self._next_step += 1
-        self._inflight.append(_Inflight(sid, reqs, lens, sample_rows, pages_read, deferred))
+        self._inflight.append(
+            _Inflight(sid, reqs, slots, plan.sample_rows, plan.kv_indices, deferred)
+        )
         self.stats.schedule_s.append(time.perf_counter() - t0)
         return AheadStep(sid, plan, reqs, batch_pos, n_waiting - len(self.waiting))
 
@@ -317,32 +380,36 @@ class Scheduler:
         self._inflight.popleft()
         for dup in st.deferred_free:
             self.alloc.free_locations(dup)
-        outputs: list[StepOutput] = []
+        t = self.table
+        rows = st.sample_rows
+        slots = st.slots if len(rows) == len(st.slots) else st.slots[rows]
+        t.pending_out[slots] -= 1
+        # a request holding a slot is done (finished or retired) iff it is retiring
+        live = ~t.done[slots] if self._retiring else None
+        row_reqs = _rows_of(st.reqs, rows)
+        tokens = np.asarray(next_tokens, dtype=np.int64).reshape(-1)
+        codes = self._append_tokens(row_reqs, slots, tokens, live)
+        outputs = self._outputs(slots, tokens, codes)
         finished: list[tuple[int, list[int]]] = []
-        for k, (row, token) in enumerate(zip(st.sample_rows, next_tokens, strict=True)):
-            req = st.reqs[row]
-            req.pending_out -= 1
-            token = int(token)
-            if req.finish_reason is not None:
-                outputs.append(StepOutput(req.rid, token, DROPPED))
-                continue
-            req.output_ids.append(token)
-            reason = self._finish_reason(req, token)
-            if reason is not None:
-                req.finish_reason = reason
-                finished.append((k, list(req.output_ids)))
-                self.running.remove(req)
-                del self.requests[req.rid]
-                self._retiring.append(req)
-            outputs.append(StepOutput(req.rid, token, reason))
-        for req in st.reqs:
-            req.inflight -= 1
-            if req.inflight == 0 and req.finish_reason is not None:
+        ends = () if codes is None else np.flatnonzero((codes > 0) & (codes < 3)).tolist()
+        for k in ends:  # finished, in row order
+            req = row_reqs[k]
+            req.finish_reason = FINISH_REASONS[codes[k]]
+            t.done[req.slot] = True
+            finished.append((k, req.output_ids))
+            self._leave_running(req)
+            del self.requests[req.rid]
+            self._retiring.append(req)
+        t.inflight[st.slots] -= 1
+        if self._retiring:
+            gone = (t.inflight[st.slots] == 0) & t.done[st.slots]
+            for i in np.flatnonzero(gone).tolist():  # in batch order
+                req = st.reqs[i]
                 self._retiring.remove(req)
                 self._release(req)
         self.stats.commit_s.append(time.perf_counter() - t0)
         self.stats.steps += 1
-        self.stats.generated_tokens += sum(o.finish_reason != DROPPED for o in outputs)
+        self.stats.generated_tokens += len(tokens) if live is None else int(live.sum())
         return AheadCommit(st.step, outputs, finished)
 
     def retire(self, rid: int, abort: bool) -> bool:
@@ -358,23 +425,35 @@ class Scheduler:
     def num_retiring(self) -> int:
         return len(self._retiring)
 
-    def _length_certain(self, req: Req) -> bool:
-        """Committed plus in-flight samples reach a length limit: its last unconfirmed
-        sample finishes it, so it gets no further decode row."""
-        n = len(req.output_ids) + req.pending_out
-        return n >= req.params.max_tokens or len(req.input_ids) + n >= req.max_total_len
+    # ------------------------------------------------------------------ running list
+    def _running_slots(self) -> np.ndarray:
+        """The slots of `running`, in its order (cached until `running` changes)."""
+        if self._run_slots is None:
+            self._run_slots = np.array(list(map(attrgetter("slot"), self.running)), np.int64)
+        return self._run_slots
+
+    def _join_running(self, req: Req) -> None:
+        self.running.append(req)
+        self._run_slots = None
+
+    def _leave_running(self, req: Req) -> None:
+        self.running.remove(req)
+        self._run_slots = None
 
     # ------------------------------------------------------------------ admission
     def _reserved_pages(self) -> int:
         """Pages admitted requests may still allocate (up to their max_total_len)."""
-        ps = self.page_size
-        return sum(pages(r.max_total_len, ps) - r.alloc_len // ps for r in self.running)
+        ps, t, run = self.page_size, self.table, self._running_slots()
+        return int((-(-t.max_total_len[run] // ps) - t.alloc_len[run] // ps).sum())
 
     def _schedule_prefill(self) -> list[tuple[Req, int]]:
         budget = self.max_extend_tokens
         batch: list[tuple[Req, int]] = []
         left_out = 0  # prompt tokens of running requests the budget leaves out
-        for req in [r for r in self.running if r.in_prefill]:  # chunked prompts continue first
+        run, t = self._running_slots(), self.table
+        prefilling = t.kv_len[run] < t.fill_len[run]
+        for req in compress(self.running, prefilling) if prefilling.any() else ():
+            # chunked prompts continue first
             if budget <= 0:
                 left_out += req.prefill_len - req.kv_len
                 continue
@@ -386,14 +465,15 @@ class Scheduler:
             if not self._admit(req):
                 break
             self.waiting.popleft()
-            self.running.append(req)
+            self._join_running(req)
             n = min(req.prefill_len - req.kv_len, budget)
             batch.append((req, n))
             budget -= n
         if budget == 0:
             batch = self._balanced(batch, left_out)
-        for req, n in batch:
-            self._ensure_capacity(req, req.kv_len + n)
+        if batch:
+            slots = np.array([r.slot for r, _ in batch], dtype=np.int64)
+            self._ensure_capacity(slots, t.kv_len[slots] + [n for _, n in batch])
         return batch
 
     def _balanced(self, batch: list[tuple[Req, int]], left_out: int) -> list[tuple[Req, int]]:
@@ -429,24 +509,38 @@ class Scheduler:
         req.slot = self.alloc.alloc_slot()
         m = match.length
         self.alloc.page_table[req.slot, :m] = match.indices
-        req.kv_len = req.alloc_len = req.cache_len = m
+        p = req.params
+        self.table.admit(req.slot, req.rid, m, len(fill), len(req.input_ids), req.saved_output_ids,
+                         p.max_tokens, req.max_total_len, p.ignore_eos,
+                         bool(p.stop_token_ids))  # fmt: skip
         req.cache_node = match.node
-        if not req.output_ids:
+        if not req.saved_output_ids:
             req.cached_tokens = m
             self.stats.prompt_tokens += len(fill)
             self.stats.cached_prompt_tokens += m
         return True
 
-    def _ensure_capacity(self, req: Req, length: int) -> None:
-        ps = self.page_size
-        need = pages(length, ps) - req.alloc_len // ps
-        if need <= 0:
+    def _ensure_capacity(self, slots: np.ndarray, lengths: np.ndarray) -> None:
+        """Give each request of `slots` KV locations up to `lengths`, in order (evicting from
+        the prefix cache only when the free pages run out)."""
+        ps, t = self.page_size, self.table
+        alloc = t.alloc_len[slots]  # page aligned
+        grow = alloc < lengths
+        if not grow.all():
+            if not grow.any():
+                return
+            slots, alloc, lengths = slots[grow], alloc[grow], lengths[grow]
+        need = (lengths - alloc + ps - 1) // ps
+        if int(need.sum()) > self.alloc.num_free_pages:  # one at a time, evicting as it goes
+            for slot, n in zip(slots.tolist(), need.tolist(), strict=True):
+                short = n - self.alloc.num_free_pages
+                if short > 0:
+                    self.alloc.free_locations(self.cache.evict(short * ps))
+                self.alloc.alloc_pages(slot, int(t.alloc_len[slot]), n)
+                t.alloc_len[slot] += n * ps
             return
-        short = need - self.alloc.num_free_pages
-        if short > 0:
-            self.alloc.free_locations(self.cache.evict(short * ps))
-        self.alloc.alloc_pages(req.slot, req.alloc_len, need)
-        req.alloc_len += need * ps
+        self.alloc.alloc_pages_batch(slots, alloc, need)
+        t.alloc_len[slots] = alloc + need * ps
 
     # ------------------------------------------------------------------ plans
     def _prefill_plan(self, batch: list[tuple[Req, int]]) -> ScheduledStep:
@@ -457,27 +551,37 @@ class Scheduler:
         sample = starts + lens == np.array([r.prefill_len for r in reqs])
         slots = np.array([r.slot for r in reqs], dtype=np.int32)
         plan = build_step_plan(self.alloc.page_table, slots, starts, lens, ids, sample, True)
+        self._last_decode = None
         return ScheduledStep(plan, reqs)
 
-    def _decode_plan(self, reqs: list[Req] | None = None) -> ScheduledStep | None:
-        """One token for every running request (`reqs`: those, pipelined mode; an input
-        token still in flight is -1)."""
-        ahead = reqs is not None
-        reqs = self.running if reqs is None else reqs
+    def _decode_plan(self, keep: np.ndarray | None = None) -> ScheduledStep | None:
+        """One token for every running request (`keep`: a mask of those that get one,
+        pipelined mode). The input is the last output token, -1 while it is in flight."""
+        slots = self._running_slots()
+        reqs = list(self.running) if keep is None else list(compress(self.running, keep))
+        if keep is not None:
+            slots = slots[keep]
         if not reqs:
             return None
-        for req in reqs:
-            self._ensure_capacity(req, req.kv_len + 1)
-        n = len(reqs)
-        slots = np.fromiter((r.slot for r in reqs), dtype=np.int32, count=n)
-        starts = np.fromiter((r.kv_len for r in reqs), dtype=np.int32, count=n)
-        last = (_token_at(r, r.kv_len) if ahead else r.output_ids[-1] for r in reqs)
-        ids = np.fromiter(last, dtype=np.int32, count=n)
-        ones = np.ones(n, dtype=np.int32)
-        plan = build_step_plan(
-            self.alloc.page_table, slots, starts, ones, ids, np.ones(n, dtype=bool), False
-        )
-        return ScheduledStep(plan, list(reqs))
+        t = self.table
+        starts = t.kv_len[slots]
+        self._ensure_capacity(slots, starts + 1)
+        ids = np.where(t.pending_out[slots] > 0, -1, t.last_token[slots])
+        prev = self._last_decode
+        if (
+            prev is not None
+            and np.array_equal(prev.slots, slots)
+            and np.array_equal(prev.seq_lens, starts)
+        ):  # the same requests one token further: extend its KV read mapping
+            plan = next_decode_plan(prev, self.alloc.page_table, ids)
+        else:
+            n = len(reqs)
+            plan = build_step_plan(
+                self.alloc.page_table, slots, starts, np.ones(n, dtype=np.int32), ids,
+                np.ones(n, dtype=bool), False,
+            )  # fmt: skip
+        self._last_decode = plan
+        return ScheduledStep(plan, reqs)
 
     # ------------------------------------------------------------------ caching
     def _cache_prefix(self, req: Req, defer: list[np.ndarray] | None = None) -> None:
@@ -539,8 +643,8 @@ class Scheduler:
         self.alloc.free_locations(row[max(aligned, present) : req.alloc_len])
         self.cache.unlock(req.cache_node)
         self.alloc.free_slot(slot)
-        req.slot, req.cache_node = -1, None
-        req.kv_len = req.alloc_len = req.cache_len = 0
+        req.saved_output_ids = req.output_ids
+        req.slot, req.cache_node = -1, None  # its lengths read 0 from now on
 
     # ------------------------------------------------------------------ integrity
     def check_integrity(self) -> None:
@@ -572,7 +676,8 @@ class Scheduler:
         is_free = np.zeros(self.alloc.num_pages, dtype=bool)
         is_free[free] = True
         for st in self._inflight:
-            read_free = st.pages[is_free[st.pages]]
+            read = st.reads.astype(np.int64) // ps
+            read_free = read[is_free[read]]
             if len(read_free):
                 raise AssertionError(
                     f"KV integrity: page {int(read_free[0])} is free but read by unconfirmed "
@@ -589,10 +694,8 @@ class Scheduler:
         }
 
 
-def _token_at(req: Req, pos: int) -> int:
-    """The token at position `pos` of a request, -1 while it is still in flight."""
-    n = len(req.input_ids)
-    if pos < n:
-        return int(req.input_ids[pos])
-    k = pos - n
-    return req.output_ids[k] if k < len(req.output_ids) else -1
+def _rows_of(reqs: Sequence[Req], rows: np.ndarray) -> Sequence[Req]:
+    """The request of each sample row (all of them, in order, on a decode step)."""
+    if len(rows) == len(reqs):  # rows are increasing: every request samples
+        return reqs
+    return [reqs[r] for r in rows.tolist()]
