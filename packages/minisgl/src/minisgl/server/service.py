@@ -22,8 +22,6 @@ from minisgl.server.args import ServerArgs
 
 BINARY = "minisgl-cpu-service"
 ENV_BINARY = "MINISGL_CPU_SERVICE_BIN"
-
-
 INSTALL = 'pip install "minisgl[rust]"'
 
 
