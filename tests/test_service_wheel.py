@@ -83,15 +83,19 @@ def venv(tmp_path_factory, service_wheel) -> Path:
     python = venv / "bin" / "python"
     purelib = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"])
                    .stdout.strip())  # fmt: skip
-    ours = dict.fromkeys(sysconfig.get_path(k) for k in ("purelib", "platlib"))
-    (purelib / "zz_test_dependencies.pth").write_text("".join(f"{p}\n" for p in ours))
     source = root / "minisgl-src"  # setuptools writes build/ and egg-info/ next to the sources
-    shutil.copytree(RUNTIME, source, ignore=shutil.ignore_patterns("__pycache__", "tests"))
+    skip = shutil.ignore_patterns("__pycache__", "tests", "*.egg-info", "build")
+    shutil.copytree(RUNTIME, source, ignore=skip)
     build = "import sys; from setuptools import build_meta as b; print(b.build_wheel(sys.argv[1]))"
     name = run([sys.executable, "-c", build, root], cwd=source).stdout.split()[-1]
     runtime_wheel = root / name
     pip = [python, "-m", "pip", "--disable-pip-version-check", "--no-input"]
-    run([*pip, "install", "--no-deps", "--no-index", runtime_wheel, service_wheel])
+    alone = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no checkout's minisgl
+    run([*pip, "install", "--no-deps", "--no-index", runtime_wheel, service_wheel], env=alone)
+    # after the install: pip would take this interpreter's minisgl (an editable install of a
+    # checkout) as already satisfied; the venv's own site-packages stay first on sys.path
+    ours = dict.fromkeys(sysconfig.get_path(k) for k in ("purelib", "platlib"))
+    (purelib / "zz_test_dependencies.pth").write_text("".join(f"{p}\n" for p in ours))
     return venv
 
 
