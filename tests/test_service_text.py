@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -19,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from minisgl.server.service import service_binary
 from minisgl.tokenizer.detokenize import DecodeState, Detokenizer
 from minisgl.tokenizer.worker import load_tokenizer, max_token_chars
 
@@ -68,18 +68,12 @@ CHATS = [
 # ---------------------------------------------------------------------------- CLI plumbing
 @pytest.fixture(scope="session")
 def service_bin() -> Path:
-    """The service binary: $MINISGL_CPU_SERVICE_BIN, else built here (release)."""
-    env = os.environ.get("MINISGL_CPU_SERVICE_BIN")
-    if env:
-        return Path(env)
-    if shutil.which("cargo") is None:
-        pytest.fail("cargo is needed to build minisgl-cpu-service (or set MINISGL_CPU_SERVICE_BIN)")
-    subprocess.run(
-        ["cargo", "build", "--release", "-q", "-p", "minisgl-cpu-service"],
-        cwd=ROOT / "rust",
-        check=True,
-    )
-    return ROOT / "rust" / "target" / "release" / "minisgl-cpu-service"
+    """The service binary the runtime would run (`service_binary`: $MINISGL_CPU_SERVICE_BIN, the
+    installed wheel, PATH, then a cargo build of this checkout)."""
+    try:
+        return service_binary()
+    except FileNotFoundError as e:
+        pytest.fail(str(e))
 
 
 class TextCli:

@@ -14,31 +14,50 @@ import os
 import shutil
 import signal
 import subprocess
+import sysconfig
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from minisgl.server.args import ServerArgs
 
 BINARY = "minisgl-cpu-service"
 ENV_BINARY = "MINISGL_CPU_SERVICE_BIN"
+INSTALL = 'pip install "minisgl[rust]"'
+
+
+def _executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def find_service_binary(env: Mapping[str, str], scripts: Path, roots: Iterable[Path]) -> Path:
+    """The first of: `env[MINISGL_CPU_SERVICE_BIN]` (it must exist); `scripts` (the interpreter's
+    scripts dir, where `pip install "minisgl[rust]"` puts it, on PATH or not); `env["PATH"]`;
+    `$CARGO_TARGET_DIR/{release,debug}`; `rust/target/{release,debug}` under one of `roots`
+    (a checkout above the sources)."""
+    explicit = env.get(ENV_BINARY)
+    if explicit:
+        if not _executable(Path(explicit)):
+            raise FileNotFoundError(f"{ENV_BINARY}={explicit} is not an executable file")
+        return Path(explicit)
+    targets = [Path(env["CARGO_TARGET_DIR"])] if env.get("CARGO_TARGET_DIR") else []
+    targets += [root / "rust" / "target" for root in roots]
+    builds = [target / profile / BINARY for target in targets for profile in ("release", "debug")]
+    on_path = shutil.which(BINARY, path=env.get("PATH", ""))
+    candidates = [scripts / BINARY, *([Path(on_path)] if on_path else []), *builds]
+    found = next((c for c in candidates if _executable(c)), None)
+    if found is not None:
+        return found
+    raise FileNotFoundError(
+        f"{BINARY} not found in {scripts}, on PATH or in a cargo build of a checkout: {INSTALL} "
+        f"(or set {ENV_BINARY}, or in a checkout: "
+        "cargo build --release -p minisgl-cpu-service --manifest-path rust/Cargo.toml)"
+    )
 
 
 def service_binary() -> Path:
-    """The service binary: $MINISGL_CPU_SERVICE_BIN, else on PATH (`nox` installs it into the
-    venv), else the release build of this checkout."""
-    explicit = os.environ.get(ENV_BINARY)
-    if explicit:
-        return Path(explicit)
-    found = shutil.which(BINARY)
-    if found:
-        return Path(found)
-    for parent in Path(__file__).resolve().parents:
-        candidate = parent / "rust" / "target" / "release" / BINARY
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"{BINARY} not found (set {ENV_BINARY}, or build it: "
-        "cargo build --release -p minisgl-cpu-service --manifest-path rust/Cargo.toml)"
-    )
+    """The service binary for this interpreter and checkout (`find_service_binary`)."""
+    scripts = Path(sysconfig.get_path("scripts"))
+    return find_service_binary(os.environ, scripts, Path(__file__).resolve().parents)
 
 
 def service_command(args: ServerArgs, model_path: str, ipc_dir: str, num_workers: int) -> list:

@@ -103,14 +103,17 @@ class ServerHandle:
 
 
 @contextlib.contextmanager
-def running_server(model_dir, *extra: str, log_dir: Path, env: dict | None = None):
-    """Start `python -m minisgl`, wait for /health, yield; then SIGTERM and check cleanup."""
+def running_server(
+    model_dir, *extra: str, log_dir: Path, env: dict | None = None, python: str = sys.executable
+):
+    """Start `python -m minisgl` (`python`: another interpreter, e.g. a fresh venv's), wait for
+    /health, yield; then SIGTERM and check cleanup."""
     ipc_root = tempfile.mkdtemp(prefix="msgl-t", dir="/tmp")  # short: ipc paths <= 107 bytes
     full_env = {**os.environ, "MINISGL_IPC_ROOT": ipc_root, **(env or {})}
     for attempt in range(3):  # the launcher binds first: a port taken meanwhile fails at once
         port = free_port()
         log_path = log_dir / f"server-{port}.log"
-        cmd = [sys.executable, "-m", "minisgl", "--model-path", str(model_dir), "--host",
+        cmd = [python, "-m", "minisgl", "--model-path", str(model_dir), "--host",
                "127.0.0.1", "--port", str(port), *SERVER_FLAGS, *extra]  # fmt: skip
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
