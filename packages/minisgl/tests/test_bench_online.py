@@ -77,3 +77,16 @@ def test_online_run_writes_observations(bench_server, tiny_model_dir, tmp_path):
         assert o.workload_fingerprint is not None
     # greedy decoding: the same text in both repeats
     assert [o.output_text for o in observations[:4]] == [o.output_text for o in observations[4:]]
+
+
+def test_tpot_divides_by_output_tokens_not_stream_chunks():
+    """Issue 39: a server that coalesces tokens into fewer SSE chunks made 'TPOT 11 ms' of
+    ~2.75 ms a token. TPOT is (e2e - TTFT) / (output tokens - 1), as vLLM's benchmark."""
+    from minisgl.benchmark.offline import request_metrics
+    from minisgl.benchmark.profiles import WorkItem
+
+    items = [WorkItem(0, [1, 2, 3], 9), WorkItem(1, [4, 5], 4)]
+    chunks = [[1.0, 1.1, 1.2], [2.0, 2.1, 2.2, 2.3]]  # 9 tokens in 3 chunks; 4 in 4
+    m = request_metrics(items, chunks, [9, 4], 3.0)
+    assert m["tpot_ms"]["max"] == pytest.approx(100.0)  # 0.3 s over 3 tokens after the first
+    assert m["tpot_ms"]["mean"] == pytest.approx((25.0 + 100.0) / 2)  # 0.2 s over 8, not 2
