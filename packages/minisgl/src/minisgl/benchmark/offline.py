@@ -22,17 +22,21 @@ def request_metrics(
 ) -> dict[str, Any]:
     """Throughput and latency metrics from per-request token timestamps (seconds from start).
 
-    TTFT = first token - arrival; e2e = last token - arrival; TPOT = (e2e - TTFT) / (n - 1);
-    ITL = every gap between consecutive tokens of one request.
+    TTFT = first token - arrival; e2e = last token - arrival; TPOT = (e2e - TTFT) / (n - 1)
+    with n the request's output tokens (`out_tokens`: online, the server's usage), not its
+    timestamps: a stream that coalesces tokens into fewer chunks has fewer stamps than tokens;
+    ITL = every gap between consecutive stamps of one request (online: between chunks).
     """
     ttft, tpot, e2e, itl = [], [], [], []
-    for item, times in zip(items, token_times, strict=True):
+    for item, times, n in zip(items, token_times, out_tokens, strict=True):
         if not times:
             continue
         ttft.append(times[0] - item.arrival_s)
         e2e.append(times[-1] - item.arrival_s)
+        tokens = max(int(n), len(times))
+        if tokens > 1:
+            tpot.append((times[-1] - times[0]) / (tokens - 1))
         if len(times) > 1:
-            tpot.append((times[-1] - times[0]) / (len(times) - 1))
             itl.extend(b - a for a, b in itertools.pairwise(times))
     n_out = int(sum(out_tokens))
     n_in = int(sum(len(i.prompt_ids) for i in items))
