@@ -50,14 +50,6 @@ def _installed_dirs() -> list[Path]:
     return [Path(d).resolve() for d in dirs if d]
 
 
-def _inside(path: Path, base: Path) -> bool:
-    try:
-        path.relative_to(base)
-    except ValueError:
-        return False
-    return True
-
-
 def _module_of(plugin: object) -> tuple[str, str | None]:
     if isinstance(plugin, ModuleType):
         return plugin.__name__, getattr(plugin, "__file__", None)
@@ -87,9 +79,11 @@ def plugins(config: pytest.Config, root: Path) -> list[dict[str, Any]]:
             origin, allowed, name = "installed", True, module  # xdist's channel to a worker
         elif module == "cardgate" or module.startswith("cardgate."):
             origin, allowed, name = "cardgate", True, module
-        elif id(plugin) in dists or (path is not None and any(_inside(path, d) for d in installed)):
+        elif id(plugin) in dists or (
+            path is not None and any(path.is_relative_to(d) for d in installed)
+        ):
             origin, allowed, name = "installed", True, module  # a venv may live in the repo
-        elif path is not None and _inside(path, root.resolve()):
+        elif path is not None and path.is_relative_to(root.resolve()):
             rel = path.relative_to(root.resolve()).as_posix()
             name = rel if path.name == "conftest.py" else module
             origin = "repo"
@@ -147,15 +141,15 @@ def repo_modules(root: Path) -> tuple[list[str], list[str]]:
         if not isinstance(file, str) or not os.path.isabs(file):  # torch's `_ops.py`: no file
             continue
         path = Path(os.path.normpath(file))
-        if not _inside(path, base) and not _inside(path, real):
+        if not path.is_relative_to(base) and not path.is_relative_to(real):
             continue
-        if any(_inside(path.resolve(), d) for d in installed):  # a virtualenv in the repo
+        if any(path.resolve().is_relative_to(d) for d in installed):  # a virtualenv in the repo
             continue
-        rel = path.relative_to(base if _inside(path, base) else real).as_posix()
+        rel = path.relative_to(base if path.is_relative_to(base) else real).as_posix()
         if "/__pycache__/" in f"/{rel}":
             continue
         inside.add(rel)
-        if not _inside(path.resolve(), real):
+        if not path.resolve().is_relative_to(real):
             outside.add(rel)
     return sorted(inside), sorted(outside)
 
@@ -169,7 +163,7 @@ def _foreign(module: str) -> str | None:
         return None
     path = Path(file).resolve()
     prefixes = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    return None if any(_inside(path, p) for p in prefixes) else str(path)
+    return None if any(path.is_relative_to(p) for p in prefixes) else str(path)
 
 
 def environment(root: Path) -> dict[str, Any]:

@@ -89,7 +89,7 @@ def provenance_checks(root: Path, commit: str | None, run: RunResult) -> list[Ch
     regular: list[str] = []
     for path in paths:
         full = root / path
-        if path in run.inventory.outside_modules or not _inside(full.resolve(), real_root):
+        if path in run.inventory.outside_modules or not full.resolve().is_relative_to(real_root):
             problems.append(f"{path} resolves outside the repository: git does not hold it")
         elif path not in tree:
             problems.append(f"{path} ran but is not tracked at the commit (ignored or excluded?)")
@@ -125,11 +125,3 @@ def collection_checks(run: RunResult) -> list[Check]:
         for path in run.static_files
         if path not in collected
     ]
-
-
-def _inside(path: Path, base: Path) -> bool:
-    try:
-        path.relative_to(base)
-    except ValueError:
-        return False
-    return True
