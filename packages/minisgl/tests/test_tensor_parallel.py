@@ -98,7 +98,8 @@ def test_tp2_matches_tp1_and_hf(arch, tiny_model_dir):
         for _ in range(3):
             for o in llm.step():
                 got[o.rid].append(o.token_id)
-        llm.sync()
+        for o in llm.sync():  # the steps still in flight (overlap scheduling)
+            got[o.rid].append(o.token_id)
         assert sched.abort(rids[0]) and sched.abort(rids[3])
         while llm.has_work():
             for o in llm.step():
@@ -286,7 +287,9 @@ def test_server_tp2(backend, tiny_model_dir, tmp_path):
     path = tiny_model_dir("qwen2")
     prompts = random_prompts(3, 3, 30, seed=11)
     ref = hf_greedy(load_hf_model(path), prompts, NEW)
-    with start("tp2", path, "--tp", "2", log_dir=tmp_path, backend=backend) as s:
+    with start(
+        "tp2", path, "--tp", "2", "--served-model-name", "m", log_dir=tmp_path, backend=backend
+    ) as s:
         server = s.get()
         ranks = [p for p in server.children if "minisgl.distributed" in " ".join(p.cmdline())]
         assert len(ranks) == 1, "one rank process beside the engine"

@@ -146,10 +146,13 @@ class EngineConfig:
     sim_device: str | None = None  # "BASE_MS,TOKEN_MS": no model, see engine/sim.py
     enable_torch_compile: bool = False  # decode steps through torch.compile (engine/compiled.py)
     threads: int | None = None  # torch + tokenizer threads, set by make_engine (None: as is)
+    tp_size: int = 1  # tensor-parallel ranks, one process each (`minisgl.distributed`)
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_extend_tokens < 1:

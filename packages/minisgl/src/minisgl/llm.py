@@ -56,13 +56,16 @@ class LLM:
         device_stream: str | DeviceStream | None = None,
         enable_torch_compile: bool = False,
         threads: int | None = None,
+        tp_size: int = 1,
     ) -> None:
         """`overlap`: schedule the next step while the device runs this one (default: on,
         unless `MINISGL_DISABLE_OVERLAP_SCHEDULING=1`; the serial loop for a backend without a
         pipelined mode). `device_stream`: where steps run then (`engine.stream.make_stream`).
         `enable_torch_compile`: decode steps through `torch.compile` (`engine/compiled.py`;
         compiled here, before the first request: a minute or more on a CPU). `threads`: the process's thread budget
-        for torch and the tokenizer (`utils/threads.py`)."""
+        for torch and the tokenizer (`utils/threads.py`; each tensor-parallel rank's, by default the
+        cores split between the ranks). `tp_size`: tensor-parallel ranks, this process rank 0
+        and one process each for the others (`minisgl.distributed`); `close()` stops them."""
         if model_path is None:
             from minisgl.default_model import default_model_path
 
@@ -86,6 +89,7 @@ class LLM:
             sim_device=sim_device,
             enable_torch_compile=enable_torch_compile,
             threads=threads,
+            tp_size=tp_size,
         )
         self.engine = make_engine(self.config)  # sim_device: no model (engine/sim.py)
         from transformers import AutoTokenizer
@@ -279,6 +283,21 @@ class LLM:
             first += p.n
             results.append({**outs[0], "prompt_tokens": len(encoded[i]), "outputs": outs})
         return results
+
+    def close(self) -> None:
+        """Stop what this LLM started: the overlap loop's device stream, the tensor-parallel
+        ranks. Idempotent."""
+        if self.overlap is not None:
+            self.overlap.close()
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def has_work(self) -> bool:
         """Requests waiting or running, or steps in flight (overlap scheduling)."""

@@ -7,12 +7,15 @@ copy (`PendingStep.result`), the only device -> host read of a step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from minisgl.attention import create_backend, resolve_backend
 from minisgl.config import EngineConfig, ModelConfig
+from minisgl.distributed.layout import TPInfo
 from minisgl.engine.compiled import CompiledDecode, CompiledPrefill
 from minisgl.engine.cpu_decode import MAX_ROWS as CPU_DECODE_ROWS
 from minisgl.engine.cpu_decode import CpuDecode, unsupported
@@ -39,13 +42,24 @@ from minisgl.structured import GrammarBank
 from minisgl.utils.log import get_logger
 from minisgl.utils.malloc import keep_freed_memory
 
+if TYPE_CHECKING:
+    from minisgl.distributed.ranks import Follower, Leader
+
 logger = get_logger(__name__)
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: Leader | Follower | None = None) -> None:
+        """`tp`: this engine is one rank of a tensor-parallel group (`minisgl.distributed`):
+        rank 0 (`Leader`) sends every step to the other ranks (`Follower`, running `follow`)."""
         self.config = config
+        self.tp = tp  # this rank's link to the others, if any
+        self.tp_info = tp.info if tp is not None else TPInfo()
+        rank = self.tp_info.rank
+        self.leader: Leader | None = tp if tp is not None and rank == 0 else None
+        self.follower: Follower | None = tp if tp is not None and rank > 0 else None
         self.model_config = cfg = ModelConfig.from_dir(config.model_path)
+        local = self.tp_info.local_config(cfg)  # this rank's heads and KV heads
         # matchers of constrained requests (response_format); the tokenizer loads on first use
         self.grammars = GrammarBank(config.model_path, cfg.vocab_size)
         self.device = resolve_device(config.device)
@@ -67,8 +81,13 @@ class Engine:
             self.max_seq_len,
             self.quantization,
             dummy_weights=config.dummy_weights,
+            tp=self.tp_info,
         )
-        self.num_pages = plan_num_pages(config, cfg, self.dtype, self.device, self.max_seq_len)
+        if tp is not None:
+            self.model.set_comm(tp.attach(cfg.vocab_size))
+        self.num_pages = plan_num_pages(config, local, self.dtype, self.device, self.max_seq_len)
+        if tp is not None:  # every rank's pool holds the pages rank 0's scheduler hands out
+            self.num_pages = tp.agree_min(self.num_pages, "sizing the KV pool")
         # one page more than the scheduler allocates: its first location is the spare KV slot
         # that graph padding rows write to (the allocator hands out pages < num_pages only)
         self.spare_loc = self.num_pages * config.page_size
@@ -76,7 +95,7 @@ class Engine:
             cfg.num_layers,
             self.num_pages + 1,
             config.page_size,
-            cfg.num_kv_heads,
+            local.num_kv_heads,
             cfg.head_dim,
             self.dtype,
             self.device,
@@ -85,8 +104,8 @@ class Engine:
         self.backend = create_backend(
             self.attention_backend,
             pool=self.pool,
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
+            num_heads=local.num_heads,
+            num_kv_heads=local.num_kv_heads,
             head_dim=cfg.head_dim,
             sliding_window=cfg.sliding_window,
             device=self.device,
@@ -97,6 +116,8 @@ class Engine:
         why_not = (
             "enable_torch_compile"
             if config.enable_torch_compile
+            else "tensor parallel"
+            if self.tp_info.size > 1
             else unsupported(self.model, self.pool, self.device)
         )
         self.cpu_decode = (
@@ -130,6 +151,10 @@ class Engine:
         max_bs = min(max_bs, config.max_running_requests)
         if kind == "none":
             return None
+        if self.tp_info.size > 1:  # the followers replay no graph: every step runs eagerly
+            logger.info("no decode graphs with tensor parallelism (tp_size=%d): not yet "
+                        "verified on a multi-GPU machine", self.tp_info.size)  # fmt: skip
+            return None
         if config.graph_runner == "auto" and not getattr(self.backend, "graph_friendly", False):
             logger.info("no decode graphs: the %s attention backend pads every decode to the "
                         "longest sequence in a graph (use --attention-backend triton)",
@@ -140,10 +165,35 @@ class Engine:
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Run one step (no decode graph); returns logits [len(plan.sample_rows), vocab], model dtype."""
-        with self._grad_mode():
+        with self._grad_mode(), self._ranks("running a step"):
             return self._forward(plan, self._stage(plan, None))
 
+    @contextlib.contextmanager
+    def _ranks(self, what: str) -> Iterator[None]:
+        """Rank 0 of a tensor-parallel group: a failed collective names the rank at fault."""
+        if self.leader is None:
+            yield
+            return
+        with self.leader.guard(what):
+            yield
+
+    def follow(self) -> None:
+        """A rank > 0 of a tensor-parallel group: run rank 0's steps until it stops us."""
+        link = self.follower
+        assert link is not None, "follow() runs on ranks > 0"
+        with self._grad_mode():
+            while (step := link.recv_step(self.device)) is not None:
+                plan, fill = step
+                self._forward(plan, self._stage(plan, fill))
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel group (rank 0; nothing otherwise)."""
+        if self.leader is not None:
+            self.leader.close()
+
     def _stage(self, plan: StepPlan, fill: InputFill | None) -> DevicePlan:
+        if self.leader is not None:  # the other ranks run it too
+            self.leader.send_step(plan, fill)
         staged = self.stager.stage(plan)
         if fill is not None:  # in place, on the device: no second copy of the inputs
             staged.input_ids[fill.positions] = fill.tokens.to(staged.input_ids.dtype)
@@ -172,7 +222,7 @@ class Engine:
         """Forward and sample with nothing read back (a decode graph runs the step when one
         fits): the tokens stay on the device; `result()` reads them. `fill`: the inputs of
         requests whose previous token is still on the device."""
-        with self._grad_mode():
+        with self._grad_mode(), self._ranks("running a step"):
             return self._sample_on_device(plan, rows, eos_ids, fill)
 
     def _sample_on_device(

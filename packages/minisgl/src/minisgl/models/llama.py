@@ -14,13 +14,14 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minisgl.config import ModelConfig
+from minisgl.distributed.layout import TPInfo
 from minisgl.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 
 # checkpoint module name -> (fused module name, shard index); shards are stacked along rows
@@ -41,8 +42,19 @@ def shard_sizes(cfg: ModelConfig, fused: str) -> list[int]:
     return [cfg.intermediate_size, cfg.intermediate_size]
 
 
+class Collectives(Protocol):
+    """The tensor-parallel collectives a forward runs (`distributed.comm.Comm`)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+
 class Attention(nn.Module):
+    comm: Collectives | None = None  # tensor parallel: o_proj is row-parallel
+
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        """`cfg`: this rank's view (`TPInfo.local_config`): its heads and KV heads."""
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -93,8 +105,15 @@ class Attention(nn.Module):
             ops.rope_(q, k, positions, rotary.cos, rotary.sin)
         return q, k, v
 
+    def project(self, attn: torch.Tensor) -> torch.Tensor:
+        """o_proj of the attention output, summed over the ranks."""
+        out = self.o_proj(attn)
+        return out if self.comm is None else self.comm.all_reduce(out)
+
 
 class MLP(nn.Module):
+    comm: Collectives | None = None  # tensor parallel: down_proj is row-parallel
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
@@ -104,10 +123,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.reduce(self.down_proj(F.silu(gate) * up))
 
     def fused_forward(self, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
+
+    def reduce(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.comm is None else self.comm.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -126,7 +148,7 @@ class DecoderLayer(nn.Module):
 
     def post_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x plus the attention output [T, H * D] projected, plus the MLP of that."""
-        x = x + self.self_attn.o_proj(attn)
+        x = x + self.self_attn.project(attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, x, cos_sin, backend, meta):
@@ -167,33 +189,61 @@ class DecoderLayer(nn.Module):
             ops.add_rms_norm_(x, residual, norm.weight, norm.eps)
         attn = self.self_attn
         q, k, v = attn.fused_qkv(ops, x, positions, rotary)
-        x = attn.o_proj(backend.forward(attn.layer_id, q, k, v, meta))
+        x = attn.project(backend.forward(attn.layer_id, q, k, v, meta))
         norm = self.post_attention_layernorm
         ops.add_rms_norm_(x, residual, norm.weight, norm.eps)
         return self.mlp.fused_forward(ops, x), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, vocab_rows: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     fused_ops: ModuleType | None = None  # `kernels.triton` once `use_fused_ops(True)`
+    comm: Collectives | None = None  # tensor parallel: the embedding and lm_head split the vocab
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPInfo | None = None) -> None:
+        """`tp`: build rank `tp.rank`'s slice (heads, KV heads, intermediate rows, vocabulary
+        rows) of the model; the collectives join with `set_comm`."""
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp = tp or TPInfo()
+        self.vocab_start, rows, _ = tp.vocab(cfg.vocab_size)
+        self.model = DecoderModel(tp.local_config(cfg), rows)
+        self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
         self.rotary = RotaryEmbedding(cfg, max_positions, torch.get_default_dtype())
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def set_comm(self, comm: Collectives) -> None:
+        """Run the collectives of rank `self.tp.rank` through `comm` (tp > 1)."""
+        self.comm = comm
+        for layer in self.model.layers:
+            layer.self_attn.comm = layer.mlp.comm = comm
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of input_ids; tensor parallel: each rank looks up the ids of its
+        vocabulary slice (zeros elsewhere) and the ranks sum them."""
+        if self.comm is None:
+            return self.model.embed_tokens(input_ids)
+        rows = self.model.embed_tokens.num_embeddings
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= rows)
+        x = self.model.embed_tokens(local.clamp(0, rows - 1))
+        return self.comm.all_reduce(x.masked_fill_(outside[:, None], 0))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """lm_head of the final hidden states; tensor parallel: each rank's vocabulary
+        slice, gathered."""
+        out = self.lm_head(x)
+        return out if self.comm is None else self.comm.gather_vocab(out)
 
     def use_fused_ops(self, on: bool) -> None:
         """Run every step through the fused Triton ops (CUDA; `kernels.resolve_fused_ops`)."""
@@ -213,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
         if self.fused_ops is not None and run_layer is None:
             return self.fused_forward(self.fused_ops, input_ids, positions, logits_indices,
                                       backend, meta)  # fmt: skip
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos_sin = self.rotary(positions)
         for layer in self.model.layers:
             if run_layer is None:
@@ -221,7 +271,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 x = run_layer(layer, x, cos_sin, backend, meta)
         x = self.model.norm(x[logits_indices])
-        return self.lm_head(x)  # the model's dtype: the sampler widens where it computes
+        return self.logits(x)  # the model's dtype: the sampler widens where it computes
 
     def fused_forward(
         self,
@@ -234,13 +284,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """`forward` through the fused ops; the final norm adds the last residual and reads
         only the rows of `logits_indices` (one launch)."""
-        x, residual = self.model.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for layer in self.model.layers:
             x, residual = layer.fused_forward(ops, x, residual, positions, self.rotary,
                                               backend, meta)  # fmt: skip
         norm = self.model.norm
-        return self.lm_head(ops.rms_norm(x, norm.weight, norm.eps, residual=residual,
-                                         rows=logits_indices))  # fmt: skip
+        return self.logits(ops.rms_norm(x, norm.weight, norm.eps, residual=residual,
+                                        rows=logits_indices))  # fmt: skip
 
 
 class MistralForCausalLM(LlamaForCausalLM):

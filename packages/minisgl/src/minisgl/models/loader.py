@@ -1,16 +1,21 @@
-"""Build a model on the target device and fill it from safetensors, one tensor at a time, or
-with deterministic random weights (`--dummy-weights`: a folder with only config.json)."""
+"""Build a model on the target device and fill it from safetensors, one tensor at a time (a
+tensor-parallel rank: one slice of each), or with deterministic random weights
+(`--dummy-weights`: a folder with only config.json)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import zlib
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from minisgl.config import ModelConfig, ModelLoadError
+from minisgl.distributed.layout import TPInfo
 from minisgl.models import MODEL_REGISTRY
 from minisgl.models.llama import STACKED_PARAMS, shard_sizes
 from minisgl.utils.log import get_logger
@@ -47,11 +52,14 @@ DUMMY_SEED = 0
 DUMMY_STD = 0.02  # HF's default initializer_range
 
 
-def _build(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int):
-    """The model with uninitialised parameters on `device` (RoPE tables computed, ties set)."""
+def _build(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int, tp: TPInfo
+):
+    """The model (this rank's slice of it) with uninitialised parameters on `device` (RoPE
+    tables computed, ties set)."""
     cls = MODEL_REGISTRY[cfg.architecture]
     with _default_dtype(dtype), torch.device("meta"):
-        model = cls(cfg, max_positions)
+        model = cls(cfg, max_positions, tp)
     model = model.to_empty(device=device)
     # the RoPE tables are computed, not loaded: rebuild them on the device
     with _default_dtype(dtype), torch.device(device):
@@ -60,21 +68,76 @@ def _build(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_posit
     return model
 
 
-def fill_dummy_weights(model: torch.nn.Module, cfg: ModelConfig, seed: int = DUMMY_SEED) -> None:
-    """Random weights of the right shapes: norms 1, biases 0, every other tensor
-    N(0, initializer_range), drawn on the CPU from a generator seeded by (seed, parameter
-    name), so a parameter's values do not depend on the device, the dtype or the depth."""
-    std = float(getattr(cfg.hf_config, "initializer_range", None) or DUMMY_STD)
-    with torch.no_grad():
-        for name, param in model.named_parameters():  # tied parameters once
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith(".bias"):
-                param.zero_()
-            else:
-                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
-                param.copy_(values)
+@dataclass(frozen=True)
+class Target:
+    """Where a checkpoint tensor lands: `rows` of `param` (None: all of it), read as the
+    [start, end) slice of the checkpoint tensor along `dim` (None: all of it)."""
+
+    param: torch.nn.Parameter
+    rows: tuple[int, int] | None
+    dim: int | None = None
+    start: int = 0
+    end: int = 0
+    zero_tail: bool = False  # the rows after `rows` are padding (a vocabulary slice)
+
+    def read(self, f: Any, name: str) -> torch.Tensor:
+        """This rank's piece of checkpoint tensor `name` of the open file `f`: only that
+        slice is read (safetensors' `get_slice`)."""
+        if self.dim is None:
+            return f.get_tensor(name)
+        piece = f.get_slice(name)
+        return piece[self.start : self.end] if self.dim == 0 else piece[:, self.start : self.end]
+
+
+class DummyCheckpoint:
+    """Deterministic random weights as a checkpoint (`--dummy-weights`): norms 1, biases 0,
+    every other tensor N(0, initializer_range), drawn on the CPU from a generator seeded by
+    (seed, parameter name) over the whole (tp=1) parameter, so a value does not depend on the
+    device, the dtype, the depth or the rank; a fused parameter's checkpoint pieces are row
+    slices of its one draw."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, seed: int = DUMMY_SEED) -> None:
+        self.cfg, self.seed = cfg, seed
+        self.std = float(getattr(cfg.hf_config, "initializer_range", None) or DUMMY_STD)
+        with torch.device("meta"):
+            whole = MODEL_REGISTRY[cfg.architecture](cfg, max_positions, TPInfo())
+        whole.tie_weights()
+        self.shapes = {n: tuple(p.shape) for n, p in whole.named_parameters()}  # ties once
+        self.pieces: dict[str, tuple[str, int, int]] = {}  # checkpoint name -> fused rows
+        for name in self.shapes:
+            prefix, leaf, kind = _split_name(name)
+            shards = [(n, i) for n, (f, i) in STACKED_PARAMS.items() if f == leaf]
+            if not shards:
+                self.pieces[name] = (name, 0, self.shapes[name][0])
+            sizes = shard_sizes(cfg, leaf) if shards else []
+            for shard, i in shards:
+                start = sum(sizes[:i])
+                self.pieces[f"{prefix}.{shard}.{kind}"] = (name, start, start + sizes[i])
+        self._last: tuple[str, torch.Tensor] | None = None  # q, k, v share one draw
+
+    def keys(self) -> list[str]:
+        return list(self.pieces)
+
+    def _draw(self, name: str) -> torch.Tensor:
+        if self._last is not None and self._last[0] == name:
+            return self._last[1]
+        shape = self.shapes[name]
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape)
+        elif name.endswith(".bias"):
+            t = torch.zeros(shape)
+        else:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+            t = torch.randn(shape, generator=gen, dtype=torch.float32) * self.std
+        self._last = (name, t)
+        return t
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        whole, start, end = self.pieces[name]
+        return self._draw(whole)[start:end]
+
+    def get_slice(self, name: str) -> torch.Tensor:
+        return self.get_tensor(name)  # a tensor slices like safetensors' slice objects
 
 
 def load_model(
@@ -85,17 +148,21 @@ def load_model(
     max_positions: int,
     quantization: str = "none",
     dummy_weights: bool = False,
+    tp: TPInfo | None = None,
 ):
-    """Build the model and fill it from safetensors. Checkpoint q/k/v and gate/up projections
-    land in row slices of the fused `qkv_proj` / `gate_up_proj`. With `quantization` int8 or
-    int4 the linears are then swapped for packed ones, taken from the folder's packed cache
-    when it has them (their float tensors are then not even read). `dummy_weights`: no
-    checkpoint is read, see `fill_dummy_weights`."""
+    """Build the model (rank `tp.rank`'s slice of it) and fill it from safetensors, reading
+    only that slice of each tensor. Checkpoint q/k/v and gate/up projections land in row
+    slices of the fused `qkv_proj` / `gate_up_proj`. With `quantization` int8 or int4 the
+    linears are then swapped for packed ones, taken from the folder's packed cache when it has
+    them (their float tensors are then not even read). `dummy_weights`: no checkpoint is
+    read, see `DummyCheckpoint`."""
+    tp = tp or TPInfo()
+    if dummy_weights and quantization != "none":
+        raise ModelLoadError(f"dummy weights are float only, not quantization={quantization!r}")
+    model = _build(cfg, dtype, device, max_positions, tp)
+    targets = _load_targets(model, cfg, tp)
     if dummy_weights:
-        if quantization != "none":
-            raise ModelLoadError(f"dummy weights are float only, not quantization={quantization!r}")
-        model = _build(cfg, dtype, device, max_positions)
-        fill_dummy_weights(model, cfg)
+        _fill(model, targets, [DummyCheckpoint(cfg, max_positions)], set(targets), "dummy")
         logger.info("dummy weights for %s (seed %d)", cfg.architecture, DUMMY_SEED)
         return model.eval()
     from safetensors import safe_open
@@ -105,30 +172,11 @@ def load_model(
     model_path = Path(model_path)
     files = weight_files(model_path)
     packed = read_packed(model_path, quantization) if quantization in ("int8", "int4") else None
-    model = _build(cfg, dtype, device, max_positions)
-    targets = _load_targets(model, cfg)
     pending = set(targets) - set(packed or ())
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                target = targets.get(name)
-                if target is None:
-                    logger.debug("ignoring checkpoint tensor %s", name)
-                    continue
-                if name not in pending:  # packed, or a tied alias already loaded
-                    continue
-                param, rows = target
-                tensor = f.get_tensor(name)
-                dest = param if rows is None else param[rows[0] : rows[1]]
-                if tuple(tensor.shape) != tuple(dest.shape):
-                    raise ModelLoadError(
-                        f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}"
-                    )
-                with torch.no_grad():
-                    dest.copy_(tensor)
-                pending -= {n for n, t in targets.items() if t[0] is param and t[1] == rows}
-    if pending:
-        raise ModelLoadError(f"missing weights in {str(model_path)!r}: {sorted(pending)[:8]}")
+    with contextlib.ExitStack() as stack:
+        opened = [stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+                  for f in files]  # fmt: skip
+        _fill(model, targets, opened, pending, str(model_path))
     if quantization == "w8a8":  # smoothed from the float weights (`quantization/smooth.py`)
         from minisgl.quantization import smooth
 
@@ -140,20 +188,77 @@ def load_model(
     return model.eval()
 
 
-def _load_targets(
-    model: torch.nn.Module, cfg: ModelConfig
-) -> dict[str, tuple[torch.nn.Parameter, tuple[int, int] | None]]:
-    """Checkpoint name -> (parameter, row slice of a fused parameter or None)."""
-    targets: dict[str, tuple[torch.nn.Parameter, tuple[int, int] | None]] = {}
+def _fill(
+    model: torch.nn.Module, targets: dict[str, Target], files: list[Any], pending: set[str],
+    source: str,
+) -> None:  # fmt: skip
+    """Copy every pending target from the open checkpoint `files`, then zero the vocabulary's
+    padding rows (tensor parallelism); a target no file holds is an error."""
+    for f in files:
+        for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            target = targets.get(name)
+            if target is None:
+                logger.debug("ignoring checkpoint tensor %s", name)
+                continue
+            if name not in pending:  # packed, or a tied alias already loaded
+                continue
+            tensor = target.read(f, name)
+            rows = target.rows
+            dest = target.param if rows is None else target.param[rows[0] : rows[1]]
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ModelLoadError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}"
+                )
+            with torch.no_grad():
+                dest.copy_(tensor)
+            pending -= {n for n, t in targets.items() if t.param is target.param and t.rows == rows}
+    if pending:
+        raise ModelLoadError(f"missing weights in {source!r}: {sorted(pending)[:8]}")
+    with torch.no_grad():
+        for t in targets.values():
+            if t.zero_tail and t.rows is not None:
+                t.param[t.rows[1] :].zero_()
+
+
+def _split_name(name: str) -> tuple[str, str, str]:
+    """ "a.b.qkv_proj.weight" -> ("a.b", "qkv_proj", "weight")."""
+    parts = name.rsplit(".", 2)
+    return (parts[0], parts[1], parts[2]) if len(parts) == 3 else ("", "", "")
+
+
+def _load_targets(model: torch.nn.Module, cfg: ModelConfig, tp: TPInfo) -> dict[str, Target]:
+    """Checkpoint name -> its `Target` in this rank's model: column-parallel q/k/v and gate/up
+    rows, row-parallel o_proj / down_proj columns, vocab-parallel embedding and lm_head rows;
+    the rest (norms) whole."""
+    d = cfg.head_dim
+    q0, q1 = tp.split(cfg.num_heads)
+    k0, kn = tp.kv_heads(cfg)
+    i0, i1 = tp.split(cfg.intermediate_size)
+    v0, _, vreal = tp.vocab(cfg.vocab_size)
+    rows = {  # shard -> (checkpoint rows read, their length)
+        "q_proj": (q0 * d, (q1 - q0) * d),
+        "k_proj": (k0 * d, kn * d),
+        "v_proj": (k0 * d, kn * d),
+        "gate_proj": (i0, i1 - i0),
+        "up_proj": (i0, i1 - i0),
+    }
+    cols = {"o_proj": (q0 * d, q1 * d), "down_proj": (i0, i1)}
+    split = tp.size > 1
+    targets: dict[str, Target] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        parts = name.rsplit(".", 2)
-        prefix, leaf, kind = parts if len(parts) == 3 else ("", "", "")
-        shards = [(n, i) for n, (f, i) in STACKED_PARAMS.items() if f == leaf]
-        if not shards:
-            targets[name] = (param, None)
-            continue
-        sizes = shard_sizes(cfg, leaf)
-        for shard, i in shards:
-            start = sum(sizes[:i])
-            targets[f"{prefix}.{shard}.{kind}"] = (param, (start, start + sizes[i]))
+        prefix, leaf, kind = _split_name(name)
+        shards = sorted((i, n) for n, (f, i) in STACKED_PARAMS.items() if f == leaf)
+        if shards:
+            at = 0
+            for _, shard in shards:
+                start, n = rows[shard]
+                targets[f"{prefix}.{shard}.{kind}"] = Target(param, (at, at + n), 0, start,
+                                                             start + n)  # fmt: skip
+                at += n
+        elif split and leaf in cols and kind == "weight":
+            targets[name] = Target(param, None, 1, *cols[leaf])
+        elif split and name in ("model.embed_tokens.weight", "lm_head.weight"):
+            targets[name] = Target(param, (0, vreal), 0, v0, v0 + vreal, zero_tail=True)
+        else:
+            targets[name] = Target(param, None)
     return targets

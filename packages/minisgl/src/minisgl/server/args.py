@@ -35,6 +35,7 @@ class ServerArgs:
     cpu_backend: str = "python"  # MINISGL_CPU_BACKEND (not a flag): python | rust_service
     enable_torch_compile: bool = False
     threads: int | None = None
+    tp_size: int = 1
 
     @property
     def queue_limit(self) -> int:
@@ -61,6 +62,7 @@ class ServerArgs:
             sim_device=self.sim_device,
             enable_torch_compile=self.enable_torch_compile,
             threads=self.threads,
+            tp_size=self.tp_size,
         )
 
     def to_dict(self) -> dict:
@@ -131,6 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch and tokenizer threads of the engine process (default: torch's own)",
     )
+    p.add_argument(
+        "--tp",
+        "--tp-size",
+        dest="tp_size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks: one process each, gloo on CPU, NCCL on CUDA (rank r on "
+        "cuda:r)",
+    )
     p.add_argument("--num-tokenizer", type=int, default=1)
     p.add_argument(
         "--transport",
@@ -181,6 +192,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         errors.append("--max-running-requests must be >= 1")
     if args.threads is not None and args.threads < 1:
         errors.append("--threads must be >= 1")
+    if args.tp_size < 1:
+        errors.append("--tp must be >= 1")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         errors.append("--max-queued-requests must be >= 0")
     if args.max_request_bytes < 1:

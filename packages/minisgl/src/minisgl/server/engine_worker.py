@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from minisgl.distributed.errors import RankFailed
 from minisgl.message.schema import (
     AbortReq,
     AddReq,
@@ -160,7 +161,9 @@ class EngineLoop:
         except Exception as e:
             traceback.print_exc()
             for rid in self.llm.fail_all():  # every request aborted, steps in flight dropped
-                self.reject(rid, f"engine error: {e!r}", 500, "internal_error")
+                self.reject(rid, f"engine error: {e}", 500, "internal_error")
+            if isinstance(e, RankFailed):  # no later step can run: the worker (server) ends
+                raise
             return
         for rid, err in self.llm.last_errors.items():  # failed alone; the others go on
             self.reject(rid, err, 500, "internal_error")
@@ -277,6 +280,5 @@ def run_engine_worker(
     except ipc.WorkerExit:
         pass
     finally:
-        if llm.overlap is not None:
-            llm.overlap.close()
+        llm.close()
         ctx.destroy(linger=0)

@@ -156,13 +156,27 @@ def run_gpu_worker(
                 if isinstance(msg, HelloAck):
                     runner = StepRunner(engine, frozenset(int(t) for t in msg.eos_token_ids))
                 elif isinstance(msg, Step) and runner is not None:
-                    to_service.send(codec.encode(run_step(runner, msg)))
+                    result = run_step(runner, msg)
+                    to_service.send(codec.encode(result))
+                    if engine_lost(engine):  # a tensor-parallel rank died: no later step runs
+                        ipc.worker_log(name, result.fatal or "engine lost")
+                        time.sleep(0.2)  # the result reaches the service first
+                        raise SystemExit(1)
                 else:
                     ipc.worker_log(name, f"rejected an unexpected {type(msg).__name__}")
     except ipc.WorkerExit:
         pass
     finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
         ctx.destroy(linger=0)
+
+
+def engine_lost(engine: object) -> bool:
+    """The engine cannot run another step (a tensor-parallel rank failed)."""
+    leader = getattr(engine, "leader", None)
+    return leader is not None and leader.failed is not None
 
 
 def run_step(runner: StepRunner, step: Step) -> StepResult:
