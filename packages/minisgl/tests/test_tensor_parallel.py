@@ -294,19 +294,25 @@ def test_server_tp2(backend, tiny_model_dir, tmp_path):
         ranks = [p for p in server.children if "minisgl.distributed" in " ".join(p.cmdline())]
         assert len(ranks) == 1, "one rank process beside the engine"
         for prompt, want in zip(prompts, ref, strict=True):
-            r = httpx.post(server.base_url + "/v1/completions", timeout=60, json={
-                "model": "m", "prompt": prompt, "max_tokens": NEW, "temperature": 0,
-                "ignore_eos": True})  # fmt: skip
+            r = post(server, {"model": "m", "prompt": prompt, "max_tokens": NEW,
+                              "temperature": 0, "ignore_eos": True})  # fmt: skip
             assert r.status_code == 200, r.text
             text = r.json()["choices"][0]["text"]
             assert text == llm_text(path, want)
         # a rank that dies takes the server down with a clear error, no process left behind
         ranks[0].kill()
-        httpx.post(server.base_url + "/v1/completions", timeout=60,
-                   json={"model": "m", "prompt": prompts[0], "max_tokens": 4})  # fmt: skip
+        post(server, {"model": "m", "prompt": prompts[0], "max_tokens": 4})
         server.proc.wait(60)
         assert server.proc.returncode != 0
         assert "tensor-parallel rank 1" in server.log()
+
+
+def post(server, body: dict) -> httpx.Response:
+    """POST /v1/completions; a timeout fails with the server's log."""
+    try:
+        return httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+    except httpx.TimeoutException as e:
+        raise AssertionError(f"no answer in 60 s ({e}); server log:\n{server.log()}") from e
 
 
 def llm_text(path, ids: list[int]) -> str:
