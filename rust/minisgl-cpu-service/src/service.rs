@@ -372,6 +372,10 @@ impl Service {
             Err(e) => {
                 self.counters.rejected_frames += 1;
                 log(&format!("rejected a frame from the API server: {e}"));
+                if let Some(uid) = wire::request_uid(frame) {
+                    let why = format!("the Rust service could not read the request: {e}");
+                    self.reject(uid, &why, 500, "internal_error", None);
+                }
             }
         }
         false

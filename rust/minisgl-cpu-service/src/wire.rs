@@ -10,7 +10,7 @@ use std::io::Cursor;
 use rmpv::Value;
 
 /// The schema version this build speaks (`minisgl.message.schema.SCHEMA_VERSION`).
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 4;
 /// Nesting deeper than this is refused before it is decoded (a chat message list is 3 deep).
 const MAX_DEPTH: usize = 64;
 
@@ -316,6 +316,18 @@ fn hello_info(v: &Value) -> Result<HelloInfo> {
 }
 
 /// Decode one frame.
+/// The uid of a `TokenizeReq` frame that [`decode`] refused (another build's fields, a bad
+/// value): the request is then rejected rather than left without an answer.
+pub fn request_uid(frame: &[u8]) -> Option<i64> {
+    let mut cur = Cursor::new(frame);
+    let value = rmpv::decode::read_value_with_max_depth(&mut cur, MAX_DEPTH).ok()?;
+    let items = value.as_array()?;
+    if items.get(1)?.as_i64()? != tag::TOKENIZE_REQ {
+        return None;
+    }
+    items.get(2)?.as_i64()
+}
+
 pub fn decode(frame: &[u8]) -> Result<Inbound> {
     let mut cur = Cursor::new(frame);
     let value = rmpv::decode::read_value_with_max_depth(&mut cur, MAX_DEPTH)
@@ -581,6 +593,22 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_request_it_cannot_read_still_names_its_uid() {
+        // params of another build (one field more): the request fails, its client hears why
+        let mut more = params_value();
+        if let Value::Array(items) = &mut more {
+            items.push(Value::Nil);
+        }
+        let args = vec![9.into(), "ids".into(), Value::Array(vec![1.into()]), more];
+        let f = frame(tag::TOKENIZE_REQ, args);
+        assert!(decode(&f).is_err());
+        assert_eq!(request_uid(&f), Some(9));
+        let abort = frame(tag::ABORT_REQ, vec![9.into()]);
+        assert_eq!(request_uid(&abort), None);
+        assert_eq!(request_uid(b"\xc1"), None);
     }
 
     #[test]

@@ -37,7 +37,7 @@ fn params() -> Value {
 fn valid_frames() -> Vec<Vec<u8>> {
     vec![
         frame(vec![
-            3.into(),
+            wire::SCHEMA_VERSION.into(),
             1.into(),
             7.into(),
             "text".into(),
@@ -45,16 +45,16 @@ fn valid_frames() -> Vec<Vec<u8>> {
             params(),
         ]),
         frame(vec![
-            3.into(),
+            wire::SCHEMA_VERSION.into(),
             1.into(),
             8.into(),
             "ids".into(),
             Value::Array(vec![1.into()]),
             params(),
         ]),
-        frame(vec![3.into(), 2.into(), 9.into()]),
+        frame(vec![wire::SCHEMA_VERSION.into(), 2.into(), 9.into()]),
         frame(vec![
-            3.into(),
+            wire::SCHEMA_VERSION.into(),
             14.into(),
             4.into(),
             wire::i32_bytes(&[1, 2, 3]),
@@ -63,7 +63,7 @@ fn valid_frames() -> Vec<Vec<u8>> {
             Value::Nil,
         ]),
         frame(vec![
-            3.into(),
+            wire::SCHEMA_VERSION.into(),
             12.into(),
             0.into(),
             42.into(),

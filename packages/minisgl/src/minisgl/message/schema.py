@@ -23,9 +23,9 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = (
-    3  # 2: penalties, logprobs, prefix_leader, Admitted...; 3: the service step protocol
-)
+# 2: penalties, logprobs, prefix_leader, Admitted...; 3: the service step protocol;
+# 4: response_format in the sampling params (a service of another version fails its handshake)
+SCHEMA_VERSION = 4
 
 
 class SchemaError(ValueError):
