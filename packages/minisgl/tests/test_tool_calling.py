@@ -149,9 +149,13 @@ def _tool_format(fmt_name: str, choice: Any):
     return tools.FORMATS[fmt_name].response_format(specs, tools.parse_tool_choice(choice, specs))
 
 
-def _check_calls(calls, names: set[str]) -> None:
+def _check_calls(calls, names: set[str], finish: str = "stop") -> None:
+    """The calls name offered functions with valid arguments; one cut by max_tokens (the
+    last, `finish` "length": parallel calls may go on) is not judged."""
     jsonschema = require_module("jsonschema")
     assert calls, "no tool call"
+    if finish == "length" and len(calls) > 1:
+        calls = calls[:-1]
     for call in calls:
         assert call.name in names, call
         jsonschema.validate(json.loads(call.arguments), PARAMS[call.name])
@@ -175,14 +179,13 @@ def test_required_named_and_auto_calls_validate(tiny_llm, fmt_name):
     fmt = tools.FORMATS[fmt_name]
     for choice, out in zip(kinds, outs, strict=True):
         parsed = tools.parse_tool_calls(fmt, out["text"])
+        finish = out["finish_reason"]
         if choice == "required":
-            assert out["finish_reason"] == "stop", out["text"]
-            _check_calls(parsed.calls, set(PARAMS))
+            _check_calls(parsed.calls, set(PARAMS), finish)
         elif choice != "auto":
-            assert out["finish_reason"] == "stop", out["text"]
-            _check_calls(parsed.calls, {"add"})
+            _check_calls(parsed.calls, {"add"}, finish)
         elif parsed.calls:  # auto: free text, or calls that validate
-            _check_calls(parsed.calls, set(PARAMS))
+            _check_calls(parsed.calls, set(PARAMS), finish)
 
 
 @pytest.mark.card(
@@ -231,11 +234,13 @@ def test_fifty_schemas_as_tool_parameters_validate(tiny_llm):
     fmt = tools.FORMATS["hermes"]
     prompts, sps, wanted = [], [], []
     for i, schema in enumerate(SCHEMAS):
-        params = {"type": "object", "properties": {"value": schema}, "required": ["value"],
-                  "additionalProperties": False}  # fmt: skip
+        inner = {k: v for k, v in schema.items() if k != "$defs"}  # $defs stay at the root
+        params = {"type": "object", "properties": {"value": inner}, "required": ["value"],
+                  "additionalProperties": False, **({"$defs": schema["$defs"]}
+                                                    if "$defs" in schema else {})}  # fmt: skip
         specs = tools.parse_tools([{"type": "function",
                                     "function": {"name": f"f{i}", "parameters": params}}])  # fmt: skip
-        choice = tools.parse_tool_choice("required", specs)
+        choice = tools.parse_tool_choice("required", specs, parallel=False)
         prompts.append([{"role": "user", "content": f"Call f{i}."}])
         sps.append(SamplingParams(temperature=0.9, seed=i, max_tokens=200,
                                   response_format=fmt.response_format(specs, choice)))  # fmt: skip

@@ -1,7 +1,7 @@
-"""Issue 38, tool calling on the OpenAI server (tiny random llama, whose ChatML template has no
-tools: the Hermes `<tool_call>` fallback): `tools` + `tool_choice` through the openai client,
-whole and streamed, `parse` with pydantic models, 400s naming the field, and the same calls
-from the python and rust_service control planes."""
+"""Issue 38, tool calling on the OpenAI server (a tiny random llama given a Qwen-like chat
+template that renders the tools in few tokens): `tools` + `tool_choice` through the openai
+client, whole and streamed, `parse` with pydantic models, 400s naming the field, and the same
+calls from the python and rust_service control planes."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ from typing import Any, Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 from minisgl.testing.modules import require_module
-from minisgl.testing.server import start
+from minisgl.testing.server import running_server, start
+from minisgl.testing.tiny_models import write_tiny_model
 
 CARD = "P3-002"
 RED = "tool-calling-tests-fail-before-the-tools-exist"
@@ -35,6 +37,37 @@ TOOLS = [WEATHER, ADD]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris? And 2 + 3?"}]
 NAMED = {"type": "function", "function": {"name": "add"}}
+
+
+# Qwen2.5's layout, the tools listed by name only: the tiny tokenizer spends a token on every
+# one or two characters, and the harness's tiny models hold 512 positions
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t.function.name }} "
+    "{% endfor %}<tool_call></tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{{ c.function | tojson }}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)
+FLAGS = ("--max-seq-len-override", "512")
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory):
+    from transformers import PreTrainedTokenizerFast
+
+    path = write_tiny_model("llama", tmp_path_factory.mktemp("tools-llama"), seed=0)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    tok.chat_template = TOOL_TEMPLATE
+    tok.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tool_model, tmp_path_factory):
+    """The python control plane on the tool model (this module's own server)."""
+    with running_server(tool_model, *FLAGS, log_dir=tmp_path_factory.mktemp("tools-log")) as s:
+        yield s
 
 
 def client(server) -> openai.OpenAI:
@@ -91,7 +124,8 @@ API = "tools-and-tool-choice-on-the-chat-endpoint-whole-and-streamed"
 def test_required_and_named_tool_calls(server, model, choice):
     tool_choice = NAMED if choice == "named" else "required"
     r = create(server, model=model, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
-               temperature=0.9, seed=4, max_tokens=96, n=2)  # fmt: skip
+               temperature=0.9, seed=4, max_tokens=96, n=2,
+               parallel_tool_calls=False)  # fmt: skip
     for ch in r.choices:
         assert ch.finish_reason == "tool_calls", ch
         assert ch.message.content is None, ch.message
@@ -120,7 +154,7 @@ def test_auto_gives_text_or_valid_calls_and_none_gives_text(server, model):
 def test_streamed_calls_join_to_the_whole_answer(server, model, choice):
     tool_choice = NAMED if choice == "named" else "required"
     kw = dict(model=model, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
-              temperature=0.0, max_tokens=96)  # fmt: skip
+              temperature=0.0, max_tokens=96, parallel_tool_calls=False)  # fmt: skip
     whole = create(server, **kw).choices[0]
     content, calls, finish = joined_stream(server, **kw)
     assert finish == "tool_calls" == whole.finish_reason
@@ -144,12 +178,12 @@ def test_a_conversation_with_tool_results_continues(server, model):
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
-class Pick(openai.BaseModel):
+class Pick(pydantic.BaseModel):
     ok: bool
     pick: Literal["a", "b", "c"]
 
 
-class Add(openai.BaseModel):
+class Add(pydantic.BaseModel):
     a: Literal[1, 2, 3]
     b: bool
 
@@ -166,7 +200,8 @@ def test_openai_parse_with_pydantic_response_format_and_tools(server, model):
             messages=MESSAGES,
             tools=[openai.pydantic_function_tool(Add)],
             tool_choice="required",
-            max_tokens=64,
+            max_tokens=96,
+            parallel_tool_calls=False,
         )
     except openai.APIStatusError as exc:
         raise AssertionError(f"{exc.status_code}: {exc.response.text}") from None
@@ -179,7 +214,7 @@ def test_openai_parse_with_pydantic_response_format_and_tools(server, model):
 def test_openai_stream_helper_accumulates_tool_calls(server, model):
     c = client(server)
     kw = dict(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
-              temperature=0.0, max_tokens=96)  # fmt: skip
+              temperature=0.0, max_tokens=96, parallel_tool_calls=False)  # fmt: skip
     try:
         with c.chat.completions.stream(**kw) as stream:
             for _ in stream:
@@ -224,8 +259,8 @@ def test_bad_tool_requests_are_400s_and_the_server_goes_on(server, model):
 
 
 @pytest.fixture(scope="module")
-def rust_server(tiny_model_dir, tmp_path_factory):
-    with start("rust_service", tiny_model_dir("llama"), backend="rust_service",
+def rust_server(tool_model, tmp_path_factory):
+    with start("rust_service", tool_model, *FLAGS, backend="rust_service",
                log_dir=tmp_path_factory.mktemp("tools-svc-log")) as s:  # fmt: skip
         yield s
 
@@ -236,7 +271,7 @@ def test_python_and_rust_service_give_the_same_calls(server, rust_server, model,
     svc = rust_server.get()
     for tool_choice, seed in (("required", 3), (NAMED, 5), ("auto", 7)):
         kw = dict(model=model, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
-                  temperature=0.8, seed=seed, max_tokens=64)  # fmt: skip
+                  temperature=0.8, seed=seed, max_tokens=96)  # fmt: skip
         answers = []
         for s in (server, svc):
             if stream:
