@@ -49,7 +49,9 @@ class ToolFormat:
         schema: dict = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
         if defs:
             schema["$defs"] = defs
-        schema["x-guidance"] = {"whitespace_flexible": False}  # as response_format's JSON
+        # fixed whitespace, with the separators of the templates' `tojson` (json.dumps's)
+        schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ",
+                                "key_separator": ": "}  # fmt: skip
         return schema
 
     def lark(self, tools: Sequence[Tool], choice: ToolChoice) -> str:
