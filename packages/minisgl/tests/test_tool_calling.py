@@ -172,7 +172,7 @@ def test_required_named_and_auto_calls_validate(tiny_llm, fmt_name):
     for choice in choices:
         for seed in range(4):
             prompts.append([{"role": "user", "content": f"Weather in Paris or 2 + {seed}?"}])
-            sps.append(SamplingParams(temperature=1.0, seed=seed, max_tokens=96,
+            sps.append(SamplingParams(temperature=1.0, seed=seed, max_tokens=160,
                                       response_format=_tool_format(fmt_name, choice)))  # fmt: skip
             kinds.append(choice)
     outs = tiny_llm.generate(prompts, sps)

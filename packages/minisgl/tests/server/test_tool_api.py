@@ -124,7 +124,7 @@ API = "tools-and-tool-choice-on-the-chat-endpoint-whole-and-streamed"
 def test_required_and_named_tool_calls(server, model, choice):
     tool_choice = NAMED if choice == "named" else "required"
     r = create(server, model=model, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
-               temperature=0.9, seed=4, max_tokens=96, n=2,
+               temperature=0.9, seed=4, max_tokens=160, n=2,
                parallel_tool_calls=False)  # fmt: skip
     for ch in r.choices:
         assert ch.finish_reason == "tool_calls", ch
@@ -154,7 +154,7 @@ def test_auto_gives_text_or_valid_calls_and_none_gives_text(server, model):
 def test_streamed_calls_join_to_the_whole_answer(server, model, choice):
     tool_choice = NAMED if choice == "named" else "required"
     kw = dict(model=model, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
-              temperature=0.0, max_tokens=96, parallel_tool_calls=False)  # fmt: skip
+              temperature=0.0, max_tokens=160, parallel_tool_calls=False)  # fmt: skip
     whole = create(server, **kw).choices[0]
     content, calls, finish = joined_stream(server, **kw)
     assert finish == "tool_calls" == whole.finish_reason
@@ -167,7 +167,8 @@ def test_streamed_calls_join_to_the_whole_answer(server, model, choice):
 @pytest.mark.card(CARD, API, RED, GREEN)
 def test_a_conversation_with_tool_results_continues(server, model):
     first = create(server, model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                   temperature=0.0, max_tokens=96).choices[0].message  # fmt: skip
+                   temperature=0.0, max_tokens=160,
+                   parallel_tool_calls=False).choices[0].message  # fmt: skip
     call = first.tool_calls[0]
     history = [
         *MESSAGES,
@@ -200,7 +201,7 @@ def test_openai_parse_with_pydantic_response_format_and_tools(server, model):
             messages=MESSAGES,
             tools=[openai.pydantic_function_tool(Add)],
             tool_choice="required",
-            max_tokens=96,
+            max_tokens=160,
             parallel_tool_calls=False,
         )
     except openai.APIStatusError as exc:
@@ -214,7 +215,7 @@ def test_openai_parse_with_pydantic_response_format_and_tools(server, model):
 def test_openai_stream_helper_accumulates_tool_calls(server, model):
     c = client(server)
     kw = dict(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
-              temperature=0.0, max_tokens=96, parallel_tool_calls=False)  # fmt: skip
+              temperature=0.0, max_tokens=160, parallel_tool_calls=False)  # fmt: skip
     try:
         with c.chat.completions.stream(**kw) as stream:
             for _ in stream:
@@ -254,7 +255,7 @@ def test_bad_tool_requests_are_400s_and_the_server_goes_on(server, model):
         err = r.json()["error"]
         assert err["param"] == param and err["type"] == "invalid_request_error", (extra, err)
     r = create(server, model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
-               max_tokens=96)  # fmt: skip
+               max_tokens=160, seed=1, parallel_tool_calls=False)  # fmt: skip
     check_calls(r.choices[0].message.tool_calls, set(PARAMS))
 
 
