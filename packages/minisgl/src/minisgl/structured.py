@@ -4,11 +4,11 @@
 field), or the internal `{"type": "grammar", "grammar": <lark>}` that tool calling builds
 (`minisgl.tools`; the HTTP API does not take it from clients); the sampler asks a `GrammarBank` for the allowed tokens of each constrained row, and
 only those rows pay. A row's matcher is keyed by its request id (`rid`; else its `input_ids`
-array, ended by a weak reference) and catches up with the row's committed outputs before each
-mask, so it works for any request type that has `output_ids`; one not asked for during
-`IDLE_CALLS` masks is dropped (rebuilt, by catching up, if its request comes back). The rid
-matters: a request whose `input_ids` is a property (the Rust scheduler's) gives a new array
-each step, and a matcher per array was rebuilt and replayed every token (quadratic). Masks cost ~20 us a token on
+array, ended by a weak reference) and its format, and catches up with the row's committed
+outputs before each mask, so it works for any request type that has `output_ids`; one not
+asked for during `IDLE_CALLS` masks is dropped (rebuilt, by catching up, if its request comes
+back). The rid keeps one matcher per request even where a row's `input_ids` is a property
+that may build a new array each step (an array key would then replay every token). Masks cost ~20 us a token on
 a 49k vocabulary (SmolLM2, AMD EPYC dev VM); llguidance is a Rust crate as well, which the Rust
 service can use directly.
 
@@ -139,7 +139,7 @@ class GrammarBank:
         self.model_path = str(model_path)
         self.vocab_size = vocab_size
         self._tokenizer: Any = None
-        self._states: dict[tuple[str, int], _State] = {}
+        self._states: dict[tuple[str, int, str, str], _State] = {}
         self._calls = 0
         self._grammars: dict[tuple[str, str], Any] = {}  # compiled, the newest MAX_GRAMMARS
 
@@ -154,7 +154,8 @@ class GrammarBank:
 
     def _state(self, row: ConstrainedRow, fmt: ResponseFormat) -> _State:
         rid = getattr(row, "rid", None)
-        key = ("rid", rid) if isinstance(rid, int) else ("ids", id(row.input_ids))
+        owner = ("rid", rid) if isinstance(rid, int) else ("ids", id(row.input_ids))
+        key = (*owner, fmt.kind, fmt.schema)  # a reused rid with another format: a new matcher
         state = self._states.get(key)
         if state is None:
             import llguidance
@@ -167,7 +168,7 @@ class GrammarBank:
                 grammar = self._grammars[key] = fmt.grammar()
             state = _State(llguidance.LLMatcher(self._lltokenizer(), grammar))
             self._states[key] = state
-            if key[0] == "ids":
+            if owner[0] == "ids":
                 weakref.finalize(row.input_ids, self._states.pop, key, None)
         state.seen = self._calls
         return state
