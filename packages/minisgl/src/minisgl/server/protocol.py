@@ -83,7 +83,8 @@ DEFAULT_ONLY: dict[str, tuple] = {
     "functions": (None,),
     "function_call": (None, "none"),
 }
-IGNORED = {"user", "store", "metadata", "service_tier"}
+# parallel_tool_calls: validated on chat (with tools), ignored on completions as before
+IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 MAX_N = 128
 MAX_LOGIT_BIAS = 1024
 
