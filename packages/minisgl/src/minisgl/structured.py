@@ -1,10 +1,14 @@
 """Grammar-constrained decoding: `response_format` JSON object / JSON schema via llguidance.
 
 `ResponseFormat.parse(raw)` validates an OpenAI `response_format` (a ValueError names the
-field); the sampler asks a `GrammarBank` for the allowed tokens of each constrained row, and
-only those rows pay. A row's matcher lives as long as its request's `input_ids` array (a weak
-reference ends it: no registry to leak) and catches up with the row's committed outputs before
-each mask, so it works for any request type that has `output_ids`. Masks cost ~20 us a token on
+field), or the internal `{"type": "grammar", "grammar": <lark>}` that tool calling builds
+(`minisgl.tools`; the HTTP API does not take it from clients); the sampler asks a `GrammarBank` for the allowed tokens of each constrained row, and
+only those rows pay. A row's matcher is keyed by its request id (`rid`; else its `input_ids`
+array, ended by a weak reference) and its format, and catches up with the row's committed
+outputs before each mask, so it works for any request type that has `output_ids`; one not
+asked for during `IDLE_CALLS` masks is dropped (rebuilt, by catching up, if its request comes
+back). The rid keeps one matcher per request even where a row's `input_ids` is a property
+that may build a new array each step (an array key would then replay every token). Masks cost ~20 us a token on
 a 49k vocabulary (SmolLM2, AMD EPYC dev VM); llguidance is a Rust crate as well, which the Rust
 service can use directly.
 
@@ -24,16 +28,19 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-KINDS = ("json_object", "json_schema")
+KINDS = ("json_object", "json_schema", "grammar")
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+MAX_GRAMMARS = 256
+IDLE_CALLS = 4096  # `allowed` calls after which a matcher nobody asked for is dropped
 
 
 @dataclass(frozen=True)
 class ResponseFormat:
-    """A validated `response_format`: its kind and the JSON schema text it constrains to."""
+    """A validated `response_format`: its kind and what it constrains to (the JSON schema's
+    canonical text, or a llguidance lark grammar)."""
 
-    kind: Literal["json_object", "json_schema"]
-    schema: str  # canonical JSON text
+    kind: Literal["json_object", "json_schema", "grammar"]
+    schema: str  # canonical JSON text; the lark grammar for kind "grammar"
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | ResponseFormat) -> ResponseFormat | None:
@@ -47,6 +54,8 @@ class ResponseFormat:
             return None
         if kind == "json_object":
             return cls("json_object", JSON_OBJECT_SCHEMA)
+        if kind == "grammar":
+            return cls.lark(raw.get("grammar"))
         if kind != "json_schema":
             raise ValueError(
                 f"response_format.type must be one of text, json_object, json_schema; got {kind!r}"
@@ -62,16 +71,35 @@ class ResponseFormat:
         fmt.check()
         return fmt
 
+    @classmethod
+    def lark(cls, grammar: Any) -> ResponseFormat:
+        """A llguidance lark grammar (it may embed JSON schemas with `%json {...}`), checked."""
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise ValueError("response_format.grammar must be a non-empty lark grammar")
+        fmt = cls("grammar", grammar)
+        fmt.check()
+        return fmt
+
+    def to_json(self) -> dict[str, Any]:
+        """The OpenAI-shaped mapping that `parse` reads back (what travels on the wire)."""
+        if self.kind == "grammar":
+            return {"type": "grammar", "grammar": self.schema}
+        if self.kind == "json_object":
+            return {"type": "json_object"}
+        return {"type": "json_schema", "json_schema": {"schema": json.loads(self.schema)}}
+
     def grammar(self) -> str:
         import llguidance
 
+        if self.kind == "grammar":
+            return llguidance.LLMatcher.grammar_from_lark(self.schema)
         return llguidance.LLMatcher.grammar_from_json_schema(
             self.schema, defaults={"whitespace_flexible": False}
         )
 
     def check(self) -> None:
-        """The schema compiles (without a tokenizer): else a ValueError with llguidance's
-        reason."""
+        """The schema or grammar compiles (without a tokenizer): else a ValueError with
+        llguidance's reason."""
         import llguidance
 
         try:
@@ -79,7 +107,12 @@ class ResponseFormat:
         except (ValueError, TypeError, RuntimeError) as exc:
             message = str(exc) or type(exc).__name__
         if message:
-            raise ValueError(f"response_format.json_schema: unsupported schema: {message}")
+            what = (
+                "grammar: invalid grammar"
+                if self.kind == "grammar"
+                else ("json_schema: unsupported schema")
+            )
+            raise ValueError(f"response_format.{what}: {message}")
 
 
 class ConstrainedRow(Protocol):
@@ -96,6 +129,7 @@ class _State:
     matcher: Any  # llguidance.LLMatcher
     consumed: list[int] = field(default_factory=list)
     error: str | None = None
+    seen: int = 0  # the bank's call count when it was last asked for
 
 
 class GrammarBank:
@@ -105,8 +139,9 @@ class GrammarBank:
         self.model_path = str(model_path)
         self.vocab_size = vocab_size
         self._tokenizer: Any = None
-        self._states: dict[int, _State] = {}
-        self._grammars: dict[str, Any] = {}
+        self._states: dict[tuple[str, int, str, str], _State] = {}
+        self._calls = 0
+        self._grammars: dict[tuple[str, str], Any] = {}  # compiled, the newest MAX_GRAMMARS
 
     def _lltokenizer(self) -> Any:
         if self._tokenizer is None:
@@ -118,18 +153,33 @@ class GrammarBank:
         return self._tokenizer
 
     def _state(self, row: ConstrainedRow, fmt: ResponseFormat) -> _State:
-        key = id(row.input_ids)
+        rid = getattr(row, "rid", None)
+        owner = ("rid", rid) if isinstance(rid, int) else ("ids", id(row.input_ids))
+        key = (*owner, fmt.kind, fmt.schema)  # a reused rid with another format: a new matcher
         state = self._states.get(key)
         if state is None:
             import llguidance
 
-            grammar = self._grammars.get(fmt.schema)
+            key = (fmt.kind, fmt.schema)
+            grammar = self._grammars.get(key)
             if grammar is None:
-                grammar = self._grammars[fmt.schema] = fmt.grammar()
+                if len(self._grammars) >= MAX_GRAMMARS:  # each tool set is its own grammar
+                    del self._grammars[next(iter(self._grammars))]
+                grammar = self._grammars[key] = fmt.grammar()
             state = _State(llguidance.LLMatcher(self._lltokenizer(), grammar))
             self._states[key] = state
-            weakref.finalize(row.input_ids, self._states.pop, key, None)
+            if owner[0] == "ids":
+                weakref.finalize(row.input_ids, self._states.pop, key, None)
+        state.seen = self._calls
         return state
+
+    def _evict_idle(self) -> None:
+        self._calls += 1
+        if self._calls % 256:
+            return
+        stale = [k for k, st in self._states.items() if self._calls - st.seen > IDLE_CALLS]
+        for k in stale:
+            del self._states[k]
 
     def _catch_up(self, state: _State, outputs: Sequence[int]) -> None:
         done = state.consumed
@@ -148,6 +198,7 @@ class GrammarBank:
         """bool [len(rows), vocab]: the tokens each row may sample next."""
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
+        self._evict_idle()
         masks = allocate_token_bitmask(len(rows), self.vocab_size)
         for i, (row, fmt) in enumerate(zip(rows, formats, strict=True)):
             state = self._state(row, fmt)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -40,6 +41,16 @@ from minisgl.server.args import ServerArgs
 from minisgl.server.metrics import Metrics
 from minisgl.server.openapi import request_bodies
 from minisgl.server.protocol import APIError, Parsed, parse_chat, parse_completion
+from minisgl.tools import (
+    ArgsDelta,
+    CallStart,
+    ContentDelta,
+    Event,
+    ToolCallParser,
+    ToolFormat,
+    parse_tool_calls,
+)
+from minisgl.tools.render import ChatRenderer
 from minisgl.utils.log import get_logger
 
 logger = get_logger(__name__)
@@ -139,6 +150,7 @@ class Frontend:
         self.reqs: dict[int, ReqState] = {}
         self.uids = itertools.count(1)
         self.metrics = Metrics()
+        self.renderer = ChatRenderer(model_path)  # chats with tools: tokenizer loaded on use
         self.loop: asyncio.AbstractEventLoop | None = None
         self.unhealthy: str | None = None
         self.serving = False
@@ -425,12 +437,14 @@ def coalesce(job: Job, item: Item) -> Item:
 
 @dataclass(frozen=True)
 class Reply:
-    """What every response of one request shares."""
+    """What every response of one request shares (`tools`: the format its tool calls are
+    parsed in; None when the request has no tools or tool_choice is "none")."""
 
     chat: bool
     id: str
     created: int
     model: str
+    tools: ToolFormat | None = None
 
     def error(self, e: APIError) -> APIError:
         """The engine names the prompt 'prompt'; on the chat endpoint it is 'messages'."""
@@ -480,9 +494,9 @@ async def complete_response(fe: Frontend, request: Request, parsed: Parsed, repl
         content = "".join(parts)
         lp = lps[i]
         if reply.chat:
-            msg = {"role": "assistant", "content": content}
+            msg, fin = assistant_message(reply.tools, content, finish[i])
             lp = None if lp is None else chat_logprobs(lp)
-            choices.append({"index": i, "message": msg, "logprobs": lp, "finish_reason": finish[i]})
+            choices.append({"index": i, "message": msg, "logprobs": lp, "finish_reason": fin})
         else:
             lp = None if lp is None else completion_logprobs(lp, 0)
             choices.append(
@@ -491,6 +505,36 @@ async def complete_response(fe: Frontend, request: Request, parsed: Parsed, repl
     out = reply.envelope(choices, "chat.completion" if reply.chat else "text_completion")
     out["usage"] = usage(job)
     return out
+
+
+def assistant_message(
+    fmt: ToolFormat | None, content: str, finish: str | None
+) -> tuple[dict, str | None]:
+    """The chat message of a whole answer and its finish reason (tool calls parsed out)."""
+    calls = parse_tool_calls(fmt, content) if fmt is not None else None
+    if calls is None or not calls.calls:
+        return {"role": "assistant", "content": content}, finish
+    msg = {
+        "role": "assistant",
+        "content": calls.content,
+        "tool_calls": [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls.calls
+        ],
+    }
+    return msg, "tool_calls" if finish == "stop" else finish
+
+
+def event_delta(ev: Event) -> dict:
+    """A tool-call parser event as an OpenAI stream delta."""
+    if isinstance(ev, ContentDelta):
+        return {"content": ev.text}
+    if isinstance(ev, CallStart):
+        call = {"index": ev.index, "id": ev.id, "type": "function",
+                "function": {"name": ev.name, "arguments": ""}}  # fmt: skip
+        return {"tool_calls": [call]}
+    assert isinstance(ev, ArgsDelta)
+    return {"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]}
 
 
 async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply: Reply):
@@ -515,11 +559,19 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
 
     offsets = [0] * len(job.states)  # completions: characters sent per choice
 
+    parsers = [ToolCallParser(reply.tools) if reply.tools else None for _ in job.states]
+    called = [False] * len(job.states)
+
     def chunk(
-        index: int, text: str | None, fin: str | None, role: bool = False, lp: list | None = None
+        index: int,
+        text: str | None,
+        fin: str | None,
+        role: bool = False,
+        lp: list | None = None,
+        tool: dict | None = None,
     ) -> bytes:
         if reply.chat:
-            delta: dict[str, Any] = {}
+            delta: dict[str, Any] = dict(tool or {})
             if role:
                 delta["role"] = "assistant"
             if text is not None:
@@ -556,11 +608,26 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
                     fe.complete(job, "error")
                     yield sse(reply.error(item.error).body())
                     break
-                if item.text or item.logprobs:
+                parser = parsers[item.index]
+                if parser is not None:  # tool calls: parser events, logprobs on the first
+                    events = parser.feed(item.text) if item.text else []
+                    if item.finish is not None:
+                        events += parser.finish()
+                    lp = item.logprobs
+                    for ev in events:
+                        called[item.index] |= isinstance(ev, CallStart)
+                        yield chunk(item.index, None, None, lp=lp, tool=event_delta(ev))
+                        lp = None
+                    if lp:
+                        yield chunk(item.index, None, None, lp=lp)
+                elif item.text or item.logprobs:
                     yield chunk(item.index, item.text, None, lp=item.logprobs)
                 if item.finish is not None:
                     fe.settle(st)
-                    yield chunk(item.index, None if reply.chat else "", item.finish)
+                    fin = item.finish
+                    if called[item.index] and fin == "stop":
+                        fin = "tool_calls"
+                    yield chunk(item.index, None if reply.chat else "", fin)
                     left -= 1
                     if not left:
                         fe.complete(job, "ok")
@@ -696,7 +763,10 @@ def create_app(fe: Frontend) -> FastAPI:
         parsed = parse_chat(
             body, fe.model_names, fe.info["max_seq_len"], fe.info.get("max_token_chars", 0)
         )
-        return await serve(request, parsed, chat=True)
+        fmt = None
+        if parsed.tools is not None:
+            parsed, fmt = await asyncio.to_thread(with_tools, fe.renderer, parsed)
+        return await serve(request, parsed, chat=True, tools=fmt)
 
     @app.post("/v1/completions", openapi_extra=bodies["completions"])
     async def completions(request: Request):
@@ -706,11 +776,33 @@ def create_app(fe: Frontend) -> FastAPI:
         )
         return await serve(request, parsed, chat=False)
 
-    async def serve(request: Request, parsed: Parsed, chat: bool):
+    async def serve(request: Request, parsed: Parsed, chat: bool, tools: ToolFormat | None = None):
         prefix = "chatcmpl-" if chat else "cmpl-"
-        reply = Reply(chat, prefix + uuid.uuid4().hex[:24], int(time.time()), fe.model_name)
+        reply = Reply(chat, prefix + uuid.uuid4().hex[:24], int(time.time()), fe.model_name, tools)
         if parsed.stream:
             return await stream_response(fe, request, parsed, reply)
         return await complete_response(fe, request, parsed, reply)
 
     return app
+
+
+def with_tools(renderer: ChatRenderer, parsed: Parsed) -> tuple[Parsed, ToolFormat | None]:
+    """A chat with tools as token ids (rendered here, so every control plane gets the same
+    prompt) under its tools' grammar, and the format its calls are parsed in (None: "none").
+    Runs off the event loop (the tokenizer loads on first use)."""
+    use = parsed.tools
+    assert use is not None
+    try:
+        fmt = renderer.tool_format()
+        ids = renderer.render_ids(parsed.prompt, use.tools)
+    except Exception as e:  # a template that fails on these messages
+        raise APIError(400, f"cannot render the chat with its tools: {e}", "messages") from None
+    try:
+        grammar = fmt.response_format(use.tools, use.choice)
+    except ValueError as e:
+        raise APIError(400, f"the tools give no valid grammar: {e}", "tools") from None
+    params = parsed.params
+    if grammar is not None:
+        params = dataclasses.replace(params, response_format=json.dumps(grammar.to_json()))
+    parsed = dataclasses.replace(parsed, kind="ids", prompt=ids, params=params)
+    return parsed, fmt if grammar is not None else None

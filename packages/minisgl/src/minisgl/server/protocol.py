@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minisgl.message.schema import WireParams
+from minisgl.tools.spec import ToolChoice, ToolError, ToolUse, parse_tool_choice, parse_tools
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -67,7 +68,8 @@ COMMON = {
     "min_tokens",
     "response_format",
 }
-CHAT = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+CHAT = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                 "tool_choice", "parallel_tool_calls"}  # fmt: skip
 COMPLETION = COMMON | {"prompt", "logprobs"}
 MAX_LOGPROBS = 20
 
@@ -81,6 +83,7 @@ DEFAULT_ONLY: dict[str, tuple] = {
     "functions": (None,),
     "function_call": (None, "none"),
 }
+# parallel_tool_calls: validated on chat (with tools), ignored on completions as before
 IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 MAX_N = 128
 MAX_LOGIT_BIAS = 1024
@@ -99,6 +102,7 @@ class Parsed:
     model: str
     n: int = 1
     continuous_usage: bool = False
+    tools: ToolUse | None = None  # chat with tools or earlier tool calls: rendered by the server
 
     def choice_params(self, uids: list[int]) -> list[WireParams]:
         """The parameters of each of the n choices: a seeded request gives choice i the seed
@@ -328,7 +332,7 @@ class Common:
     model: str
     n: int
 
-    def parsed(self, kind: str, prompt: Any) -> Parsed:
+    def parsed(self, kind: str, prompt: Any, tools: ToolUse | None = None) -> Parsed:
         return Parsed(
             kind,
             prompt,
@@ -338,6 +342,7 @@ class Common:
             self.model,
             self.n,
             self.continuous_usage,
+            tools,
         )
 
 
@@ -443,12 +448,7 @@ def parse_chat(
                 f"messages[{i}].role must be system, user, assistant or tool, got {role!r}",
                 f"messages[{i}].role",
             )
-        if m.get("tool_calls"):
-            raise _bad(
-                f"messages[{i}].tool_calls: tool calls are not supported by this server",
-                f"messages[{i}].tool_calls",
-                "unsupported_parameter",
-            )
+        calls = _tool_calls(m.get("tool_calls"), i) if role == "assistant" else None
         content = m.get("content")
         if content is None:
             content = ""
@@ -473,10 +473,68 @@ def parse_chat(
                 f"messages[{i}].content",
                 "invalid_type",
             )
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                               "content": content}  # fmt: skip
+        if calls:
+            msg["tool_calls"] = calls
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if isinstance(m.get(key), str):
+                    msg[key] = m[key]
+        out.append(msg)
     chars = sum(len(m["content"]) for m in out)
     check_text_length(chars, max_seq_len, max_token_chars, "messages")
-    return common.parsed("chat", out)
+    tools = _tool_use(body, common, any("tool_calls" in m for m in out))
+    return common.parsed("chat", out, tools)
+
+
+def _tool_use(body: dict, common: Common, history_calls: bool) -> ToolUse | None:
+    """The request's tools and tool_choice (None: a plain chat the tokenizer renders)."""
+    try:
+        tools = parse_tools(body.get("tools"))
+        choice = parse_tool_choice(body.get("tool_choice"), tools, body.get("parallel_tool_calls"))
+    except ToolError as exc:
+        raise _bad(str(exc), exc.param) from None
+    if not tools and not history_calls:
+        return None
+    if choice.mode != "none":
+        if common.params.response_format is not None:
+            raise _bad(
+                "response_format cannot combine with tools unless tool_choice is 'none' (the "
+                "tool calls have their own grammar)",
+                "response_format",
+            )
+        if common.params.ignore_eos:
+            raise _bad("ignore_eos cannot combine with tools: a tool call ends with EOS", "tools")
+    return ToolUse(tools, choice if tools else ToolChoice("none"))
+
+
+def _tool_calls(v: Any, i: int) -> list[dict] | None:
+    """An assistant message's earlier `tool_calls`, arguments parsed (as templates read them)."""
+    if v is None or v == []:
+        return None
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(v, list):
+        raise _bad(f"{where} must be a list", where, "invalid_type")
+    out = []
+    for call in v:
+        fn = call.get("function") if isinstance(call, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        args = fn.get("arguments", "{}") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not isinstance(args, str | dict):
+            raise _bad(
+                f"{where}: each call needs function.name and function.arguments (a JSON string)",
+                where,
+            )
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise _bad(f"{where}: function.arguments is not valid JSON", where) from None
+        cid = call.get("id")
+        out.append({"id": cid if isinstance(cid, str) else "", "type": "function",
+                    "function": {"name": name, "arguments": args}})  # fmt: skip
+    return out
 
 
 def parse_completion(
