@@ -131,9 +131,10 @@ def test_the_gpu_worker_runs_the_service_steps_through_the_runtime(
         service.close()
     assert recorded, "the offline rust_service API ran no step through Runtime.execute"
     assert not hasattr(gpu_worker, "StepRunner"), "the GPU worker still has its own step runner"
+    replay = list(recorded)  # the replay below records too
     fresh = LLM(tiny_llama, overlap=False, **KW)  # the server's GPU worker: the same object
     try:
-        for step, tokens in recorded:
+        for step, tokens in replay:
             res = gpu_worker.run_step(fresh.runtime, step)
             assert res.fatal is None and res.tokens.tolist() == tokens
     finally:
