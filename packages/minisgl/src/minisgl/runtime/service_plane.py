@@ -20,6 +20,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ from minisgl.message.schema import (
     Ready,
     Reject,
     Shutdown,
+    Stats,
     Step,
     StepResult,
     TokenizeReq,
@@ -130,12 +132,16 @@ class ServicePlane:
         self.engine = engine
         self.codec = Codec(True)
         self.live: dict[int, _Live] = {}
+        self.stats: dict[str, Any] = {}  # the service's last `Stats` snapshot
         self.ipc_dir = ipc.make_ipc_dir(os.environ.get("MINISGL_IPC_ROOT"))
         self.ctx = zmq.Context()
         self.inbox = ipc.pull(self.ctx, self.ipc_dir, ipc.FRONTEND)
         self.work = ipc.pull(self.ctx, self.ipc_dir, ipc.worker_name(0))
         self.to_service = ipc.push(self.ctx, self.ipc_dir, ipc.SERVICE)
         self.to_steps = ipc.push(self.ctx, self.ipc_dir, ipc.STEPS)
+        self.poller = zmq.Poller()
+        for sock in (self.work, self.inbox):
+            self.poller.register(sock, zmq.POLLIN)
         cmd = service_command(limits, model_path, self.ipc_dir, num_workers=1, depth=depth + 1)
         self.proc = ServiceProcess(cmd)
         self.proc.start()
@@ -151,6 +157,14 @@ class ServicePlane:
     @property
     def service_pid(self) -> int | None:
         return self.proc.pid
+
+    def service_cpu_s(self) -> float:
+        """CPU seconds the service process has used so far (0 where /proc is missing)."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def _handshake(self) -> None:
         hello = WorkerHello(0, os.getpid(), engine_info(self.engine))
@@ -210,15 +224,17 @@ class ServicePlane:
         errors: dict[int, str] = {}
         while self.live and not outs and not errors:
             self._check_alive()
-            frames = ipc.drain(self.work, 0)
-            for frame in frames:
+            ready = dict(self.poller.poll(POLL_MS))
+            for frame in ipc.drain(self.work, 0) if self.work in ready else ():
                 msg = self.codec.decode(frame)
                 if isinstance(msg, Step):
                     self.to_steps.send(self.codec.encode(self.execute(msg)))
-            for frame in ipc.drain(self.inbox, 0 if frames else POLL_MS):
+            for frame in ipc.drain(self.inbox, 0) if self.inbox in ready else ():
                 msg = self.codec.decode(frame)
                 if isinstance(msg, DetokOut):
                     self._confirm(msg, outs, lps)
+                elif isinstance(msg, Stats):
+                    self.stats = msg.data
                 elif isinstance(msg, Reject) and self.live.pop(msg.uid, None) is not None:
                     errors[msg.uid] = msg.message
                     self.steps.released.pop(msg.uid, None)
@@ -244,6 +260,17 @@ class ServicePlane:
             if finished is not None:
                 del self.live[uid]
                 self.steps.released.pop(uid, None)
+
+    def fresh_stats(self, timeout_s: float = 1.5) -> dict[str, Any]:
+        """The next `Stats` snapshot the service sends (idle: within a second)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for frame in ipc.drain(self.inbox, POLL_MS):
+                msg = self.codec.decode(frame)
+                if isinstance(msg, Stats):
+                    self.stats = msg.data
+                    return self.stats
+        return self.stats
 
     def drain(self, fail: bool = False) -> list[StepBatch]:
         return []

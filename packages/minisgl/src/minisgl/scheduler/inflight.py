@@ -19,6 +19,7 @@ from minisgl.scheduler.request import (
     Req,
     StepOutput,
 )
+from minisgl.scheduler.state import Inflight
 
 
 @dataclass(frozen=True)
@@ -42,16 +43,6 @@ class AheadCommit:
     step: int
     outputs: list[StepOutput]
     finished: list[tuple[int, list[int]]]
-
-
-@dataclass(frozen=True)
-class Inflight:
-    step: int
-    reqs: list[Req]
-    slots: np.ndarray  # of `reqs`
-    sample_rows: np.ndarray
-    reads: np.ndarray  # every KV location the step reads or writes
-    deferred_free: list[np.ndarray]  # duplicate location runs to free on commit
 
 
 class InFlight(Admission, Decode):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from operator import attrgetter
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -21,8 +21,17 @@ from minisgl.scheduler.request import Req
 from minisgl.scheduler.slots import SlotTable
 from minisgl.scheduler.stats import KvUsage, SchedulerStats
 
-if TYPE_CHECKING:
-    from minisgl.scheduler.inflight import Inflight
+
+@dataclass(frozen=True)
+class Inflight:
+    """A step scheduled ahead and not yet committed (pipelined mode)."""
+
+    step: int
+    reqs: list[Req]
+    slots: np.ndarray  # of `reqs`
+    sample_rows: np.ndarray
+    reads: np.ndarray  # every KV location the step reads or writes
+    deferred_free: list[np.ndarray]  # duplicate location runs to free on commit
 
 
 class SchedulerState:
