@@ -25,6 +25,7 @@ from minisgl.message.schema import Step, StepResult
 from minisgl.runtime.device_step import DeviceStep
 from minisgl.runtime.local import LocalPlane
 from minisgl.runtime.loop import StepBatch, StepLoop, overlap_disabled, pipelined
+from minisgl.runtime.plane import ControlPlane
 from minisgl.runtime.service_steps import ServiceSteps
 from minisgl.sampler import request_key
 from minisgl.scheduler import cpu_backend
@@ -56,7 +57,7 @@ class Runtime:
         self.scheduler = sched
         self.loop = StepLoop(sched, self.device, stream, depth)
         self.local = LocalPlane(sched, self.loop, engine.max_seq_len)
-        self.plane: Any = self.local  # LocalPlane | ServicePlane
+        self.plane: ControlPlane = self.local
         self.steps = ServiceSteps(self.device)  # the steps a Rust service sends
         self._rids = itertools.count(1)  # 0 is "no leader" on the wire
 

@@ -19,7 +19,6 @@ import shutil
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -100,11 +99,6 @@ def wire_params(p: SamplingParams, leader: int | None) -> WireParams:
     )
 
 
-@dataclass
-class _Live:
-    emitted: int = 0  # tokens confirmed so far
-
-
 def _stop_service(proc: ServiceProcess, ipc_dir: str, ctx: zmq.Context, to_service: Any) -> None:
     """Shutdown, then SIGKILL after 2 s; the ipc dir removed. Idempotent, safe at exit."""
     if proc.is_alive():
@@ -131,7 +125,7 @@ class ServicePlane:
         self.execute = execute  # `Runtime.execute`: what the server's GPU worker runs
         self.engine = engine
         self.codec = Codec(True)
-        self.live: dict[int, _Live] = {}
+        self.live: dict[int, int] = {}  # rid -> its tokens confirmed so far
         self.stats: dict[str, Any] = {}  # the service's last `Stats` snapshot
         self.ipc_dir = ipc.make_ipc_dir(os.environ.get("MINISGL_IPC_ROOT"))
         self.ctx = zmq.Context()
@@ -203,7 +197,7 @@ class ServicePlane:
         )
         msg = TokenizeReq(rid, "ids", ids.tolist(), wire_params(params, leader))
         self.to_service.send(self.codec.encode(msg))
-        self.live[rid] = _Live()
+        self.live[rid] = 0
 
     def abort(self, rid: int) -> None:
         if self.live.pop(rid, None) is not None:
@@ -246,13 +240,13 @@ class ServicePlane:
         self, msg: DetokOut, outs: list[StepOutput], lps: list[TokenLogprob | None]
     ) -> None:
         for uid, count, finished in zip(msg.uids, msg.counts, msg.finished, strict=True):
-            live = self.live.get(uid)
+            done = self.live.get(uid)
             req = self.steps.get(uid)
-            if live is None or req is None:
+            if done is None or req is None:
                 continue
-            new = req.output_ids[live.emitted : live.emitted + count]
-            new_lps = req.logprobs[live.emitted : live.emitted + count] if req.logprobs else []
-            live.emitted += count
+            new = req.output_ids[done : done + count]
+            new_lps = req.logprobs[done : done + count] if req.logprobs else []
+            self.live[uid] = done + count
             for k, tok in enumerate(new):
                 last = k == len(new) - 1
                 outs.append(StepOutput(uid, tok, finished if last else None))
