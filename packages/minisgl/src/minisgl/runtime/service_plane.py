@@ -170,7 +170,10 @@ class ServicePlane:
             if time.monotonic() > deadline:
                 raise TimeoutError("the Rust service did not report ready")
             for frame in ipc.drain(self.work, POLL_MS):
-                acked |= isinstance(self.codec.decode(frame), HelloAck)
+                msg = self.codec.decode(frame)
+                if isinstance(msg, HelloAck):  # the stop tokens `min_tokens` masks, as served
+                    self.steps.device.eos = frozenset(int(t) for t in msg.eos_token_ids)
+                    acked = True
             for frame in ipc.drain(self.inbox, 0):
                 msg = self.codec.decode(frame)
                 if isinstance(msg, Ready):
