@@ -1,4 +1,4 @@
-"""Overlap scheduling in-process (`minisgl.overlap`): the loop that schedules step N+1 while
+"""Overlap scheduling in-process (`minisgl.runtime.loop`, depth 1): the loop that schedules step N+1 while
 the device runs step N gives the serial loop's tokens (and HF's, greedy fp32) across EOS,
 stop ids, stop strings, max_tokens, aborts in flight, chunked prefill, prefix sharing and
 batch sizes, on a fake device stream (a worker thread, and a slow one); no step writes KV
@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 
 from minisgl import LLM, SamplingParams
 from minisgl.engine.stream import InlineStream, ThreadStream, make_stream
-from minisgl.overlap import OverlapLoop
+from minisgl.runtime.device_step import DeviceStep
+from minisgl.runtime.local import LocalPlane
+from minisgl.runtime.loop import StepLoop
 from minisgl.scheduler.plan import FlatStep, PlanLayout
 from minisgl.scheduler.request import DROPPED, FINISH_REASONS, StepOutput, validate_request
 from minisgl.scheduler.scheduler import Scheduler
@@ -39,8 +41,7 @@ def make_llm(path, stream: str | None, **kw) -> LLM:
     if stream is None:
         return LLM(path, overlap=False, **kw)
     llm = LLM(path, overlap=True, device_stream=stream, **kw)
-    assert llm.overlap is not None and llm.overlap.stream.name == stream
-    llm.overlap.close()
+    assert llm.runtime.depth == 1 and llm.runtime.loop.stream.name == stream
     watch(llm, stream)  # KV integrity after every schedule and commit
     return llm
 
@@ -72,11 +73,11 @@ def test_make_stream_specs():
 def test_env_switches_overlap_off(tiny_model_dir, monkeypatch):
     kw = dict(num_pages=64, max_seq_len_override=64, sim_device="0,0")
     monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "1")
-    assert LLM(tiny_model_dir("llama"), **kw).overlap is None
+    assert LLM(tiny_model_dir("llama"), **kw).runtime.depth == 0
     monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0")
     llm = LLM(tiny_model_dir("llama"), **kw)
-    assert llm.overlap is not None and llm.overlap.stream.name == "thread"  # sim: auto
-    llm.overlap.close()
+    assert llm.runtime.depth == 1 and llm.runtime.loop.stream.name == "thread"  # sim: auto
+    llm.close()
 
 
 # --------------------------------------------------------------------------- parity
@@ -164,7 +165,7 @@ def test_overlap_matches_serial_on_every_scenario(eos_model, cfg, streams):
         got = {name: run(llm, *case) for name, case in cases.items()}
         for name in cases:
             assert got[name] == want[name], (stream, name)
-        llm.overlap.close()
+        llm.close()
 
 
 @pytest.mark.slow
@@ -217,15 +218,22 @@ class Watched:
         return self.sched.num_inflight
 
 
+def install(llm: LLM, sched, stream: str, engine=None, loop_sched=None) -> StepLoop:
+    """`llm` on `sched`, stepped at depth 1 on `stream` through `loop_sched` (a wrapper of
+    `sched`; default itself) and `engine`'s device steps (default its own)."""
+    rt = llm.runtime
+    rt.loop.close()
+    device = DeviceStep(engine or llm.engine, llm.eos_token_ids, llm.config.max_running_requests)
+    stepped = sched if loop_sched is None else loop_sched
+    rt.loop = StepLoop(stepped, device, make_stream(stream, llm.engine.device), depth=1)
+    rt.scheduler = sched
+    rt.local = rt.plane = LocalPlane(sched, rt.loop, llm.engine.max_seq_len)
+    return rt.loop
+
+
 def watch(llm: LLM, stream: str) -> Watched:
     w = Watched(llm.scheduler)
-    llm.overlap = OverlapLoop(
-        w,
-        llm.engine,
-        llm.eos_token_ids,
-        make_stream(stream, llm.engine.device),
-        llm.config.max_running_requests,
-    )
+    install(llm, llm.scheduler, stream, loop_sched=w)
     return w
 
 
@@ -248,7 +256,7 @@ def abort_scenario(llm: LLM, abort_after: int) -> dict[int, list[int]]:
     step_until(llm, abort_after, got)
     free_before = sched.kv_usage()["free_pages"]
     assert sched.abort(a)
-    if llm.overlap is not None:
+    if llm.runtime.depth:
         assert sched.kv_usage()["free_pages"] == free_before, (
             "KV integrity: the abort freed pages a step in flight reads"
         )
@@ -265,10 +273,10 @@ def test_abort_in_flight_never_frees_pages_a_step_reads(tiny_model_dir, stream, 
     want = abort_scenario(make_llm(tiny_model_dir("llama"), None, **TIGHT), abort_after)
     llm = make_llm(tiny_model_dir("llama"), stream, **TIGHT)
     got = abort_scenario(llm, abort_after)
-    assert llm.overlap.sched.steps > 40
+    assert llm.runtime.loop.sched.steps > 40
     assert got == want
     assert len(got[max(got)]) == 40
-    llm.overlap.close()
+    llm.close()
 
 
 class EagerRelease(Scheduler):
@@ -287,7 +295,7 @@ class EagerRelease(Scheduler):
 def test_the_watch_catches_pages_freed_under_an_inflight_step(tiny_model_dir):
     llm = make_llm(tiny_model_dir("llama"), "inline", **TIGHT)
     s = llm.scheduler
-    llm.scheduler = EagerRelease(
+    eager = EagerRelease(
         num_pages=s.alloc.num_pages,
         page_size=4,
         max_seq_len=64,
@@ -296,10 +304,10 @@ def test_the_watch_catches_pages_freed_under_an_inflight_step(tiny_model_dir):
         cache_type="radix",
         eos_token_ids=sorted(llm.eos_token_ids),
     )
-    watch(llm, "thread")
+    install(llm, eager, "thread", loop_sched=Watched(eager))
     with pytest.raises(AssertionError, match="KV integrity|writes"):
         abort_scenario(llm, 2)
-    llm.overlap.close()
+    llm.close()
 
 
 class Failing:
@@ -321,15 +329,7 @@ def test_a_failing_device_step_aborts_everything_and_returns_every_page(tiny_mod
     llm = make_llm(tiny_model_dir("llama"), None, sim_device="0,0", num_pages=128, page_size=4)
     prompts = random_prompts(4, 5, 30, seed=12)
     want = llm.generate(prompts, SamplingParams(max_tokens=9, ignore_eos=True))
-    engine = Failing(llm.engine, fail_at=4)
-    loop = OverlapLoop(
-        llm.scheduler,
-        engine,
-        llm.eos_token_ids,
-        make_stream(stream, engine.device),
-        llm.config.max_running_requests,
-    )
-    llm.overlap = loop
+    loop = install(llm, llm.scheduler, stream, Failing(llm.engine, fail_at=4))
     with pytest.raises(RuntimeError, match="device lost"):
         llm.generate(prompts, SamplingParams(max_tokens=9, ignore_eos=True))
     assert_kv_clean(llm)
@@ -353,7 +353,7 @@ def sim_pair(tiny_model_dir):
     overlap = {s: make_llm(tiny_model_dir("llama"), s, **cfg) for s in ("thread", "slow:1")}
     yield serial, overlap
     for llm in overlap.values():
-        llm.overlap.close()
+        llm.close()
 
 
 def drive(llm: LLM, reqs, aborts: dict[int, int]) -> dict[int, list[int]]:
@@ -464,7 +464,7 @@ class CorePipelined:
         return self.c.num_inflight
 
 
-def drive_loop(loop: OverlapLoop, add, retire, reqs, aborts) -> dict[int, list[int]]:
+def drive_loop(loop: StepLoop, add, retire, reqs, aborts) -> dict[int, list[int]]:
     for rid, (p, sp) in enumerate(reqs):
         add(rid, p, sp)
     got: dict[int, list[int]] = {i: [] for i in range(len(reqs))}
@@ -514,7 +514,8 @@ def test_the_rust_core_pipelined_mode_drives_the_overlap_loop(tiny_model_dir, st
         ),
         (core, core.add, lambda r: core.c.retire(r, True), core.c.check_integrity),
     ):
-        loop = OverlapLoop(sched, engine, frozenset(), make_stream(stream, engine.device), 4)
+        device = DeviceStep(engine, frozenset(), 4)
+        loop = StepLoop(sched, device, make_stream(stream, engine.device), depth=1)
         outs.append(drive_loop(loop, add, retire, reqs, aborts))
         loop.close()
         check()

@@ -10,26 +10,17 @@ from typing import Any
 from minisgl.config import EngineConfig
 from minisgl.core import SamplingParams
 from minisgl.engine.sim import make_engine
-from minisgl.engine.stream import DeviceStream, make_stream
-from minisgl.overlap import OverlapLoop, overlap_disabled, pipelined
+from minisgl.engine.stream import DeviceStream
+from minisgl.runtime import Runtime, StepBatch
 from minisgl.sampler import TokenLogprob, request_key
-from minisgl.scheduler.backend import SchedulerBackend, SchedulerConfig
-from minisgl.scheduler.factory import make_scheduler
+from minisgl.scheduler.backend import SchedulerBackend
 from minisgl.scheduler.request import StepOutput
-from minisgl.utils.log import get_logger
-
-logger = get_logger(__name__)
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
 
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).replace("torch.", "")  # accepts torch.float16 as well as "float16"
-
-
-def _ramp(n: int, vocab: int, start: int = 0) -> list[int]:
-    """A prompt of n token ids counting up from start + 1 (mod vocab): the warm-up prompts."""
-    return [(start + j) % vocab for j in range(1, n + 1)]
 
 
 class LLM:
@@ -56,16 +47,20 @@ class LLM:
         device_stream: str | DeviceStream | None = None,
         enable_torch_compile: bool = False,
         threads: int | None = None,
+        cpu_backend: str | None = None,
         tp_size: int = 1,
     ) -> None:
         """`overlap`: schedule the next step while the device runs this one (default: on,
         unless `MINISGL_DISABLE_OVERLAP_SCHEDULING=1`; the serial loop for a backend without a
         pipelined mode). `device_stream`: where steps run then (`engine.stream.make_stream`).
         `enable_torch_compile`: decode steps through `torch.compile` (`engine/compiled.py`;
-        compiled here, before the first request: a minute or more on a CPU). `threads`: the process's thread budget
-        for torch and the tokenizer (`utils/threads.py`; each tensor-parallel rank's, by default the
-        cores split between the ranks). `tp_size`: tensor-parallel ranks, this process rank 0
-        and one process each for the others (`minisgl.distributed`); `close()` stops them."""
+        compiled here, before the first request: a minute or more on a CPU). `threads`: the
+        process's thread budget for torch and the tokenizer (`utils/threads.py`; each
+        tensor-parallel rank's, by default the cores split between the ranks).
+        `cpu_backend`: the control plane (default `MINISGL_CPU_BACKEND`, else python);
+        `rust_service` starts the server's Rust service for this `LLM` (`close()` stops it).
+        `tp_size`: tensor-parallel ranks, this process rank 0 and one process each for the
+        others (`minisgl.distributed`); `close()` stops them."""
         if model_path is None:
             from minisgl.default_model import default_model_path
 
@@ -95,67 +90,32 @@ class LLM:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        eos = set(self.engine.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)  # min_tokens masks them; the scheduler finishes on them
-        self.scheduler: SchedulerBackend = make_scheduler(
-            SchedulerConfig(
-                num_pages=self.engine.num_pages,
-                page_size=page_size,
-                max_seq_len=self.engine.max_seq_len,
-                max_running_requests=max_running_requests,
-                max_extend_tokens=max_extend_tokens,
-                cache_type=cache_type,
-                eos_token_ids=tuple(eos),
-            )
+        eos = self.tokenizer.eos_token_id
+        self.runtime = Runtime.build(
+            self.engine,
+            () if eos is None else (eos,),  # min_tokens masks them; the scheduler finishes on them
+            backend=cpu_backend,
+            overlap=overlap,
+            device_stream=device_stream,
         )
-        self.overlap: OverlapLoop | None = None
-        if overlap is None:
-            overlap = not overlap_disabled()
-        if overlap and pipelined(self.scheduler):
-            stream = device_stream
-            if stream is None or isinstance(stream, str):
-                simulated = getattr(self.engine, "simulated", False)
-                stream = make_stream(stream, self.engine.device, simulated)
-            self.overlap = OverlapLoop(
-                self.scheduler, self.engine, self.eos_token_ids, stream, max_running_requests
-            )
-            logger.info("overlap scheduling on (%s device stream)", stream.name)
-        elif overlap:
-            logger.info(
-                "overlap scheduling off: backend %s has no pipelined mode", self.scheduler.backend
-            )
+        self.eos_token_ids = self.runtime.eos_token_ids
         self.last_run: dict[str, float] = {}
-        self.last_logprobs: dict[int, TokenLogprob] = {}  # rid -> the last step's logprobs
-        self.last_errors: dict[int, str] = {}  # rid -> why the last step failed it
-        if getattr(self.engine, "compiled", None) is not None:
-            self._compile_graphs()
+        self.last_batch = StepBatch([], [], {})  # the last `step()`'s
 
-    def _compile_graphs(self) -> None:
-        """Compile the graphs before the first request (a compile mid-serving stalls every
-        running request, for a minute or more on a CPU): `CompiledPrefill`'s pieces by a
-        prefill of each of its lengths (dynamic in the token count: every later length of the
-        class runs on them), then `CompiledDecode`'s graphs by a decode of each of its batch
-        sizes (batch 1 is specialised; a quantized model's row classes), through the backend's
-        decode modes (the CPU kernel's paged steps; SDPA's workspace rebuilt and appended to)."""
-        t0 = time.perf_counter()
-        engine, config = self.engine, self.engine.config
-        vocab = engine.model_config.vocab_size
-        longest = engine.max_seq_len - 8
-        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        if engine.compiled_prefill is not None:  # prefills alone: no decode step
-            first = 0  # each prompt its own first token: no prefix hit shrinks a later step
-            for n in engine.compiled_prefill.compile_lengths(config.max_extend_tokens):
-                # one step of n tokens: prompts of at most `longest`
-                sizes = [min(longest, n - i) for i in range(0, n, longest)]
-                starts = range(first, first + len(sizes))
-                self.generate([_ramp(m, vocab, start=i) for i, m in zip(starts, sizes)], one)
-                first += len(sizes)
-        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        for bs in engine.compiled.compile_batches(config.max_running_requests):
-            self.generate([_ramp(8, vocab, start=i) for i in range(bs)], params)
-        logger.info("graphs compiled in %.1f s", time.perf_counter() - t0)
+    @property
+    def scheduler(self) -> SchedulerBackend:
+        return self.runtime.scheduler
+
+    def close(self) -> None:
+        """Stop the Rust service (`cpu_backend="rust_service"`), the device stream, the engine
+        (and its tensor-parallel ranks)."""
+        self.runtime.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ input
     def encode(self, prompt: Prompt) -> list[int]:
@@ -194,30 +154,22 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         encoded = [self.encode(p) for p in prompts]
-        # one choice per sample; choice j > 0 of a prompt is added once choice 0 is prefilled,
-        # so the prefix cache hands it the prompt's KV instead of recomputing it
+        # one choice per sample; choice j > 0 of a prompt waits for choice 0's prefill, so the
+        # prefix cache hands it the prompt's KV instead of recomputing it
         choices = [(i, j) for i, p in enumerate(params) for j in range(p.n)]
-        sched = self.scheduler
+        rt = self.runtime
         index: dict[int, int] = {}  # rid -> choice
-        held: dict[int, list[int]] = {}  # leader rid -> choices waiting for its prefill
-
-        def add(c: int) -> int:
-            i, j = choices[c]
-            p = params[i]
-            seed = None if p.seed is None else (p.seed + j) % 2**63
-            rid = sched.add_request(encoded[i], p, generator=request_key(seed))
-            index[rid] = c
-            return rid
-
+        leaders: dict[int, int] = {}  # prompt -> the rid of its choice 0
         try:
             for c, (i, j) in enumerate(choices):
-                if j == 0:
-                    rid = add(c)
-                    if params[i].n > 1:
-                        held[rid] = list(range(c + 1, c + params[i].n))
+                p = params[i]
+                seed = None if p.seed is None else (p.seed + j) % 2**63
+                rid = rt.add(encoded[i], p, leader=leaders.get(i), generator=request_key(seed))
+                leaders.setdefault(i, rid)
+                index[rid] = c
         except Exception:
             for rid in index:
-                sched.abort(rid)
+                rt.abort(rid)
             raise
         outputs: list[list[int]] = [[] for _ in choices]
         reasons: list[str | None] = [None] * len(choices)
@@ -229,37 +181,32 @@ class LLM:
         t0 = time.perf_counter()
         try:
             while any(r is None for r in reasons):
-                if not self.has_work():  # never spin: a request vanished without finishing
+                if not rt.has_work():  # never spin: a request vanished without finishing
                     lost = [rid for rid, c in index.items() if reasons[c] is None]
                     raise RuntimeError(f"requests {lost} left the scheduler without finishing")
-                step_out = self.step()
-                for rid, err in self.last_errors.items():
+                batch = rt.step()
+                self.last_batch = batch
+                for rid, err in batch.errors.items():
                     c = index.get(rid)
                     if c is not None:
                         reasons[c], errors[c] = "error", err
-                for out in step_out:
+                for out, lp in zip(batch.outputs, batch.logprobs, strict=True):
                     c = index.get(out.rid)
-                    if c is None:
+                    if c is None or reasons[c] is not None:
                         continue
                     outputs[c].append(out.token_id)
                     reasons[c] = out.finish_reason
-                    lp = self.last_logprobs.get(out.rid)
                     if lp is not None and logprobs[c] is not None:
                         logprobs[c].append(lp)
                     stops = params[choices[c][0]].stop_strings
-                    if stops and out.finish_reason is None:
+                    if stops:
                         text, hit = self._check_stop(outputs[c], stops)
-                        if hit:
-                            sched.finish(out.rid, "stop")
+                        if hit and out.finish_reason in (None, "stop"):
+                            rt.finish(out.rid, "stop")
                             reasons[c], texts[c] = "stop", text
-                for rid in [r for r in held if r in self.last_errors or r not in sched.requests
-                            or sched.requests[r].output_ids]:  # fmt: skip
-                    for c in held.pop(rid):
-                        add(c)
-            if self.overlap is not None:
-                self.overlap.drain()  # steps after the last finish: their tokens are dropped
+            rt.drain()  # steps after the last finish: their tokens are dropped
         except BaseException:
-            self.fail_all()
+            rt.fail_all()
             raise
         elapsed = time.perf_counter() - t0
         self.last_run = {"elapsed_s": elapsed, "output_tokens": sum(map(len, outputs))}
@@ -284,80 +231,25 @@ class LLM:
             results.append({**outs[0], "prompt_tokens": len(encoded[i]), "outputs": outs})
         return results
 
-    def close(self) -> None:
-        """Stop what this LLM started: the overlap loop's device stream, the tensor-parallel
-        ranks. Idempotent."""
-        if self.overlap is not None:
-            self.overlap.close()
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
-
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def has_work(self) -> bool:
         """Requests waiting or running, or steps in flight (overlap scheduling)."""
-        return self.scheduler.has_work() or (
-            self.overlap is not None and self.overlap.num_inflight > 0
-        )
+        return self.runtime.has_work()
 
     def sync(self) -> list[StepOutput]:
         """Wait for every step in flight and commit it (overlap scheduling; nothing to do in
         the serial loop): the outputs of live requests, the pages of finished or aborted
         ones back. The step loop does this itself; a caller driving `step` by hand and then
         aborting uses it to see the pages come back."""
-        if self.overlap is None:
-            return []
-        return [o for done in self.overlap.drain() for o in done.outputs]
+        return self.runtime.drain()
 
     def fail_all(self) -> list[int]:
-        """Abort every live request (the device failed); with overlap scheduling, the steps in
-        flight are then committed, their tokens dropped, so every page comes back. Returns
-        the ids aborted."""
-        rids = list(self.scheduler.requests)
-        for rid in rids:
-            self.scheduler.abort(rid)
-        if self.overlap is not None:
-            self.overlap.drain(fail=True)
-        return rids
+        """Abort every live request (the device failed); see `Runtime.fail_all`."""
+        return self.runtime.fail_all()
 
     def step(self) -> Sequence[StepOutput]:
-        """One scheduler step: plan, forward, sample, commit (with overlap scheduling:
-        schedule and submit the next step, commit the oldest; see `minisgl.overlap`)."""
-        if self.overlap is not None:
-            return self._overlap_step(self.overlap)
-        planned = self.scheduler.schedule()
-        if planned is None:
-            return []
-        plan, reqs = planned
-        rows = [reqs[r] for r in plan.sample_rows.tolist()]
-        res = self.engine.sample_step(plan, rows, self.eos_token_ids)
-        outs = self.scheduler.commit(reqs, plan, res.tokens)
-        self.last_logprobs = {
-            r.rid: lp for r, lp in zip(rows, res.logprobs, strict=True) if lp is not None
-        }
-        self.last_errors = {r.rid: e for r, e in zip(rows, res.errors, strict=True) if e}
-        if self.last_errors:  # such a request fails alone; the others go on
-            for rid in self.last_errors:
-                self.scheduler.abort(rid)
-            outs = [o for o in outs if o.rid not in self.last_errors]
-        return outs
-
-    def _overlap_step(self, loop: OverlapLoop) -> Sequence[StepOutput]:
-        done = loop.step()
-        if done is None:
-            self.last_logprobs, self.last_errors = {}, {}
-            return []
-        self.last_logprobs, self.last_errors = done.logprobs, done.errors
-        if not done.errors:
-            return done.outputs
-        for rid in done.errors:  # such a request fails alone; the others go on
-            self.scheduler.abort(rid)
-        return [o for o in done.outputs if o.rid not in done.errors]
+        """One step of the runtime (`last_batch`: its logprobs and the rows that failed)."""
+        self.last_batch = self.runtime.step()
+        return self.last_batch.outputs
 
     def _check_stop(self, ids: list[int], stops: tuple[str, ...]) -> tuple[str, bool]:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)

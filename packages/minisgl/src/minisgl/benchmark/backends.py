@@ -1,13 +1,14 @@
 """Which CPU backends (`MINISGL_CPU_BACKEND`) can run here; a clear error instead of a silent
 fallback. `rust_hotpath` (the in-process PyO3 core) is a benchmark arm only: the runtime does
-not know it, so it is registered here, on demand (`minisgl.testing.rust_hotpath`)."""
+not know it, so it is registered here, on demand (`minisgl.testing.rust_hotpath`).
+`rust_service` runs the server's Rust service process, for the offline API as well."""
 
 from __future__ import annotations
 
 ENV = "MINISGL_CPU_BACKEND"
 IN_PROCESS_RUST = "rust_hotpath"  # tests and benchmarks only (P1-012)
 KNOWN = ("python", IN_PROCESS_RUST)
-SERVICE = "rust_service"  # server only: the Rust CPU service process
+SERVICE = "rust_service"  # the Rust CPU service process (server and offline API)
 
 
 class BackendUnavailable(RuntimeError):
@@ -18,6 +19,9 @@ def check_cpu_backend(name: str) -> None:
     """Raise `BackendUnavailable` unless `MINISGL_CPU_BACKEND=name` would really be used in
     this process (registering `rust_hotpath` when asked for)."""
     if name == "python":
+        return
+    if name == SERVICE:  # the offline API starts the service too (`LLM(cpu_backend=...)`)
+        check_server_backend(name)
         return
     if name == IN_PROCESS_RUST:
         from minisgl.testing import rust_hotpath
@@ -59,6 +63,8 @@ def check_server_backend(name: str) -> None:
 
 def scheduler_backend(llm) -> str:
     """The backend the LLM's scheduler really runs with (`python` unless it says otherwise)."""
+    if getattr(llm.runtime, "service_pid", None) is not None:
+        return SERVICE
     return str(getattr(llm.scheduler, "backend", "python"))
 
 

@@ -95,6 +95,50 @@ def _flush_prefix_cache(llm) -> bool:
     return True
 
 
+class _ServiceMeter:
+    """`rust_service`: the control plane's figures come from the service process (its `Stats`
+    counters and its CPU time), not from this process's idle scheduler."""
+
+    def __init__(self, plane: Any) -> None:
+        self.plane = plane
+
+    def kv_usage(self) -> dict[str, int]:
+        s = self.plane.stats
+        keys = ("total_pages", "free_pages", "running", "waiting")
+        return {k: int(s.get(k, 0)) for k in keys}
+
+    def counters(self) -> dict[str, float]:
+        s = self.plane.fresh_stats()
+        c = (s.get("cpu_backend") or {}).get("service") or {}
+        return {
+            "cpu_s": self.plane.service_cpu_s(),
+            "steps": c.get("steps", 0),
+            "control_us": c.get("schedule_us", 0) + c.get("commit_us", 0),
+            "ingress_us": c.get("ingress_us", 0),
+            "prompt_tokens": s.get("prompt_tokens", 0),
+            "cached_prompt_tokens": s.get("cached_prompt_tokens", 0),
+        }
+
+    def metrics(self, before: dict[str, float], duration: float) -> dict[str, Any]:
+        d = {k: v - before[k] for k, v in self.counters().items()}
+        steps = max(d["steps"], 1)
+        return {
+            "steps": int(d["steps"]),
+            "sched_step_cpu_ms": {"mean": d["control_us"] / steps / 1e3},
+            "sched_cpu_share_pct": 100.0 * d["control_us"] / 1e6 / max(duration, 1e-9),
+            "prefix_hit_rate": (
+                d["cached_prompt_tokens"] / d["prompt_tokens"] if d["prompt_tokens"] else 0.0
+            ),
+            "service_cpu_s": d["cpu_s"],
+            "service_ingress_ms": d["ingress_us"] / 1e3,
+        }
+
+
+def _service(llm) -> _ServiceMeter | None:
+    plane = llm.runtime.plane
+    return _ServiceMeter(plane) if llm.runtime.service_pid is not None else None
+
+
 def run_minisgl(
     llm,
     items: Sequence[WorkItem],
@@ -107,6 +151,8 @@ def run_minisgl(
 
     flushed = _flush_prefix_cache(llm)
     sched = llm.scheduler
+    service = _service(llm)
+    svc0 = service.counters() if service is not None else None
     stats = sched.stats
     s0, c0 = len(stats.schedule_s), len(stats.commit_s)
     p0, cp0 = stats.prompt_tokens, stats.cached_prompt_tokens
@@ -130,7 +176,7 @@ def run_minisgl(
                     temperature=0.0, max_tokens=item.max_tokens, ignore_eos=True
                 )
                 key = request_key(params.seed)
-                rid = sched.add_request(item.prompt_ids, params, generator=key)
+                rid = llm.runtime.add(item.prompt_ids, params, generator=key)
                 index[rid] = order[pos]
                 pos += 1
             if not llm.has_work():  # requests, or steps in flight (overlap scheduling)
@@ -138,7 +184,7 @@ def run_minisgl(
                 continue
             outs = llm.step()
             t = time.perf_counter() - t0
-            usage = sched.kv_usage()
+            usage = sched.kv_usage() if service is None else service.kv_usage()
             used = usage["total_pages"] - usage["free_pages"]
             kv_samples.append((t, used))
             peak_used = max(peak_used, used)
@@ -182,6 +228,8 @@ def run_minisgl(
             "cpu": meter.result,
         }
     )
+    if service is not None and svc0 is not None:
+        metrics.update(service.metrics(svc0, duration))
     add_cpu_efficiency(metrics)
     return {
         "metrics": metrics,

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     }
     llm = arms["overlap"]
-    assert llm.overlap is not None, "overlap scheduling did not start"
+    assert llm.runtime.depth == 1, "overlap scheduling did not start"
     vocab = llm.engine.model_config.vocab_size
     items, warm = build_workload(profile, vocab), warmup_workload(profile, vocab)
     load0 = os.getloadavg()
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         "profile": profile.to_dict(),
         "model": str(llm.config.model_path).rsplit("/", 1)[-1],
         "simulated_device": args.sim_device,
-        "device_stream": llm.overlap.stream.name,
+        "device_stream": llm.runtime.loop.stream.name,
         "device": str(llm.engine.device),
         "repeats": args.repeats,
         "results": {name: {"metrics": med[name], "repeats": runs[name]} for name in arms},
@@ -89,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     paired = record["overlap_over_serial_paired"]
     print(f"overlap / serial output tok/s (median of paired repeats): {paired['output_tok_s']:.3f}")
     for arm in arms.values():
-        if arm.overlap is not None:
-            arm.overlap.close()
+        arm.close()
     if args.out:
         common.write_json(args.out, record)
         print(f"wrote {args.out}")

@@ -107,7 +107,7 @@ def run(arms: list[str], running: int, steps: int, repeats: int) -> dict[str, An
 
 def _pipelined(backend: str) -> bool:
     """The backend has the pipelined mode (`schedule_ahead` / `commit_oldest`)."""
-    from minisgl.overlap import pipelined
+    from minisgl.runtime.loop import pipelined
     from minisgl.scheduler.factory import make_scheduler
 
     cfg = SchedulerConfig(num_pages=8, page_size=1, max_seq_len=8, max_running_requests=1,

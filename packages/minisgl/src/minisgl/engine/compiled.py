@@ -41,7 +41,7 @@ serves every layer (the layers of a model are alike) and every length (a one-tok
 runs eager: a count of 1 would specialise). Measured on many-short's 4096-token step (bf16, 2
 threads, AMX): 1.85 -> 0.86-1.06 s, the eager norms, RoPE, SiLU and casts having taken ~0.9 s
 beside ~0.43 s of GEMMs.
-`LLM` compiles all the graphs at start (`LLM._compile_graphs`), so serving never stalls on a
+`LLM` compiles all the graphs at start (`Runtime.warm_up`), so serving never stalls on a
 compile.
 
 The compiled forward must not run under `inference_mode` (AOT autograd cannot view inference
@@ -202,7 +202,7 @@ def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 # a one-token prefill would specialise the dynamic token count (0 / 1 specialisation)
 PREFILL_MIN_TOKENS = 2
-# the token count of the prefill that compiles the pieces (`LLM._compile_graphs`): inductor
+# the token count of the prefill that compiles the pieces (`Runtime.warm_up`): inductor
 # generates the code for that size hint. Compiled at 8 tokens, many-short's 4096-token step
 # took 1.30-1.44 s, compiled at 1024 1.08-1.23 s (bf16, 2 threads)
 PREFILL_HINT_TOKENS = 1024

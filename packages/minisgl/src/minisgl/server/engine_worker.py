@@ -1,7 +1,7 @@
-"""The scheduler + engine process: owns an `LLM` and runs its step loop.
+"""The scheduler + engine process: owns an `LLM` and steps its `Runtime`.
 
 Each turn: take every queued message (new requests, aborts, stop-string finishes), run one
-`LLM.step()` if there is work (with overlap scheduling: submit the next step, commit the
+`Runtime.step()` if there is work (with overlap scheduling: submit the next step, commit the
 oldest; an abort or finish of a request in a step in flight frees its pages at that step's
 commit), send the sampled tokens to the detokenizer that owns each request
 (uid % num_tokenizer), and now and then a stats snapshot to the API server.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zmq
@@ -32,6 +32,9 @@ from minisgl.message.schema import (
     wire_logprob,
 )
 from minisgl.server import ipc
+
+if TYPE_CHECKING:  # the launcher imports this module: torch loads in the worker only
+    from minisgl.runtime import Runtime
 
 STATS_BUSY_S = 0.1
 STATS_IDLE_S = 1.0
@@ -53,18 +56,16 @@ def cpu_backend_stats() -> dict[str, Any] | None:
 
 
 class EngineLoop:
-    def __init__(self, llm, codec: Codec, to_tok: list, to_frontend) -> None:
-        self.llm = llm
-        self.sched = llm.scheduler
+    def __init__(self, runtime: Runtime, codec: Codec, to_tok: list, to_frontend) -> None:
+        self.rt = runtime
+        self.sched = runtime.scheduler
         self.codec = codec
         self.to_tok = to_tok
         self.to_frontend = to_frontend
-        self.vocab = llm.engine.model_config.vocab_size
-        self.device = llm.engine.device
+        self.vocab = runtime.engine.model_config.vocab_size
         self.last_stats = 0.0
         self.was_busy = False
         self.integrity_ok = 1
-        self.held: dict[int, list[AddReq]] = {}  # leader uid -> choices waiting for its prefill
         self.admitted: list[int] = []  # uids added since the last `Admitted` message
 
     def send_tok(self, uid: int, msg) -> None:
@@ -86,24 +87,18 @@ class EngineLoop:
         if isinstance(msg, AddReq):
             self.add(msg)
         elif isinstance(msg, AbortReq):
-            self.sched.abort(msg.uid)
-            if self.held:
-                self.drop_held(msg.uid)
+            self.rt.abort(msg.uid)
         elif isinstance(msg, FinishReq):
-            self.sched.finish(msg.uid, msg.reason)
+            self.rt.finish(msg.uid, msg.reason)
         elif isinstance(msg, Shutdown):
             return False
         return True
 
     def add(self, msg: AddReq) -> None:
-        """Validate and queue a request; its error code follows from the exception's type."""
-        from minisgl.sampler import request_key
+        """Validate and queue a request (a choice of an n > 1 request waits in the runtime for
+        its leader's prefill); its error code follows from the exception's type."""
         from minisgl.scheduler.request import ContextLengthError, RequestError
 
-        leader = msg.params.prefix_leader
-        if leader and self._prefilling(leader):  # n > 1: wait for the shared prompt's KV
-            self.held.setdefault(leader, []).append(msg)
-            return
         ids = np.asarray(msg.input_ids, dtype=np.int32)
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):
             bad = int(ids[(ids < 0) | (ids >= self.vocab)][0])
@@ -124,28 +119,12 @@ class EngineLoop:
             return
         try:
             params = msg.params.to_sampling_params()
-            self.sched.add_request(ids, params, rid=msg.uid, generator=request_key(params.seed))
+            self.rt.add(ids, params, rid=msg.uid, leader=msg.params.prefix_leader or None)
             self.admitted.append(msg.uid)
         except ContextLengthError as e:
             self.reject(msg.uid, str(e), 400, "context_length_exceeded", "prompt")
         except (RequestError, TypeError, ValueError) as e:
             self.reject(msg.uid, str(e), 400, "invalid_request")
-
-    def _prefilling(self, rid: int) -> bool:
-        req = self.sched.requests.get(rid)
-        return req is not None and not req.output_ids
-
-    def release_held(self) -> None:
-        """Add the choices whose leader finished its prefill (or is gone)."""
-        for leader in [r for r in self.held if not self._prefilling(r)]:
-            for msg in self.held.pop(leader):
-                self.add(msg)
-
-    def drop_held(self, uid: int) -> None:
-        for leader, msgs in list(self.held.items()):
-            self.held[leader] = [m for m in msgs if m.uid != uid]
-            if not self.held[leader]:
-                del self.held[leader]
 
     def flush_admitted(self) -> None:
         if self.admitted:
@@ -157,37 +136,38 @@ class EngineLoop:
     def step(self) -> None:
         ipc.fault_step_delay()
         try:
-            outs = self.llm.step()
+            batch = self.rt.step()
         except Exception as e:
             traceback.print_exc()
-            for rid in self.llm.fail_all():  # every request aborted, steps in flight dropped
+            for rid in self.rt.fail_all():  # every request aborted, steps in flight dropped
                 self.reject(rid, f"engine error: {e}", 500, "internal_error")
             if isinstance(e, RankFailed):  # no later step can run: the worker (server) ends
                 raise
             return
-        for rid, err in self.llm.last_errors.items():  # failed alone; the others go on
+        for rid, err in batch.errors.items():  # failed alone; the others go on
             self.reject(rid, err, 500, "internal_error")
-        if not outs:
+        if not batch.outputs:
             return
-        lps = self.llm.last_logprobs
         n = len(self.to_tok)
-        groups: list[list] = [[] for _ in range(n)]
-        for o in outs:
-            groups[o.rid % n].append(o)
+        groups: list[list[int]] = [[] for _ in range(n)]
+        for k, o in enumerate(batch.outputs):
+            groups[o.rid % n].append(k)
+        any_lp = any(lp is not None for lp in batch.logprobs)
         for i, g in enumerate(groups):
             if g:
+                outs = [batch.outputs[k] for k in g]
                 msg = TokenOut(
-                    np.fromiter((o.rid for o in g), dtype=np.int64, count=len(g)),
-                    np.fromiter((o.token_id for o in g), dtype=np.int32, count=len(g)),
-                    [o.finish_reason for o in g],
-                    [wire_logprob(lps.get(o.rid)) for o in g] if lps else [],
+                    np.fromiter((o.rid for o in outs), dtype=np.int64, count=len(g)),
+                    np.fromiter((o.token_id for o in outs), dtype=np.int32, count=len(g)),
+                    [o.finish_reason for o in outs],
+                    [wire_logprob(batch.logprobs[k]) for k in g] if any_lp else [],
                 )
                 self.to_tok[i].send(self.codec.encode(msg))
 
     # ------------------------------------------------------------------ stats
     def maybe_send_stats(self, force: bool = False) -> None:
         now = time.monotonic()
-        busy = self.llm.has_work()
+        busy = self.rt.has_work()
         idle_edge = self.was_busy and not busy
         self.was_busy = busy
         period = STATS_BUSY_S if busy else STATS_IDLE_S
@@ -259,7 +239,7 @@ def run_engine_worker(
         "dtype": str(eng.dtype).replace("torch.", ""),
         "architecture": eng.model_config.architecture,
     }
-    loop = EngineLoop(llm, codec, to_tok, to_frontend)
+    loop = EngineLoop(llm.runtime, codec, to_tok, to_frontend)
     to_frontend.send(codec.encode(Ready(name, os.getpid(), info=info)))
     loop.maybe_send_stats(force=True)
     try:
@@ -273,9 +253,6 @@ def run_engine_worker(
             loop.flush_admitted()
             if running and llm.has_work():
                 loop.step()
-            if loop.held:
-                loop.release_held()
-                loop.flush_admitted()
             loop.maybe_send_stats()
     except ipc.WorkerExit:
         pass

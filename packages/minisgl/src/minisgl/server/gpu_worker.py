@@ -1,13 +1,7 @@
 """A Python GPU worker of the `rust_service` backend: it owns the model, the KV tensors and
-sampling, and nothing else. The Rust service schedules; each `Step` it sends is a flat plan
-(`scheduler.plan.PLAN_SEGMENTS`) plus the requests first seen in it; the worker runs the
-forward, samples one token per sample row and returns them in a `StepResult`.
-
-What sampling needs of a request (its params, key, prompt and the tokens sampled so far) lives
-here, keyed by request id. A plan input of -1 is a decode token the service does not know yet
-(it sent this step before the previous one came back): it is the last token sampled in that
-row's page-table slot.
-Steps run strictly in the order they arrive. No scheduling logic and no PyO3 module here.
+sampling, and nothing else. The Rust service schedules; each `Step` it sends runs through the
+`Runtime` (`Runtime.execute`: the same step code as the offline API on the service), and the
+sampled tokens go back in a `StepResult`. No scheduling logic and no PyO3 module here.
 """
 
 from __future__ import annotations
@@ -15,106 +9,23 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import numpy as np
 import zmq
 
-from minisgl.core import SamplingParams
 from minisgl.message.schema import (
     Codec,
     HelloAck,
     SchemaError,
     Shutdown,
     Step,
-    StepReq,
     StepResult,
     WorkerHello,
-    wire_logprob,
 )
 from minisgl.server import ipc
 
-
-@dataclass(eq=False)
-class WorkerReq:
-    """A request's sampling state (the sampler's `SampleRow`)."""
-
-    rid: int
-    input_ids: np.ndarray
-    params: SamplingParams
-    generator: int
-    output_ids: list[int] = field(default_factory=list)
-
-
-class StepRunner:
-    """Runs steps on an `Engine`; holds the per-request sampling state."""
-
-    def __init__(self, engine, eos_token_ids: frozenset[int]) -> None:
-        self.engine = engine
-        self.eos = eos_token_ids
-        self.reqs: dict[int, WorkerReq] = {}
-        self.last = np.zeros(0, np.int32)  # page-table slot -> the last token sampled there
-
-    def admit(self, new: list) -> None:
-        from minisgl.sampler import request_key
-
-        for packed in new:
-            r = StepReq.unpack(packed)
-            params = r.params.to_sampling_params()
-            self.reqs[r.rid] = WorkerReq(
-                r.rid, np.asarray(r.input_ids, np.int32), params, request_key(params.seed)
-            )
-
-    def resolve_inputs(self, plan) -> None:
-        """Replace each -1 input by the last token sampled for that row's slot (the service
-        never hands a slot to another request while a step that holds it is unconfirmed)."""
-        from minisgl.scheduler.plan import unknown_inputs
-
-        unknown, slots = unknown_inputs(plan)
-        if len(unknown):
-            plan.input_ids[unknown] = self.last[slots]
-
-    def remember(self, plan, tokens: np.ndarray) -> None:
-        slots = plan.slots[plan.sample_rows]
-        if len(slots) and int(slots.max()) >= len(self.last):
-            grown = np.zeros(int(slots.max()) + 1, np.int32)
-            grown[: len(self.last)] = self.last
-            self.last = grown
-        self.last[slots] = tokens
-
-    def run(self, step: Step) -> StepResult:
-        from minisgl.scheduler.plan import FlatStep, PlanLayout
-
-        for rid in step.release.tolist():
-            self.reqs.pop(rid, None)
-        self.admit(step.new)
-        data = np.array(step.plan, dtype=np.int32)  # writable: -1 inputs are filled in
-        plan = FlatStep(bool(step.is_prefill), PlanLayout(*step.sizes), data).plan()
-        self.resolve_inputs(plan)
-        ipc.fault_step_delay()
-        rows = [self.reqs[int(step.rids[r])] for r in plan.sample_rows.tolist()]
-        res = self.engine.sample_step(plan, rows, self.eos)
-        for req, tok in zip(rows, res.tokens, strict=True):
-            req.output_ids.append(tok)
-        tokens = np.asarray(res.tokens, dtype=np.int32)
-        self.remember(plan, tokens)
-        errors = res.errors if any(res.errors) else []
-        lps = [wire_logprob(lp) for lp in res.logprobs] if any(res.logprobs) else []
-        return StepResult(step.step, tokens, errors, lps)
-
-
-def engine_info(engine) -> dict:
-    cfg = engine.model_config
-    return {
-        "max_seq_len": int(engine.max_seq_len),
-        "vocab_size": int(cfg.vocab_size),
-        "num_pages": int(engine.num_pages),
-        "page_size": int(engine.config.page_size),
-        "eos_token_ids": sorted(int(t) for t in cfg.eos_token_ids),
-        "device": str(engine.device),
-        "dtype": str(engine.dtype).replace("torch.", ""),
-        "architecture": cfg.architecture,
-    }
+if TYPE_CHECKING:  # the launcher imports this module: torch loads in the worker only
+    from minisgl.runtime import Runtime
 
 
 def run_gpu_worker(
@@ -129,8 +40,13 @@ def run_gpu_worker(
         inbox = ipc.pull(ctx, ipc_dir, name)
         from minisgl.config import EngineConfig
         from minisgl.engine.sim import make_engine
+        from minisgl.runtime import Runtime
+        from minisgl.runtime.service_plane import engine_info
 
         engine = make_engine(EngineConfig(model_path=model_path, **llm_kwargs))
+        info = engine_info(engine)
+        # warmed up (a compiled engine's graphs) before the service hears of this worker
+        runtime = Runtime.build(engine, backend="python", overlap=False)
     except ipc.WorkerExit:
         ctx.destroy(linger=0)
         return
@@ -141,8 +57,8 @@ def run_gpu_worker(
         time.sleep(0.5)
         ctx.destroy(linger=0)
         raise SystemExit(1) from None
-    to_service.send(codec.encode(WorkerHello(index, os.getpid(), engine_info(engine))))
-    runner: StepRunner | None = None
+    to_service.send(codec.encode(WorkerHello(index, os.getpid(), info)))
+    acked = False
     try:
         while alive():
             for frame in ipc.drain(inbox, 100):
@@ -154,9 +70,10 @@ def run_gpu_worker(
                 if isinstance(msg, Shutdown):
                     return
                 if isinstance(msg, HelloAck):
-                    runner = StepRunner(engine, frozenset(int(t) for t in msg.eos_token_ids))
-                elif isinstance(msg, Step) and runner is not None:
-                    result = run_step(runner, msg)
+                    runtime.serve_service(int(t) for t in msg.eos_token_ids)
+                    acked = True
+                elif isinstance(msg, Step) and acked:
+                    result = run_step(runtime, msg)
                     to_service.send(codec.encode(result))
                     if engine_lost(engine):  # a tensor-parallel rank died: no later step runs
                         ipc.worker_log(name, result.fatal or "engine lost")
@@ -167,9 +84,7 @@ def run_gpu_worker(
     except ipc.WorkerExit:
         pass
     finally:
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
+        runtime.close()
         ctx.destroy(linger=0)
 
 
@@ -179,10 +94,7 @@ def engine_lost(engine: object) -> bool:
     return leader is not None and leader.failed is not None
 
 
-def run_step(runner: StepRunner, step: Step) -> StepResult:
+def run_step(runtime: Runtime, step: Step) -> StepResult:
     """One step; a failed forward is reported (every row's request fails), never raised."""
-    try:
-        return runner.run(step)
-    except Exception as e:
-        traceback.print_exc()
-        return StepResult(step.step, np.zeros(0, np.int32), fatal=f"engine error: {e!r}")
+    ipc.fault_step_delay()
+    return runtime.execute(step)

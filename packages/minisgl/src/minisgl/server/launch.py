@@ -85,14 +85,14 @@ class Launcher:
     def _start_service(self, model_path: str) -> list[str]:
         """rust_service: the Rust service binary and one Python GPU worker."""
         from minisgl.server.gpu_worker import run_gpu_worker
-        from minisgl.server.service import ServiceProcess, service_command
+        from minisgl.server.service import ServiceLimits, ServiceProcess, service_command
 
         args, ctx = self.args, mp.get_context("spawn")
         typed = args.transport != "generic"
         if not typed:
             raise RuntimeError("MINISGL_CPU_BACKEND=rust_service speaks the typed transport only")
         self.procs[ipc.SERVICE] = ServiceProcess(
-            service_command(args, model_path, self.ipc_dir, num_workers=1)
+            service_command(ServiceLimits.of(args), model_path, self.ipc_dir, num_workers=1)
         )
         self.procs[ipc.worker_name(0)] = ctx.Process(
             target=run_gpu_worker,

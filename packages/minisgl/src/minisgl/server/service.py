@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sysconfig
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from minisgl.server.args import ServerArgs
@@ -60,16 +61,36 @@ def service_binary() -> Path:
     return find_service_binary(os.environ, scripts, Path(__file__).resolve().parents)
 
 
-def service_command(args: ServerArgs, model_path: str, ipc_dir: str, num_workers: int) -> list:
+@dataclass(frozen=True)
+class ServiceLimits:
+    """The scheduler limits the service is started with."""
+
+    page_size: int
+    max_running_requests: int
+    max_prefill_length: int
+    cache_type: str
+
+    @classmethod
+    def of(cls, args: ServerArgs) -> ServiceLimits:
+        return cls(
+            args.page_size, args.max_running_requests, args.max_prefill_length, args.cache_type
+        )
+
+
+def service_command(
+    limits: ServiceLimits, model_path: str, ipc_dir: str, num_workers: int, depth: int = 2
+) -> list:
+    """`depth`: steps in flight at once (1: serial, 2: one step ahead)."""
     cmd = [
         str(service_binary()), "serve",
         "--ipc-dir", ipc_dir,
         "--model-path", model_path,
         "--num-workers", str(num_workers),
-        "--page-size", str(args.page_size),
-        "--max-running-requests", str(args.max_running_requests),
-        "--max-prefill-length", str(args.max_prefill_length),
-        "--cache-type", args.cache_type,
+        "--page-size", str(limits.page_size),
+        "--max-running-requests", str(limits.max_running_requests),
+        "--max-prefill-length", str(limits.max_prefill_length),
+        "--cache-type", limits.cache_type,
+        "--depth", str(depth),
         "--parent-pid", str(os.getpid()),
     ]  # fmt: skip
     trace = os.environ.get("MINISGL_SERVICE_TRACE")

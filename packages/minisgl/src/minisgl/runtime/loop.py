@@ -1,12 +1,10 @@
-"""Overlap scheduling in-process: the CPU schedules step N+1 while the device runs step N.
+"""The step loop over an in-process scheduler, at overlap depth 0 or 1.
 
-Each `OverlapLoop.step()`:
-1. `schedule_ahead` step N+1 (its decode inputs still on the device are `-1`), and the host
-   work of its inputs (which inputs are unknown, in which page-table slot);
-2. submit it to the `DeviceStream`: on the device, each `-1` input is filled by index from
-   `last_tokens[slot]` (the last token sampled in that slot, a device tensor written by every
-   step), then forward, sample, `last_tokens[sample slots] = tokens`, one async copy of the
-   tokens to the host;
+Depth 0 (serial): schedule, run the step on the device, commit it. Depth 1 (overlap
+scheduling): the CPU schedules step N+1 while the device runs step N. Each `step()`:
+1. `schedule_ahead` step N+1 (its decode inputs still on the device are `-1`);
+2. submit it to the `DeviceStream` (`DeviceStep`: the `-1` inputs are the last tokens sampled
+   in their slots, on the device);
 3. wait for step N's copy and `commit_oldest` it: its outputs are this call's result.
 So at most two steps are in flight, and the scheduler's pipelined mode keeps what an
 unconfirmed step reads: a request finished or aborted meanwhile keeps its slot and pages until
@@ -18,9 +16,8 @@ outputs (committed + in flight: `min_tokens`, the noise counter of a seeded draw
 request with penalties, their values, which needs every earlier step committed: while such a
 request has a sample in flight the loop commits before scheduling (no overlap then).
 
-Any backend with `schedule_ahead` / `commit_oldest` / `num_inflight` (the Python `Scheduler`)
-can be driven; `LLM` runs the serial loop for the others, or under
-`MINISGL_DISABLE_OVERLAP_SCHEDULING=1`.
+Depth 1 needs a backend with `schedule_ahead` / `commit_oldest` / `num_inflight` (the Python
+`Scheduler`); the others, or `MINISGL_DISABLE_OVERLAP_SCHEDULING=1`, run at depth 0.
 """
 
 from __future__ import annotations
@@ -32,14 +29,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-import torch
 
 from minisgl.core import SamplingParams
-from minisgl.engine.staging import InputFill
-from minisgl.engine.stream import DeviceStream, PendingSample, StepHandle
+from minisgl.engine.stream import DeviceStream, InlineStream, StepHandle
+from minisgl.runtime.device_step import DeviceStep
 from minisgl.sampler import SampleResult, TokenLogprob
-from minisgl.scheduler.backend import ScheduledReq
-from minisgl.scheduler.plan import StepPlan, unknown_inputs
+from minisgl.scheduler.backend import ScheduledReq, SchedulerBackend
 from minisgl.scheduler.request import DROPPED, StepOutput
 
 ENV_DISABLE = "MINISGL_DISABLE_OVERLAP_SCHEDULING"
@@ -59,7 +54,7 @@ def pipelined(sched: object) -> bool:
 
 class AheadLike(Protocol):
     @property
-    def plan(self) -> StepPlan: ...
+    def plan(self) -> Any: ...
     @property
     def reqs(self) -> Sequence[Any]: ...
 
@@ -71,7 +66,7 @@ class CommitLike(Protocol):
 
 @runtime_checkable
 class PipelinedBackend(Protocol):
-    """The pipelined mode of a scheduler backend (see `scheduler.scheduler`)."""
+    """The pipelined mode of a scheduler backend (see `scheduler.inflight`)."""
 
     def schedule_ahead(self) -> AheadLike | None: ...
     def commit_oldest(self, next_tokens: Sequence[int]) -> CommitLike: ...
@@ -108,13 +103,16 @@ class SampleView:
 
 
 @dataclass(frozen=True)
-class Committed:
-    """One committed step, its dropped tokens left out: the outputs, and by request id the
-    logprobs asked for and the errors of rows that failed alone."""
+class StepBatch:
+    """Committed tokens, dropped ones left out: the outputs, the logprobs of each (None where
+    not asked for), and by request id the errors of rows that failed alone."""
 
     outputs: list[StepOutput]
-    logprobs: dict[int, TokenLogprob]
+    logprobs: list[TokenLogprob | None]
     errors: dict[int, str]
+
+
+EMPTY = StepBatch([], [], {})
 
 
 @dataclass
@@ -123,23 +121,25 @@ class _Step:
     rows: list[Any]  # the sample rows: a `SampleView`, or the request (greedy, no history)
 
 
-class OverlapLoop:
-    """Drives a pipelined scheduler and an engine with one step ahead on a `DeviceStream`."""
+class StepLoop:
+    """Drives a scheduler backend and a `DeviceStep`: depth 0 commits each step it schedules,
+    depth 1 keeps one step ahead on a `DeviceStream`."""
 
     def __init__(
         self,
-        sched: PipelinedBackend,
-        engine: Any,  # Engine | SimEngine: `device`, `sample_on_device`
-        eos_ids: frozenset[int],
-        stream: DeviceStream,
-        max_slots: int,
+        sched: SchedulerBackend,
+        device: DeviceStep,
+        stream: DeviceStream | None = None,
+        depth: int = 0,
     ) -> None:
+        if depth not in (0, 1):
+            raise ValueError(f"overlap depth is 0 or 1, got {depth}")
+        if depth and not pipelined(sched):
+            raise ValueError(f"backend {sched.backend} has no pipelined mode (depth 0 only)")
         self.sched = sched
-        self.engine = engine
-        self.eos = eos_ids
-        self.stream = stream
-        self.device = engine.device
-        self.last_tokens = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
+        self.device = device
+        self.stream = stream if stream is not None else InlineStream()
+        self.depth = depth
         self._steps: deque[_Step] = deque()
         self._pending: Counter[int] = Counter()  # rid -> samples in flight
         self._penalized: Counter[int] = Counter()  # rid with penalties -> samples in flight
@@ -148,19 +148,21 @@ class OverlapLoop:
     def num_inflight(self) -> int:
         return len(self._steps)
 
-    def step(self) -> Committed | None:
-        """Schedule and submit the next step, then commit the oldest one in flight if another
-        stays in flight (or nothing more could be scheduled). None: nothing committed."""
+    def step(self) -> StepBatch | None:
+        """One step; None: nothing committed (nothing to run, or a step just went ahead)."""
+        if self.depth == 0:
+            return self._serial()
+        sched: Any = self.sched
         if self._penalized and self._steps:  # the sampler needs committed outputs
             return self._commit()
-        ahead = self.sched.schedule_ahead()
+        ahead = sched.schedule_ahead()
         if ahead is not None:
             self._submit(ahead.plan, ahead.reqs)
         if len(self._steps) > (1 if ahead is not None else 0):
             return self._commit()
         return None
 
-    def drain(self, fail: bool = False) -> list[Committed]:
+    def drain(self, fail: bool = False) -> list[StepBatch]:
         """Commit every step in flight; `fail`: a step whose device work raised commits as
         token 0 (the caller has aborted its requests: every token is dropped)."""
         done = []
@@ -171,8 +173,24 @@ class OverlapLoop:
     def close(self) -> None:
         self.stream.close()
 
-    # ------------------------------------------------------------------ internals
-    def _submit(self, plan: StepPlan, reqs: Sequence[ScheduledReq]) -> None:
+    # ------------------------------------------------------------------ depth 0
+    def _serial(self) -> StepBatch | None:
+        planned = self.sched.schedule()
+        if planned is None:
+            return None
+        plan, reqs = planned
+        rows = [reqs[r] for r in plan.sample_rows.tolist()]
+        res = self.device.run(plan, rows)
+        outs = list(self.sched.commit(reqs, plan, res.tokens))
+        lps = {r.rid: lp for r, lp in zip(rows, res.logprobs, strict=True) if lp is not None}
+        return StepBatch(
+            outs,
+            [lps.get(o.rid) for o in outs] if lps else [None] * len(outs),
+            {r.rid: e for r, e in zip(rows, res.errors, strict=True) if e},
+        )
+
+    # ------------------------------------------------------------------ depth 1
+    def _submit(self, plan: Any, reqs: Sequence[ScheduledReq]) -> None:
         rows: list[Any] = [reqs[r] for r in plan.sample_rows.tolist()]
         for k, req in enumerate(rows):
             p = req.params
@@ -185,36 +203,10 @@ class OverlapLoop:
             self._pending[rid] += 1
             if p.needs_history:  # penalties, a grammar: the next sample needs this token
                 self._penalized[rid] += 1
-        unknown, slots = unknown_inputs(plan)
-        sample_slots = plan.slots[plan.sample_rows]
-        handle = self.stream.submit(
-            lambda: self._device_step(plan, rows, unknown, slots, sample_slots)
-        )
+        handle = self.stream.submit(self.device.job(plan, rows))
         self._steps.append(_Step(handle, rows))
 
-    def _device_step(
-        self,
-        plan: StepPlan,
-        rows: list[Any],
-        unknown: np.ndarray,
-        slots: np.ndarray,
-        sample_slots: np.ndarray,
-    ) -> PendingSample:
-        """On the device: resolve the in-flight inputs by index, forward, sample, keep the
-        tokens for the next step."""
-        dev = self.device
-        fill = None
-        if len(unknown):
-            src = torch.from_numpy(slots.astype(np.int64)).to(dev, non_blocking=True)
-            dst = torch.from_numpy(unknown).to(dev, non_blocking=True)
-            fill = InputFill(dst, self.last_tokens[src])
-        sample = self.engine.sample_on_device(plan, rows, self.eos, fill)
-        if len(sample_slots):
-            at = torch.from_numpy(sample_slots.astype(np.int64)).to(dev, non_blocking=True)
-            self.last_tokens[at] = sample.tokens
-        return sample
-
-    def _commit(self, fail: bool = False) -> Committed:
+    def _commit(self, fail: bool = False) -> StepBatch:
         step = self._steps[0]
         try:
             res = step.handle.result()
@@ -232,14 +224,13 @@ class OverlapLoop:
                     counter[row.rid] -= 1
                     if counter[row.rid] <= 0:
                         del counter[row.rid]
-        commit = self.sched.commit_oldest(res.tokens)
-        outs, lps, errs = [], {}, {}
+        commit = self.sched.commit_oldest(res.tokens)  # type: ignore[attr-defined]
+        outs, lps, errs = [], [], {}
         for k, out in enumerate(commit.outputs):
             if out.finish_reason == DROPPED:
                 continue
             outs.append(out)
-            if res.logprobs[k] is not None:
-                lps[out.rid] = res.logprobs[k]
+            lps.append(res.logprobs[k])
             if res.errors[k]:
                 errs[out.rid] = res.errors[k]
-        return Committed(outs, lps, errs)
+        return StepBatch(outs, lps, errs)
