@@ -72,6 +72,8 @@ def service_command(args: ServerArgs, model_path: str, ipc_dir: str, num_workers
         "--cache-type", args.cache_type,
         "--parent-pid", str(os.getpid()),
     ]  # fmt: skip
+    if args.dp_routing is not None:
+        cmd += ["--dp-routing", args.dp_routing]
     trace = os.environ.get("MINISGL_SERVICE_TRACE")
     if trace:
         cmd += ["--trace", trace]
