@@ -4,8 +4,9 @@ against it, the prefix hit rate and the per-replica split from its /metrics.
     python -m minisgl.benchmark.dp_ab --profile shared-prefix --dp 2 --repeats 3 \
         [--backend rust_service] [--threads-total 2] [--set key=value] --out F.json
 
-Arm `dp1`: `--dp 1 --threads T`; arm `dpN`: `--dp N --threads T/N` (each replica its share of
-the same T cores). The hit rate counts the benchmark's warm-up requests too.
+Arm `dp1`: `--dp 1 --threads T` (or `--baseline-threads`); arm `dpN`: `--dp N --threads T/N`
+(each replica its share of the same T cores). The hit rate counts the benchmark's warm-up
+requests too.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--backend", default="rust_service")
     p.add_argument("--threads-total", type=int, default=2)
+    p.add_argument("--baseline-threads", type=int, default=None, help="dp1's (default: all)")
     p.add_argument("--model-path", default=None)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--note", action="append", default=[])
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = ["--profile", args.profile, *(f"--set={s}" for s in args.set)]
     per = max(1, args.threads_total // args.dp)
     arms = {
-        "dp1": ["--dp", "1", "--threads", str(args.threads_total)],
+        "dp1": ["--dp", "1", "--threads", str(args.baseline_threads or args.threads_total)],
         f"dp{args.dp}": ["--dp", str(args.dp), "--threads", str(per)],
     }
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
