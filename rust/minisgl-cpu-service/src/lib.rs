@@ -8,6 +8,7 @@
 pub mod engine;
 pub mod metrics;
 pub mod replay;
+pub mod router;
 pub mod service;
 pub mod text;
 pub mod wire;

@@ -9,11 +9,12 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use minisgl_cpu_service::replay::run_replay_cli;
+use minisgl_cpu_service::router::Policy;
 use minisgl_cpu_service::service::{self, Config, Exit};
 use minisgl_cpu_service::text::run_text_cli;
 
 const USAGE: &str = "usage: minisgl-cpu-service serve --ipc-dir DIR --model-path DIR \
-[--num-workers 1] [--page-size N] [--max-running-requests N] [--max-prefill-length N] \
+[--num-workers N] [--dp-routing prefix|round_robin] [--page-size N] [--max-running-requests N] [--max-prefill-length N] \
 [--cache-type radix|naive] [--parent-pid PID] [--trace FILE] [--depth 1|2] \
 [--startup-timeout S]\n       minisgl-cpu-service text --model DIR\n       \
 minisgl-cpu-service replay --input W.json --output R.json [--enable-priority]";
@@ -31,6 +32,7 @@ fn parse_serve(args: &[String]) -> Result<Config, String> {
         trace: None,
         depth: 2,
         startup_timeout: Duration::from_secs(600),
+        routing: Policy::Prefix,
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -47,6 +49,7 @@ fn parse_serve(args: &[String]) -> Result<Config, String> {
             "--ipc-dir" => cfg.ipc_dir = PathBuf::from(value()?),
             "--model-path" => cfg.model_path = PathBuf::from(value()?),
             "--num-workers" => cfg.num_workers = num(value()?)?,
+            "--dp-routing" => cfg.routing = Policy::parse(&value()?)?,
             "--page-size" => cfg.page_size = num(value()?)?,
             "--max-running-requests" => cfg.max_running = num(value()?)?,
             "--max-prefill-length" => cfg.max_prefill = num(value()?)?,
@@ -70,13 +73,15 @@ fn parse_serve(args: &[String]) -> Result<Config, String> {
     if cfg.ipc_dir.as_os_str().is_empty() || cfg.model_path.as_os_str().is_empty() {
         return Err("--ipc-dir and --model-path are required".into());
     }
-    if cfg.num_workers != 1 {
-        return Err("--num-workers: one worker per service for now".into());
-    }
-    if cfg.page_size == 0 || cfg.max_running == 0 || cfg.max_prefill == 0 || cfg.depth == 0 {
+    if cfg.num_workers == 0
+        || cfg.page_size == 0
+        || cfg.max_running == 0
+        || cfg.max_prefill == 0
+        || cfg.depth == 0
+    {
         return Err(
-            "--page-size, --max-running-requests, --max-prefill-length and --depth \
-                    must be >= 1"
+            "--num-workers, --page-size, --max-running-requests, --max-prefill-length and \
+                    --depth must be >= 1"
                 .into(),
         );
     }

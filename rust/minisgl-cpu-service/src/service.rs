@@ -4,7 +4,13 @@
 //! Sockets (ZMQ ipc in the launcher's private dir): PULL `service` (API server -> service:
 //! `TokenizeReq`, `AbortReq`), PULL `steps` (workers -> service: `WorkerHello`, `StepResult`),
 //! PUSH `frontend` (service -> API server: `Ready`, `Admitted`, `DetokOut`, `Reject`, `Stats`),
-//! PUSH `worker0` (service -> worker: `HelloAck`, `Step`, `Shutdown`).
+//! PUSH `worker<i>` (service -> worker i: `HelloAck`, `Step`, `Shutdown`).
+//!
+//! Data parallelism (`--num-workers N`): N replicas, each a worker with its own scheduler state
+//! ([`Engine`]); [`crate::router`] picks the replica of each new request. A step's wire id is
+//! `id * N + replica` (the worker echoes it), so results on the shared `steps` inbox find their
+//! replica. A `WorkerHello` with an error after the handshake (the launcher sends one when a
+//! worker process dies) takes that replica out of rotation: its requests fail with a 503.
 //!
 //! Each turn: take every queued frame of both inboxes, tokenize and queue new requests,
 //! commit returned steps (tokens -> detokenizer -> `DetokOut`; stop strings finish requests),
@@ -18,8 +24,9 @@ use std::time::{Duration, Instant};
 
 use rmpv::Value;
 
-use crate::engine::{Commit, Engine, EngineConfig};
+use crate::engine::{Commit, Engine, EngineConfig, Snapshot};
 use crate::metrics::Counters;
+use crate::router::{Load, Policy, Router};
 use crate::text::{DecodeState, Detokenizer, TextModel};
 use crate::wire::{self, DetokRow, HelloInfo, Inbound, Prompt, WireError, WireParams};
 
@@ -41,6 +48,7 @@ pub struct Config {
     /// Steps in flight at once: 1 = serial, 2 = one step ahead (the default).
     pub depth: usize,
     pub startup_timeout: Duration,
+    pub routing: Policy,
 }
 
 fn log(msg: &str) {
@@ -55,11 +63,11 @@ struct Sockets {
     ingress: zmq::Socket,
     steps: zmq::Socket,
     frontend: zmq::Socket,
-    worker: zmq::Socket,
+    workers: Vec<zmq::Socket>,
 }
 
 impl Sockets {
-    fn open(ctx: &zmq::Context, dir: &std::path::Path) -> Result<Self, String> {
+    fn open(ctx: &zmq::Context, dir: &std::path::Path, workers: usize) -> Result<Self, String> {
         let z = |e: zmq::Error| format!("zmq: {e}");
         let pull = |name: &str| -> Result<zmq::Socket, String> {
             let s = ctx.socket(zmq::PULL).map_err(z)?;
@@ -79,7 +87,9 @@ impl Sockets {
             ingress: pull("service")?,
             steps: pull("steps")?,
             frontend: push("frontend")?,
-            worker: push("worker0")?,
+            workers: (0..workers)
+                .map(|i| push(&format!("worker{i}")))
+                .collect::<Result<_, _>>()?,
         })
     }
 
@@ -89,9 +99,12 @@ impl Sockets {
         }
     }
 
-    fn send_worker(&self, frame: Vec<u8>) {
-        if let Err(e) = self.worker.send(frame, 0) {
-            log(&format!("send to the worker failed: {e}"));
+    fn send_worker(&self, replica: usize, frame: Vec<u8>) {
+        let Some(worker) = self.workers.get(replica) else {
+            return;
+        };
+        if let Err(e) = worker.send(frame, 0) {
+            log(&format!("send to worker {replica} failed: {e}"));
         }
     }
 }
@@ -137,11 +150,20 @@ impl Signals {
     }
 }
 
-/// Wait for the worker's hello; a version mismatch or a failed load is fatal.
-fn handshake(sock: &Sockets, sig: &Signals, timeout: Duration) -> Result<HelloInfo, Exit> {
+/// Wait for every worker's hello; a version mismatch or a failed load is fatal.
+fn handshake(
+    sock: &Sockets,
+    sig: &Signals,
+    timeout: Duration,
+    workers: usize,
+) -> Result<Vec<HelloInfo>, Exit> {
     let deadline = Instant::now() + timeout;
     let mut frames = Vec::new();
+    let mut infos: Vec<Option<HelloInfo>> = vec![None; workers];
     loop {
+        if infos.iter().all(Option::is_some) {
+            return Ok(infos.into_iter().flatten().collect());
+        }
         if sig.stop_requested() {
             return Err(Exit::Stopped);
         }
@@ -156,11 +178,18 @@ fn handshake(sock: &Sockets, sig: &Signals, timeout: Duration) -> Result<HelloIn
         for f in &frames {
             match wire::decode(f) {
                 Ok(Inbound::Hello {
-                    info: Some(info), ..
-                }) => return Ok(info),
-                Ok(Inbound::Hello { error: Some(e), .. }) => {
-                    return Err(Exit::Failed(format!("worker failed to start: {e}")))
-                }
+                    index,
+                    info: Some(info),
+                    ..
+                }) => match usize::try_from(index).ok().and_then(|i| infos.get_mut(i)) {
+                    Some(slot) => *slot = Some(info),
+                    None => log(&format!("rejected the hello of unknown worker {index}")),
+                },
+                Ok(Inbound::Hello {
+                    index,
+                    error: Some(e),
+                    ..
+                }) => return Err(Exit::Failed(format!("worker {index} failed to start: {e}"))),
                 Err(WireError::Version(v)) => {
                     return Err(Exit::Failed(format!(
                         "handshake: the worker speaks message schema version {v}, this \
@@ -177,6 +206,7 @@ fn handshake(sock: &Sockets, sig: &Signals, timeout: Duration) -> Result<HelloIn
 
 /// A request as the service tracks it between ingress and its last text.
 struct Req {
+    replica: usize,
     params: WireParams,
     detok: DecodeState,
     /// `[token, lp, top ids, top lps]` of tokens not yet sent (logprobs requests only).
@@ -184,21 +214,30 @@ struct Req {
 }
 
 struct Held {
+    replica: usize,
     uid: i64,
     ids: Vec<i32>,
     params: WireParams,
 }
 
+/// One data-parallel replica: a worker and the scheduler state of its KV pool.
+struct Replica {
+    engine: Engine,
+    info: HelloInfo,
+    new_for_worker: Vec<Value>,
+    release_for_worker: Vec<i64>,
+    /// Why the replica is out of rotation (its worker died).
+    down: Option<String>,
+}
+
 pub struct Service {
     sock: Sockets,
     text: TextModel,
-    engine: Engine,
-    info: HelloInfo,
+    replicas: Vec<Replica>,
+    router: Router,
     reqs: HashMap<i64, Req>,
     held: HashMap<i64, Vec<Held>>,
     admitted: Vec<i64>,
-    new_for_worker: Vec<Value>,
-    release_for_worker: Vec<i64>,
     counters: Counters,
     last_stats: Instant,
     was_busy: bool,
@@ -211,7 +250,7 @@ pub fn run(cfg: Config) -> Exit {
         Err(e) => return Exit::Failed(e),
     };
     let ctx = zmq::Context::new();
-    let sock = match Sockets::open(&ctx, &cfg.ipc_dir) {
+    let sock = match Sockets::open(&ctx, &cfg.ipc_dir, cfg.num_workers) {
         Ok(s) => s,
         Err(e) => return Exit::Failed(e),
     };
@@ -225,7 +264,7 @@ pub fn run(cfg: Config) -> Exit {
         std::thread::sleep(Duration::from_millis(200)); // let the frame leave
         Exit::Failed(msg)
     };
-    let info = match handshake(&sock, &sig, cfg.startup_timeout) {
+    let infos = match handshake(&sock, &sig, cfg.startup_timeout, cfg.num_workers) {
         Ok(i) => i,
         Err(Exit::Failed(msg)) => return fail(&sock, msg),
         Err(e) => return e,
@@ -234,43 +273,61 @@ pub fn run(cfg: Config) -> Exit {
         Ok(t) => t,
         Err(e) => return fail(&sock, format!("tokenizer: {e}")),
     };
-    if info.page_size != cfg.page_size {
-        let msg = format!(
-            "the worker uses page size {}, the service {}",
-            info.page_size, cfg.page_size
-        );
-        return fail(&sock, msg);
+    let mut replicas = Vec::with_capacity(infos.len());
+    let mut eos_ack = Vec::new();
+    for (i, info) in infos.into_iter().enumerate() {
+        if info.page_size != cfg.page_size {
+            let msg = format!(
+                "worker {i} uses page size {}, the service {}",
+                info.page_size, cfg.page_size
+            );
+            return fail(&sock, msg);
+        }
+        let mut eos: Vec<i32> = info.eos_token_ids.clone();
+        eos.extend(text.tokenizer.eos_token_ids());
+        eos.sort_unstable();
+        eos.dedup();
+        let engine_cfg = EngineConfig {
+            num_pages: info.num_pages,
+            page_size: cfg.page_size,
+            max_seq_len: info.max_seq_len,
+            max_running: cfg.max_running,
+            max_extend_tokens: cfg.max_prefill,
+            radix: cfg.radix,
+            eos_token_ids: eos.clone(),
+            depth: cfg.depth.max(1),
+            trace: if i == 0 { cfg.trace.clone() } else { None },
+        };
+        let engine = match Engine::new(engine_cfg) {
+            Ok(e) => e,
+            Err(e) => return fail(&sock, e),
+        };
+        eos_ack.push(eos);
+        replicas.push(Replica {
+            engine,
+            info,
+            new_for_worker: Vec::new(),
+            release_for_worker: Vec::new(),
+            down: None,
+        });
     }
-    let mut eos: Vec<i32> = info.eos_token_ids.clone();
-    eos.extend(text.tokenizer.eos_token_ids());
-    eos.sort_unstable();
-    eos.dedup();
-    let engine_cfg = EngineConfig {
-        num_pages: info.num_pages,
-        page_size: cfg.page_size,
-        max_seq_len: info.max_seq_len,
-        max_running: cfg.max_running,
-        max_extend_tokens: cfg.max_prefill,
-        radix: cfg.radix,
-        eos_token_ids: eos.clone(),
-        depth: cfg.depth.max(1),
-        trace: cfg.trace.clone(),
-    };
-    let engine = match Engine::new(engine_cfg) {
-        Ok(e) => e,
-        Err(e) => return fail(&sock, e),
-    };
-    sock.send_worker(wire::hello_ack(&eos));
+    for (i, eos) in eos_ack.iter().enumerate() {
+        sock.send_worker(i, wire::hello_ack(eos));
+    }
+    let capacity = replicas
+        .iter()
+        .map(|r| r.info.num_pages * r.info.page_size)
+        .min()
+        .unwrap_or(1);
+    let router = Router::new(cfg.routing, replicas.len(), capacity);
     let mut svc = Service {
         sock,
         text,
-        engine,
-        info,
+        replicas,
+        router,
         reqs: HashMap::new(),
         held: HashMap::new(),
         admitted: Vec::new(),
-        new_for_worker: Vec::new(),
-        release_for_worker: Vec::new(),
         counters: Counters::default(),
         last_stats: Instant::now(),
         was_busy: false,
@@ -280,22 +337,26 @@ pub fn run(cfg: Config) -> Exit {
     svc.sock
         .send_frontend(wire::ready("service", std::process::id(), ready_info, None));
     svc.send_stats(true);
+    let first = &svc.replicas[0].info;
     log(&format!(
-        "ready: {} pages of {} tokens, context {}, depth {}",
-        svc.info.num_pages,
+        "ready: {} replica(s) of {} pages of {} tokens, context {}, depth {}",
+        svc.replicas.len(),
+        first.num_pages,
         cfg.page_size,
-        svc.info.max_seq_len,
+        first.max_seq_len,
         cfg.depth.max(1)
     ));
     let exit = svc.serve(&sig);
-    svc.sock.send_worker(wire::shutdown("service stopping"));
+    for i in 0..svc.replicas.len() {
+        svc.sock.send_worker(i, wire::shutdown("service stopping"));
+    }
     std::thread::sleep(Duration::from_millis(50));
     exit
 }
 
 impl Service {
     fn ready_info(&self) -> Value {
-        let mut entries: Vec<(Value, Value)> = self.info.raw.clone();
+        let mut entries: Vec<(Value, Value)> = self.replicas[0].info.raw.clone();
         entries.push((
             "max_token_chars".into(),
             (self.text.tokenizer.max_token_chars() as u64).into(),
@@ -310,10 +371,10 @@ impl Service {
             if sig.stop_requested() {
                 return Exit::Stopped;
             }
-            let can_step = self.engine.can_schedule();
+            let can_step = self.live().any(|r| self.replicas[r].engine.can_schedule());
             let timeout = if can_step {
                 0
-            } else if self.engine.in_flight() > 0 {
+            } else if self.live().any(|r| self.replicas[r].engine.in_flight() > 0) {
                 20
             } else {
                 100
@@ -343,13 +404,33 @@ impl Service {
                 self.on_worker(&f);
             }
             self.flush_admitted();
-            while self.engine.can_schedule() {
-                if !self.schedule() {
-                    break;
+            for r in 0..self.replicas.len() {
+                while self.router.alive(r) && self.replicas[r].engine.can_schedule() {
+                    if !self.schedule(r) {
+                        break;
+                    }
                 }
             }
             self.maybe_send_stats();
         }
+    }
+
+    /// The replicas in rotation.
+    fn live(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.replicas.len()).filter(|&r| self.router.alive(r))
+    }
+
+    fn loads(&self) -> Vec<Load> {
+        self.replicas
+            .iter()
+            .map(|r| {
+                let s = r.engine.snapshot();
+                Load {
+                    requests: s.running + s.waiting,
+                    kv_used: (s.total_pages - s.free_pages) as f64 / s.total_pages.max(1) as f64,
+                }
+            })
+            .collect()
     }
 
     // ------------------------------------------------------------------ API server
@@ -422,16 +503,18 @@ impl Service {
     /// Validate and queue (the checks and messages of the Python engine worker).
     fn add(&mut self, uid: i64, ids: Vec<i64>, params: WireParams) {
         let leader = params.prefix_leader;
-        if leader != 0 && self.engine.prefilling(leader) {
+        let home = self.reqs.get(&leader).map(|r| r.replica);
+        if let Some(r) = home.filter(|&r| self.replicas[r].engine.prefilling(leader)) {
             let ids32 = ids.iter().map(|&t| t as i32).collect();
             self.held.entry(leader).or_default().push(Held {
+                replica: r,
                 uid,
                 ids: ids32,
                 params,
             });
             return;
         }
-        let vocab = self.info.vocab_size as i64;
+        let vocab = self.replicas[0].info.vocab_size as i64;
         if let Some(&bad) = ids.iter().find(|&&t| !(0..vocab).contains(&t)) {
             let msg = format!("token id {bad} is outside the vocabulary [0, {vocab})");
             self.reject(uid, &msg, 400, "invalid_request", Some("prompt"));
@@ -447,11 +530,27 @@ impl Service {
             return;
         }
         let ids: Vec<i32> = ids.into_iter().map(|t| t as i32).collect();
-        self.queue(uid, ids, params);
+        // n > 1: a choice joins its leader's replica (whose cache gets the shared prompt)
+        let replica = match home.filter(|&r| self.router.alive(r)) {
+            Some(r) => r,
+            None => {
+                let loads = self.loads();
+                match self.router.route(&ids, &loads) {
+                    Some(route) => route.replica,
+                    None => {
+                        let msg = "every replica is down: no engine can serve the request";
+                        self.reject(uid, msg, 503, "service_unavailable", None);
+                        return;
+                    }
+                }
+            }
+        };
+        self.queue(replica, uid, ids, params);
     }
 
-    fn queue(&mut self, uid: i64, ids: Vec<i32>, params: WireParams) {
-        if let Err(e) = self.engine.add(uid, &ids, &params) {
+    fn queue(&mut self, replica: usize, uid: i64, ids: Vec<i32>, params: WireParams) {
+        let rep = &mut self.replicas[replica];
+        if let Err(e) = rep.engine.add(uid, &ids, &params) {
             let (code, param) = if e.context_length {
                 ("context_length_exceeded", Some("prompt"))
             } else {
@@ -460,12 +559,13 @@ impl Service {
             self.reject(uid, &e.message, 400, code, param);
             return;
         }
-        self.new_for_worker
+        rep.new_for_worker
             .push(wire::step_req(uid, &ids, &params.raw));
         let detok = DecodeState::new(params.stop.clone(), params.skip_special_tokens, ids.len());
         self.reqs.insert(
             uid,
             Req {
+                replica,
                 params,
                 detok,
                 pending_lp: Vec::new(),
@@ -484,7 +584,9 @@ impl Service {
 
     /// The client is gone (or a request failed): free everything it holds.
     fn abort(&mut self, uid: i64) {
-        self.engine.retire(uid, true);
+        if let Some(r) = self.reqs.get(&uid).map(|r| r.replica) {
+            self.replicas[r].engine.retire(uid, true);
+        }
         self.forget(uid);
         for list in self.held.values_mut() {
             list.retain(|h| h.uid != uid);
@@ -495,24 +597,33 @@ impl Service {
     /// Drop the service's state of a request; the worker may drop its own with the next step
     /// (every queued request was announced to it).
     fn forget(&mut self, uid: i64) {
-        if self.reqs.remove(&uid).is_some() {
-            self.release_for_worker.push(uid);
+        if let Some(r) = self.reqs.remove(&uid) {
+            self.replicas[r.replica].release_for_worker.push(uid);
         }
     }
 
     /// A request failed after it was queued: free it and tell the client (500).
     fn fail(&mut self, uid: i64, why: &str) {
-        self.engine.retire(uid, true);
-        self.reject(uid, why, 500, "internal_error", None);
+        self.fail_with(uid, why, 500, "internal_error");
+    }
+
+    fn fail_with(&mut self, uid: i64, why: &str, status: u16, code: &str) {
+        if let Some(r) = self.reqs.get(&uid).map(|r| r.replica) {
+            self.replicas[r].engine.retire(uid, true);
+        }
+        self.reject(uid, why, status, code, None);
         self.forget(uid);
     }
 
     fn release_held(&mut self) {
         let ready: Vec<i64> = self
             .held
-            .keys()
-            .copied()
-            .filter(|&l| !self.engine.prefilling(l))
+            .iter()
+            .filter(|(&l, list)| {
+                list.first()
+                    .is_none_or(|h| !self.replicas[h.replica].engine.prefilling(l))
+            })
+            .map(|(&l, _)| l)
             .collect();
         for leader in ready {
             for h in self.held.remove(&leader).unwrap_or_default() {
@@ -525,21 +636,25 @@ impl Service {
 
     // ------------------------------------------------------------------ steps
     /// Schedule one step and send it; false when there is nothing to run.
-    fn schedule(&mut self) -> bool {
+    fn schedule(&mut self, replica: usize) -> bool {
         let t0 = Instant::now();
-        let step = match self.engine.schedule() {
+        let n = self.replicas.len() as i64;
+        let rep = &mut self.replicas[replica];
+        let step = match rep.engine.schedule() {
             Ok(Some(s)) => s,
             Ok(None) => return false,
             Err(e) => {
-                log(&format!("scheduler error: {e}; failing every request"));
-                self.fail_all(&format!("scheduler error: {e}"));
+                log(&format!(
+                    "scheduler error on replica {replica}: {e}; failing its requests"
+                ));
+                self.fail_all(replica, &format!("scheduler error: {e}"));
                 return false;
             }
         };
-        let new = std::mem::take(&mut self.new_for_worker);
-        let release = std::mem::take(&mut self.release_for_worker);
+        let new = std::mem::take(&mut rep.new_for_worker);
+        let release = std::mem::take(&mut rep.release_for_worker);
         let frame = wire::step(
-            step.id,
+            step.id * n + replica as i64,
             step.is_prefill,
             step.sizes,
             step.plan,
@@ -549,8 +664,8 @@ impl Service {
         );
         self.counters.schedule_us += t0.elapsed().as_micros() as u64;
         self.counters.steps += 1;
-        self.sock.send_worker(frame);
-        let depth = self.engine.in_flight() as u64;
+        let depth = rep.engine.in_flight() as u64;
+        self.sock.send_worker(replica, frame);
         self.counters.max_in_flight = self.counters.max_in_flight.max(depth);
         true
     }
@@ -568,6 +683,16 @@ impl Service {
                 self.on_result(step, tokens, errors, logprobs, fatal);
                 self.counters.commit_us += t0.elapsed().as_micros() as u64;
             }
+            Ok(Inbound::Hello {
+                index,
+                error: Some(why),
+                ..
+            }) => match usize::try_from(index) {
+                Ok(r) if r < self.replicas.len() => self.replica_down(r, &why),
+                _ => log(&format!(
+                    "rejected the death notice of unknown worker {index}"
+                )),
+            },
             Ok(other) => {
                 self.counters.rejected_frames += 1;
                 log(&format!(
@@ -581,10 +706,53 @@ impl Service {
         }
     }
 
-    fn fail_all(&mut self, why: &str) {
-        for uid in self.engine.live_requests() {
-            self.fail(uid, why);
+    /// Fail every request of a replica (and the choices waiting for one of them).
+    fn fail_all(&mut self, replica: usize, why: &str) {
+        self.fail_replica(replica, why, 500, "internal_error");
+    }
+
+    fn fail_replica(&mut self, replica: usize, why: &str, status: u16, code: &str) {
+        let mut uids: Vec<i64> = self
+            .reqs
+            .iter()
+            .filter(|(_, r)| r.replica == replica)
+            .map(|(&u, _)| u)
+            .collect();
+        uids.extend(self.replicas[replica].engine.live_requests());
+        uids.sort_unstable();
+        uids.dedup();
+        for uid in uids {
+            self.fail_with(uid, why, status, code);
         }
+        let held: Vec<i64> = self
+            .held
+            .iter()
+            .filter(|(_, l)| l.first().is_some_and(|h| h.replica == replica))
+            .map(|(&l, _)| l)
+            .collect();
+        for leader in held {
+            for h in self.held.remove(&leader).unwrap_or_default() {
+                self.reject(h.uid, why, status, code, None);
+            }
+        }
+    }
+
+    /// The worker of a replica died: out of rotation for good; its requests fail (503).
+    fn replica_down(&mut self, replica: usize, why: &str) {
+        if self.replicas[replica].down.is_some() {
+            return;
+        }
+        let msg = format!("replica {replica} is down: {why}");
+        log(&format!(
+            "{msg}; failing its requests, serving on the other replicas"
+        ));
+        self.router.set_down(replica);
+        self.fail_replica(replica, &msg, 503, "service_unavailable");
+        let rep = &mut self.replicas[replica];
+        rep.engine.reset();
+        rep.new_for_worker.clear();
+        rep.release_for_worker.clear();
+        rep.down = Some(why.to_string());
     }
 
     fn on_result(
@@ -595,13 +763,18 @@ impl Service {
         logprobs: Vec<Value>,
         fatal: Option<String>,
     ) {
+        let n = self.replicas.len() as i64;
+        let (replica, step) = (step.rem_euclid(n) as usize, step.div_euclid(n));
+        if !self.router.alive(replica) {
+            return; // the replica is down: whatever it still sends is stale
+        }
         if let Some(why) = fatal {
-            log(&format!("step {step} failed on the worker: {why}"));
-            self.fail_all(&why);
-            self.engine.reset();
+            log(&format!("step {step} failed on worker {replica}: {why}"));
+            self.fail_all(replica, &why);
+            self.replicas[replica].engine.reset();
             return;
         }
-        let commit: Commit = match self.engine.commit(step, &tokens) {
+        let commit: Commit = match self.replicas[replica].engine.commit(step, &tokens) {
             Ok(c) => c,
             Err(e) => {
                 self.counters.rejected_frames += 1;
@@ -662,7 +835,7 @@ impl Service {
                 }
             };
             if released.stop_hit {
-                stops.push(uid);
+                stops.push((uid, r.replica));
             }
             let finished = r.detok.finished.clone();
             if released.text.is_empty() && finished.is_none() {
@@ -689,8 +862,8 @@ impl Service {
         for uid in done {
             self.forget(uid);
         }
-        for uid in stops {
-            self.engine.retire(uid, false); // finished by a stop string: cache its prefix
+        for (uid, r) in stops {
+            self.replicas[r].engine.retire(uid, false); // finished by a stop string: cache it
         }
         for (uid, e) in failed {
             self.fail(uid, &e);
@@ -702,7 +875,7 @@ impl Service {
 
     // ------------------------------------------------------------------ stats
     fn maybe_send_stats(&mut self) {
-        let busy = self.engine.has_work();
+        let busy = self.replicas.iter().any(|r| r.engine.has_work());
         let idle_edge = self.was_busy && !busy;
         self.was_busy = busy;
         let period = if busy { STATS_BUSY } else { STATS_IDLE };
@@ -713,39 +886,81 @@ impl Service {
 
     fn send_stats(&mut self, check: bool) {
         self.last_stats = Instant::now();
-        if check && self.engine.in_flight() == 0 {
-            match self.engine.check_integrity() {
-                Ok(()) => self.integrity_ok = true,
-                Err(e) => {
-                    log(&format!("KV integrity check failed: {e}"));
-                    self.integrity_ok = false;
-                }
+        let in_flight: usize = self.replicas.iter().map(|r| r.engine.in_flight()).sum();
+        if check && in_flight == 0 {
+            let checks: Vec<Result<(), String>> = self
+                .live()
+                .map(|r| self.replicas[r].engine.check_integrity())
+                .collect();
+            self.integrity_ok = true;
+            for e in checks.into_iter().filter_map(Result::err) {
+                log(&format!("KV integrity check failed: {e}"));
+                self.integrity_ok = false;
             }
         }
-        let s = self.engine.snapshot();
-        let ps = self.info.page_size.max(1);
-        let data = wire::map(vec![
-            ("running", (s.running as u64).into()),
-            ("waiting", (s.waiting as u64).into()),
-            ("total_pages", (s.total_pages as u64).into()),
-            ("free_pages", (s.free_pages as u64).into()),
-            ("cached_tokens", (s.cached_tokens as u64).into()),
-            ("page_size", (ps as u64).into()),
-            ("used_pages", ((s.total_pages - s.free_pages) as u64).into()),
-            ("cached_pages", ((s.cached_tokens / ps) as u64).into()),
-            ("steps", s.steps.into()),
-            ("generated_tokens", s.generated_tokens.into()),
-            ("prompt_tokens", s.prompt_tokens.into()),
-            ("cached_prompt_tokens", s.cached_prompt_tokens.into()),
-            ("prefix_hit_rate", s.prefix_hit_rate().into()),
-            ("integrity_ok", u64::from(self.integrity_ok).into()),
-            (
-                "cpu_backend",
-                self.counters.to_value(self.engine.in_flight()),
-            ),
-        ]);
-        self.sock.send_frontend(wire::stats(data));
+        let mut total = Snapshot::default();
+        let mut per_replica = Vec::with_capacity(self.replicas.len());
+        for (i, rep) in self.replicas.iter().enumerate() {
+            let mut s = rep.engine.snapshot();
+            if rep.down.is_some() {
+                (s.running, s.waiting, s.free_pages) = (0, 0, s.total_pages);
+                s.cached_tokens = 0;
+            }
+            total.running += s.running;
+            total.waiting += s.waiting;
+            total.total_pages += s.total_pages;
+            total.free_pages += s.free_pages;
+            total.cached_tokens += s.cached_tokens;
+            total.steps += s.steps;
+            total.generated_tokens += s.generated_tokens;
+            total.prompt_tokens += s.prompt_tokens;
+            total.cached_prompt_tokens += s.cached_prompt_tokens;
+            let routed = self.router.routed().get(i).copied().unwrap_or(0);
+            per_replica.push(replica_stats(i, &s, routed, rep.down.is_none()));
+        }
+        let ps = self.replicas[0].info.page_size.max(1);
+        let mut entries = snapshot_entries(&total, ps);
+        entries.push(("integrity_ok", u64::from(self.integrity_ok).into()));
+        entries.push(("replicas", Value::Array(per_replica)));
+        entries.push(("cpu_backend", self.counters.to_value(in_flight)));
+        self.sock.send_frontend(wire::stats(wire::map(entries)));
     }
+}
+
+/// The scheduler gauges and counters of a snapshot (one replica's, or their sum).
+fn snapshot_entries(s: &Snapshot, page_size: usize) -> Vec<(&'static str, Value)> {
+    vec![
+        ("running", (s.running as u64).into()),
+        ("waiting", (s.waiting as u64).into()),
+        ("total_pages", (s.total_pages as u64).into()),
+        ("free_pages", (s.free_pages as u64).into()),
+        ("cached_tokens", (s.cached_tokens as u64).into()),
+        ("page_size", (page_size as u64).into()),
+        ("used_pages", ((s.total_pages - s.free_pages) as u64).into()),
+        (
+            "cached_pages",
+            ((s.cached_tokens / page_size) as u64).into(),
+        ),
+        ("steps", s.steps.into()),
+        ("generated_tokens", s.generated_tokens.into()),
+        ("prompt_tokens", s.prompt_tokens.into()),
+        ("cached_prompt_tokens", s.cached_prompt_tokens.into()),
+        ("prefix_hit_rate", s.prefix_hit_rate().into()),
+    ]
+}
+
+fn replica_stats(index: usize, s: &Snapshot, routed: u64, alive: bool) -> Value {
+    let mut entries = vec![
+        ("replica", (index as u64).into()),
+        ("alive", alive.into()),
+        ("routed", routed.into()),
+    ];
+    entries.extend(
+        snapshot_entries(s, 1)
+            .into_iter()
+            .filter(|(k, _)| !matches!(*k, "page_size" | "cached_pages")),
+    );
+    wire::map(entries)
 }
 
 /// `[(token, [lp, top ids, top lps])]` -> `[[token text, lp, [[text, lp], ...]], ...]`.

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import json
 import os
 import threading
@@ -41,6 +40,7 @@ from minisgl.server.args import ServerArgs
 from minisgl.server.metrics import Metrics
 from minisgl.server.openapi import request_bodies
 from minisgl.server.protocol import APIError, Parsed, parse_chat, parse_completion
+from minisgl.server.replicas import Replicas, worker_names
 from minisgl.tools import (
     ArgsDelta,
     CallStart,
@@ -148,7 +148,11 @@ class Frontend:
         self.cpu_backend = args.cpu_backend
         self.sched_stats: dict[str, Any] = {}
         self.reqs: dict[int, ReqState] = {}
-        self.uids = itertools.count(1)
+        self.replicas = Replicas(
+            args.dp_size,
+            routes=args.cpu_backend != "rust_service",
+            workers=worker_names(args.cpu_backend, args.dp_size),
+        )
         self.metrics = Metrics()
         self.renderer = ChatRenderer(model_path)  # chats with tools: tokenizer loaded on use
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -182,7 +186,7 @@ class Frontend:
                         self.ready[msg.name] = msg
                         self.ready_cv.notify_all()
                 elif isinstance(msg, Stats):
-                    self.sched_stats = msg.data
+                    self.sched_stats = self.replicas.on_stats(msg.data)
                 else:
                     msgs.append(msg)
             if msgs:
@@ -258,6 +262,16 @@ class Frontend:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self.fail_all, reason, 503)
 
+    def replica_down(self, replica: int, reason: str) -> None:
+        """Supervisor thread: a replica's worker died; where the API server routed requests
+        (python backend), those on it end with a 503 (rust_service: the service ends them)."""
+        self.replicas.mark_down(replica, reason)
+        loop = self.loop
+        if self.replicas.routes and loop is not None:
+            gone = f"replica {replica} is down: {reason}"
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self.fail_all, gone, 503, replica)
+
     def fail_after(self, delay_s: float, reason: str) -> None:
         """Thread-safe: in `delay_s` seconds, end every request still in flight with a 503."""
         loop = self.loop
@@ -265,8 +279,10 @@ class Frontend:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(loop.call_later, delay_s, self.fail_all, reason, 503)
 
-    def fail_all(self, reason: str, status: int = 503) -> None:
+    def fail_all(self, reason: str, status: int = 503, replica: int | None = None) -> None:
         for uid, st in list(self.reqs.items()):
+            if replica is not None and self.replicas.replica_of(uid) != replica:
+                continue
             err = reject_to_error(Reject(uid, reason, status, "service_unavailable"))
             st.queue.put_nowait(Failure(st.index, err))
 
@@ -298,7 +314,7 @@ class Frontend:
         err = self._admission_error(parsed.n)
         if err is not None:
             raise err
-        uids = [next(self.uids) for _ in range(parsed.n)]
+        uids = self.replicas.new_uids(parsed.n)
         try:  # encode first: nothing is registered for a body that cannot travel
             frames = [
                 self.codec.encode(TokenizeReq(uid, parsed.kind, parsed.prompt, p))
@@ -706,6 +722,7 @@ def create_app(fe: Frontend) -> FastAPI:
             "workers": workers,
             "in_flight": len(fe.reqs),
             "cpu_backend": fe.cpu_backend,
+            "replicas": fe.replicas.view(),
         }
 
     @app.get("/v1/models")
@@ -725,8 +742,11 @@ def create_app(fe: Frontend) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        text = fe.metrics.render(
-            in_flight=len(fe.reqs), healthy=fe.unhealthy is None, sched=fe.sched_stats
+        text = (
+            fe.metrics.render(
+                in_flight=len(fe.reqs), healthy=fe.unhealthy is None, sched=fe.sched_stats
+            )
+            + fe.replicas.render()
         )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

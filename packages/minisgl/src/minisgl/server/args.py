@@ -36,6 +36,8 @@ class ServerArgs:
     enable_torch_compile: bool = False
     threads: int | None = None
     tp_size: int = 1
+    dp_size: int = 1
+    dp_routing: str | None = None  # rust_service: prefix (default) | round_robin
 
     @property
     def queue_limit(self) -> int:
@@ -142,6 +144,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor-parallel ranks: one process each, gloo on CPU, NCCL on CUDA (rank r on "
         "cuda:r)",
     )
+    p.add_argument(
+        "--dp",
+        "--dp-size",
+        dest="dp_size",
+        type=int,
+        default=1,
+        help="data-parallel replicas: N engines (each of --tp ranks) behind one control plane; "
+        "--threads is per replica (default: an equal share of the cores)",
+    )
+    p.add_argument(
+        "--dp-routing",
+        default=None,
+        choices=["prefix", "round_robin"],
+        help="rust_service: the replica of a request: longest cached prefix, then load "
+        "(prefix, the default) or round_robin; the python backend routes round-robin",
+    )
     p.add_argument("--num-tokenizer", type=int, default=1)
     p.add_argument(
         "--transport",
@@ -194,6 +212,13 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         errors.append("--threads must be >= 1")
     if args.tp_size < 1:
         errors.append("--tp must be >= 1")
+    if args.dp_size < 1:
+        errors.append("--dp must be >= 1")
+    if args.dp_routing == "prefix" and args.cpu_backend != SERVICE:
+        errors.append(
+            "--dp-routing prefix needs MINISGL_CPU_BACKEND=rust_service (the python "
+            "backend routes round-robin)"
+        )
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         errors.append("--max-queued-requests must be >= 0")
     if args.max_request_bytes < 1:

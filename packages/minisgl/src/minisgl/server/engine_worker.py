@@ -56,6 +56,8 @@ def cpu_backend_stats() -> dict[str, Any] | None:
 
 
 class EngineLoop:
+    replica = 0  # which data-parallel replica this engine is (`--dp`)
+
     def __init__(self, runtime: Runtime, codec: Codec, to_tok: list, to_frontend) -> None:
         self.rt = runtime
         self.sched = runtime.scheduler
@@ -199,6 +201,7 @@ class EngineLoop:
             "cached_prompt_tokens": st.cached_prompt_tokens,
             "prefix_hit_rate": st.prefix_hit_rate,
             "integrity_ok": self.integrity_ok,
+            "replica": self.replica,
         }
         cpu = cpu_backend_stats()
         if cpu is not None:
@@ -207,15 +210,20 @@ class EngineLoop:
 
 
 def run_engine_worker(
-    model_path: str, llm_kwargs: dict, ipc_dir: str, typed: bool, num_tokenizer: int
+    model_path: str,
+    llm_kwargs: dict,
+    ipc_dir: str,
+    typed: bool,
+    num_tokenizer: int,
+    replica: int = 0,
 ) -> None:
-    name = ipc.SCHEDULER
+    name = ipc.scheduler_name(replica)
     alive = ipc.setup_worker_process()
     ctx = zmq.Context()
     codec = Codec(typed)
     to_frontend = ipc.push(ctx, ipc_dir, ipc.FRONTEND)
     try:
-        inbox = ipc.pull(ctx, ipc_dir, ipc.SCHEDULER)
+        inbox = ipc.pull(ctx, ipc_dir, name)
         to_tok = [ipc.push(ctx, ipc_dir, ipc.tokenizer_name(i)) for i in range(num_tokenizer)]
         from minisgl.llm import LLM
 
@@ -240,6 +248,7 @@ def run_engine_worker(
         "architecture": eng.model_config.architecture,
     }
     loop = EngineLoop(llm.runtime, codec, to_tok, to_frontend)
+    loop.replica = replica
     to_frontend.send(codec.encode(Ready(name, os.getpid(), info=info)))
     loop.maybe_send_stats(force=True)
     try:

@@ -21,6 +21,11 @@ def tokenizer_name(i: int) -> str:
     return f"tokenizer{i}"
 
 
+def scheduler_name(replica: int) -> str:
+    """Engine worker `replica`'s PULL (python backend; replica 0 keeps the plain name)."""
+    return SCHEDULER if replica == 0 else f"{SCHEDULER}{replica}"
+
+
 def worker_name(i: int) -> str:
     """rust_service: GPU worker i's PULL (steps from the service)."""
     return f"worker{i}"

@@ -7,7 +7,9 @@ scheduler, detokenizer) and one Python GPU worker instead (`minisgl.server.servi
 over ZMQ ipc sockets in a private temp dir that is removed on exit.
 
 A supervisor thread watches the workers: if one dies, `/health` turns 503 and every in-flight
-request ends with an error at once. SIGINT / SIGTERM: stop accepting, give in-flight requests
+request ends with an error at once. With `--dp N` (N engine workers, or N GPU workers behind the
+Rust service) a replica whose worker dies leaves the rotation instead: its requests end with a
+503 and the server keeps serving on the others, until the last one dies. SIGINT / SIGTERM: stop accepting, give in-flight requests
 `--shutdown-timeout` seconds, then end the rest with a 503 (non-stream) or an SSE error event
 (stream), stop the workers (SIGTERM, then SIGKILL) and
 remove the ipc dir.
@@ -28,6 +30,7 @@ import time
 
 from minisgl.server import ipc
 from minisgl.server.args import ServerArgs, parse_args
+from minisgl.server.replicas import replica_threads, worker_names
 
 SHUTDOWN_REPLY_S = 2  # after --shutdown-timeout: time to write the 503s before uvicorn cancels
 WORKER_DEATH_GRACE_S = 5.0  # after a worker died: answer 503s this long, then exit 1
@@ -48,6 +51,8 @@ class Launcher:
         self.phase = "startup"
         self.server = None  # the uvicorn server, once serving
         self.worker_died = False
+        self.replica_names = worker_names(args.cpu_backend, args.dp_size)
+        self.down: set[str] = set()  # replicas out of rotation (dp > 1)
 
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum, frame) -> None:
@@ -65,16 +70,24 @@ class Launcher:
 
         args, ctx = self.args, mp.get_context("spawn")
         typed = args.transport != "generic"
-        self.procs[ipc.SCHEDULER] = ctx.Process(
-            target=run_engine_worker,
-            args=(model_path, args.llm_kwargs(), self.ipc_dir, typed, args.num_tokenizer),
-            name="minisgl-scheduler",
-            daemon=True,
-        )
+        for i, name in enumerate(self.replica_names):
+            self.procs[name] = ctx.Process(
+                target=run_engine_worker,
+                args=(
+                    model_path,
+                    self._replica_kwargs(),
+                    self.ipc_dir,
+                    typed,
+                    args.num_tokenizer,
+                    i,
+                ),
+                name=f"minisgl-{name}",
+                daemon=True,
+            )
         for i in range(args.num_tokenizer):
             self.procs[ipc.tokenizer_name(i)] = ctx.Process(
                 target=run_tokenizer_worker,
-                args=(i, model_path, self.ipc_dir, typed),
+                args=(i, model_path, self.ipc_dir, typed, args.dp_size),
                 name=f"minisgl-{ipc.tokenizer_name(i)}",
                 daemon=True,
             )
@@ -82,8 +95,15 @@ class Launcher:
             p.start()
         return list(self.procs)
 
+    def _replica_kwargs(self) -> dict:
+        """An engine's `LLM` arguments: `--threads` is per replica (default: its share)."""
+        args = self.args
+        kwargs = args.llm_kwargs()
+        kwargs["threads"] = replica_threads(args.threads, args.dp_size, args.tp_size)
+        return kwargs
+
     def _start_service(self, model_path: str) -> list[str]:
-        """rust_service: the Rust service binary and one Python GPU worker."""
+        """rust_service: the Rust service binary and one Python GPU worker per replica."""
         from minisgl.server.gpu_worker import run_gpu_worker
         from minisgl.server.service import ServiceLimits, ServiceProcess, service_command
 
@@ -92,38 +112,74 @@ class Launcher:
         if not typed:
             raise RuntimeError("MINISGL_CPU_BACKEND=rust_service speaks the typed transport only")
         self.procs[ipc.SERVICE] = ServiceProcess(
-            service_command(ServiceLimits.of(args), model_path, self.ipc_dir, num_workers=1)
+            service_command(
+                ServiceLimits.of(args), model_path, self.ipc_dir, num_workers=args.dp_size
+            )
         )
-        self.procs[ipc.worker_name(0)] = ctx.Process(
-            target=run_gpu_worker,
-            args=(0, model_path, args.llm_kwargs(), self.ipc_dir, typed),
-            name=f"minisgl-{ipc.worker_name(0)}",
-            daemon=True,
-        )
+        for i, name in enumerate(self.replica_names):
+            self.procs[name] = ctx.Process(
+                target=run_gpu_worker,
+                args=(i, model_path, self._replica_kwargs(), self.ipc_dir, typed),
+                name=f"minisgl-{name}",
+                daemon=True,
+            )
         for p in self.procs.values():
             p.start()
         return [ipc.SERVICE]
 
-    def _dead_worker(self) -> str | None:
+    def _dead(self) -> tuple[str, str] | None:
+        """The first worker that died (replicas already out of rotation aside)."""
         for name, p in self.procs.items():
-            if not p.is_alive():
-                return f"worker {name} (pid {p.pid}) exited with code {p.exitcode}"
+            if name not in self.down and not p.is_alive():
+                return name, f"worker {name} (pid {p.pid}) exited with code {p.exitcode}"
         return None
+
+    def _dead_worker(self) -> str | None:
+        dead = self._dead()
+        return None if dead is None else dead[1]
+
+    def _replica_down(self, name: str, why: str) -> bool:
+        """dp > 1: take a dead replica out of rotation; False if it was the last one."""
+        if name not in self.replica_names or self.args.dp_size == 1:
+            return False
+        self.down.add(name)
+        left = len(self.replica_names) - len(self.down)
+        if not left:
+            return False
+        replica = self.replica_names.index(name)
+        log(f"{why}: replica {replica} is out of rotation, serving on {left} replica(s)")
+        self.frontend.replica_down(replica, why)
+        if self.args.cpu_backend == "rust_service":
+            self._tell_service(replica, why)
+        return True
+
+    def _tell_service(self, replica: int, why: str) -> None:
+        """The service learns of a dead GPU worker as that worker's failed hello."""
+        from minisgl.message.schema import Codec, WorkerHello
+
+        sock = ipc.push(self.frontend.ctx, self.ipc_dir, ipc.STEPS)
+        pid = self.procs[self.replica_names[replica]].pid or 0
+        sock.send(Codec(True).encode(WorkerHello(replica, pid, error=why)))
+        sock.close(linger=1000)
 
     def _supervise(self) -> None:
         while not self.stopping.wait(0.1):
-            dead = self._dead_worker()
-            if dead is not None:
-                grace = max(self.args.shutdown_timeout, WORKER_DEATH_GRACE_S)
-                log(
-                    f"{dead}; /health now fails, in-flight requests are ended, the server "
-                    f"exits (code 1) in {grace:.0f}s"
-                )
-                self.worker_died = True
-                self.frontend.mark_unhealthy(dead)
-                if not self.stopping.wait(grace) and self.server is not None:
-                    self.server.should_exit = True
-                return
+            found = self._dead()
+            if found is None or self._replica_down(*found):
+                continue
+            name, dead = found
+            if name in self.replica_names and self.args.dp_size > 1:
+                dead = f"every replica died (the last: {dead})"
+            grace = max(self.args.shutdown_timeout, WORKER_DEATH_GRACE_S)
+            log(
+                f"{dead}; /health now fails, in-flight requests are ended, the server "
+                f"exits (code 1) in {grace:.0f}s"
+            )
+            self.worker_died = True
+            self.frontend.mark_unhealthy(dead)
+            if not self.stopping.wait(grace) and self.server is not None:
+                self.server.should_exit = True
+            return
 
     def _stop_workers(self) -> None:
         for p in self.procs.values():
@@ -158,6 +214,7 @@ class Launcher:
             names = self._start_workers(model_path)
             ready = fe.wait_ready(names, args.startup_timeout, self._dead_worker)
             fe.workers = {n: p.pid for n, p in sorted(self.procs.items())}
+            fe.replicas.pids = [self.procs[n].pid for n in self.replica_names]
             if ipc.SERVICE in ready:  # the service reports the engine's limits and its own
                 fe.info = dict(ready[ipc.SERVICE].info)
             else:
@@ -165,7 +222,7 @@ class Launcher:
                 fe.info["max_token_chars"] = max(
                     int(r.info.get("max_token_chars", 0))
                     for n, r in ready.items()
-                    if n != ipc.SCHEDULER
+                    if n not in self.replica_names
                 )
             log(
                 f"workers ready in {time.perf_counter() - t0:.1f}s: "

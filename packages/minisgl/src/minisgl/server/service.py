@@ -69,12 +69,12 @@ class ServiceLimits:
     max_running_requests: int
     max_prefill_length: int
     cache_type: str
+    dp_routing: str | None = None  # data-parallel replicas: prefix | round_robin (the default)
 
     @classmethod
     def of(cls, args: ServerArgs) -> ServiceLimits:
-        return cls(
-            args.page_size, args.max_running_requests, args.max_prefill_length, args.cache_type
-        )
+        return cls(args.page_size, args.max_running_requests, args.max_prefill_length,
+                   args.cache_type, args.dp_routing)  # fmt: skip
 
 
 def service_command(
@@ -93,6 +93,8 @@ def service_command(
         "--depth", str(depth),
         "--parent-pid", str(os.getpid()),
     ]  # fmt: skip
+    if limits.dp_routing is not None:
+        cmd += ["--dp-routing", limits.dp_routing]
     trace = os.environ.get("MINISGL_SERVICE_TRACE")
     if trace:
         cmd += ["--trace", trace]

@@ -28,6 +28,7 @@ from minisgl.message.schema import (
     TokenOut,
 )
 from minisgl.server import ipc
+from minisgl.server.replicas import replica_of
 from minisgl.tokenizer.detokenize import DecodeState, Detokenizer
 
 # Tokenizer classes that are exactly their tokenizer.json: loaded through
@@ -160,7 +161,10 @@ class TokenizerWorker:
                 ]
 
 
-def run_tokenizer_worker(index: int, model_path: str, ipc_dir: str, typed: bool) -> None:
+def run_tokenizer_worker(
+    index: int, model_path: str, ipc_dir: str, typed: bool, dp: int = 1
+) -> None:
+    """`dp` engine replicas: a request's messages go to engine worker `replica_of(uid)`."""
     name = ipc.tokenizer_name(index)
     alive = ipc.setup_worker_process()
     ctx = zmq.Context()
@@ -168,7 +172,7 @@ def run_tokenizer_worker(index: int, model_path: str, ipc_dir: str, typed: bool)
     to_frontend = ipc.push(ctx, ipc_dir, ipc.FRONTEND)
     try:
         inbox = ipc.pull(ctx, ipc_dir, name)
-        to_sched = ipc.push(ctx, ipc_dir, ipc.SCHEDULER)
+        to_engines = [ipc.push(ctx, ipc_dir, ipc.scheduler_name(i)) for i in range(dp)]
         worker = TokenizerWorker(load_tokenizer(model_path), codec)
     except Exception as e:
         to_frontend.send(codec.encode(Ready(name, os.getpid(), error=repr(e))))
@@ -199,11 +203,11 @@ def run_tokenizer_worker(index: int, model_path: str, ipc_dir: str, typed: bool)
                     ]
                 to_frontend_msgs.extend(rejects)
                 for a in adds:
-                    to_sched.send(codec.encode(a))
+                    to_engines[replica_of(a.uid, dp)].send(codec.encode(a))
             for uid in aborts:
                 worker.states.pop(uid, None)
                 worker.pending_lp.pop(uid, None)
-                to_sched.send(codec.encode(AbortReq(uid)))
+                to_engines[replica_of(uid, dp)].send(codec.encode(AbortReq(uid)))
             for m in msgs:
                 if isinstance(m, Reject):  # from the scheduler: drop state, tell the client
                     worker.states.pop(m.uid, None)
@@ -212,7 +216,7 @@ def run_tokenizer_worker(index: int, model_path: str, ipc_dir: str, typed: bool)
             if outs:
                 detok, finishes = worker.detokenize(outs)
                 for f in finishes:
-                    to_sched.send(codec.encode(f))
+                    to_engines[replica_of(f.uid, dp)].send(codec.encode(f))
                 if detok is not None:
                     to_frontend_msgs.append(detok)
             for m in to_frontend_msgs:
