@@ -111,6 +111,15 @@ def baseline_chart(baseline: Baseline) -> bytes | None:
             {"output tok/s": [_pct(engines[e], "output_tok_s") for e in labels]},
             "tok/s",
         )
+    median = data.get("median")  # arm -> median metrics (benchmark.dp_ab)
+    if isinstance(median, dict) and median and all(isinstance(m, dict) for m in median.values()):
+        labels = list(median)
+        return _bars(
+            f"{baseline.name}: output tok/s",
+            labels,
+            {"output tok/s": [_pct(median[a], "output_tok_s") for a in labels]},
+            "tok/s",
+        )
     results = data.get("results")
     if isinstance(results, list) and results and all(isinstance(r, dict) for r in results):
         labels = [f"{r.get('workload', '?')} ps{r.get('page_size', '?')}" for r in results]
@@ -130,8 +139,8 @@ def baseline_chart(baseline: Baseline) -> bytes | None:
                 {"speedup": [float(results[k]["speedup"]) for k in labels]},
                 "x",
             )
-    sets = data.get("sets")
-    if isinstance(sets, dict):
+    sets = parity_sets(data)
+    if sets is not None:
         labels = list(sets)
         matched = [
             float(s.get("prompts", 0)) - float(s.get("mismatch_count", 0)) for s in sets.values()
@@ -143,4 +152,13 @@ def baseline_chart(baseline: Baseline) -> bytes | None:
             {"identical": matched, "mismatched": mismatched},
             "prompts",
         )
+    return None
+
+
+def parity_sets(data: dict) -> dict[str, dict] | None:
+    """A token-parity baseline's prompt sets (one dict each), or None: other baselines use
+    `sets` for their `--set` overrides (strings)."""
+    sets = data.get("sets")
+    if isinstance(sets, dict) and sets and all(isinstance(s, dict) for s in sets.values()):
+        return sets
     return None

@@ -463,8 +463,8 @@ def baseline_table(baseline: Baseline) -> str:
                 else:
                     rows.append([name, side, values, "", ""])
         return table(["message", "side", "bytes", "round trip us", "iters"], rows)
-    sets = data.get("sets")
-    if isinstance(sets, dict):
+    sets = charts.parity_sets(data)
+    if sets is not None:
         sides = data.get("sides") if isinstance(data.get("sides"), dict) else {}
         labels = " vs ".join(
             str(s.get("label", k)) for k, s in sides.items() if isinstance(s, dict)
