@@ -1,0 +1,216 @@
+"""One decode step, timed and its kernels counted, per arm (the fused Triton decode layer, the
+torch ops, inductor), in one run:
+
+    python -m minisgl.benchmark.decode_step --model-path worklog/models/Qwen2.5-0.5B-Instruct \
+        --dummy-weights --dtype bfloat16 --batch 64 --context 512 --out X.json
+
+Each arm builds its own `Engine` (the arms differ only by `MINISGL_FUSED_OPS` or
+`enable_torch_compile`), prefills `batch` random prompts of `context` tokens, then times
+`sample_step` of the next decode step (stage + graph replay or eager forward + greedy + the
+token copy): median and p90 of `--repeats` after `--warmup`. Kernels of one eager forward:
+torch.profiler's CUDA kernels on a GPU (copies and memsets left out), the dispatch-mode +
+Triton-launch counter on a CPU (`minisgl.testing.launches`). The bound: the bytes one step
+must read (weights once, the batch's KV), over the memory bandwidth (`--bandwidth-gb-s`,
+default by GPU name), against the measured step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl.benchmark import common
+
+# HBM bandwidth by GPU name (vendor figures), for the step's memory floor
+BANDWIDTH_GB_S = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}
+ARMS = ("fused", "torch", "compiled")
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    fused_ops: str  # MINISGL_FUSED_OPS
+    compiled: bool
+
+
+ARM_SETTINGS = {
+    "fused": Arm("fused", "auto", False),
+    "torch": Arm("torch", "off", False),
+    "compiled": Arm("compiled", "off", True),
+}
+
+
+def _engine(args: argparse.Namespace, arm: Arm, runner: str):
+    from minisgl.config import EngineConfig
+    from minisgl.engine.engine import Engine
+
+    os.environ["MINISGL_FUSED_OPS"] = arm.fused_ops
+    per_request = args.context + args.warmup + args.repeats + 8
+    cfg = EngineConfig(
+        model_path=args.model_path, device=args.device, dtype=args.dtype,
+        dummy_weights=args.dummy_weights, attention_backend=args.attention_backend,
+        graph_runner=runner, cuda_graph_max_bs=args.batch, max_running_requests=args.batch,
+        max_seq_len_override=per_request, enable_torch_compile=arm.compiled,
+        num_pages=args.batch * per_request + 64,
+    )  # fmt: skip
+    return Engine(cfg), per_request
+
+
+def _kernels(engine, plan) -> dict[str, Any]:
+    """Kernels of one eager forward of `plan`."""
+    import torch
+
+    if engine.device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.forward(plan)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA
+                 and not e.name.startswith(("Memcpy", "Memset"))]  # fmt: skip
+        return {"source": "torch.profiler CUDA kernels", "total": len(names)}
+    from minisgl.testing.launches import count_launches
+
+    with count_launches() as counter:
+        engine.forward(plan)
+    return {"source": "dispatch-mode + Triton launch counter", "total": counter.total}
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_steps(engine, batch, plan, count: int) -> list[float]:
+    from minisgl.testing.plans import GreedyRow
+
+    rows = [GreedyRow()] * len(batch.ids)
+    times = []
+    for _ in range(count):
+        _sync(engine.device)
+        t0 = time.perf_counter()
+        engine.sample_step(plan, rows, frozenset())
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _bytes_a_step(engine, batch: int, context: int) -> dict[str, int]:
+    """Weights read once plus the KV of `batch` requests of `context` tokens (K and V)."""
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    kv = sum(t[:1].numel() * t.element_size() for t in (*engine.pool.k, *engine.pool.v))
+    return {"weights": weights, "kv": kv * batch * context}
+
+
+def run_arm(args: argparse.Namespace, arm: Arm) -> dict[str, Any]:
+    from minisgl.testing.plans import GreedyRow, PlannedBatch
+
+    runner = "cuda" if args.device == "cuda" else "none"
+    t0 = time.perf_counter()
+    engine, per_request = _engine(args, arm, runner)
+    batch = PlannedBatch.for_engine(engine, [args.context] * args.batch, per_request)
+    rows = [GreedyRow()] * args.batch
+    batch.push(engine.sample_step(batch.plan(True), rows, frozenset()).tokens)
+    plan = batch.plan(False)
+    _time_steps(engine, batch, plan, args.warmup)
+    start_s = time.perf_counter() - t0
+    step = _time_steps(engine, batch, plan, args.repeats)
+    layers = engine.model_config.num_layers
+    kernels = _kernels(engine, plan)
+    kernels["per_layer_incl_fixed"] = round(kernels["total"] / layers, 2)
+    moved = _bytes_a_step(engine, args.batch, args.context)
+    out = {
+        "fused_ops": engine.model.fused_ops is not None,
+        "compiled": engine.compiled is not None,
+        "graphs": engine.graphs is not None and engine.graphs.can_run(plan),
+        "start_s": round(start_s, 2),
+        "step_ms": common.percentiles(step),
+        "kernels": kernels,
+        "bytes": moved,
+    }
+    del engine
+    gc.collect()
+    if args.device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+    return out
+
+
+def _bandwidth(args: argparse.Namespace, machine: dict[str, Any]) -> float | None:
+    if args.bandwidth_gb_s:
+        return args.bandwidth_gb_s
+    name = ((machine.get("gpu") or {}).get("name") or "").upper()
+    return next((bw for key, bw in BANDWIDTH_GB_S.items() if key in name), None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minisgl.benchmark.decode_step")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--dummy-weights", action="store_true")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=100)
+    p.add_argument("--arms", default="fused,torch", help=f"comma list of {', '.join(ARMS)}")
+    p.add_argument("--bandwidth-gb-s", type=float, default=None,
+                   help="memory bandwidth for the floor (default: by GPU name)")  # fmt: skip
+    p.add_argument("--out", help="result JSON path")
+    args = p.parse_args(argv)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        p.error(f"unknown arms {unknown}: choose from {', '.join(ARMS)}")
+    machine = common.machine_info()
+    bandwidth = _bandwidth(args, machine)
+    results: dict[str, Any] = {}
+    for name in arms:
+        try:
+            results[name] = run_arm(args, ARM_SETTINGS[name])
+        except Exception as e:  # an arm that cannot run is recorded, the others still run
+            results[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        res = results[name]
+        if "step_ms" in res and bandwidth:
+            floor_ms = sum(res["bytes"].values()) / (bandwidth * 1e9) * 1e3
+            res["floor_ms"] = round(floor_ms, 4)
+            res["fraction_of_floor"] = round(floor_ms / res["step_ms"]["p50"], 3)
+        print(f"{name}: {res.get('step_ms', {}).get('p50')} ms p50, "
+              f"{res.get('kernels', {}).get('total')} kernels a step"
+              + (f" [{res['error']}]" if "error" in res else ""), file=sys.stderr)  # fmt: skip
+    base = results.get("torch", {}).get("step_ms", {}).get("p50")
+    ratios = {
+        f"{name}_vs_torch_step": round(base / res["step_ms"]["p50"], 3)
+        for name, res in results.items()
+        if name != "torch" and base and "step_ms" in res
+    }
+    record = {
+        "schema_version": common.SCHEMA_VERSION,
+        "tool": "decode_step",
+        "argv": sys.argv[1:] if argv is None else argv,
+        "git": common.git_commit(),
+        "machine": machine,
+        "env": common.backend_env(),
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "bandwidth_gb_s": bandwidth,
+        "results": results,
+        "ratios": ratios,
+    }
+    if args.out:
+        common.write_json(args.out, record)
+    print(common.json.dumps({"results": results, "ratios": ratios}, indent=1))
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
