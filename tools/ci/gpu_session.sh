@@ -56,7 +56,9 @@ print("minisgl", minisgl.__file__, "| cardgate", cardgate.__file__)
 print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
 EOF
-# a copied checkout: another owner, maybe other file modes; the gate wants git's own view
+# a copied checkout: another owner, maybe other file modes, maybe no .git (the device tool
+# carries a copy as .gitcopy/); the gate wants git's own view
+if ! git rev-parse --git-dir >/dev/null 2>&1 && [ -d .gitcopy ]; then cp -a .gitcopy .git; fi
 git config --global --add safe.directory '*'
 git config core.fileMode false
 git rev-parse HEAD && git status --short | head -n 5
