@@ -2,6 +2,7 @@
 # One prepared GPU session (issue 36): on a CUDA machine without network, in the repo root.
 #
 #   bash tools/ci/gpu_session.sh            # logs, JSON and the gate's evidence under $OUT
+#   bash tools/ci/gpu_session.sh profile    # only the decode step by kernel + nano-vllm
 #
 # 1. installs the wheels carried in .whl/ (the runtime's dependencies the machine lacks, and the
 #    minisgl / pytest-cardgate wheels for their entry points only: both import from the tree)
@@ -74,6 +75,18 @@ offline() {  # offline NAME MODEL PROFILE [args]: the harness on dummy weights, 
         --set llm.attention_backend=triton --set llm.device=cuda --out "$WORK/$name.json" "$@"
 }
 
+if [ "${1:-}" = profile ]; then  # the decode step by kernel, and the nano-vllm profile fused
+    step profile-qwen25-b64 80 "$PY" -m minisgl.benchmark.decode_step --model-path "$QWEN25" \
+        --dummy-weights --batch 64 --context 512 --arms fused,torch --profile-steps 20 \
+        --out "$WORK/profile-qwen25-b64.json"
+    offline nano-vllm-qwen25 "$QWEN25" nano-vllm
+    step profile-qwen3-b256 60 "$PY" -m minisgl.benchmark.decode_step --model-path "$QWEN3" \
+        --dummy-weights --batch 256 --context 600 --arms fused --profile-steps 10 \
+        --out "$WORK/profile-qwen3-b256.json"
+    pack
+    echo "gpu session (profile): status=$status"
+    exit $status
+fi
 step gate-P2-001 330 "$PY" -m cardgate gate P2-001
 tar czf "$WORK/evidence.tgz" worklog/evidence/P2-001 kanban 2>/dev/null
 git status --short >"$WORK/git-status-after-gate.txt"

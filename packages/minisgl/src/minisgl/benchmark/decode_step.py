@@ -1,17 +1,20 @@
 """One decode step, timed and its kernels counted, per arm (the fused Triton decode layer, the
-torch ops, inductor), in one run:
+torch ops), in one run:
 
     python -m minisgl.benchmark.decode_step --model-path worklog/models/Qwen2.5-0.5B-Instruct \
         --dummy-weights --dtype bfloat16 --batch 64 --context 512 --out X.json
 
-Each arm builds its own `Engine` (the arms differ only by `MINISGL_FUSED_OPS` or
-`enable_torch_compile`), prefills `batch` random prompts of `context` tokens, then times
+Each arm builds its own `Engine` (the arms differ only by `MINISGL_FUSED_OPS`), prefills `batch` random prompts of `context` tokens, then times
 `sample_step` of the next decode step (stage + graph replay or eager forward + greedy + the
-token copy): median and p90 of `--repeats` after `--warmup`. Kernels of one eager forward:
+token copy): median and p95 of `--repeats` after `--warmup`. Kernels of one eager forward:
 torch.profiler's CUDA kernels on a GPU (copies and memsets left out), the dispatch-mode +
 Triton-launch counter on a CPU (`minisgl.testing.launches`). The bound: the bytes one step
 must read (weights once, the batch's KV), over the memory bandwidth (`--bandwidth-gb-s`,
-default by GPU name), against the measured step.
+default by GPU name), against the measured step. With `--profile-steps N` (CUDA): the GPU
+time of N steps by kernel, graph replays included (busy time a step, the top kernels).
+
+(No inductor arm: the engine's decode graphs capture the eager model, so `enable_torch_compile`
+with graphs would time the torch ops again.)
 """
 
 from __future__ import annotations
@@ -28,21 +31,16 @@ from minisgl.benchmark import common
 
 # HBM bandwidth by GPU name (vendor figures), for the step's memory floor
 BANDWIDTH_GB_S = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}
-ARMS = ("fused", "torch", "compiled")
+ARMS = ("fused", "torch")
 
 
 @dataclass(frozen=True)
 class Arm:
     name: str
     fused_ops: str  # MINISGL_FUSED_OPS
-    compiled: bool
 
 
-ARM_SETTINGS = {
-    "fused": Arm("fused", "auto", False),
-    "torch": Arm("torch", "off", False),
-    "compiled": Arm("compiled", "off", True),
-}
+ARM_SETTINGS = {"fused": Arm("fused", "auto"), "torch": Arm("torch", "off")}
 
 
 def _engine(args: argparse.Namespace, arm: Arm, runner: str):
@@ -55,7 +53,7 @@ def _engine(args: argparse.Namespace, arm: Arm, runner: str):
         model_path=args.model_path, device=args.device, dtype=args.dtype,
         dummy_weights=args.dummy_weights, attention_backend=args.attention_backend,
         graph_runner=runner, cuda_graph_max_bs=args.batch, max_running_requests=args.batch,
-        max_seq_len_override=per_request, enable_torch_compile=arm.compiled,
+        max_seq_len_override=per_request,
         num_pages=args.batch * per_request + 64,
     )  # fmt: skip
     return Engine(cfg), per_request
@@ -81,6 +79,36 @@ def _kernels(engine, plan) -> dict[str, Any]:
     with count_launches() as counter:
         engine.forward(plan)
     return {"source": "dispatch-mode + Triton launch counter", "total": counter.total}
+
+
+def _kernel_time(engine, batch, plan, steps: int, top: int) -> dict[str, Any]:
+    """GPU time of `steps` timed steps by kernel (torch.profiler, graph replays included): busy
+    time a step and the `top` kernels by time, each with its launches and time a step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from minisgl.testing.plans import GreedyRow
+
+    rows = [GreedyRow()] * len(batch.ids)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.sample_step(plan, rows, frozenset())
+        torch.cuda.synchronize()
+    per: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            entry = per.setdefault(e.name[:160], [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.time_range.elapsed_us()
+    ranked = sorted(per.items(), key=lambda kv: -kv[1][1])
+    return {
+        "steps": steps,
+        "busy_us_a_step": round(sum(v[1] for v in per.values()) / steps, 1),
+        "kernels_a_step": round(sum(v[0] for v in per.values()) / steps, 1),
+        "top": [{"name": name, "launches_a_step": round(n / steps, 2),
+                 "us_a_step": round(us / steps, 2)} for name, (n, us) in ranked[:top]],
+    }  # fmt: skip
 
 
 def _sync(device) -> None:
@@ -127,13 +155,18 @@ def run_arm(args: argparse.Namespace, arm: Arm) -> dict[str, Any]:
     kernels = _kernels(engine, plan)
     kernels["per_layer_incl_fixed"] = round(kernels["total"] / layers, 2)
     moved = _bytes_a_step(engine, args.batch, args.context)
+    profiled = (
+        _kernel_time(engine, batch, plan, args.profile_steps, args.profile_top)
+        if engine.device.type == "cuda" and args.profile_steps
+        else None
+    )
     out = {
         "fused_ops": engine.model.fused_ops is not None,
-        "compiled": engine.compiled is not None,
         "graphs": engine.graphs is not None and engine.graphs.can_run(plan),
         "start_s": round(start_s, 2),
         "step_ms": common.percentiles(step),
         "kernels": kernels,
+        "kernel_time": profiled,
         "bytes": moved,
     }
     del engine
@@ -164,6 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--repeats", type=int, default=100)
     p.add_argument("--arms", default="fused,torch", help=f"comma list of {', '.join(ARMS)}")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="on CUDA: steps to profile by kernel (GPU time a step, top kernels)",
+    )
+    p.add_argument("--profile-top", type=int, default=25)
     p.add_argument("--bandwidth-gb-s", type=float, default=None,
                    help="memory bandwidth for the floor (default: by GPU name)")  # fmt: skip
     p.add_argument("--out", help="result JSON path")
