@@ -3,6 +3,7 @@
 #
 #   bash tools/ci/gpu_session.sh            # logs, JSON and the gate's evidence under $OUT
 #   bash tools/ci/gpu_session.sh profile    # only the decode step by kernel + nano-vllm
+#   bash tools/ci/gpu_session.sh sweep      # only the split-KV target sweep of the decode step
 #
 # 1. installs the wheels carried in .whl/ (the runtime's dependencies the machine lacks, and the
 #    minisgl / pytest-cardgate wheels for their entry points only: both import from the tree)
@@ -85,6 +86,17 @@ if [ "${1:-}" = profile ]; then  # the decode step by kernel, and the nano-vllm 
         --out "$WORK/profile-qwen3-b256.json"
     pack
     echo "gpu session (profile): status=$status"
+    exit $status
+fi
+if [ "${1:-}" = sweep ]; then  # the split-KV target of the triton decode, fused layer
+    step sweep-qwen25-b64 90 "$PY" -m minisgl.benchmark.decode_step --model-path "$QWEN25" \
+        --dummy-weights --batch 64 --context 512 --arms fused --kv-programs-per-sm 2,4,8,16 \
+        --profile-steps 10 --profile-top 6 --out "$WORK/sweep-qwen25-b64.json"
+    step sweep-qwen3-b64 80 "$PY" -m minisgl.benchmark.decode_step --model-path "$QWEN3" \
+        --dummy-weights --batch 64 --context 512 --arms fused --kv-programs-per-sm 2,4,8 \
+        --profile-steps 10 --profile-top 6 --out "$WORK/sweep-qwen3-b64.json"
+    pack
+    echo "gpu session (sweep): status=$status"
     exit $status
 fi
 step gate-P2-001 330 "$PY" -m cardgate gate P2-001

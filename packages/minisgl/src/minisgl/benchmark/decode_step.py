@@ -160,8 +160,10 @@ def run_arm(args: argparse.Namespace, arm: Arm) -> dict[str, Any]:
         if engine.device.type == "cuda" and args.profile_steps
         else None
     )
+    splits = getattr(engine.backend, "num_kv_splits", None)
     out = {
         "fused_ops": engine.model.fused_ops is not None,
+        "kv_splits": splits(args.batch) if splits is not None else None,
         "graphs": engine.graphs is not None and engine.graphs.can_run(plan),
         "start_s": round(start_s, 2),
         "step_ms": common.percentiles(step),
@@ -176,6 +178,20 @@ def run_arm(args: argparse.Namespace, arm: Arm) -> dict[str, Any]:
 
         torch.cuda.empty_cache()
     return out
+
+
+def _with_programs_per_sm(programs: int | None, fn, *args):
+    """`fn(*args)` with the triton backend's split-KV target set to `programs` a SM."""
+    if programs is None:
+        return fn(*args)
+    from minisgl.attention import triton_backend
+
+    old = triton_backend._PROGRAMS_PER_SM
+    triton_backend._PROGRAMS_PER_SM = programs
+    try:
+        return fn(*args)
+    finally:
+        triton_backend._PROGRAMS_PER_SM = old
 
 
 def _bandwidth(args: argparse.Namespace, machine: dict[str, Any]) -> float | None:
@@ -204,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         help="on CUDA: steps to profile by kernel (GPU time a step, top kernels)",
     )
     p.add_argument("--profile-top", type=int, default=25)
+    p.add_argument(
+        "--kv-programs-per-sm",
+        default="",
+        help="comma list: sweep the triton backend's split-KV target (decode "
+        "programs per SM; default: the backend's own)",
+    )
     p.add_argument("--bandwidth-gb-s", type=float, default=None,
                    help="memory bandwidth for the floor (default: by GPU name)")  # fmt: skip
     p.add_argument("--out", help="result JSON path")
@@ -214,10 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown arms {unknown}: choose from {', '.join(ARMS)}")
     machine = common.machine_info()
     bandwidth = _bandwidth(args, machine)
+    sweep = [int(x) for x in args.kv_programs_per_sm.split(",") if x.strip()]
+    runs = [(a, n, f"{a}@pps{n}") for a in arms for n in sweep] or [(a, None, a) for a in arms]
     results: dict[str, Any] = {}
-    for name in arms:
+    for arm, programs, name in runs:
         try:
-            results[name] = run_arm(args, ARM_SETTINGS[name])
+            results[name] = _with_programs_per_sm(programs, run_arm, args, ARM_SETTINGS[arm])
         except Exception as e:  # an arm that cannot run is recorded, the others still run
             results[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         res = results[name]
