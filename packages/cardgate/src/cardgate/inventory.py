@@ -53,7 +53,8 @@ def _installed_dirs() -> list[Path]:
 def _module_of(plugin: object) -> tuple[str, str | None]:
     if isinstance(plugin, ModuleType):
         return plugin.__name__, getattr(plugin, "__file__", None)
-    name = type(plugin).__module__
+    # an instance is its class's module's; a class registered as a plugin, its own module's
+    name = plugin.__module__ if isinstance(plugin, type) else type(plugin).__module__
     module = sys.modules.get(name)
     return name, getattr(module, "__file__", None) if module is not None else None
 
@@ -156,14 +157,22 @@ def repo_modules(root: Path) -> tuple[list[str], list[str]]:
 
 def _foreign(module: str) -> str | None:
     """The file of `sitecustomize` / `usercustomize` when it comes from outside the
-    interpreter's own prefixes (it runs before any test and can change any result)."""
+    interpreter's own prefixes (it runs before any test and can change any result). A link
+    placed in the interpreter's own folders (a distribution's) is the interpreter's."""
     loaded = sys.modules.get(module)
     file = getattr(loaded, "__file__", None)
     if not file:
         return None
-    path = Path(file).resolve()
+    found = Path(os.path.abspath(file))
+    path = found.resolve()
     prefixes = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    return None if any(path.is_relative_to(p) for p in prefixes) else str(path)
+    if any(path.is_relative_to(p) for p in prefixes):
+        return None
+    # a distribution's own link (Debian's lib/python3.X/sitecustomize.py -> /etc/python3.X/):
+    # the file itself lies in the interpreter's folders, only its target outside
+    if found.is_symlink() and any(found.parent.resolve().is_relative_to(p) for p in prefixes):
+        return None
+    return str(path)
 
 
 def environment(root: Path) -> dict[str, Any]:
