@@ -131,6 +131,17 @@ def baseline_chart(baseline: Baseline) -> bytes | None:
         if groups:
             return _bars(f"{baseline.name}: rust / python speedup", labels, groups, "x")
     if isinstance(results, dict) and all(isinstance(r, dict) for r in results.values()):
+        steps = [k for k, r in results.items() if isinstance(r.get("step_ms"), dict)]
+        if steps:  # benchmark.decode_step: each arm's median step against its memory floor
+            return _bars(
+                f"{baseline.name}: decode step",
+                steps,
+                {
+                    "step ms (p50)": [_pct(results[k], "step_ms") for k in steps],
+                    "memory floor ms": [float(results[k].get("floor_ms") or 0.0) for k in steps],
+                },
+                "ms",
+            )
         labels = [k for k, r in results.items() if isinstance(r.get("speedup"), int | float)]
         if labels:
             return _bars(
