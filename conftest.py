@@ -7,15 +7,46 @@
   never skipped.
 - `suite_check`: a test that runs the whole suite in a child (minutes); deselected unless
   `--run-suite-check` (the P1-012 gate passes it).
+
+Threads under pytest-xdist: each worker gets the cores shared out (at least one) as its torch
+and OpenMP budget (`OMP_NUM_THREADS`, inherited by the servers and ranks a test starts), or
+`$MINISGL_TEST_THREADS`. With every worker on all the cores, the OpenMP pools of two workers
+spun against each other: `tests/test_cpu_decode_step.py` + `tests/test_w8a8.py` took 248 s at
+-n 2 on 2 cores, 108 s with one thread a worker (3x less CPU time). Tests that need a thread
+count set it themselves.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 
 import pytest
 
 EXTENSION = "minisgl_cpu"
+THREADS_ENV = "MINISGL_TEST_THREADS"
+
+
+def worker_threads() -> int | None:
+    """Threads of this pytest process: $MINISGL_TEST_THREADS, else the cores shared out over
+    the xdist workers (None outside xdist or with one worker: as is)."""
+    if os.environ.get(THREADS_ENV):
+        return max(1, int(os.environ[THREADS_ENV]))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    if workers <= 1:
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // workers)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    threads = worker_threads()
+    if threads is None:
+        return
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # a torch imported later, child processes
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(threads)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
