@@ -13,9 +13,17 @@ from minisgl.message.warmup import WarmUpReport
 from minisgl.runtime import Runtime
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_warm_up_runs_shapes_then_every_page_is_free(tiny_model_dir, overlap):
-    engine = make_engine(EngineConfig(model_path=str(tiny_model_dir("llama")), num_pages=2048))
+@pytest.mark.parametrize(("overlap", "sim"), [(False, "0,0"), (True, None)])
+def test_warm_up_runs_shapes_then_every_page_is_free(tiny_model_dir, overlap, sim):
+    """The simulated device serially, the tiny model with a step in flight (the python
+    engine worker's loop)."""
+    config = EngineConfig(
+        model_path=str(tiny_model_dir("llama")),
+        num_pages=2048,
+        max_seq_len_override=128,
+        sim_device=sim,
+    )
+    engine = make_engine(config)
     rt = Runtime.build(engine, backend="python", overlap=overlap, warm_up=True)
     try:
         w = rt.warmup
@@ -37,7 +45,7 @@ def test_warm_up_runs_shapes_then_every_page_is_free(tiny_model_dir, overlap):
         assert len(tokens) == 3
     finally:
         rt.close()
-    assert WarmUpReport.from_info(w.info()) == w
+    assert WarmUpReport.from_info({"warmup": w.info()}) == w
 
 
 def test_no_warm_up_unless_asked(tiny_model_dir):
