@@ -6,9 +6,10 @@
 
 Each repeat starts every arm's server in turn (`MINISGL_CPU_BACKEND=<arm>`, ABBA order across
 repeats so slow drifts in machine load cancel), waits for /health, runs the profile's workload
-through the openai client (`benchmark/online.py`), and stops the server. The server is sized
-from the profile: `--max-running-requests` and `--max-prefill-length` from it, a queue that
-holds every request, and KV pages for every running request's longest sequence.
+through the openai client in its own process (`benchmark/online.py`, `benchmark/client.py`), and
+stops the server. The server is sized from the profile: `--max-running-requests` and
+`--max-prefill-length` from it, a queue that holds every request, and KV pages for every running
+request's longest sequence.
 
 CPU: psutil CPU time (user + system) of every server process over the measured window, by
 role (`CPU_COUNTING` below). Control plane = every server process except the rust_service
@@ -67,7 +68,8 @@ CPU_COUNTING = (
     "scheduler + engine process), service (the Rust minisgl-cpu-service), "
     "gpu_worker (rust_service Python GPU workers), other (any other child, e.g. multiprocessing's "
     "resource tracker). cp_cpu_s = every role but gpu_worker; server_cpu_s = all roles; "
-    "client_cpu_s = the benchmark client (not counted). *_per_token: divided by output tokens."
+    "client_cpu_s = the benchmark client, a process of its own (not counted; "
+    "client_cpu_core_frac = client_cpu_s / wall_s). *_per_token: divided by output tokens."
 )
 SERVICE_BINARY_ENV = "MINISGL_CPU_SERVICE_BIN"
 
