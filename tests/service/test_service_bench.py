@@ -36,6 +36,8 @@ def test_sim_device_ab_python_vs_rust_service(tiny_llama, tmp_path, metric):
         assert (m["errors"], m["completed"]) == (0, REQUESTS), (arm, data["results"][arm])
         assert m["output_tokens"] == REQUESTS * OUTPUT_LEN, arm
         assert m["cpu"]["cp_cpu_s"] > 0, arm
+        assert len(data["results"][arm]["client_saturated"]) == 1, arm  # flagged, not refused
+        assert m["cpu"]["client_cpu_core_frac"] > 0, arm
         assert REQUESTS <= m["chunks"] <= m["output_tokens"], arm  # >= 1 token per SSE chunk
     assert rc == 0
     assert data["simulated_device"] is True and data["kind"] == "online-ab"

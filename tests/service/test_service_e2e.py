@@ -321,3 +321,19 @@ def test_release_gate_python_vs_rust_service(servers, tiny_llama, tmp_path):
     assert release_gate.main(argv) == 2
     (item,) = json.loads(out.read_text())["triage"]
     assert item["signal"] == "output_mismatch" and item["examples"][0]["first_divergence"] == 3
+
+
+@pytest.mark.parametrize("name", ["python", "service"])
+def test_engine_warmed_up_before_health(servers, name):
+    """Issue 39: /health answers 200 only after the engine's warm-up (a few prefill shapes, a
+    prefix extend, decodes of a few batch sizes) ran, every page of it returned."""
+    srv = servers[name].get()
+    h = httpx.get(srv.base_url + "/health").json()
+    assert h["status"] == "ok"
+    w = h["warmup"]
+    assert w["kind"] == "shapes" and w["steps"] > 0 and w["leaked_pages"] == 0
+    assert 1 in w["prefill_lengths"] and w["decode_batches"][0] == 1
+    text = metrics(srv)
+    assert metric(text, "minisgl_warmup_steps") == w["steps"]
+    assert metric(text, "minisgl_warmup_requests") == w["requests"]
+    assert metric(text, "minisgl_warmup_seconds") == pytest.approx(w["seconds"])

@@ -54,6 +54,8 @@ def test_online_run_and_gates(bench_server, tiny_model_dir, tmp_path, capsys):
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert m[key]["p50"] is not None and m[key]["p50"] > 0, key
     assert m["cpu"]["server_cpu_pct"] >= 0 and "client_cpu_pct" in m["cpu"]
+    assert m["cpu"]["client_cpu_core_frac"] >= 0 and isinstance(m["cpu"]["client_saturated"], bool)
+    assert data["client"]["threshold"] == 0.7 and data["client"]["refused"] is False
     assert data["gate_metrics"]["output_tok_s"] == m["output_tok_s"] > 0
 
 
@@ -77,6 +79,33 @@ def test_online_run_writes_observations(bench_server, tiny_model_dir, tmp_path):
         assert o.workload_fingerprint is not None
     # greedy decoding: the same text in both repeats
     assert [o.output_text for o in observations[:4]] == [o.output_text for o in observations[4:]]
+
+
+def test_saturated_client_is_flagged_or_refused(bench_server, tiny_model_dir, tmp_path, capsys):
+    """Issue 39: the load generator runs in a process of its own; its CPU over the measured
+    window as a fraction of one core is recorded, a run above the threshold is flagged with a
+    warning and, with --refuse-saturated-client, fails (exit 3). Threshold 0 forces it."""
+    import os
+
+    out = tmp_path / "sat.json"
+    rc = harness.main(
+        ["online", "--base-url", bench_server.base_url, "--model-path",
+         str(tiny_model_dir("llama")), "--out", str(out), *SMALL, "--set", "num_requests=2",
+         "--client-saturation-threshold", "0", "--refuse-saturated-client"]
+    )  # fmt: skip
+    assert rc == 3
+    err = capsys.readouterr().err
+    assert "client saturated" in err and "refused" in err
+    data = json.loads(out.read_text())
+    cpu = data["results"]["online"]["repeats"][0]["cpu"]
+    assert cpu["client_cpu_core_frac"] == pytest.approx(cpu["client_cpu_s"] / cpu["wall_s"])
+    assert cpu["client_cpu_core_frac"] > 0 and cpu["client_saturated"] is True
+    assert data["results"]["online"]["metrics"]["cpu"]["client_saturated"] is True
+    client = data["client"]
+    assert client["saturated"] is True and client["refused"] is True
+    assert client["threshold"] == 0.0 and client["saturated_runs"] == ["online#0"]
+    assert client["processes"] == 1 and client["pids"] and os.getpid() not in client["pids"]
+    assert data["results"]["online"]["metrics"]["completed"] == 2  # the run itself went fine
 
 
 def test_tpot_divides_by_output_tokens_not_stream_chunks():

@@ -99,7 +99,12 @@ def fake_arm(calls: list[str]):
             "errors": 0,
             "ttft_ms": {"p50": 10.0, "p99": 40.0 if arm == "python" else 20.0},
             "tpot_ms": {"p50": 1.0, "p99": 2.0},
-            "cpu": {"cp_cpu_s": cp * 1000, "server_cpu_s": 2.0},
+            "cpu": {
+                "cp_cpu_s": cp * 1000,
+                "server_cpu_s": 2.0,
+                "wall_s": 2.0,
+                "client_cpu_s": 1.8 if (arm, rep) == ("python", 2) else 0.2,  # 0.9, 0.1 core
+            },
         }
         online_ab.per_token(metrics)
         items = [WorkItem(0, [1, 2], 3)]
@@ -149,6 +154,29 @@ def test_ab_result_shape(monkeypatch, tmp_path, tiny_model_dir):
     assert g["ab.rust_service.output_tok_s"] == pytest.approx(240.0)
     assert g["ab_ratio.rust_service.cpu.cp_cpu_s_per_token"] == pytest.approx(0.5)
     assert png.stat().st_size > 0
+    # the client saturated (0.9 of a core > 0.7) in python's second repeat only: flagged
+    assert data["results"]["python"]["client_saturated"] == [False, True, False]
+    assert data["results"]["rust_service"]["client_saturated"] == [False] * 3
+    assert data["results"]["python"]["client_cpu_core_frac"] == pytest.approx([0.1, 0.9, 0.1])
+    assert py["cpu"]["client_saturated"] is True and rs["cpu"]["client_saturated"] is False
+    assert data["client"]["saturated"] is True and data["client"]["refused"] is False
+    assert data["client"]["saturated_runs"] == ["python#1"]
+    assert g["ab.python.cpu.client_cpu_core_frac"] == pytest.approx(0.1)  # the median
+
+
+def test_ab_refuses_a_saturated_client(monkeypatch, tmp_path, tiny_model_dir, capsys):
+    monkeypatch.setattr(online_ab, "run_arm", fake_arm([]))
+    monkeypatch.setattr(online_ab, "check_server_backend", lambda name: None)
+    out = tmp_path / "ab.json"
+    rc = harness.main(
+        ["online", "--ab", "python,rust_service", "--repeats", "2", "--model-path",
+         str(tiny_model_dir("llama")), "--out", str(out), "--no-progress",
+         "--refuse-saturated-client"]
+    )  # fmt: skip
+    assert rc == 3
+    assert "client saturated" in capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["client"]["refused"] is True and data["client"]["saturated_runs"] == ["python#1"]
 
 
 def test_ab_flags_different_outputs(monkeypatch, tmp_path, tiny_model_dir):

@@ -19,7 +19,8 @@
 
 `--set` overrides profile parameters (see `profiles.Profile`) and, with an `llm.` prefix, LLM
 constructor arguments (`--set llm.page_size=16`). Exit status: 0 ok, 1 a gate failed (or a
-gated metric is missing), 2 bad usage or an unavailable backend.
+gated metric is missing), 2 bad usage or an unavailable backend, 3 (online, with
+`--refuse-saturated-client`) the load generator saturated its core (`client.py`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from minisgl.benchmark.backends import (
     ensure_backend,
     scheduler_backend,
 )
+from minisgl.benchmark.client import REFUSED_EXIT, SATURATION_CORE_FRAC
 from minisgl.benchmark.llamacpp import LlamaCppUnavailable
 from minisgl.benchmark.observations import Observation, arm_path, read_jsonl, write_jsonl
 from minisgl.benchmark.profiles import (
@@ -538,6 +540,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="--ab: an extra `python -m minisgl` flag, e.g. --server-arg=--page-size=16",
     )
     on.add_argument("--note", action="append", help="--ab: a note stored in the JSON")
+    on.add_argument(
+        "--client-saturation-threshold",
+        type=float,
+        default=SATURATION_CORE_FRAC,
+        metavar="CORES",
+        help="the load generator (its own process) counts as saturated above this CPU, in "
+        "cores over the measured window: the run is flagged (default %(default)s)",
+    )
+    on.add_argument(
+        "--refuse-saturated-client",
+        action="store_true",
+        help=f"a run whose client saturated fails (exit {REFUSED_EXIT}) instead of a warning",
+    )
     return parser
 
 

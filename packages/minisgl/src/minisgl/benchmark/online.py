@@ -18,7 +18,7 @@ from minisgl.benchmark import common, observe
 from minisgl.benchmark.observations import Observation, write_jsonl
 from minisgl.benchmark.offline import request_metrics
 from minisgl.benchmark.profiles import Profile, WorkItem, build_workload, get_profile
-from minisgl.benchmark.report import Progress, latency_samples, print_summary
+from minisgl.benchmark.report import latency_samples, print_summary
 
 KV_POLL_S = 0.2  # /metrics polling period for observations' KV pages (only with --observations)
 
@@ -102,16 +102,46 @@ async def _one(client, model: str, item: WorkItem, messages, t0: float, sem, adv
         return times, usage, error, "".join(parts)
 
 
-async def _run(args, profile: Profile, items, prog, meter=None) -> dict[str, Any]:
-    """`meter`: a CPU meter for the measured window (default: `CpuMeter` of --server-pid)."""
+@dataclass(frozen=True)
+class PreparedRun:
+    """What the harness process prepares for the client process (which then needs no
+    tokenizer): the served model, the tokenizer's folder name, the workload, its messages."""
+
+    model: str
+    tokenizer: str
+    items: list[WorkItem]
+    messages: list[list[dict[str, str]]]
+
+
+def served_model(base_url: str, api_key: str) -> str:
+    """The first model of the server's /v1/models."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"}
+    resp = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+    resp.raise_for_status()
+    return str(resp.json()["data"][0]["id"])
+
+
+def prepare(args, profile: Profile) -> PreparedRun:
+    """The served model (`--model`, else the first of /v1/models), its tokenizer, the profile's
+    workload in its vocabulary and the chat messages of every request."""
+    model = args.model or served_model(args.base_url, args.api_key)
+    tok, tok_path = _tokenizer(args.model_path, model)
+    items = build_workload(profile, len(tok))
+    msgs = [messages_for(it, profile, tok) for it in items]
+    return PreparedRun(model, Path(tok_path).name, items, msgs)
+
+
+async def _run(args, profile: Profile, prep: PreparedRun, prog, meter=None) -> dict[str, Any]:
+    """Stream `prep`'s requests (after `profile.warmup_requests` unmeasured ones); `meter`: a
+    CPU meter for the measured window (default: `CpuMeter` of --server-pid)."""
     from openai import AsyncOpenAI
 
     base = args.base_url.rstrip("/")
     client = AsyncOpenAI(base_url=f"{base}/v1", api_key=args.api_key, timeout=args.timeout)
+    model, items, msgs = prep.model, prep.items, prep.messages
     async with client:
-        model = args.model or (await client.models.list()).data[0].id
-        tok, tok_path = _tokenizer(args.model_path, model)
-        msgs = [messages_for(it, profile, tok) for it in items]
         sem = asyncio.Semaphore(profile.concurrency or len(items))
         # warmup: a few requests outside the measurement
         warm = min(profile.warmup_requests, len(items))
@@ -182,7 +212,7 @@ async def _run(args, profile: Profile, items, prog, meter=None) -> dict[str, Any
         "metrics": metrics,
         "token_times": token_times,
         "model": model,
-        "tokenizer": Path(tok_path).name,
+        "tokenizer": prep.tokenizer,
         "error_samples": errors[:5],
         "texts": texts,
         "requests": requests,
@@ -191,6 +221,7 @@ async def _run(args, profile: Profile, items, prog, meter=None) -> dict[str, Any
 
 
 def run_online(args) -> int:
+    from minisgl.benchmark import client as bench_client
     from minisgl.benchmark.harness import base_record, finish, median_nested, split_sets
 
     profile_sets, llm_sets = split_sets(args.set)
@@ -203,9 +234,12 @@ def run_online(args) -> int:
     last: dict[str, Any] = {}
     last_items: list[WorkItem] = []
     observed: list[Observation] = []
-    with Progress(not args.no_progress) as prog:
+    loads: list[bench_client.ClientLoad] = []
+    threshold = args.client_saturation_threshold
+    with bench_client.ClientProcess() as client:
         for rep in range(args.repeats):
-            last = asyncio.run(_run_with_items(args, profile, prog))
+            last = client.run(bench_client.ClientJob(args, profile, prepare(args, profile)))
+            loads.append(bench_client.mark_client(last["metrics"], f"online#{rep}", threshold))
             if args.observations:
                 backend = server_backend(args.base_url)
                 labels = observe.RunLabels(
@@ -215,9 +249,13 @@ def run_online(args) -> int:
                 observed += stream_observations(last, labels)
             last_items = last.pop("items")
             reps.append(last["metrics"])
+        pids = client.pids
     if args.observations:
         record["observations"] = str(write_jsonl(args.observations, observed))
     metrics = median_nested(reps)
+    metrics["cpu"]["client_saturated"] = any(ld.saturated for ld in loads)  # not the first's
+    refuse = args.refuse_saturated_client
+    record["client"] = bench_client.client_record(loads, threshold, refuse, pids)
     record["model"] = {"name": Path(last["model"]).name, "tokenizer": last["tokenizer"]}
     record["results"] = {
         "online": {
@@ -237,7 +275,8 @@ def run_online(args) -> int:
     if metrics.get("errors"):
         print(f"error: {metrics['errors']} request(s) failed, e.g. {last['error_samples'][0]}")
         status = status or 1
-    return status
+    print(bench_client.describe(loads, threshold))
+    return bench_client.refusal(loads, refuse) or status
 
 
 def stream_observations(out: dict[str, Any], labels: observe.RunLabels) -> list[Observation]:
@@ -265,15 +304,12 @@ def server_backend(base_url: str) -> str:
     return "unknown"
 
 
-async def _run_with_items(args, profile: Profile, prog, meter=None) -> dict[str, Any]:
-    from openai import AsyncOpenAI
-
-    base = args.base_url.rstrip("/")
-    async with AsyncOpenAI(base_url=f"{base}/v1", api_key=args.api_key) as client:
-        model = args.model or (await client.models.list()).data[0].id
-    tok, _ = _tokenizer(args.model_path, model)
-    items = build_workload(profile, len(tok))
-    args.model = model
-    out = await _run(args, profile, items, prog, meter)
-    out["items"] = items
+async def _run_with_items(
+    args, profile: Profile, prog, meter=None, prep: PreparedRun | None = None
+) -> dict[str, Any]:
+    """One run: `_run`'s output with the workload's `items` (`prep`: default `prepare`d here)."""
+    if prep is None:
+        prep = prepare(args, profile)
+    out = await _run(args, profile, prep, prog, meter)
+    out["items"] = prep.items
     return out

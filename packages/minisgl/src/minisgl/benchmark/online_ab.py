@@ -6,9 +6,10 @@
 
 Each repeat starts every arm's server in turn (`MINISGL_CPU_BACKEND=<arm>`, ABBA order across
 repeats so slow drifts in machine load cancel), waits for /health, runs the profile's workload
-through the openai client (`benchmark/online.py`), and stops the server. The server is sized
-from the profile: `--max-running-requests` and `--max-prefill-length` from it, a queue that
-holds every request, and KV pages for every running request's longest sequence.
+through the openai client in its own process (`benchmark/online.py`, `benchmark/client.py`), and
+stops the server. The server is sized from the profile: `--max-running-requests` and
+`--max-prefill-length` from it, a queue that holds every request, and KV pages for every running
+request's longest sequence.
 
 CPU: psutil CPU time (user + system) of every server process over the measured window, by
 role (`CPU_COUNTING` below). Control plane = every server process except the rust_service
@@ -35,6 +36,15 @@ import psutil
 
 from minisgl.benchmark import common, observe
 from minisgl.benchmark.backends import ENV, check_server_backend
+from minisgl.benchmark.client import (
+    ClientJob,
+    ClientLoad,
+    ClientProcess,
+    client_record,
+    describe,
+    mark_client,
+    refusal,
+)
 from minisgl.benchmark.observations import Observation, arm_path, write_jsonl
 from minisgl.benchmark.profiles import Profile
 from minisgl.server import ipc
@@ -58,7 +68,8 @@ CPU_COUNTING = (
     "scheduler + engine process), service (the Rust minisgl-cpu-service), "
     "gpu_worker (rust_service Python GPU workers), other (any other child, e.g. multiprocessing's "
     "resource tracker). cp_cpu_s = every role but gpu_worker; server_cpu_s = all roles; "
-    "client_cpu_s = the benchmark client (not counted). *_per_token: divided by output tokens."
+    "client_cpu_s = the benchmark client, a process of its own (not counted; "
+    "client_cpu_core_frac = client_cpu_s / wall_s). *_per_token: divided by output tokens."
 )
 SERVICE_BINARY_ENV = "MINISGL_CPU_SERVICE_BIN"
 
@@ -172,11 +183,12 @@ def output_digest(texts: list[str]) -> str:
     return hashlib.sha256(json.dumps(texts).encode()).hexdigest()[:16]
 
 
-def run_arm(args: argparse.Namespace, arm: str, profile: Profile, log_dir: Path, prog):
-    """Start `arm`'s server, run the workload once, stop it; returns online `_run`'s output."""
-    import asyncio
-
-    from minisgl.benchmark.online import _run_with_items
+def run_arm(
+    args: argparse.Namespace, arm: str, profile: Profile, log_dir: Path, client: ClientProcess
+) -> dict[str, Any]:
+    """Start `arm`'s server, run the workload once through the client process, stop the
+    server; returns online `_run`'s output."""
+    from minisgl.benchmark.online import prepare
     from minisgl.testing.server import running_server
 
     model_dir = args.model_path
@@ -189,8 +201,8 @@ def run_arm(args: argparse.Namespace, arm: str, profile: Profile, log_dir: Path,
         roles = server_roles(server)
         arm_args = argparse.Namespace(**vars(args))
         arm_args.base_url, arm_args.model, arm_args.model_path = server.base_url, None, model_dir
-        meter = RoleCpuMeter(roles)
-        out = asyncio.run(_run_with_items(arm_args, profile, prog, meter))
+        prep = prepare(arm_args, profile)  # the tokenizer here, not in the client process
+        out = client.run(ClientJob(arm_args, profile, prep, roles))  # RoleCpuMeter(roles)
         out["roles"] = {r: len(p) for r, p in roles.items()}
         out["info"] = server_info(server)
     per_token(out["metrics"])
@@ -209,7 +221,7 @@ def server_info(server) -> dict[str, Any]:
 def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
     from minisgl.benchmark.harness import base_record, finish, median_nested, model_info
     from minisgl.benchmark.online import stream_observations
-    from minisgl.benchmark.report import Progress, latency_samples, print_summary
+    from minisgl.benchmark.report import latency_samples, print_summary
 
     arms = [a.strip() for a in args.ab.split(",") if a.strip()]
     if len(arms) < 2 or len(set(arms)) != len(arms):
@@ -242,11 +254,15 @@ def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
     info: dict[str, Any] = {}
     observed: dict[str, list[Observation]] = {a: [] for a in arms}
     device = observe.device_label(args.sim_device is not None)
-    with tempfile.TemporaryDirectory(prefix="ab-logs") as tmp, Progress(not args.no_progress) as p:
+    threshold = args.client_saturation_threshold
+    loads: dict[str, list[ClientLoad]] = {a: [] for a in arms}
+    with tempfile.TemporaryDirectory(prefix="ab-logs") as tmp, ClientProcess() as client:
         for rep in range(args.repeats):
             for arm in common.abba_order(arms, rep):
                 print(f"[ab] repeat {rep + 1}/{args.repeats}: {ENV}={arm}", flush=True)
-                out = run_arm(args, arm, profile, Path(tmp), p)
+                out = run_arm(args, arm, profile, Path(tmp), client)
+                label = f"{arm}#{len(per_arm[arm])}"
+                loads[arm].append(mark_client(out["metrics"], label, threshold))
                 per_arm[arm].append(out["metrics"])
                 samples[arm] = latency_samples(out["items"], out["token_times"])
                 errors[arm] = out["error_samples"]
@@ -258,6 +274,7 @@ def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
                         profile.name, arm, device, model, "minisgl-online", rep
                     )
                     observed[arm] += stream_observations(out, labels)
+        pids = client.pids
     results = {
         arm: {
             "metrics": median_nested(reps),
@@ -265,10 +282,17 @@ def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
             "samples": samples[arm],
             "error_samples": errors[arm],
             "output_digests": digests[arm],
+            "client_cpu_core_frac": [ld.core_frac for ld in loads[arm]],
+            "client_saturated": [ld.saturated for ld in loads[arm]],
         }
         for arm, reps in per_arm.items()
     }
+    for r in results.values():  # the median took the first repeat's flag
+        r["metrics"].setdefault("cpu", {})["client_saturated"] = any(r["client_saturated"])
     record["results"] = results
+    all_loads = [ld for arm in arms for ld in loads[arm]]
+    refuse = args.refuse_saturated_client
+    record["client"] = client_record(all_loads, threshold, refuse, pids)
     if args.observations:
         record["observations"] = {
             arm: str(write_jsonl(arm_path(args.observations, arm), obs))
@@ -302,9 +326,10 @@ def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
     )
     same = "identical" if record["outputs_identical"] else "NOT identical"
     print(f"streamed outputs across arms and repeats: {same} ({digests})")
+    print(describe(all_loads, threshold))
     status = finish(record, args, results)
     failed = {a: m["errors"] for a, m in ((a, r["metrics"]) for a, r in results.items())}
     if any(failed.values()):
         print(f"error: failed requests per arm (median): {failed}", file=sys.stderr)
         status = status or 1
-    return status
+    return refusal(all_loads, refuse) or status

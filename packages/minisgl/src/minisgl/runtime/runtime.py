@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from minisgl.config import EngineConfig
 from minisgl.core import SamplingParams
 from minisgl.engine.stream import DeviceStream, make_stream
 from minisgl.message.schema import Step, StepResult
+from minisgl.message.warmup import WarmUpReport
 from minisgl.runtime.device_step import DeviceStep
 from minisgl.runtime.local import LocalPlane
 from minisgl.runtime.loop import StepBatch, StepLoop, overlap_disabled, pipelined
@@ -35,6 +37,12 @@ from minisgl.scheduler.request import StepOutput
 from minisgl.utils.log import get_logger
 
 logger = get_logger(__name__)
+
+WARM_PREFILLS = (1, 7, 64, 512)  # prompt lengths a "shapes" warm-up prefills (capped)
+WARM_DECODE_BATCHES = (1, 3, 8)  # batch sizes it decodes (capped): the specialised 1, odd, wider
+_ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)  # a prefill alone
+_DECODE = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)  # 2 decodes
+_SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, max_tokens=3, ignore_eos=True)
 
 
 def _ramp(n: int, vocab: int, start: int = 0) -> list[int]:
@@ -50,7 +58,9 @@ class Runtime:
         sched: SchedulerBackend,
         depth: int,
         stream: DeviceStream | None,
+        remake: Callable[[], SchedulerBackend] | None = None,
     ) -> None:
+        """`remake`: a new scheduler of `sched`'s config (the one serving after a warm-up)."""
         self.engine = engine
         self.eos_token_ids = eos_token_ids
         self.device = DeviceStep(engine, eos_token_ids, engine.config.max_running_requests)
@@ -60,6 +70,8 @@ class Runtime:
         self.plane: ControlPlane = self.local
         self.steps = ServiceSteps(self.device)  # the steps a Rust service sends
         self._rids = itertools.count(1)  # 0 is "no leader" on the wire
+        self._remake = remake
+        self.warmup: WarmUpReport | None = None  # what `warm_up` ran
 
     @classmethod
     def build(
@@ -70,27 +82,27 @@ class Runtime:
         backend: str | None = None,
         overlap: bool | None = None,
         device_stream: str | DeviceStream | None = None,
+        warm_up: bool = False,
     ) -> Runtime:
         """On an engine (`engine.sim.make_engine`; closed with the runtime): the scheduler
         `backend` (default `MINISGL_CPU_BACKEND`, else python; `rust_service` starts the
         service) and the loop: overlap depth 1 when `overlap` (default: on unless
         `MINISGL_DISABLE_OVERLAP_SCHEDULING=1`) and the backend has a pipelined mode, else 0.
-        The graphs of a compiled engine are warmed up here."""
+        `warm_up` (a server's engine; a compiled engine's graphs always): `warm_up()` here."""
         name = cpu_backend.requested_backend(backend)
         config: EngineConfig = engine.config
         eos = frozenset({*engine.model_config.eos_token_ids, *extra_eos})
-        sched = make_scheduler(
-            SchedulerConfig(
-                num_pages=engine.num_pages,
-                page_size=config.page_size,
-                max_seq_len=engine.max_seq_len,
-                max_running_requests=config.max_running_requests,
-                max_extend_tokens=config.max_extend_tokens,
-                cache_type=config.cache_type,
-                eos_token_ids=tuple(eos),
-            ),
-            "python" if name == cpu_backend.SERVICE else name,
+        sched_config = SchedulerConfig(
+            num_pages=engine.num_pages,
+            page_size=config.page_size,
+            max_seq_len=engine.max_seq_len,
+            max_running_requests=config.max_running_requests,
+            max_extend_tokens=config.max_extend_tokens,
+            cache_type=config.cache_type,
+            eos_token_ids=tuple(eos),
         )
+        sched_name = "python" if name == cpu_backend.SERVICE else name
+        sched = make_scheduler(sched_config, sched_name)
         if overlap is None:
             overlap = not overlap_disabled()
         depth, stream = 0, None
@@ -103,9 +115,11 @@ class Runtime:
             logger.info("overlap scheduling on (%s device stream)", stream.name)
         elif overlap and name != cpu_backend.SERVICE:
             logger.info("overlap scheduling off: backend %s has no pipelined mode", sched.backend)
-        rt = cls(engine, eos, sched, depth, stream)
+        rt = cls(
+            engine, eos, sched, depth, stream, lambda: make_scheduler(sched_config, sched_name)
+        )
         try:
-            if getattr(engine, "compiled", None) is not None:
+            if warm_up or getattr(engine, "compiled", None) is not None:
                 rt.warm_up()
             if name == cpu_backend.SERVICE:
                 rt.use_service(config, depth=1 if overlap else 0)
@@ -197,34 +211,111 @@ class Runtime:
         return self.steps.run(step)
 
     # ------------------------------------------------------------------ warm-up
-    def run(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
-        """Run requests to the end on the local scheduler, their tokens dropped."""
-        for ids in prompts:
-            self.local.add(next(self._rids), ids, params, request_key(params.seed), None)
+    def run(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> None:
+        """Run requests (added together: one batch) to the end on the local scheduler, their
+        tokens dropped; `params`: one for all, or one per prompt."""
+        each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        for ids, p in zip(prompts, each, strict=True):
+            self.local.add(next(self._rids), ids, p, request_key(p.seed), None)
         while self.local.has_work():
             self.local.step()
 
-    def warm_up(self) -> None:
-        """Compile the graphs before the first request (a compile mid-serving stalls every
-        running request, for a minute or more on a CPU): `CompiledPrefill`'s pieces by a
-        prefill of each of its lengths (dynamic in the token count: every later length of the
-        class runs on them), then `CompiledDecode`'s graphs by a decode of each of its batch
-        sizes (batch 1 is specialised; a quantized model's row classes), through the backend's
-        decode modes (the CPU kernel's paged steps; SDPA's workspace rebuilt and appended to)."""
+    def ensure_warm(self) -> WarmUpReport:
+        """`warm_up()` unless it ran (a server's engine: before it reports ready)."""
+        return self.warmup if self.warmup is not None else self.warm_up()
+
+    def warm_up(self) -> WarmUpReport:
+        """Run every shape the first requests would otherwise pay for (JIT, autotuning, graph
+        compiles: a compile mid-serving stalls every running request, for a minute or more on
+        a CPU) through this runtime's own step loop, then start on a fresh scheduler: every KV
+        page free, the counters at zero. A compiled engine ("graphs"): `CompiledPrefill`'s
+        pieces by a prefill of each of its lengths (dynamic in the token count: every later
+        length of the class runs on them), `CompiledDecode`'s graphs by a decode of each of its
+        batch sizes (batch 1 is specialised; a quantized model's row classes), through the
+        backend's decode modes (the CPU kernel's paged steps; SDPA's workspace rebuilt and
+        appended to). Any other engine ("shapes"): `WARM_PREFILLS` and `WARM_DECODE_BATCHES`
+        within its limits. Both: a prefill on a cached prefix, sampled rows beside greedy."""
         t0 = time.perf_counter()
-        engine, config = self.engine, self.engine.config
+        engine = self.engine
+        compiled = getattr(engine, "compiled", None)
+        lengths, batches = self._warm_prefill_lengths(), self._warm_decode_batches()
         vocab = engine.model_config.vocab_size
-        longest = engine.max_seq_len - 8
-        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        if engine.compiled_prefill is not None:  # prefills alone: no decode step
-            first = 0  # each prompt its own first token: no prefix hit shrinks a later step
-            for n in engine.compiled_prefill.compile_lengths(config.max_extend_tokens):
-                # one step of n tokens: prompts of at most `longest`
-                sizes = [min(longest, n - i) for i in range(0, n, longest)]
-                starts = range(first, first + len(sizes))
-                self.run([_ramp(m, vocab, start=i) for i, m in zip(starts, sizes)], one)
-                first += len(sizes)
-        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        for bs in engine.compiled.compile_batches(config.max_running_requests):
-            self.run([_ramp(8, vocab, start=i) for i in range(bs)], params)
-        logger.info("graphs compiled in %.1f s", time.perf_counter() - t0)
+        first = self._warm_prefills(lengths, vocab)  # each prompt its own first token
+        first = self._warm_prefix_extend(vocab, first)
+        requests = first + self._warm_decodes(batches, vocab, first)
+        steps, leaked = self.scheduler.stats.steps, self._leaked_pages()
+        self._fresh_scheduler()
+        self.warmup = WarmUpReport(
+            "graphs" if compiled is not None else "shapes",
+            tuple(lengths), True, tuple(batches), requests, steps, leaked,
+            time.perf_counter() - t0,
+        )  # fmt: skip
+        logger.info(self.warmup.summary())
+        return self.warmup
+
+    def _warm_longest(self) -> int:
+        """The longest warm-up prompt: within the sequence limit and a quarter of the pool."""
+        engine = self.engine
+        pool = engine.num_pages * engine.config.page_size
+        return max(1, min(engine.max_seq_len - 8, pool // 4))
+
+    def _warm_prefill_lengths(self) -> list[int]:
+        engine, config = self.engine, self.engine.config
+        if getattr(engine, "compiled_prefill", None) is not None:
+            return list(engine.compiled_prefill.compile_lengths(config.max_extend_tokens))
+        cap = min(config.max_extend_tokens, self._warm_longest())
+        return sorted({min(n, cap) for n in WARM_PREFILLS})
+
+    def _warm_decode_batches(self) -> list[int]:
+        engine, config = self.engine, self.engine.config
+        if getattr(engine, "compiled", None) is not None:
+            return list(engine.compiled.compile_batches(config.max_running_requests))
+        return sorted({min(n, config.max_running_requests) for n in WARM_DECODE_BATCHES})
+
+    def _warm_prefills(self, lengths: Sequence[int], vocab: int) -> int:
+        """One step of n tokens for each n (prompts of at most the longest, one sampled token
+        each: no decode); returns the prompts run."""
+        longest, first = self._warm_longest(), 0
+        for n in lengths:
+            sizes = [min(longest, n - i) for i in range(0, n, longest)]
+            self.run([_ramp(m, vocab, start=first + i) for i, m in enumerate(sizes)], _ONE)
+            first += len(sizes)
+        return first
+
+    def _warm_prefix_extend(self, vocab: int, first: int) -> int:
+        """A prompt, then it and 8 more tokens: a prefill on its cached full pages."""
+        page = self.engine.config.page_size
+        n = max(1, min(self._warm_longest() - 8, max(32, 2 * page)))
+        base = _ramp(n, vocab, start=first)
+        self.run([base], _ONE)
+        self.run([base + _ramp(8, vocab, start=first + n)], _ONE)
+        return first + 2
+
+    def _warm_decodes(self, batches: Sequence[int], vocab: int, first: int) -> int:
+        """Decodes of each batch size, every other row sampled; returns the requests run."""
+        done = 0
+        for bs in batches:
+            params = [_DECODE if i % 2 == 0 else replace(_SAMPLED, seed=i) for i in range(bs)]
+            self.run([_ramp(8, vocab, start=first + done + i) for i in range(bs)], params)
+            done += bs
+        return done
+
+    def _leaked_pages(self) -> int:
+        """KV pages neither free nor the prefix cache's (the scheduler's integrity check)."""
+        kv = self.scheduler.kv_usage()
+        cached = -(-kv["cached_tokens"] // self.scheduler.page_size)
+        try:
+            self.scheduler.check_integrity()
+        except AssertionError:
+            logger.exception("warm-up: the KV integrity check failed")
+            return max(1, kv["total_pages"] - kv["free_pages"] - cached)
+        return max(0, kv["total_pages"] - kv["free_pages"] - cached)
+
+    def _fresh_scheduler(self) -> None:
+        """A new scheduler of the same config in place of the warm-up's (nothing in flight)."""
+        if self._remake is None or self.local.has_work():
+            raise RuntimeError("a fresh scheduler needs its factory and an idle runtime")
+        sched = self._remake()
+        self.scheduler = self.loop.sched = self.local.sched = sched

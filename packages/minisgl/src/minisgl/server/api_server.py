@@ -35,6 +35,7 @@ from minisgl.message.schema import (
     Stats,
     TokenizeReq,
 )
+from minisgl.message.warmup import WarmUpReport
 from minisgl.server import ipc
 from minisgl.server.args import ServerArgs
 from minisgl.server.metrics import Metrics
@@ -144,6 +145,7 @@ class Frontend:
         self.ready: dict[str, Ready] = {}
         self.ready_cv = threading.Condition()
         self.info: dict[str, Any] = {}
+        self.warmup: WarmUpReport | None = None  # replica 0's engine warm-up (set with info)
         self.workers: dict[str, int] = {}  # process name -> pid (set by the launcher)
         self.cpu_backend = args.cpu_backend
         self.sched_stats: dict[str, Any] = {}
@@ -723,6 +725,7 @@ def create_app(fe: Frontend) -> FastAPI:
             "in_flight": len(fe.reqs),
             "cpu_backend": fe.cpu_backend,
             "replicas": fe.replicas.view(),
+            "warmup": None if fe.warmup is None else fe.warmup.info(),
         }
 
     @app.get("/v1/models")
@@ -744,7 +747,10 @@ def create_app(fe: Frontend) -> FastAPI:
     async def metrics():
         text = (
             fe.metrics.render(
-                in_flight=len(fe.reqs), healthy=fe.unhealthy is None, sched=fe.sched_stats
+                in_flight=len(fe.reqs),
+                healthy=fe.unhealthy is None,
+                sched=fe.sched_stats,
+                warmup=fe.warmup,
             )
             + fe.replicas.render()
         )

@@ -31,6 +31,7 @@ from minisgl.message.schema import (
     TokenOut,
     wire_logprob,
 )
+from minisgl.message.warmup import INFO_KEY
 from minisgl.server import ipc
 
 if TYPE_CHECKING:  # the launcher imports this module: torch loads in the worker only
@@ -228,6 +229,7 @@ def run_engine_worker(
         from minisgl.llm import LLM
 
         llm = LLM(model_path, **llm_kwargs)
+        warmup = llm.runtime.ensure_warm()  # before Ready: /health waits for it
     except ipc.WorkerExit:
         ctx.destroy(linger=0)
         return
@@ -246,6 +248,7 @@ def run_engine_worker(
         "device": str(eng.device),
         "dtype": str(eng.dtype).replace("torch.", ""),
         "architecture": eng.model_config.architecture,
+        INFO_KEY: warmup.info(),
     }
     loop = EngineLoop(llm.runtime, codec, to_tok, to_frontend)
     loop.replica = replica

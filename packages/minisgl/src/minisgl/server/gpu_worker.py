@@ -22,6 +22,7 @@ from minisgl.message.schema import (
     StepResult,
     WorkerHello,
 )
+from minisgl.message.warmup import INFO_KEY
 from minisgl.server import ipc
 
 if TYPE_CHECKING:  # the launcher imports this module: torch loads in the worker only
@@ -44,9 +45,9 @@ def run_gpu_worker(
         from minisgl.runtime.service_plane import engine_info
 
         engine = make_engine(EngineConfig(model_path=model_path, **llm_kwargs))
-        info = engine_info(engine)
-        # warmed up (a compiled engine's graphs) before the service hears of this worker
-        runtime = Runtime.build(engine, backend="python", overlap=False)
+        # warmed up on the worker's own scheduler before the service hears of this worker
+        runtime = Runtime.build(engine, backend="python", overlap=False, warm_up=True)
+        info = {**engine_info(engine), INFO_KEY: runtime.ensure_warm().info()}
     except ipc.WorkerExit:
         ctx.destroy(linger=0)
         return

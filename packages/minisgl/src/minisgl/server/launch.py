@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 
+from minisgl.message.warmup import WarmUpReport
 from minisgl.server import ipc
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.replicas import replica_threads, worker_names
@@ -224,6 +225,9 @@ class Launcher:
                     for n, r in ready.items()
                     if n not in self.replica_names
                 )
+            fe.warmup = WarmUpReport.from_info(fe.info)
+            if fe.warmup is not None:
+                log(f"engine {fe.warmup.summary()} (before /health answers 200)")
             log(
                 f"workers ready in {time.perf_counter() - t0:.1f}s: "
                 + ", ".join(f"{n}={r.pid}" for n, r in sorted(ready.items()))

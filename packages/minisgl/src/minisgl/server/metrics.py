@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import bisect
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from minisgl.message.warmup import WarmUpReport
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -66,7 +69,14 @@ class Metrics:
     def count_request(self, outcome: str) -> None:
         self.requests[outcome] = self.requests.get(outcome, 0) + 1
 
-    def render(self, *, in_flight: int, healthy: bool, sched: dict[str, Any]) -> str:
+    def render(
+        self,
+        *,
+        in_flight: int,
+        healthy: bool,
+        sched: dict[str, Any],
+        warmup: WarmUpReport | None = None,
+    ) -> str:
         lines: list[str] = []
 
         def gauge(name: str, help_: str, value: float, kind: str = "gauge") -> None:
@@ -131,6 +141,10 @@ class Metrics:
             self.generated_tokens,
             "counter",
         )
+        if warmup is not None:  # replica 0's engine, before the server reported healthy
+            gauge("minisgl_warmup_seconds", "Engine warm-up before ready.", warmup.seconds)
+            gauge("minisgl_warmup_steps", "Scheduler steps of the engine warm-up.", warmup.steps)
+            gauge("minisgl_warmup_requests", "Requests of the engine warm-up.", warmup.requests)
         name = "minisgl_requests_total"
         lines += [f"# HELP {name} Finished requests by outcome.", f"# TYPE {name} counter"]
         for outcome, n in sorted(self.requests.items()):
