@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl import LLM, SamplingParams
-from minisgl.attention import cpu_native
+from minisgl.kernels import cpu as cpu_native
 from minisgl.testing.cpu_speed import run_cpu_speed
 from minisgl.testing.hf_reference import hf_greedy, load_hf_model
 from minisgl.testing.scenarios import assert_kv_clean, cpu_attention, random_prompts
@@ -151,7 +151,7 @@ def test_loading_the_kernel_keeps_denormals():
     """Built with -ffast-math, the library must not set flush-to-zero for the process (it would
     if linked with -ffast-math: crtfastmath), or every fp32 op in torch would change."""
     code = (
-        "import torch; from minisgl.attention import cpu_native as c; "
+        "import torch; from minisgl.kernels import cpu as c; "
         "assert c.available(torch.float32); "
         "x = torch.tensor([1e-39]); print(float((x * 0.5)[0]) > 0)"
     )

@@ -1,7 +1,7 @@
 """The C decode step of int4 bf16 models and the ISA levels (card P2-005, issue 35).
 
 A decode step of at most 8 requests runs as one C call over the decoder layers
-(`engine/cpu_decode.py`, `cpu_native/decode_step.c`); its int4 GEMVs multiply the codes by
+(`engine/cpu_decode.py`, `kernels/cpu/decode_step.c`); its int4 GEMVs multiply the codes by
 per-32 int8 activations. The reference is the torch modules (`MINISGL_CPU_DECODE=modules`) on the
 same weights: logits close at every decode step of a teacher-forced text, the same greedy
 choice where the reference's margin is not within the activations' rounding, the same quality.
@@ -37,7 +37,7 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def _int4() -> Any:
-    return require_module("minisgl.attention.cpu_native.int4")
+    return require_module("minisgl.kernels.cpu.int4")
 
 
 def _matrix(n: int, k: int, seed: int, bias: bool) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
@@ -196,8 +196,8 @@ _CHILD = textwrap.dedent(
     """
     import json, torch
     import minisgl
-    from minisgl.attention import cpu_native
-    from minisgl.attention.cpu_native import int4
+    from minisgl.kernels import cpu as cpu_native
+    from minisgl.kernels.cpu import int4
     from minisgl.quantization.linear import Int4Linear
     from minisgl.quantization.packed import quantize_int4
     from minisgl.utils.cpu import cpu_flags, isa_summary, march_flags
@@ -235,7 +235,7 @@ def test_every_isa_level_builds_the_kernels_and_agrees() -> None:
     """Each level builds its own shared object and masks its features; the int4 GEMV gives the
     same numbers on VNNI and in plain loops (exact int32 sums of the same int8 codes: only the
     float accumulation order differs); oneDNN's int8 GEMM stays exact where w8a8 runs."""
-    require_module("minisgl.attention.cpu_native.int4")
+    require_module("minisgl.kernels.cpu.int4")
     cpu = require_module("minisgl.utils.cpu")
     assert cpu.ISA_LEVELS == ("native", "avx512", "avx2")
     runs = {level: _child(level) for level in cpu.ISA_LEVELS}

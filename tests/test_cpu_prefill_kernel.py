@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl import LLM, SamplingParams
-from minisgl.attention import cpu_native
+from minisgl.kernels import cpu as cpu_native
 from minisgl.testing.hf_reference import hf_greedy, load_hf_model
 from minisgl.testing.scenarios import assert_kv_clean, cpu_attention, random_prompts
 from minisgl.testing.tiny_models import write_tiny_model

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl import LLM, SamplingParams
-from minisgl.attention import cpu_native
+from minisgl.kernels import cpu as cpu_native
 from minisgl.quantization import INT4_GROUP, linear
 from minisgl.quantization.linear import Int4Linear
 from minisgl.quantization.packed import quantize_int4

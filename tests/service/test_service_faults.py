@@ -214,7 +214,7 @@ def test_worker_imports_no_scheduler_and_no_pyo3():
     code = (
         "import sys, minisgl.server.gpu_worker\n"
         "bad = sorted(m for m in sys.modules if m.startswith('minisgl_cpu') or "
-        "(m.startswith('minisgl.scheduler') and m != 'minisgl.scheduler.plan' and "
+        "(m.startswith('minisgl.scheduler') and m != 'minisgl.step.plan' and "
         "m != 'minisgl.scheduler'))\n"
         "import json; print(json.dumps(bad))"
     )

@@ -17,10 +17,10 @@ from minisgl.engine.graph_runner import (
     graph_buckets,
     resolve_runner,
 )
-from minisgl.engine.staging import PlanStager
 from minisgl.engine.sync_guard import HostSyncError, SyncGuard
 from minisgl.kvcache.allocator import OutOfPages, PageAllocator
 from minisgl.sampler import sample
+from minisgl.step.staging import PlanStager
 from minisgl.testing.hf_reference import hf_greedy, load_hf_model
 from minisgl.testing.plans import GreedyRow, PlannedBatch
 from minisgl.testing.scenarios import random_prompts

@@ -22,9 +22,9 @@ from minisgl.engine.stream import InlineStream, ThreadStream, make_stream
 from minisgl.runtime.device_step import DeviceStep
 from minisgl.runtime.local import LocalPlane
 from minisgl.runtime.loop import StepLoop
-from minisgl.scheduler.plan import FlatStep, PlanLayout
 from minisgl.scheduler.request import DROPPED, FINISH_REASONS, StepOutput, validate_request
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.step.plan import FlatStep, PlanLayout
 from minisgl.testing.hf_reference import hf_greedy, load_hf_model
 from minisgl.testing.rust_hotpath import extension
 from minisgl.testing.scenarios import assert_kv_clean, random_prompts

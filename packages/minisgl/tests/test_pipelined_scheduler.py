@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from minisgl.core import SamplingParams
-from minisgl.scheduler.plan import FlatStep, PlanLayout
 from minisgl.scheduler.replay import main as replay_main
 from minisgl.scheduler.replay import replay_trace
 from minisgl.scheduler.request import DROPPED, FINISH_REASONS, RequestError, validate_request
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.step.plan import FlatStep, PlanLayout
 from minisgl.testing.rust_hotpath import extension
 
 pytestmark = pytest.mark.card(

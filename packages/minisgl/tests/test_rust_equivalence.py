@@ -13,8 +13,8 @@ from minisgl.core import SamplingParams
 from minisgl.kvcache import RadixCache
 from minisgl.scheduler.backend import SchedulerConfig
 from minisgl.scheduler.factory import make_scheduler
-from minisgl.scheduler.plan import PLAN_FIELDS, PlanLayout, build_step_plan
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.step.plan import PLAN_FIELDS, PlanLayout, build_step_plan
 from minisgl.testing.rust_hotpath import RustRadixCache, RustScheduler
 
 pytestmark = pytest.mark.rust_ext  # the whole module compares with the PyO3 core

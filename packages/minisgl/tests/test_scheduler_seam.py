@@ -20,7 +20,10 @@ from minisgl.core import SamplingParams
 from minisgl.scheduler import cpu_backend, factory
 from minisgl.scheduler.backend import ScheduledReq, SchedulerBackend, SchedulerConfig
 from minisgl.scheduler.factory import available_backends, make_scheduler, register_backend
-from minisgl.scheduler.plan import (
+from minisgl.scheduler.request import FINISH_REASONS, RequestError, validate_request
+from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.shadow import ShadowScheduler
+from minisgl.step.plan import (
     PLAN_FIELDS,
     PLAN_SEGMENTS,
     FlatStep,
@@ -28,9 +31,6 @@ from minisgl.scheduler.plan import (
     StepPlan,
     build_step_plan,
 )
-from minisgl.scheduler.request import FINISH_REASONS, RequestError, validate_request
-from minisgl.scheduler.scheduler import Scheduler
-from minisgl.scheduler.shadow import ShadowScheduler
 from minisgl.testing import rust_hotpath
 
 CFG = SchedulerConfig(num_pages=64, page_size=4, max_seq_len=96, max_running_requests=4,

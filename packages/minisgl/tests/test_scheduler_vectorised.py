@@ -13,15 +13,15 @@ from hypothesis import strategies as st
 
 from minisgl.core import SamplingParams
 from minisgl.kvcache.allocator import PageAllocator
-from minisgl.scheduler.plan import (
+from minisgl.scheduler.request import FINISH_REASONS, validate_request
+from minisgl.scheduler.scheduler import Scheduler
+from minisgl.step.plan import (
     PLAN_FIELDS,
     FlatStep,
     StepPlan,
     build_step_plan,
     next_decode_plan,
 )
-from minisgl.scheduler.request import FINISH_REASONS, validate_request
-from minisgl.scheduler.scheduler import Scheduler
 from minisgl.testing.rust_hotpath import extension
 
 

@@ -33,7 +33,7 @@ from minisgl.attention.triton_kernels.decode import DecodeBuffers, decode_attent
 from minisgl.attention.triton_kernels.extend import extend_attention, extend_blocks
 from minisgl.attention.triton_kernels.kv_store import store_kv
 from minisgl.kvcache.pool import KVPool
-from minisgl.scheduler.plan import build_step_plan
+from minisgl.step.plan import build_step_plan
 from minisgl.testing.hf_reference import hf_greedy, load_hf_model
 from minisgl.testing.scenarios import assert_kv_clean, random_prompts
 

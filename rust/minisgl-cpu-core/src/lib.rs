@@ -3,7 +3,7 @@
 //! The CPU hot path of minisgl in pure Rust (no Python): an arena-allocated radix prefix
 //! cache, the page allocator and page table, the prefill admission planner and the per-step
 //! batch metadata builder. The Python modules `minisgl.kvcache.radix`,
-//! `minisgl.kvcache.allocator`, `minisgl.scheduler.scheduler` and `minisgl.scheduler.plan`
+//! `minisgl.kvcache.allocator`, `minisgl.scheduler.scheduler` and `minisgl.step.plan`
 //! are the reference; every decision here is identical to theirs (checked by hypothesis
 //! stateful tests that drive both implementations side by side).
 //!

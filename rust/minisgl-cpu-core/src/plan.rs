@@ -1,4 +1,4 @@
-//! The per-step batch metadata builder, mirroring `minisgl.scheduler.plan.build_step_plan`.
+//! The per-step batch metadata builder, mirroring `minisgl.step.plan.build_step_plan`.
 //!
 //! Everything is written into one caller-provided flat `i32` buffer ([`PlanBuf`]) whose
 //! segments are, in order:
@@ -7,7 +7,7 @@
 //!  sample_rows[ns] | batch_pos[bs]`.
 //! A binding hands the whole buffer over once (no copy) and slices views out of it.
 //! The layout is exported by name ([`PlanLayout::segments`], `minisgl_cpu.plan_segments`);
-//! Python defines the same layout once (`minisgl.scheduler.plan.PLAN_SEGMENTS`) and a test
+//! Python defines the same layout once (`minisgl.step.plan.PLAN_SEGMENTS`) and a test
 //! asserts the two are equal.
 
 /// Sizes of the segments of a flat plan buffer.

@@ -7,8 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minisgl.quantization import QUANTIZATION_METHODS
-
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -18,6 +16,8 @@ SUPPORTED_ARCHITECTURES = (
 
 
 GRAPH_RUNNERS = ("auto", "cuda", "replay", "none")  # see engine/graph_runner.py
+# `auto`: the model file's precision class (the packed cache of `default_model.py`), else none
+QUANTIZATION_METHODS = ("auto", "none", "int8", "int4", "w8a8")
 
 
 class ModelLoadError(RuntimeError):

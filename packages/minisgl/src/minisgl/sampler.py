@@ -25,8 +25,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from minisgl.attention import cpu_native
 from minisgl.core import SamplingParams
+from minisgl.kernels import cpu as cpu_native
 from minisgl.structured import GrammarBank
 
 _MASK64 = (1 << 64) - 1

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from minisgl.engine.staging import DevicePlan, PlanStager
 from minisgl.kvcache.pool import KVPool
-from minisgl.scheduler.plan import StepPlan
+from minisgl.step.plan import StepPlan
+from minisgl.step.staging import DevicePlan, PlanStager
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def prepare(self, plan: StepPlan, dev: DevicePlan | None = None) -> Any:
-        """`dev`: the plan staged on the device (`engine/staging.py`); staged here if None."""
+        """`dev`: the plan staged on the device (`step/staging.py`); staged here if None."""
 
     def stage(self, plan: StepPlan) -> DevicePlan:
         """The plan on the device, for callers that did not stage it (tests, tools)."""

@@ -8,11 +8,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minisgl.attention import cpu_native, register_backend
+from minisgl.attention import register_backend
 from minisgl.attention.base import AttentionBackend, GraphInputs
 from minisgl.attention.decode_workspace import DecodeWorkspace
-from minisgl.engine.staging import DevicePlan
-from minisgl.scheduler.plan import StepPlan
+from minisgl.kernels import cpu as cpu_native
+from minisgl.step.plan import StepPlan
+from minisgl.step.staging import DevicePlan
 
 
 @dataclass
@@ -120,7 +121,7 @@ class TorchNativeBackend(AttentionBackend):
         super().__init__(*args, **kwargs)
         pool = self.pool
         dtype = pool.k[0].dtype
-        # on a CPU the C kernels (cpu_native): decode instead of SDPA, which spends its time per
+        # on a CPU the C kernels (kernels/cpu): decode instead of SDPA, which spends its time per
         # (request, head) block on a few query rows, and a prefill step's short requests; both
         # read the KV pool in place (paged), so only SDPA keeps a dense decode workspace
         self.native = self.device.type == "cpu" and cpu_native.available(dtype)

@@ -19,8 +19,8 @@ from minisgl.attention.triton_kernels import INTERPRETED
 from minisgl.attention.triton_kernels.decode import DecodeBuffers, decode_attention
 from minisgl.attention.triton_kernels.extend import extend_attention, extend_blocks
 from minisgl.attention.triton_kernels.kv_store import store_kv
-from minisgl.engine.staging import DevicePlan
-from minisgl.scheduler.plan import StepPlan
+from minisgl.step.plan import StepPlan
+from minisgl.step.staging import DevicePlan
 
 # Split-KV target: about this many decode programs per streaming multiprocessor.
 _PROGRAMS_PER_SM = 2

@@ -241,7 +241,7 @@ def perplexity_minisgl(llm, ids: list[int]) -> float:
     import numpy as np
     import torch
 
-    from minisgl.scheduler.plan import build_step_plan
+    from minisgl.step.plan import build_step_plan
 
     n = len(ids)
     plan = build_step_plan(
@@ -270,7 +270,7 @@ def decode_logits(llm, ids: list[int], prefix: int):
     import numpy as np
     import torch
 
-    from minisgl.scheduler.plan import build_step_plan
+    from minisgl.step.plan import build_step_plan
 
     if not 1 <= prefix < len(ids):
         raise ValueError(f"decode_logits: prefix must be in [1, {len(ids)}), got {prefix}")
@@ -347,8 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         set_threads(args.threads)
     import torch
 
-    from minisgl.attention import cpu_native
     from minisgl.default_model import default_model_path
+    from minisgl.kernels import cpu as cpu_native
 
     model_path = str(default_model_path())
     configs = [c for c in args.configs.split(",") if c]

@@ -57,7 +57,7 @@ from minisgl.benchmark.profiles import (
     warmup_workload,
 )
 from minisgl.benchmark.report import Progress, latency_samples, plot, print_summary
-from minisgl.quantization import QUANTIZATION_METHODS
+from minisgl.config import QUANTIZATION_METHODS
 from minisgl.utils.threads import set_threads
 
 RATIO_KEYS = (

@@ -30,8 +30,8 @@ from minisgl.config import EngineConfig
 from minisgl.distributed.comm import Comm
 from minisgl.distributed.errors import RankFailed
 from minisgl.distributed.layout import TPInfo, dist_backend
-from minisgl.engine.staging import InputFill
-from minisgl.scheduler.plan import StepPlan
+from minisgl.step.plan import StepPlan
+from minisgl.step.staging import InputFill
 from minisgl.utils.log import get_logger
 
 logger = get_logger(__name__)

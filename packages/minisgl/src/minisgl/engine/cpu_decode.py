@@ -1,4 +1,4 @@
-"""Decode steps of an int4 bf16 model on a CPU as one C call (`cpu_native/decode_step.c`).
+"""Decode steps of an int4 bf16 model on a CPU as one C call (`kernels/cpu/decode_step.c`).
 
 Through the torch modules a batch-1 decode step of the embedded model runs ~500 ops, each a
 dispatch of a few microseconds: ~6 of its ~14 ms (AMD EPYC, 2 threads). Here the decoder layers
@@ -17,8 +17,8 @@ import os
 import torch
 from torch import nn
 
-from minisgl.attention import cpu_native
-from minisgl.attention.cpu_native import int4
+from minisgl.kernels import cpu as cpu_native
+from minisgl.kernels.cpu import int4
 from minisgl.kvcache.pool import KVPool
 from minisgl.quantization.linear import Int4Linear
 from minisgl.utils.log import get_logger

@@ -26,10 +26,9 @@ from minisgl.engine.memory import (
     resolve_dtype,
     resolve_quantization,
 )
-from minisgl.engine.staging import DevicePlan, InputFill, PlanStager
 from minisgl.kernels import resolve_fused_ops
 from minisgl.kvcache.pool import KVPool
-from minisgl.models.loader import load_model
+from minisgl.quantization.load import load_quantized
 from minisgl.sampler import (
     DeviceSample,
     SampleResult,
@@ -37,7 +36,8 @@ from minisgl.sampler import (
     is_plain_greedy,
     sample_on_device,
 )
-from minisgl.scheduler.plan import StepPlan
+from minisgl.step.plan import StepPlan
+from minisgl.step.staging import DevicePlan, InputFill, PlanStager
 from minisgl.structured import GrammarBank
 from minisgl.utils.log import get_logger
 from minisgl.utils.malloc import keep_freed_memory
@@ -73,7 +73,7 @@ class Engine:
         self.max_seq_len = cfg.max_position_embeddings
         if config.max_seq_len_override is not None:
             self.max_seq_len = min(self.max_seq_len, config.max_seq_len_override)
-        self.model = load_model(
+        self.model = load_quantized(
             config.model_path,
             cfg,
             self.dtype,

@@ -27,10 +27,10 @@ import torch
 
 from minisgl.attention.base import GraphInputs
 from minisgl.config import GRAPH_RUNNERS
-from minisgl.engine.staging import DevicePlan
 from minisgl.engine.sync_guard import SyncGuard
 from minisgl.sampler import greedy_device
-from minisgl.scheduler.plan import StepPlan
+from minisgl.step.plan import StepPlan
+from minisgl.step.staging import DevicePlan
 from minisgl.utils.log import get_logger
 
 if TYPE_CHECKING:

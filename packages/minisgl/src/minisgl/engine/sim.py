@@ -30,9 +30,9 @@ from minisgl.engine.memory import (
     resolve_dtype,
     resolve_quantization,
 )
-from minisgl.engine.staging import InputFill
 from minisgl.sampler import SampleResult, SampleRow, TokenLogprob
-from minisgl.scheduler.plan import StepPlan
+from minisgl.step.plan import StepPlan
+from minisgl.step.staging import InputFill
 from minisgl.utils.threads import set_threads
 
 NO_LOGPROB = -1e4

@@ -1,7 +1,10 @@
-"""Kernels that layers above share (a leaf package: it imports nothing of minisgl's).
+"""Kernels that layers above share (a leaf package: it imports nothing of minisgl's but
+`utils`).
 
 `kernels.triton`: the fused decode-layer ops of the models' CUDA path (RMSNorm with the
 residual add, RoPE in place, SiLU-and-mul). Triton is imported only when that subpackage is.
+`kernels.cpu`: the C kernels of the CPU path (attention, KV store, quantized GEMVs and
+de-quantization, the sampler's argmax, the one-call decode step).
 """
 
 from __future__ import annotations

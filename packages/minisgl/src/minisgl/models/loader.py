@@ -146,19 +146,16 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
-    quantization: str = "none",
     dummy_weights: bool = False,
     tp: TPInfo | None = None,
+    provided: frozenset[str] = frozenset(),
 ):
     """Build the model (rank `tp.rank`'s slice of it) and fill it from safetensors, reading
     only that slice of each tensor. Checkpoint q/k/v and gate/up projections land in row
-    slices of the fused `qkv_proj` / `gate_up_proj`. With `quantization` int8 or int4 the
-    linears are then swapped for packed ones, taken from the folder's packed cache when it has
-    them (their float tensors are then not even read). `dummy_weights`: no checkpoint is
-    read, see `DummyCheckpoint`."""
+    slices of the fused `qkv_proj` / `gate_up_proj`. Targets named in `provided` are not read
+    (a quantized load takes them from its packed cache: `quantization/load.py`).
+    `dummy_weights`: no checkpoint is read, see `DummyCheckpoint`."""
     tp = tp or TPInfo()
-    if dummy_weights and quantization != "none":
-        raise ModelLoadError(f"dummy weights are float only, not quantization={quantization!r}")
     model = _build(cfg, dtype, device, max_positions, tp)
     targets = _load_targets(model, cfg, tp)
     if dummy_weights:
@@ -167,24 +164,13 @@ def load_model(
         return model.eval()
     from safetensors import safe_open
 
-    from minisgl.quantization.cache import read_packed
-
     model_path = Path(model_path)
     files = weight_files(model_path)
-    packed = read_packed(model_path, quantization) if quantization in ("int8", "int4") else None
-    pending = set(targets) - set(packed or ())
+    pending = set(targets) - provided
     with contextlib.ExitStack() as stack:
         opened = [stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
                   for f in files]  # fmt: skip
         _fill(model, targets, opened, pending, str(model_path))
-    if quantization == "w8a8":  # smoothed from the float weights (`quantization/smooth.py`)
-        from minisgl.quantization import smooth
-
-        smooth.calibrate_and_smooth(model, model_path, max_positions)
-    if quantization != "none":
-        from minisgl.quantization.apply import quantize_model
-
-        quantize_model(model, cfg, quantization, dtype, packed)
     return model.eval()
 
 

@@ -7,7 +7,6 @@ W8A8 (int8 weights and per-row int8 activations, SmoothQuant-calibrated: `w8a8.p
 
 from __future__ import annotations
 
-QUANTIZATION_METHODS = ("auto", "none", "int8", "int4", "w8a8")
 INT4_GROUP = 32  # GGUF Q4_0/Q4_1/Q8_0 block size; Q4_K sub-blocks are 32 wide as well
 
-__all__ = ["INT4_GROUP", "QUANTIZATION_METHODS"]
+__all__ = ["INT4_GROUP"]

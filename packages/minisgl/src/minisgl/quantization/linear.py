@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl.attention import cpu_native
+from minisgl.kernels import cpu as cpu_native
 from minisgl.quantization import INT4_GROUP
 from minisgl.quantization.packed import Int4Weight, Int8Weight
 from minisgl.utils.cpu import amx_tiles

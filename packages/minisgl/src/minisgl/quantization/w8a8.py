@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl.attention import cpu_native
+from minisgl.kernels import cpu as cpu_native
 from minisgl.models.layers import RMSNorm, rms_norm
 from minisgl.quantization import linear
 from minisgl.quantization.packed import Int8Weight

@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from minisgl.engine.staging import InputFill
 from minisgl.engine.stream import PendingSample
 from minisgl.sampler import SampleResult
-from minisgl.scheduler.plan import StepPlan, unknown_inputs
+from minisgl.step.plan import StepPlan, unknown_inputs
+from minisgl.step.staging import InputFill
 
 
 class DeviceStep:

@@ -18,7 +18,7 @@ from minisgl.core import SamplingParams
 from minisgl.message.schema import Step, StepReq, StepResult, wire_logprob
 from minisgl.runtime.device_step import DeviceStep
 from minisgl.sampler import TokenLogprob, request_key
-from minisgl.scheduler.plan import FlatStep, PlanLayout
+from minisgl.step.plan import FlatStep, PlanLayout
 
 
 @dataclass(eq=False)

@@ -14,9 +14,9 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 
 from minisgl.core import SamplingParams
-from minisgl.scheduler.plan import StepPlan
 from minisgl.scheduler.request import StepOutput
 from minisgl.scheduler.stats import KvUsage, SchedulerStats
+from minisgl.step.plan import StepPlan
 
 CACHE_TYPES = ("radix", "naive")
 

@@ -13,7 +13,6 @@ import numpy as np
 
 from minisgl.kvcache import RadixCache
 from minisgl.scheduler.backend import ScheduledStep
-from minisgl.scheduler.plan import StepPlan, build_step_plan, next_decode_plan
 from minisgl.scheduler.prefix_cache import PrefixCache
 from minisgl.scheduler.request import (
     DROPPED,
@@ -22,6 +21,7 @@ from minisgl.scheduler.request import (
     StepOutput,
     step_outputs,
 )
+from minisgl.step.plan import StepPlan, build_step_plan, next_decode_plan
 
 
 class Decode(PrefixCache):

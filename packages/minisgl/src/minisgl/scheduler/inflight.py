@@ -13,13 +13,13 @@ import numpy as np
 from minisgl.kvcache import RadixCache
 from minisgl.scheduler.admission import Admission
 from minisgl.scheduler.decode import Decode, rows_of
-from minisgl.scheduler.plan import StepPlan
 from minisgl.scheduler.request import (
     FINISH_REASONS,
     Req,
     StepOutput,
 )
 from minisgl.scheduler.state import Inflight
+from minisgl.step.plan import StepPlan
 
 
 @dataclass(frozen=True)

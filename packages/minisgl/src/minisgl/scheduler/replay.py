@@ -41,9 +41,9 @@ from typing import Any
 import numpy as np
 
 from minisgl.core import SamplingParams
-from minisgl.scheduler.plan import FlatStep, PlanLayout
 from minisgl.scheduler.request import FINISH_REASONS
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.step.plan import FlatStep, PlanLayout
 
 TRACE_VERSION = 1
 

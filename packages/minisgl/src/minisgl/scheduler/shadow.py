@@ -24,9 +24,9 @@ import numpy as np
 from minisgl.core import SamplingParams
 from minisgl.scheduler import cpu_backend
 from minisgl.scheduler.backend import ScheduledReq, ScheduledStep, SchedulerBackend
-from minisgl.scheduler.plan import PLAN_FIELDS, StepPlan
 from minisgl.scheduler.request import StepOutput
 from minisgl.scheduler.stats import KvUsage, SchedulerStats
+from minisgl.step.plan import PLAN_FIELDS, StepPlan
 
 
 def _short(x: Any, n: int = 16) -> Any:

@@ -16,10 +16,10 @@ import numpy as np
 from minisgl.kvcache import create_prefix_cache
 from minisgl.kvcache.allocator import PageAllocator
 from minisgl.scheduler.cpu_backend import served_counter
-from minisgl.scheduler.plan import StepPlan
 from minisgl.scheduler.request import Req
 from minisgl.scheduler.slots import SlotTable
 from minisgl.scheduler.stats import KvUsage, SchedulerStats
+from minisgl.step.plan import StepPlan
 
 
 @dataclass(frozen=True)

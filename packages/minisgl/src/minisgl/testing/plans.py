@@ -9,7 +9,7 @@ import numpy as np
 
 from minisgl.core import SamplingParams
 from minisgl.kvcache.allocator import PageAllocator
-from minisgl.scheduler.plan import StepPlan, build_step_plan
+from minisgl.step.plan import StepPlan, build_step_plan
 
 
 class GreedyRow:

@@ -30,9 +30,9 @@ from minisgl.kvcache.allocator import OutOfPages
 from minisgl.kvcache.base import MatchResult
 from minisgl.scheduler import cpu_backend
 from minisgl.scheduler.backend import ScheduledStep
-from minisgl.scheduler.plan import PlanLayout, StepPlan, split_flat
 from minisgl.scheduler.request import FINISH_REASONS, RequestError, StepOutput, validate_request
 from minisgl.scheduler.stats import KvUsage, SchedulerStats
+from minisgl.step.plan import PlanLayout, StepPlan, split_flat
 
 NAME = "rust_hotpath"
 

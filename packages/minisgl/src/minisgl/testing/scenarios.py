@@ -35,7 +35,7 @@ def assert_scheduler_clean(sched) -> None:
 def cpu_attention(mode: str) -> Iterator[None]:
     """CPU decode attention through `mode` for the engines built inside: "native" (the C kernel,
     reading the KV pool in place) or "sdpa" (SDPA over the dense decode workspace)."""
-    from minisgl.attention import cpu_native
+    from minisgl.kernels import cpu as cpu_native
 
     old = os.environ.get("MINISGL_CPU_ATTENTION")
     os.environ["MINISGL_CPU_ATTENTION"] = mode

@@ -3,7 +3,7 @@ that makes a CPU with more look like one with less (`MINISGL_CPU_ISA`).
 
 The machines this runs on are of two x86 kinds: Intel Xeons with AMX (BF16 and INT8 tiles) and
 AMD EPYCs with AVX-512 (BF16, VNNI) and no AMX; laptops and older servers have AVX2 only. Each
-kind takes its own code paths (AMX tiles or VNNI kernels in oneDNN and in `cpu_native`'s C;
+kind takes its own code paths (AMX tiles or VNNI kernels in oneDNN and in `kernels/cpu`'s C;
 u8 or s8 activations in W8A8; AVX-512 or plain loops in the C kernels). `MINISGL_CPU_ISA` caps
 the features every path sees, so each path runs (and is tested) on the richer machine too:
 

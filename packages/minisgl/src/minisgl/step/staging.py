@@ -1,7 +1,7 @@
 """Step inputs on the device without syncs: one host memcpy + one non-blocking H2D copy.
 
 `PlanStager.stage(plan)` gathers the plan's segments (the flat int32 layout of
-`scheduler/plan.py`) into a pinned host buffer with one `np.concatenate`, then copies that
+`step/plan.py`) into a pinned host buffer with one `np.concatenate`, then copies that
 buffer to the device with one non-blocking copy; the segments are views of the device buffer
 (`DevicePlan`). Two host/device buffer pairs alternate: step N+1 fills its host buffer while
 step N's copy may still be reading the other one (before reusing a buffer, the stager waits
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minisgl.scheduler.plan import PLAN_FIELDS, PlanLayout, StepPlan
+from minisgl.step.plan import PLAN_FIELDS, PlanLayout, StepPlan
 
 _MIN_CAPACITY = 1 << 14
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.attention.cpu_native import _ERRORS, _library
+from minisgl.kernels.cpu import _ERRORS, _library
 
 GROUP = 32  # columns a scale and zero cover (`INT4_GROUP`)
 MAX_ROWS = 16  # decode rows of one call (decode_step.c's MAX_ROWS)
