@@ -21,13 +21,13 @@ from minisgl.engine.engine import Engine
 from minisgl.kernels import resolve_fused_ops
 from minisgl.kernels.triton import silu_and_mul
 from minisgl.testing.hf_reference import hf_greedy, load_hf_model
-from minisgl.testing.launches import count_launches
+from minisgl.testing.launches import LAYER_BUDGET, count_launches, decode_layer_launches
 from minisgl.testing.plans import GreedyRow, PlannedBatch
 from minisgl.testing.scenarios import assert_kv_clean, random_prompts
 from minisgl.testing.tiny_models import write_tiny_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BUDGET = {"llama": 12, "qwen2": 12, "mistral": 12, "qwen3": 14}
+BUDGET = LAYER_BUDGET
 # what a fused decoder layer may launch: its GEMMs and the Triton kernels
 LAYER_KERNELS = {
     # qkv (addmm: Qwen2's bias), o, gate_up, down: on a CPU aten.linear reaches the
@@ -139,32 +139,17 @@ def test_fused_logits_match_the_torch_path(arch, dtype, tol, tmp_path, monkeypat
 # --- the launch budget ----------------------------------------------------------------------------
 
 
-def decode_step_launches(arch: str, layers: int, fused: str, tmp_path, monkeypatch):
-    path = write_tiny_model(arch, tmp_path / f"{arch}-{layers}", seed=0,
-                            num_hidden_layers=layers)  # fmt: skip
-    engine = engine_of(path, fused, monkeypatch)
-    batch = PlannedBatch.for_engine(engine, [7, 3, 11], 32)
-    batch.push(engine.sample_step(batch.plan(True), [GreedyRow()] * 3, frozenset()).tokens)
-    plan = batch.plan(False)
-    with count_launches() as counter:
-        engine.forward(plan)
-    return counter
-
-
 @pytest.mark.card("P2-001", "launches-per-decode-layer-within-budget-counted-on-the-cpu")
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_decode_layer_launch_budget(arch, tmp_path, monkeypatch):
     """Launches of one decode step with 2 layers minus those with 1: one layer's, the step's
     fixed part (embedding, final norm, lm_head) cancelled."""
-    one, two = (decode_step_launches(arch, n, "on", tmp_path, monkeypatch) for n in (1, 2))
-    layer = two.counts - one.counts
-    per_layer = two.total - one.total
-    assert sum(layer.values()) == per_layer  # every launch of a layer is one more with two
-    print(f"{arch}: {per_layer} launches a decode layer, fused: {dict(layer)}")
-    assert per_layer <= BUDGET[arch], dict(layer)
-    assert set(layer) <= LAYER_KERNELS, dict(layer)
-    old = [decode_step_launches(arch, n, "off", tmp_path, monkeypatch) for n in (1, 2)]
-    unfused = old[1].total - old[0].total
+    fused = decode_layer_launches(arch, True, tmp_path)
+    assert fused.balanced  # every launch of a layer is one more with two
+    print(f"{arch}: {fused.per_layer} launches a decode layer, fused: {fused.by_kernel}")
+    assert fused.per_layer <= BUDGET[arch], fused.by_kernel
+    assert set(fused.by_kernel) <= LAYER_KERNELS, fused.by_kernel
+    unfused = decode_layer_launches(arch, False, tmp_path).per_layer
     print(f"{arch}: {unfused} launches a decode layer through the torch ops")
     assert unfused > BUDGET[arch]  # the counter sees the torch path's small ops
 

@@ -1,6 +1,12 @@
 """CPU microbenchmark: the Python reference vs the Rust hot path, in one process.
 
     python -m minisgl.benchmark.micro --out micro.json [--repeats 3] [--quick]
+    python -m minisgl.benchmark.micro --launches --out launches.json
+
+`--launches` (no extension needed): kernel launches of one decode layer per architecture,
+through the fused Triton ops and through the torch ops, counted on the CPU
+(`testing/launches.py`: ATen ops that run a kernel plus Triton launches, the fused ops in
+Triton's interpreter), against issue 36's budget.
 
 Workloads (issue 4):
 - radix insert / match (hit, partial) / evict on 10,000 token sequences of length 64-512
@@ -214,6 +220,32 @@ def bench_decode(seqs: list[np.ndarray], batch: int, page_size: int, repeats: in
             "ratio_with_llm_glue": pyg / rsg, "context_len": "256 prompt + decode"}  # fmt: skip
 
 
+def bench_launches(out: str) -> int:
+    """Launches a decode layer, fused and through the torch ops, for each architecture."""
+    import tempfile
+
+    import torch
+
+    if not torch.cuda.is_available():  # the fused ops run on a CPU in the interpreter only
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from minisgl.testing.launches import LAYER_BUDGET, decode_layer_launches
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch, budget in LAYER_BUDGET.items():
+            fused, ops = (decode_layer_launches(arch, f, tmp) for f in (True, False))
+            rows.append({"arch": arch, "fused": fused.per_layer, "torch_ops": ops.per_layer,
+                         "budget": budget, "within_budget": fused.per_layer <= budget,
+                         "fused_by_kernel": fused.by_kernel})  # fmt: skip
+    with open(out, "w") as f:
+        json.dump({"tool": "micro.launches", "device": "cuda" if torch.cuda.is_available()
+                   else "cpu", "results": rows}, f, indent=2)  # fmt: skip
+    print(f"{'arch':<10}{'fused':>7}{'torch ops':>11}{'budget':>8}")
+    for r in rows:
+        print(f"{r['arch']:<10}{r['fused']:>7}{r['torch_ops']:>11}{r['budget']:>8}")
+    return 0 if all(r["within_budget"] for r in rows) else 1
+
+
 def _fmt(x: float) -> str:
     if x >= 1:
         return f"{x:.2f} s"
@@ -227,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="JSON results file")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="1,000 sequences, 1 repeat (smoke)")
+    ap.add_argument("--launches", action="store_true",
+                    help="kernel launches of a decode layer per architecture instead")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.launches:
+        return bench_launches(args.out)
     from minisgl.testing.rust_hotpath import extension
 
     minisgl_cpu = extension()  # the comparison needs the extension

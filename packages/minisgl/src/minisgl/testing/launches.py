@@ -11,9 +11,12 @@ with a bias into two kernels: counted as one op).
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,3 +93,63 @@ def _launcher_classes() -> list[type]:
     except ImportError:
         return []
     return [JITFunction, InterpretedFunction]
+
+
+# issue 36: launches a decode layer may take (Qwen3 adds its q/k norms)
+LAYER_BUDGET = {"llama": 12, "qwen2": 12, "mistral": 12, "qwen3": 14}
+
+
+@dataclass(frozen=True)
+class LayerLaunches:
+    """One decode layer's launches: a 2-layer model's decode step minus a 1-layer one's (the
+    embedding, final norm and lm_head cancel)."""
+
+    arch: str
+    fused: bool  # through the fused Triton ops (else the torch ops)
+    per_layer: int
+    by_kernel: dict[str, int]  # the layer's launches by name (`aten.<op>`, `triton:<kernel>`)
+    step_total: int  # the 2-layer step's launches
+
+    @property
+    def balanced(self) -> bool:
+        """Every launch of the layer is one more with two layers (none fewer)."""
+        return sum(self.by_kernel.values()) == self.per_layer
+
+
+def decode_layer_launches(arch: str, fused: bool, workdir: str | Path) -> LayerLaunches:
+    """Launches of one decode layer of a tiny `arch` model (fp32, triton attention, no graphs).
+    On a CPU the fused ops run only in Triton's interpreter (`TRITON_INTERPRET=1` set before
+    triton is first imported)."""
+    import torch
+
+    from minisgl.config import EngineConfig
+    from minisgl.engine.engine import Engine
+    from minisgl.testing.plans import GreedyRow, PlannedBatch
+    from minisgl.testing.tiny_models import write_tiny_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    counters = []
+    old = os.environ.get("MINISGL_FUSED_OPS")
+    os.environ["MINISGL_FUSED_OPS"] = "on" if fused else "off"
+    try:
+        for layers in (1, 2):
+            path = write_tiny_model(arch, Path(workdir) / f"{arch}-{layers}", seed=0,
+                                    num_hidden_layers=layers)  # fmt: skip
+            engine = Engine(EngineConfig(
+                model_path=str(path), device=device, dtype="float32", attention_backend="triton",
+                num_pages=256, max_seq_len_override=128, graph_runner="none"))  # fmt: skip
+            batch = PlannedBatch.for_engine(engine, [7, 3, 11], 32)
+            rows = [GreedyRow()] * 3
+            batch.push(engine.sample_step(batch.plan(True), rows, frozenset()).tokens)
+            plan = batch.plan(False)
+            with count_launches() as counter:
+                engine.forward(plan)
+            counters.append(counter)
+    finally:
+        if old is None:
+            os.environ.pop("MINISGL_FUSED_OPS", None)
+        else:
+            os.environ["MINISGL_FUSED_OPS"] = old
+    one, two = counters
+    return LayerLaunches(arch, fused, two.total - one.total, dict(two.counts - one.counts),
+                         two.total)  # fmt: skip
