@@ -284,7 +284,7 @@ class StepReq(Message):
 @dataclass(slots=True)
 class Step(Message):
     """Service -> worker: run one step. `plan` is the flat int32 buffer of
-    `scheduler.plan.PLAN_SEGMENTS` for `sizes` (bs, num_tokens, num_kv, num_sample); an
+    `step.plan.PLAN_SEGMENTS` for `sizes` (bs, num_tokens, num_kv, num_sample); an
     `input_ids` entry of -1 is the row's last sampled token, known only to the worker.
     `rids[row]` is the request of each batch row; `new` the requests first seen here;
     `release` the requests whose sampling state the worker may drop."""

@@ -1,6 +1,6 @@
 """Steps the Rust service schedules, run here: the worker half of the `rust_service` backend.
 
-Each `Step` is a flat plan (`scheduler.plan.PLAN_SEGMENTS`) plus the requests first seen in it
+Each `Step` is a flat plan (`step.plan.PLAN_SEGMENTS`) plus the requests first seen in it
 and the ones the service forgot. What sampling needs of a request (its params, key, prompt and
 the tokens sampled so far) lives here, by request id; a plan input of -1 is resolved on the
 device (`DeviceStep`). Steps run strictly in the order they arrive; a failed forward is
