@@ -75,7 +75,7 @@ def make_llm(model_path: str | None, profile: Profile, llm_kwargs: dict[str, Any
     return LLM(model_path, **kw)
 
 
-def _flush_prefix_cache(llm) -> bool:
+def flush_prefix_cache(llm) -> bool:
     """Drop everything the prefix cache holds, so repeats do not hit the previous repeat's KV.
 
     False when the scheduler backend offers no way to do it (the Rust backend keeps its pages
@@ -149,7 +149,7 @@ def run_minisgl(
     from minisgl.core import SamplingParams
     from minisgl.sampler import request_key
 
-    flushed = _flush_prefix_cache(llm)
+    flushed = flush_prefix_cache(llm)
     sched = llm.scheduler
     service = _service(llm)
     svc0 = service.counters() if service is not None else None
