@@ -78,7 +78,7 @@ def test_no_weights_are_loaded(tiny_model_dir, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the simulated device loaded the model")
 
-    monkeypatch.setattr(real, "load_model", boom)
+    monkeypatch.setattr(real, "load_quantized", boom)
     engine = make_engine(EngineConfig(model_path=str(tiny_model_dir("llama")), sim_device="0,0"))
     assert engine.num_pages > 0 and engine.model_config.vocab_size == 384
     with pytest.raises(NotImplementedError):

@@ -228,7 +228,7 @@ def test_bad_settings_fail_before_loading(tiny_model_dir, monkeypatch):
     def no_load(*a, **kw):
         raise AssertionError("weights were loaded before the settings were checked")
 
-    monkeypatch.setattr(engine_mod, "load_model", no_load)
+    monkeypatch.setattr(engine_mod, "load_quantized", no_load)
     path = tiny_model_dir("llama")  # 4 heads, 2 KV heads, intermediate 128
     before = {p.pid for p in own_children()}
     cases = [

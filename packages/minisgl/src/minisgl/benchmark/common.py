@@ -205,12 +205,17 @@ class CpuMeter:
             return None
         return t.user + t.system
 
+    def _cpu_of(self, key: str, proc) -> float | None:
+        """CPU seconds so far: this process's from the clock (`process_time`: nanoseconds), the
+        others' from the kernel (10 ms ticks: a short window of a light process reads 0)."""
+        return time.process_time() if key == "self" else self._cpu(proc)
+
     def __enter__(self) -> CpuMeter:
         import psutil
 
         psutil.cpu_percent(None)
         self._t0 = time.perf_counter()
-        self._start = {k: self._cpu(p) for k, p in self._procs.items()}
+        self._start = {k: self._cpu_of(k, p) for k, p in self._procs.items()}
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -220,7 +225,7 @@ class CpuMeter:
         self.result: dict[str, Any] = {"wall_s": wall}
         server = 0.0
         for key, proc in self._procs.items():
-            start, end = self._start.get(key), self._cpu(proc)
+            start, end = self._start.get(key), self._cpu_of(key, proc)
             if start is not None and end is not None:
                 name = "client" if key == "self" else key
                 self.result[f"{name}_cpu_pct"] = 100.0 * (end - start) / wall
