@@ -247,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         res = results[name]
         if "step_ms" in res and bandwidth:
             floor_ms = sum(res["bytes"].values()) / (bandwidth * 1e9) * 1e3
-            res["floor_ms"] = round(floor_ms, 6)
-            res["fraction_of_floor"] = round(floor_ms / res["step_ms"]["p50"], 4)
+            res["floor_ms"] = float(f"{floor_ms:.4g}")
+            res["fraction_of_floor"] = float(f"{floor_ms / res['step_ms']['p50']:.4g}")
         print(f"{name}: {res.get('step_ms', {}).get('p50')} ms p50, "
               f"{res.get('kernels', {}).get('total')} kernels a step"
               + (f" [{res['error']}]" if "error" in res else ""), file=sys.stderr)  # fmt: skip
