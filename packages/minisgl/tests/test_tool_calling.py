@@ -11,26 +11,12 @@ import pytest
 
 from minisgl import SamplingParams
 from minisgl.testing.modules import require_module
-from minisgl.testing.schemas import SCHEMAS
+from minisgl.testing.schemas import PARAMS, SCHEMAS, TOOLS
 
 CARD = "P3-002"
 RED = "tool-calling-tests-fail-before-the-tools-exist"
 GREEN = "tool-calling-tests-pass"
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "unit": {"enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}  # fmt: skip
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {
-        "a": {"type": "integer", "minimum": -99, "maximum": 99},
-        "b": {"type": "integer", "minimum": -99, "maximum": 99}},
-        "required": ["a", "b"], "additionalProperties": False}}}  # fmt: skip
-TOOLS = [WEATHER, ADD]
-PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 HERMES_TEXT = (
     "Let me check.\n<tool_call>\n"

@@ -14,6 +14,7 @@ import pydantic
 import pytest
 
 from minisgl.testing.modules import require_module
+from minisgl.testing.schemas import PARAMS, TOOLS, WEATHER
 from minisgl.testing.server import running_server, start
 from minisgl.testing.tiny_models import write_tiny_model
 
@@ -21,20 +22,6 @@ CARD = "P3-002"
 RED = "tool-calling-tests-fail-before-the-tools-exist"
 GREEN = "tool-calling-tests-pass"
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "unit": {"enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}  # fmt: skip
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {
-        "a": {"type": "integer", "minimum": -99, "maximum": 99},
-        "b": {"type": "integer", "minimum": -99, "maximum": 99}},
-        "required": ["a", "b"], "additionalProperties": False}}}  # fmt: skip
-TOOLS = [WEATHER, ADD]
-PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris? And 2 + 3?"}]
 NAMED = {"type": "function", "function": {"name": "add"}}
 

@@ -141,3 +141,20 @@ SCHEMAS: tuple[dict[str, Any], ...] = (
     ),
 )
 assert len(SCHEMAS) == 50
+
+
+# two OpenAI tools (bounded arguments) the tool-calling tests offer, offline and on the server
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}  # fmt: skip
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": -99, "maximum": 99},
+        "b": {"type": "integer", "minimum": -99, "maximum": 99}},
+        "required": ["a", "b"], "additionalProperties": False}}}  # fmt: skip
+TOOLS = [WEATHER, ADD]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
