@@ -154,6 +154,19 @@ def test_decode_layer_launch_budget(arch, tmp_path, monkeypatch):
     assert unfused > BUDGET[arch]  # the counter sees the torch path's small ops
 
 
+@pytest.mark.card("P2-001", "rope-writes-k-and-v-into-the-pool-in-its-own-launch",
+                  "host-work-and-fusion-tests-fail-before-the-change",
+                  "host-work-and-fusion-tests-pass")  # fmt: skip
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_triton_layer_stores_kv_inside_the_rope_launch(arch, tmp_path):
+    """With the triton backend the fused layer's RoPE launch writes K and V into the pool:
+    no separate KV-store launch, one launch fewer than the budget's design (10 / 12 a layer)."""
+    fused = decode_layer_launches(arch, True, tmp_path)
+    assert "triton:_store_kv_kernel" not in fused.by_kernel, fused.by_kernel
+    assert fused.by_kernel.get("triton:_rope_kernel") == 1, fused.by_kernel
+    assert fused.per_layer <= BUDGET[arch] - 2, fused.by_kernel
+
+
 # --- on a GPU (`nox -s gpu`) ------------------------------------------------------------------
 
 QWEN_SIZES = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14,

@@ -18,6 +18,7 @@ import pytest
 import torch.nn.functional as F
 
 from minisgl.kernels.triton import add_rms_norm_, rms_norm, rope_, silu_and_mul
+from minisgl.testing.launches import count_launches
 from minisgl.models.layers import apply_rope
 from minisgl.models.layers import rms_norm as rms_norm_ref
 
@@ -133,6 +134,73 @@ def test_rope_reads_int64_positions_and_an_empty_step():
     torch.testing.assert_close((q, k), want, **TOL[torch.float32])
     _, q0, k0, _ = qkv_views(0, 2, 2, 16, torch.float32, seed=3)
     rope_(q0, k0, torch.zeros(0, dtype=torch.int32, device=DEVICE), cos, sin)
+
+
+CARD = "P2-001"
+RED = "host-work-and-fusion-tests-fail-before-the-change"
+GREEN = "host-work-and-fusion-tests-pass"
+
+
+def fused_op(name: str):
+    """An op of `kernels.triton` by name (a missing one fails the test, not its import)."""
+    import minisgl.kernels.triton as ops
+
+    assert hasattr(ops, name), f"minisgl.kernels.triton has no {name}"
+    return getattr(ops, name)
+
+
+@pytest.mark.card(CARD, "rope-writes-k-and-v-into-the-pool-in-its-own-launch", RED, GREEN)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk_norm+rope"])
+def test_rope_stores_the_rotated_k_and_v_into_the_pool(dtype, qk_norm):
+    """`rope_(..., v=v, cache=KVSlots(k_cache, v_cache, out_loc))`: q and k rotated in place
+    exactly as without it, and the rotated k and v written to the pool rows `out_loc` (the
+    KV store of the attention backend, in the same launch); no other pool row changes."""
+    h, kvh, d = 4, 2, 24
+    cos, sin = rope_tables(64, d, dtype)
+    positions = torch.tensor([0, 7, 63, 30, 1], dtype=torch.int32, device=DEVICE)
+    out_loc = torch.tensor([3, 17, 39, 0, 22], dtype=torch.int32, device=DEVICE)
+    qw = randn(d, dtype=dtype, seed=11) if qk_norm else None
+    kw = randn(d, dtype=dtype, seed=12) if qk_norm else None
+    _, q, k, v = qkv_views(5, h, kvh, d, dtype, seed=5)
+    _, want_q, want_k, _ = qkv_views(5, h, kvh, d, dtype, seed=5)
+    rope_(want_q, want_k, positions, cos, sin, q_norm=qw, k_norm=kw, eps=1e-6)
+    k_cache = randn(40, kvh, d, dtype=dtype, seed=20)
+    v_cache = randn(40, kvh, d, dtype=dtype, seed=21)
+    want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
+    want_k_cache[out_loc.long()] = want_k
+    want_v_cache[out_loc.long()] = v
+    slots = fused_op("KVSlots")(k_cache, v_cache, out_loc)
+    rope_(q, k, positions, cos, sin, q_norm=qw, k_norm=kw, eps=1e-6, v=v, cache=slots)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)  # the same kernel arithmetic
+    assert torch.equal(k_cache, want_k_cache)
+    assert torch.equal(v_cache, want_v_cache)
+
+
+# --- the greedy argmax ---------------------------------------------------------------------------
+
+
+@pytest.mark.card(CARD, "greedy-argmax-and-bad-row-flag-in-two-launches", RED, GREEN)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1000, 5003])  # 5003: the last block of a row is partial
+def test_argmax_rows_matches_torch_max(dtype, vocab):
+    """`argmax_rows(x)` -> int64 [2, rows]: row 0 is torch.max's index (the first maximum,
+    a NaN counting as the maximum), row 1 flags a row whose maximum is not finite."""
+    x = randn(7, vocab, dtype=dtype, seed=vocab, scale=4.0)
+    x[1, 10] = x[1, vocab - 3] = 50.0  # a tie across blocks: the first index wins
+    x[2, 5] = x[2, 900] = float("nan")  # NaN: the maximum, its first index
+    x[3, vocab // 2] = float("inf")
+    x[4] = float("-inf")  # every token masked: index 0, not finite
+    x[5, vocab - 1] = 60.0  # the maximum in the last (partial) block
+    top, want = x.float().max(dim=-1)
+    argmax_rows = fused_op("argmax_rows")
+    with count_launches() as launches:
+        got = argmax_rows(x)
+    assert got.dtype == torch.int64 and got.shape == (2, 7)
+    assert got[0].tolist() == want.tolist()
+    assert got[1].tolist() == [int(not f) for f in torch.isfinite(top).tolist()]
+    assert got[1].tolist() == [0, 0, 1, 1, 1, 0, 0]
+    assert launches.total <= 2, launches.counts
 
 
 # --- SiLU and mul -------------------------------------------------------------------------------

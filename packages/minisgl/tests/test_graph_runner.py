@@ -123,7 +123,7 @@ def test_padding_rows_never_change_real_rows_and_write_only_the_spare_slot(tiny_
         assert runner.can_run(plan) and bucket_for(runner.buckets, 3) == 4
         before = [t.clone() for t in (*graph.pool.k, *graph.pool.v)]
         replays = runner.replays
-        out = runner.run(plan, graph.stager.stage(plan))
+        out = runner.run(plan)
         garbage = int(runner.inputs.input_ids[3]), int(runner.inputs.positions[3])
         assert runner.replays == replays + 1
         first = out.logits.clone()
@@ -131,7 +131,7 @@ def test_padding_rows_never_change_real_rows_and_write_only_the_spare_slot(tiny_
         # spare slot: the real rows' logits are bit-identical (padding changes nothing)
         for t in (*graph.pool.k, *graph.pool.v):
             t[graph.spare_loc] = torch.randn(t.shape[1:]) * 1e4
-        again = runner.run(plan, graph.stager.stage(plan))
+        again = runner.run(plan)
         assert torch.equal(again.logits, first), f"step {step}"
         assert (int(runner.inputs.input_ids[3]), int(runner.inputs.positions[3])) != garbage
         # and they are the unpadded eager forward's: same tokens, fp32 rounding only (CPU
@@ -147,6 +147,44 @@ def test_padding_rows_never_change_real_rows_and_write_only_the_spare_slot(tiny_
         assert changed == set(plan.out_loc.tolist()) | {graph.spare_loc}, f"step {step}"
         for engine in (graph, eager):
             batches[id(engine)].push(out.tokens.tolist())
+
+
+@pytest.mark.card("P2-001", "one-copy-into-the-graph-inputs-nothing-else-launched-around-the-replay",
+                  "host-work-and-fusion-tests-fail-before-the-change",
+                  "host-work-and-fusion-tests-pass")  # fmt: skip
+@pytest.mark.parametrize("fill", [False, True], ids=["staged", "in-flight-fill"])
+def test_a_graph_step_launches_one_copy_in_one_clone_and_one_copy_out(
+    tiny_model_dir, monkeypatch, fill
+):
+    """The host's part of a graph step: the padded inputs reach the graph's buffers in one
+    copy, the greedy tokens and flags leave as one clone (the next replay overwrites the
+    graph's outputs) and one copy to the host. Every launch outside the replay is counted
+    (the stand-in's replay and its padding garbage are left out: a CUDA replay is one call).
+    With overlap's in-flight fill, the fill's scatter adds one launch (and its cast)."""
+    from minisgl.step.staging import InputFill
+    from minisgl.testing.launches import count_launches
+
+    engine = make_engine(tiny_model_dir("llama"), max_bs=8)
+    runner = engine.graphs
+    batch = make_batch(engine, [5, 17, 9])  # 3 requests: bucket 4, one padding row
+    batch.push(sample(engine.forward(batch.plan(True)), [GreedyRow()] * 3).tokens)
+    plan = batch.plan(False)
+    want = engine.sample_step(plan, [GreedyRow()] * 3, frozenset()).tokens
+    in_flight = None
+    if fill:  # the inputs of rows 0 and 2 still on the device (overlap scheduling)
+        in_flight = InputFill(torch.tensor([0, 2]), torch.tensor(plan.input_ids[[0, 2]]))
+    monkeypatch.setattr(runner, "_replay", lambda bucket: None)
+    monkeypatch.setattr(runner, "_garbage", lambda b, bucket: None)
+    with count_launches() as launches:
+        pending = engine.sample_on_device(plan, [GreedyRow()] * 3, frozenset(), in_flight)
+        pending.start_copy()
+    print(dict(launches.counts))
+    assert launches.total <= (3 if not fill else 5), launches.counts
+    assert runner.inputs.input_ids[:3].tolist() == plan.input_ids.tolist()
+    assert runner.inputs.out_loc[:4].tolist() == [*plan.out_loc.tolist(), engine.spare_loc]
+    monkeypatch.undo()
+    assert engine.sample_step(plan, [GreedyRow()] * 3, frozenset()).tokens == want
+    assert len(pending.result().tokens) == 3
 
 
 @pytest.mark.card(
@@ -218,7 +256,7 @@ def test_replay_fails_when_a_sync_is_introduced(tiny_model_dir, monkeypatch):
     batch = make_batch(engine, [4, 6])
     batch.push(sample(engine.forward(batch.plan(True)), [GreedyRow()] * 2).tokens)
     plan = batch.plan(False)
-    engine.graphs.run(plan, engine.stager.stage(plan))  # clean
+    engine.graphs.run(plan)  # clean
     norm = type(engine.model.model.norm)
     real = norm.forward
 
@@ -229,7 +267,7 @@ def test_replay_fails_when_a_sync_is_introduced(tiny_model_dir, monkeypatch):
 
     monkeypatch.setattr(norm, "forward", syncing)
     with pytest.raises(HostSyncError):
-        engine.graphs.run(plan, engine.stager.stage(plan))
+        engine.graphs.run(plan)
 
 
 @pytest.mark.card(
