@@ -18,9 +18,9 @@ import pytest
 import torch.nn.functional as F
 
 from minisgl.kernels.triton import add_rms_norm_, rms_norm, rope_, silu_and_mul
-from minisgl.testing.launches import count_launches
 from minisgl.models.layers import apply_rope
 from minisgl.models.layers import rms_norm as rms_norm_ref
+from minisgl.testing.launches import count_launches
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
