@@ -4,6 +4,7 @@
 #   bash tools/ci/gpu_session.sh            # logs, JSON and the gate's evidence under $OUT
 #   bash tools/ci/gpu_session.sh profile    # only the decode step by kernel + nano-vllm
 #   bash tools/ci/gpu_session.sh sweep      # only the split-KV target sweep of the decode step
+#   bash tools/ci/gpu_session.sh probe      # the decode tile sweep with gaps, the gate's step test
 #
 # 1. installs the wheels carried in .whl/ (the runtime's dependencies the machine lacks, and the
 #    minisgl / pytest-cardgate wheels for their entry points only: both import from the tree)
@@ -86,6 +87,16 @@ if [ "${1:-}" = profile ]; then  # the decode step by kernel, and the nano-vllm 
         --out "$WORK/profile-qwen3-b256.json"
     pack
     echo "gpu session (profile): status=$status"
+    exit $status
+fi
+if [ "${1:-}" = probe ]; then  # the decode step's tile sweep, gaps, and the gate's own test
+    step probe-qwen25-b64 150 "$PY" -m minisgl.benchmark.decode_step --model-path "$QWEN25" \
+        --dummy-weights --batch 64 --context 512 --arms fused --decode-tiles 64x4,128x4,128x8 \
+        --profile-steps 10 --profile-top 30 --out "$WORK/probe-qwen25-b64.json"
+    step probe-gate-test 90 "$PY" -m pytest -p no:randomly -p no:cacheprovider -q -s -n 0 \
+        tests/test_gpu_fast_path.py -k "decode_step_batch_64"
+    pack
+    echo "gpu session (probe): status=$status"
     exit $status
 fi
 if [ "${1:-}" = sweep ]; then  # the split-KV target of the triton decode, fused layer

@@ -63,6 +63,25 @@ def test_split_kv_sweep_names_one_result_per_target(model, tmp_path):
     assert triton_backend._PROGRAMS_PER_SM == 2  # restored after the sweep
 
 
+def test_tile_sweep_crosses_the_split_targets_and_restores_the_knobs(model, tmp_path):
+    record = run(model, tmp_path, "--arms", "torch", "--kv-programs-per-sm", "2,4",
+                 "--decode-tiles", "64x4,128")  # fmt: skip
+    assert sorted(record["results"]) == [
+        "torch@pps2@n128w4", "torch@pps2@n64w4", "torch@pps4@n128w4", "torch@pps4@n64w4",
+    ]  # fmt: skip
+    from minisgl.attention import triton_backend
+
+    assert triton_backend._PROGRAMS_PER_SM == 2 and triton_backend._DECODE_TILE is None
+
+
+def test_idle_time_splits_launch_gaps_from_host_gaps():
+    # kernels [0, 5], [6, 9] (gap 1), [9.5, 12] overlapping none (gap 0.5), then a host pause
+    # of 100 before [112, 113]; a kernel inside another's span adds no idle time
+    spans = [(6.0, 9.0), (0.0, 5.0), (112.0, 113.0), (9.5, 12.0), (1.0, 2.0)]
+    assert decode_step._idle_us(spans, long_us=20.0) == (1.5, 100.0)
+    assert decode_step._idle_us([]) == (0.0, 0.0)
+
+
 def test_an_unknown_arm_is_a_usage_error(model, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         decode_step.main(["--model-path", str(model), "--arms", "fused,inductor"])

@@ -224,7 +224,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from minisgl.kernels.triton import activation, norm, rope
+from minisgl.kernels.triton import activation, argmax, norm, rope
 
 def build(fn, types, consts, **options):
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -240,10 +240,16 @@ for dt in sys.argv[1:]:
         build(norm._rms_norm_kernel, {**ptr("X", "R", "W", "OUT"), "ROWS": "*i64", "eps": "fp32"},
               dict(N=1024, BLOCK=1024, HAS_RESIDUAL=True, STORE_RESIDUAL=False, HAS_ROWS=True,
                    BF16_RNE=False), num_warps=4),
-        build(rope._rope_kernel, {**ptr("Q", "K", "COS", "SIN", "QW", "KW"), "POS": "*i32",
-                                  "eps": "fp32"},
-              dict(NUM_Q=16, NUM_K=8, HALF=64, BLOCK_Q=16, BLOCK_K=8, BLOCK_HALF=64,
-                   QK_NORM=True, BF16_RNE=False), enable_fp_fusion=False),
+        *(build(rope._rope_kernel, {**ptr("Q", "K", "COS", "SIN", "QW", "KW", "V", "K_CACHE",
+                                          "V_CACHE"), "POS": "*i32", "OUT_LOC": "*i32",
+                                    "eps": "fp32"},
+                dict(NUM_Q=16, NUM_K=8, HALF=64, BLOCK_Q=16, BLOCK_K=8, BLOCK_HALF=64,
+                     QK_NORM=True, BF16_RNE=False, STORE_KV=store), enable_fp_fusion=False)
+          for store in (False, True)),
+        build(argmax._argmax_blocks_kernel, {"X": "*" + dt, "VALS": "*fp32", "IDXS": "*i32"},
+              dict(BLOCK_V=4096), num_warps=8),
+        build(argmax._argmax_merge_kernel, {"VALS": "*fp32", "IDXS": "*i32", "OUT": "*i64"},
+              dict(BLOCK_B=64)),
         build(activation._silu_and_mul_kernel, ptr("X", "OUT"),
               dict(N=4864, BLOCK=1024, BF16_RNE=False)),
     ]

@@ -17,7 +17,7 @@ ALLOWED = {
     "kernels": {"utils"},
     "kvcache": {"utils", "config"},
     "attention": {"step", "kernels", "kvcache", "config", "utils"},
-    "models": {"config", "distributed", "utils"},
+    "models": {"config", "distributed", "kernels", "utils"},
 }
 
 

@@ -18,7 +18,7 @@ default.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -193,6 +193,18 @@ def greedy_device(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, ~torch.isfinite(top)
 
 
+def greedy_packed(
+    logits: torch.Tensor, argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
+    """`greedy_device` as one int64 [2, rows] tensor (tokens, then 1 for a bad row): what a
+    decode graph leaves for `DeviceSample.of_packed`. `argmax_rows`: the fused kernel
+    (`kernels.triton.argmax_rows`, two launches) where the model runs the fused ops."""
+    if argmax_rows is not None:
+        return argmax_rows(logits)
+    tokens, bad = greedy_device(logits)
+    return torch.stack([tokens, bad.to(torch.int64)])
+
+
 def sample_on_device(
     logits: torch.Tensor,
     rows: Sequence[SampleRow],
@@ -311,7 +323,7 @@ class DeviceSample:
     def __init__(
         self,
         tokens: torch.Tensor,
-        bad: torch.Tensor,
+        bad: torch.Tensor,  # bool, or int64 0 / 1 (`of_packed`)
         lp_rows: tuple[int, ...] = (),
         lp_ks: tuple[int, ...] = (),
         lp_vals: torch.Tensor | None = None,
@@ -320,13 +332,27 @@ class DeviceSample:
         self.tokens = tokens
         self.bad = bad
         self.lp_rows, self.lp_ks, self.lp_vals, self.lp_top = lp_rows, lp_ks, lp_vals, lp_top
+        self._packed: torch.Tensor | None = None
         self._host: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
+
+    @classmethod
+    def of_packed(cls, packed: torch.Tensor) -> DeviceSample:
+        """From an int64 [2, rows] tensor of tokens and bad-row flags (`greedy_packed`): the
+        host copy then reads it as it is, no stacking launch."""
+        out = cls(packed[0], packed[1])  # flags as 0 / 1: a comparison would be a launch
+        out._packed = packed
+        return out
+
+    def _pack(self) -> torch.Tensor:
+        if self._packed is not None:
+            return self._packed
+        return torch.stack([self.tokens, self.bad.to(torch.int64)])
 
     def start_copy(self) -> None:
         """Queue the copy of tokens and error flags to the host (pinned and non-blocking on
         CUDA: the caller waits for it with an event before `result`)."""
-        packed = torch.stack([self.tokens, self.bad.to(torch.int64)])
+        packed = self._pack()
         if packed.device.type == "cpu":
             self._host = packed
             return
@@ -341,7 +367,7 @@ class DeviceSample:
         if self._copied is not None:
             self._copied.synchronize()  # the copy `start_copy` queued
         if host is None:  # no copy queued: a blocking one
-            host = torch.stack([self.tokens, self.bad.to(torch.int64)]).cpu()
+            host = self._pack().cpu()
         token_list, bad_list = host.tolist()
         n = len(token_list)
         logprobs: list[TokenLogprob | None] = [None] * n

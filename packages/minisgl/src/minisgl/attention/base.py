@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from minisgl.kernels.slots import KVSlots
 from minisgl.kvcache.pool import KVPool
 from minisgl.step.plan import StepPlan
 from minisgl.step.staging import DevicePlan, PlanStager
@@ -81,8 +82,20 @@ class AttentionBackend(ABC):
     def before_replay(self) -> None:  # noqa: B027 (optional hook, nothing to do by default)
         """Called on the host before a graph step replaces an eager decode step."""
 
+    def kv_slots(self, layer: int, meta: Any) -> KVSlots | None:
+        """Where `layer`'s new K/V rows go, for a caller that writes them itself (the fused
+        RoPE) and then calls `forward(..., stored=True)`; None: `forward` stores them."""
+        return None
+
     @abstractmethod
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: Any,
+        stored: bool = False,
     ) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, KVH, D] -> [T, H * D]."""
+        """q: [T, H, D], k/v: [T, KVH, D] -> [T, H * D]. `stored`: k and v are already in the
+        pool at `kv_slots(layer, meta)`."""

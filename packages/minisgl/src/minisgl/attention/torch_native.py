@@ -285,8 +285,15 @@ class TorchNativeBackend(AttentionBackend):
         )
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: _Meta
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: _Meta,
+        stored: bool = False,
     ) -> torch.Tensor:
+        assert not stored, "torch_native stores K/V itself (its kv_slots is None)"
         if meta.is_prefill and self.native and not torch.compiler.is_compiling():
             cpu_native.store_rows(self.pool.k[layer], meta.out_loc, k)  # row copies in C
             cpu_native.store_rows(self.pool.v[layer], meta.out_loc, v)

@@ -1,6 +1,6 @@
 """Triton attention over the paged KV pool (CUDA; on CPU only under TRITON_INTERPRET=1, for tests).
 
-Per layer: one fused KV store kernel, then either the split-KV decode kernels (a decode step:
+Per layer: one fused KV store kernel (or none: the fused RoPE wrote K/V, `kv_slots`), then either the split-KV decode kernels (a decode step:
 one token per request, grid fixed by the batch size) or one varlen extend launch (prefill,
 chunked prefill, prefix hits). The pool is addressed through the plan's token-level
 `kv_indices`, so every page size works the same way.
@@ -19,11 +19,15 @@ from minisgl.attention.triton_kernels import INTERPRETED
 from minisgl.attention.triton_kernels.decode import DecodeBuffers, decode_attention
 from minisgl.attention.triton_kernels.extend import extend_attention, extend_blocks
 from minisgl.attention.triton_kernels.kv_store import store_kv
+from minisgl.kernels.slots import KVSlots
 from minisgl.step.plan import StepPlan
 from minisgl.step.staging import DevicePlan
 
 # Split-KV target: about this many decode programs per streaming multiprocessor.
 _PROGRAMS_PER_SM = 2
+# The decode split kernel's (BLOCK_N, num_warps); None: (the backend's block_n, 4). A tuning
+# knob that `benchmark.decode_step --decode-tiles` sweeps.
+_DECODE_TILE: tuple[int, int] | None = None
 MAX_KV_SPLITS = 16
 CPU_KV_SPLITS = 2  # the interpreter runs programs one by one: few splits, still merged
 
@@ -65,6 +69,7 @@ class TritonBackend(AttentionBackend):
         wide = self.pool.k[0].element_size() <= 2 and self.head_dim <= 128
         self.block_m = block_m or (64 if wide else 32)
         self.block_n = block_n or (64 if wide else 32)
+        self.decode_tile = _DECODE_TILE or (self.block_n, 4)
         if self.device.type == "cuda":
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             self.max_kv_splits = max_kv_splits or MAX_KV_SPLITS
@@ -125,15 +130,25 @@ class TritonBackend(AttentionBackend):
             decode=self.decode_buffers(bs),
         )
 
+    def kv_slots(self, layer: int, meta: TritonMeta) -> KVSlots:
+        return KVSlots(self.pool.k[layer], self.pool.v[layer], meta.out_loc)
+
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonMeta
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: TritonMeta,
+        stored: bool = False,
     ) -> torch.Tensor:
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
-        store_kv(k, v, k_cache, v_cache, meta.out_loc)
+        if not stored:
+            store_kv(k, v, k_cache, v_cache, meta.out_loc)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.decode is not None:
             decode_attention(q, k_cache, v_cache, meta.kv_indptr, meta.kv_indices, meta.seq_lens,
-                             meta.decode, out, self.sliding_window, self.block_n)  # fmt: skip
+                             meta.decode, out, self.sliding_window, *self.decode_tile)  # fmt: skip
         else:
             assert meta.q_indptr is not None and meta.block_req is not None
             assert meta.block_start is not None

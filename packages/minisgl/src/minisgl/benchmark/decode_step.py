@@ -96,19 +96,42 @@ def _kernel_time(engine, batch, plan, steps: int, top: int) -> dict[str, Any]:
             engine.sample_step(plan, rows, frozenset())
         torch.cuda.synchronize()
     per: dict[str, list[float]] = {}
+    spans: list[tuple[float, float]] = []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             entry = per.setdefault(e.name[:160], [0, 0.0])
             entry[0] += 1
             entry[1] += e.time_range.elapsed_us()
+            spans.append((e.time_range.start, e.time_range.end))
     ranked = sorted(per.items(), key=lambda kv: -kv[1][1])
+    idle = _idle_us(spans)
     return {
         "steps": steps,
         "busy_us_a_step": round(sum(v[1] for v in per.values()) / steps, 1),
         "kernels_a_step": round(sum(v[0] for v in per.values()) / steps, 1),
+        # the GPU idle between consecutive kernels: short gaps are launch latency inside a
+        # replay, long ones the host (staging, result, the next step's start)
+        "gap_us_a_step": round(idle[0] / steps, 1),
+        "host_gap_us_a_step": round(idle[1] / steps, 1),
         "top": [{"name": name, "launches_a_step": round(n / steps, 2),
                  "us_a_step": round(us / steps, 2)} for name, (n, us) in ranked[:top]],
     }  # fmt: skip
+
+
+def _idle_us(spans: list[tuple[float, float]], long_us: float = 20.0) -> tuple[float, float]:
+    """(idle time in gaps shorter than `long_us`, idle time in longer gaps) between kernels,
+    µs, from their (start, end) times."""
+    short = long = 0.0
+    end = None
+    for start, stop in sorted(spans):
+        if end is not None and start > end:
+            gap = start - end
+            if gap < long_us:
+                short += gap
+            else:
+                long += gap
+        end = stop if end is None else max(end, stop)
+    return short, long
 
 
 def _sync(device) -> None:
@@ -180,18 +203,38 @@ def run_arm(args: argparse.Namespace, arm: Arm) -> dict[str, Any]:
     return out
 
 
-def _with_programs_per_sm(programs: int | None, fn, *args):
-    """`fn(*args)` with the triton backend's split-KV target set to `programs` a SM."""
-    if programs is None:
-        return fn(*args)
+@dataclass(frozen=True)
+class Tuning:
+    """The triton backend's decode knobs for one run (None: the backend's own)."""
+
+    programs_per_sm: int | None = None
+    tile: tuple[int, int] | None = None  # the split kernel's (BLOCK_N, num_warps)
+
+    @property
+    def suffix(self) -> str:
+        pps = f"@pps{self.programs_per_sm}" if self.programs_per_sm is not None else ""
+        tile = f"@n{self.tile[0]}w{self.tile[1]}" if self.tile is not None else ""
+        return pps + tile
+
+
+def _tuned(tuning: Tuning, fn, *args):
+    """`fn(*args)` with the triton backend's decode knobs set as `tuning` says."""
     from minisgl.attention import triton_backend
 
-    old = triton_backend._PROGRAMS_PER_SM
-    triton_backend._PROGRAMS_PER_SM = programs
+    old = triton_backend._PROGRAMS_PER_SM, triton_backend._DECODE_TILE
+    if tuning.programs_per_sm is not None:
+        triton_backend._PROGRAMS_PER_SM = tuning.programs_per_sm
+    if tuning.tile is not None:
+        triton_backend._DECODE_TILE = tuning.tile
     try:
         return fn(*args)
     finally:
-        triton_backend._PROGRAMS_PER_SM = old
+        triton_backend._PROGRAMS_PER_SM, triton_backend._DECODE_TILE = old
+
+
+def _tile(text: str) -> tuple[int, int]:
+    n, _, w = text.strip().partition("x")
+    return int(n), int(w or 4)
 
 
 def _bandwidth(args: argparse.Namespace, machine: dict[str, Any]) -> float | None:
@@ -226,6 +269,12 @@ def main(argv: list[str] | None = None) -> int:
         help="comma list: sweep the triton backend's split-KV target (decode "
         "programs per SM; default: the backend's own)",
     )
+    p.add_argument(
+        "--decode-tiles",
+        default="",
+        help="comma list of BLOCK_NxWARPS (e.g. 64x4,128x8): sweep the triton decode split "
+        "kernel's tile (default: the backend's own)",
+    )
     p.add_argument("--bandwidth-gb-s", type=float, default=None,
                    help="memory bandwidth for the floor (default: by GPU name)")  # fmt: skip
     p.add_argument("--out", help="result JSON path")
@@ -236,12 +285,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown arms {unknown}: choose from {', '.join(ARMS)}")
     machine = common.machine_info()
     bandwidth = _bandwidth(args, machine)
-    sweep = [int(x) for x in args.kv_programs_per_sm.split(",") if x.strip()]
-    runs = [(a, n, f"{a}@pps{n}") for a in arms for n in sweep] or [(a, None, a) for a in arms]
+    pps: list[int | None] = [int(x) for x in args.kv_programs_per_sm.split(",") if x.strip()]
+    tiles: list[tuple[int, int] | None] = [
+        _tile(x) for x in args.decode_tiles.split(",") if x.strip()
+    ]
+    tunings = [Tuning(n, t) for n in pps or [None] for t in tiles or [None]]
+    runs = [(a, t, a + t.suffix) for a in arms for t in tunings]
     results: dict[str, Any] = {}
-    for arm, programs, name in runs:
+    for arm, tuning, name in runs:
         try:
-            results[name] = _with_programs_per_sm(programs, run_arm, args, ARM_SETTINGS[arm])
+            results[name] = _tuned(tuning, run_arm, args, ARM_SETTINGS[arm])
         except Exception as e:  # an arm that cannot run is recorded, the others still run
             results[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         res = results[name]

@@ -1,7 +1,7 @@
 """The engine: model weights, the KV pool and the attention backend; runs one StepPlan.
 
-A step's inputs reach the device as one staged copy (`staging.py`); decode steps that fit a
-graph bucket replay a captured graph (`graph_runner.py`); the sampled tokens come back in one
+A step's inputs reach the device as one staged copy (`step/staging.py`, or the graph runner's
+own for a decode step that fits a graph bucket and replays a captured graph: `graph_runner.py`); the sampled tokens come back in one
 copy (`PendingStep.result`), the only device -> host read of a step.
 """
 
@@ -232,12 +232,14 @@ class Engine:
         eos_ids: frozenset[int],
         fill: InputFill | None,
     ) -> DeviceSample:
-        staged = self._stage(plan, fill)
         if self.graphs is not None and self.graphs.can_run(plan):
-            out = self.graphs.run(plan, staged)
-            if is_plain_greedy(rows):  # copies: the next replay overwrites the graph's outputs
-                return DeviceSample(out.tokens.clone(), out.bad.clone())
+            # the graph runner stages the step into its own buffers (no tensor parallelism:
+            # the engine captures no graphs with tp > 1, so no other rank waits for the plan)
+            out = self.graphs.run(plan, fill)
+            if is_plain_greedy(rows):  # a copy: the next replay overwrites the graph's outputs
+                return DeviceSample.of_packed(out.packed.clone())
             return sample_on_device(out.logits, rows, eos_ids, self.grammars)
+        staged = self._stage(plan, fill)
         return sample_on_device(self._forward(plan, staged), rows, eos_ids, self.grammars)
 
     def launch_step(

@@ -1,12 +1,14 @@
 """Decode steps replayed from captured graphs (`--cuda-graph-max-bs`, 0 disables).
 
 A decode step of `b` requests runs on the smallest bucket `B >= b` of 1, 2, 4, 8, 16, 24, ...,
-max_bs. Every bucket reads the same fixed device buffers (`GraphInputs`, sized for max_bs);
-before a replay the step's staged arrays are copied into them (device -> device) and the
-`B - b` padding rows are pointed at the engine's spare KV slot: one location past the pages
-the scheduler allocates, so a padding row writes its K/V there, attends to it alone, and
-never touches a real request's KV. The graph computes the logits of all `B` rows and their
-greedy argmax; sampling that needs per-request host parameters runs outside, on the logits.
+max_bs. Every bucket reads the same fixed device buffers (`GraphInputs`, sized for max_bs:
+views of one flat int32 buffer). Before a replay the host lays the step out in a pinned copy
+of that buffer, the `B - b` padding rows included, and one non-blocking copy carries it to the
+device: nothing else is launched before the replay. Padding rows point at the engine's spare
+KV slot: one location past the pages the scheduler allocates, so a padding row writes its K/V
+there, attends to it alone, and never touches a real request's KV. The graph computes the
+logits of all `B` rows and their greedy argmax with the bad-row flags as one int64 [2, B]
+tensor; sampling that needs per-request host parameters runs outside, on the logits.
 
 Two implementations behind `GraphRunner`:
 - `CudaGraphRunner`: `torch.cuda.CUDAGraph` per bucket, captured largest first into one memory
@@ -28,9 +30,9 @@ import torch
 from minisgl.attention.base import GraphInputs
 from minisgl.config import GRAPH_RUNNERS
 from minisgl.engine.sync_guard import SyncGuard
-from minisgl.sampler import greedy_device
+from minisgl.sampler import greedy_packed
 from minisgl.step.plan import StepPlan
-from minisgl.step.staging import DevicePlan
+from minisgl.step.staging import InputFill
 from minisgl.utils.log import get_logger
 
 if TYPE_CHECKING:
@@ -62,9 +64,34 @@ class GraphOutput:
     """A replayed step's outputs for its `b` real rows (views of the bucket's fixed buffers,
     valid until the next replay)."""
 
-    logits: torch.Tensor  # [b, vocab] float32
-    tokens: torch.Tensor  # [b] int64 greedy argmax
-    bad: torch.Tensor  # [b] bool non-finite logits
+    logits: torch.Tensor  # [b, vocab], the model's dtype
+    packed: torch.Tensor  # [2, b] int64: the greedy argmax, then 1 where the logits are bad
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.packed[0]
+
+    @property
+    def bad(self) -> torch.Tensor:
+        return self.packed[1]
+
+
+@dataclass(frozen=True)
+class InputLayout:
+    """Offsets of the `GraphInputs` fields in their flat int32 buffer (kv_indices last: a
+    step copies the prefix it uses)."""
+
+    max_bs: int
+    kv_cap: int
+
+    @property
+    def size(self) -> int:
+        return 5 * self.max_bs + 1 + self.kv_cap
+
+    def offsets(self) -> tuple[int, int, int, int, int, int]:
+        """input_ids, positions, out_loc, seq_lens, kv_indptr, kv_indices."""
+        m = self.max_bs
+        return 0, m, 2 * m, 3 * m, 4 * m, 5 * m + 1
 
 
 class GraphRunner(Protocol):
@@ -72,7 +99,7 @@ class GraphRunner(Protocol):
 
     def can_run(self, plan: StepPlan) -> bool: ...
 
-    def run(self, plan: StepPlan, staged: DevicePlan) -> GraphOutput: ...
+    def run(self, plan: StepPlan, fill: InputFill | None = None) -> GraphOutput: ...
 
 
 class _BucketRunner:
@@ -92,23 +119,38 @@ class _BucketRunner:
         self.max_bs, self.max_seq_len, self.device = max_bs, max_seq_len, device
         self.vocab = int(model.config.vocab_size)
 
-        def i32(n: int, fill: int = 0) -> torch.Tensor:
-            return torch.full((n,), fill, dtype=torch.int32, device=device)
-
         # every row starts as padding: one token at the spare slot
-        kv_cap = max_bs * max_seq_len + max_bs
+        self.layout = InputLayout(max_bs, max_bs * max_seq_len + max_bs)
+        init = np.zeros(self.layout.size, dtype=np.int32)
+        ids, pos, out, seq, indptr, kv = self.layout.offsets()
+        init[out:seq] = spare_loc
+        init[seq:indptr] = 1
+        init[indptr:kv] = np.arange(max_bs + 1)
+        init[kv:] = spare_loc
+        self._flat = torch.from_numpy(init).to(device)
         self.inputs = GraphInputs(
-            input_ids=i32(max_bs),
-            positions=i32(max_bs),
-            out_loc=i32(max_bs, spare_loc),
-            seq_lens=i32(max_bs, 1),
-            kv_indptr=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
-            kv_indices=i32(kv_cap, spare_loc),
+            input_ids=self._flat[ids:pos],
+            positions=self._flat[pos:out],
+            out_loc=self._flat[out:seq],
+            seq_lens=self._flat[seq:indptr],
+            kv_indptr=self._flat[indptr:kv],
+            kv_indices=self._flat[kv:],
             max_seq_len=max_seq_len,
         )
+        # the host's copies, double-buffered: a step fills one while the other may still be
+        # read by the previous step's copy (waited for before reuse, as `PlanStager` does)
+        self._pinned = device.type == "cuda"
+        self._host = [torch.from_numpy(init.copy()) for _ in range(2)]
+        if self._pinned:
+            self._host = [h.pin_memory() for h in self._host]
+        self._host_np = [h.numpy() for h in self._host]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._i = 0
+        self._pad_steps = np.arange(1, max_bs + 1, dtype=np.int32)
         self._rows = torch.arange(max_bs, dtype=torch.int64, device=device)
-        self._steps = torch.arange(1, max_bs + 1, dtype=torch.int32, device=device)
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        fused = getattr(model, "fused_ops", None)  # the model's Triton ops: the fused argmax
+        self._argmax = fused.argmax_rows if fused is not None else None
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.replays = 0
 
     # ------------------------------------------------------------------ host side
@@ -124,34 +166,49 @@ class _BucketRunner:
             and np.array_equal(plan.logits_indices, np.arange(b))
         )
 
-    def run(self, plan: StepPlan, staged: DevicePlan) -> GraphOutput:
+    def run(self, plan: StepPlan, fill: InputFill | None = None) -> GraphOutput:
+        """Replay the bucket of a decode step `can_run` accepted. `fill`: inputs still on the
+        device (overlap scheduling), written into the graph's input ids after the copy."""
         b = plan.batch_size
         bucket = bucket_for(self.buckets, b)
-        assert bucket is not None and self.can_run(plan), "run() a plan can_run() refused"
-        self._fill(b, bucket, int(plan.kv_indices.shape[0]), staged)
+        assert bucket is not None, "run() a plan can_run() refused"
+        self._stage(plan, b, bucket)
+        if fill is not None:
+            self.inputs.input_ids[fill.positions] = fill.tokens.to(torch.int32)
+        self._garbage(b, bucket)
         self.backend.before_replay()
         self._replay(bucket)
         self.replays += 1
-        logits, tokens, bad = self.outputs[bucket]
-        return GraphOutput(logits[:b], tokens[:b], bad[:b])
+        logits, packed = self.outputs[bucket]
+        return GraphOutput(logits[:b], packed[:, :b])
 
-    def _fill(self, b: int, bucket: int, n_kv: int, staged: DevicePlan) -> None:
-        """The step's rows into the fixed buffers, then the padding rows `b..bucket` as one
-        token each at the spare slot (device copies; host values are plain ints)."""
-        inp = self.inputs
-        inp.input_ids[:b].copy_(staged.input_ids)
-        inp.positions[:b].copy_(staged.positions)
-        inp.out_loc[:b].copy_(staged.out_loc)
-        inp.seq_lens[:b].copy_(staged.seq_lens)
-        inp.kv_indptr[: b + 1].copy_(staged.kv_indptr)
-        inp.kv_indices[:n_kv].copy_(staged.kv_indices)
-        pad = bucket - b
-        if pad:
-            inp.out_loc[b:bucket].fill_(self.spare_loc)
-            inp.seq_lens[b:bucket].fill_(1)
-            torch.add(self._steps[:pad], n_kv, out=inp.kv_indptr[b + 1 : bucket + 1])
-            inp.kv_indices[n_kv : n_kv + pad].fill_(self.spare_loc)
-            self._garbage(b, bucket)
+    def _stage(self, plan: StepPlan, b: int, bucket: int) -> None:
+        """The step's rows and its `bucket - b` padding rows (one token each at the spare
+        slot) laid out on the host, then one copy of the used prefix to the device. A padding
+        row's id and position are whatever an earlier step left there (always in range)."""
+        i = self._i = 1 - self._i
+        done = self._copied[i]
+        if done is not None and not done.query():
+            done.synchronize()  # the copy that read this host buffer two steps ago
+        h = self._host_np[i]
+        ids, pos, out, seq, indptr, kv = self.layout.offsets()
+        n_kv, pad = int(plan.kv_indptr[-1]), bucket - b
+        h[ids : ids + b] = plan.input_ids
+        h[pos : pos + b] = plan.positions
+        h[out : out + b] = plan.out_loc
+        h[out + b : out + bucket] = self.spare_loc
+        h[seq : seq + b] = plan.seq_lens
+        h[seq + b : seq + bucket] = 1
+        h[indptr : indptr + b + 1] = plan.kv_indptr
+        np.add(self._pad_steps[:pad], n_kv, out=h[indptr + b + 1 : indptr + bucket + 1])
+        h[kv : kv + n_kv] = plan.kv_indices
+        h[kv + n_kv : kv + n_kv + pad] = self.spare_loc
+        n = kv + n_kv + pad
+        self._flat[:n].copy_(self._host[i][:n], non_blocking=True)
+        if self._pinned:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._copied[i] = event
 
     def _garbage(self, b: int, bucket: int) -> None:
         """What the padding rows' ids and positions hold: whatever an earlier step left there
@@ -159,14 +216,14 @@ class _BucketRunner:
 
     # ------------------------------------------------------------------ device side
     @torch.inference_mode()
-    def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The captured computation of one bucket: attention metadata, model, greedy argmax."""
+    def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured computation of one bucket: attention metadata, model, greedy argmax
+        with the bad-row flags (int64 [2, bucket])."""
         inp = self.inputs
         meta: Any = self.backend.graph_prepare(inp, bucket)
         logits = self.model(inp.input_ids[:bucket], inp.positions[:bucket],
                             self._rows[:bucket], self.backend, meta)  # fmt: skip
-        tokens, bad = greedy_device(logits)
-        return logits, tokens, bad
+        return logits, greedy_packed(logits, self._argmax)
 
     def _replay(self, bucket: int) -> None:
         raise NotImplementedError
@@ -180,8 +237,8 @@ class ReplayGraphRunner(_BucketRunner):
         super().__init__(*args, **kwargs)
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
         for bucket in reversed(self.buckets):  # "capture": fix each bucket's output buffers
-            logits, tokens, bad = self._forward(bucket)
-            self.outputs[bucket] = (logits.clone(), tokens.clone(), bad.clone())
+            logits, packed = self._forward(bucket)
+            self.outputs[bucket] = (logits.clone(), packed.clone())
 
     def _garbage(self, b: int, bucket: int) -> None:
         inp, n = self.inputs, bucket - b
@@ -193,11 +250,10 @@ class ReplayGraphRunner(_BucketRunner):
 
     def _replay(self, bucket: int) -> None:
         with SyncGuard():
-            logits, tokens, bad = self._forward(bucket)
+            logits, packed = self._forward(bucket)
             out = self.outputs[bucket]
             out[0].copy_(logits)
-            out[1].copy_(tokens)
-            out[2].copy_(bad)
+            out[1].copy_(packed)
 
 
 class CudaGraphRunner(_BucketRunner):

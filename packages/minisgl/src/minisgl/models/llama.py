@@ -22,6 +22,7 @@ from torch import nn
 
 from minisgl.config import ModelConfig
 from minisgl.distributed.layout import TPInfo
+from minisgl.kernels.slots import KVSlots
 from minisgl.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 
 # checkpoint module name -> (fused module name, shard index); shards are stacked along rows
@@ -94,15 +95,21 @@ class Attention(nn.Module):
         return q, k, v
 
     def fused_qkv(
-        self, ops: ModuleType, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+        self,
+        ops: ModuleType,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        cache: KVSlots | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`qkv` through the fused ops: q and k views of the QKV output, rotated in place."""
+        """`qkv` through the fused ops: q and k views of the QKV output, rotated in place;
+        with `cache`, k and v also written to the pool rows it names (the same launch)."""
         q, k, v = self.split_heads(x)
         if self.qk_norm:
             ops.rope_(q, k, positions, rotary.cos, rotary.sin, self.q_norm.weight,
-                      self.k_norm.weight, self.q_norm.eps)  # fmt: skip
+                      self.k_norm.weight, self.q_norm.eps, v=v, cache=cache)  # fmt: skip
         else:
-            ops.rope_(q, k, positions, rotary.cos, rotary.sin)
+            ops.rope_(q, k, positions, rotary.cos, rotary.sin, v=v, cache=cache)
         return q, k, v
 
     def project(self, attn: torch.Tensor) -> torch.Tensor:
@@ -188,8 +195,10 @@ class DecoderLayer(nn.Module):
         else:
             ops.add_rms_norm_(x, residual, norm.weight, norm.eps)
         attn = self.self_attn
-        q, k, v = attn.fused_qkv(ops, x, positions, rotary)
-        x = attn.project(backend.forward(attn.layer_id, q, k, v, meta))
+        slots = backend.kv_slots(attn.layer_id, meta)  # the RoPE launch stores K/V there
+        q, k, v = attn.fused_qkv(ops, x, positions, rotary, slots)
+        stored = slots is not None
+        x = attn.project(backend.forward(attn.layer_id, q, k, v, meta, stored=stored))
         norm = self.post_attention_layernorm
         ops.add_rms_norm_(x, residual, norm.weight, norm.eps)
         return self.mlp.fused_forward(ops, x), residual

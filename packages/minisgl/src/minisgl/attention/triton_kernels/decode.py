@@ -139,6 +139,7 @@ def decode_attention(
     out: torch.Tensor,
     sliding_window: int | None = None,
     block_n: int = 64,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """out[b, h] = softmax(q[b, h] . K_b / sqrt(D)) V_b over request b's KV (its window).
 
@@ -161,7 +162,7 @@ def decode_attention(
         GQA=gqa, HEAD_DIM=d, NUM_HEADS=num_heads, NUM_SPLITS=splits,
         HAS_WINDOW=sliding_window is not None,
         BLOCK_H=max(16, triton.next_power_of_2(gqa)), BLOCK_D=block_d, BLOCK_N=block_n,
-        **dot_args(q.dtype),
+        num_warps=num_warps, **dot_args(q.dtype),
     )  # fmt: skip
     _decode_reduce_kernel[(bs, num_heads)](
         buffers.o, buffers.lse, out,
