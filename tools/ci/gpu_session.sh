@@ -59,9 +59,10 @@ print("minisgl", minisgl.__file__, "| cardgate", cardgate.__file__)
 print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
 EOF
-# a copied checkout: another owner, maybe other file modes, maybe no .git (the device tool
-# carries a copy as .gitcopy/); the gate wants git's own view
-if ! git rev-parse --git-dir >/dev/null 2>&1 && [ -d .gitcopy ]; then cp -a .gitcopy .git; fi
+# a copied checkout: another owner, maybe other file modes, maybe no .git or one at an older
+# commit (the device tool's own checkout); a carried copy of this machine's .git (.gitcopy/,
+# excluded from git's view) replaces it, so the gate sees the commit that is checked out here
+if [ -d .gitcopy ]; then rm -rf .git && cp -a .gitcopy .git; fi
 git config --global --add safe.directory '*'
 git config core.fileMode false
 git rev-parse HEAD && git status --short | head -n 5

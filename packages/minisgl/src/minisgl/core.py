@@ -44,6 +44,9 @@ class SamplingParams:
     n: int = 1
     response_format: Any = None  # an OpenAI response_format mapping, or a ResponseFormat
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
+    # the argmax of the raw logits is the whole choice (no bias, penalty, logprobs or grammar);
+    # min_tokens aside, which depends on the request's progress: read once a step per row
+    argmax_only: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
@@ -111,6 +114,9 @@ class SamplingParams:
                     "with EOS once the grammar is complete"
                 )
             object.__setattr__(self, "response_format", fmt)
+        plain = not (self.logit_bias or self.has_penalties or self.logprobs is not None)
+        argmax_only = self.is_greedy and plain and self.response_format is None
+        object.__setattr__(self, "argmax_only", argmax_only)
 
     @property
     def is_greedy(self) -> bool:

@@ -167,11 +167,7 @@ def is_plain_greedy(rows: Sequence[SampleRow]) -> bool:
     no logit bias, no active min_tokens, no penalties, no logprobs."""
     for r in rows:
         p = r.params
-        if not p.is_greedy or p.logit_bias or p.has_penalties or p.logprobs is not None:
-            return False
-        if p.response_format is not None:
-            return False
-        if p.min_tokens and len(r.output_ids) < p.min_tokens:
+        if not p.argmax_only or (p.min_tokens and len(r.output_ids) < p.min_tokens):
             return False
     return True
 
