@@ -9,9 +9,9 @@
 # 1. installs the wheels carried in .whl/ (the runtime's dependencies the machine lacks, and the
 #    minisgl / pytest-cardgate wheels for their entry points only: both import from the tree)
 # 2. the card gate of P2-001 (its gpu tests, the launch budget, the speed gates)
-# 3. decode step per arm (fused Triton layer, torch ops) and the nano-vllm profile on Qwen3-0.6B
+# 3. the other `gpu` tests
+# 4. decode step per arm (fused Triton layer, torch ops) and the nano-vllm profile on Qwen3-0.6B
 #    and Qwen2.5-0.5B (dummy weights, bf16), JSON per run
-# 4. the other `gpu` tests
 # Each step has its own time limit, cut to what is left of $GPU_BUDGET_S (a step with under 30 s
 # left is not started); a failed step is reported and the next one still runs. Logs and JSON go
 # to a work folder, packed into $OUT/results.tgz after every step (what finished comes back).
@@ -114,12 +114,12 @@ fi
 step gate-P2-001 330 "$PY" -m cardgate gate P2-001
 tar czf "$WORK/evidence.tgz" worklog/evidence/P2-001 kanban 2>/dev/null
 git status --short >"$WORK/git-status-after-gate.txt"
-step decode-step-qwen25-b64 90 "$PY" -m minisgl.benchmark.decode_step --model-path "$QWEN25" \
-    --dummy-weights --batch 64 --context 512 --arms fused,torch --out "$WORK/decode-step-qwen25-b64.json"
-offline nano-vllm-qwen3 "$QWEN3" nano-vllm
 step gpu-tests 120 "$PY" -m pytest -m gpu -p no:randomly -p no:cacheprovider -rs -q -n 0 \
     tests/test_gpu.py packages/minisgl/tests/test_fused_decode_layer.py \
     packages/minisgl/tests/test_triton_attention.py
+step decode-step-qwen25-b64 90 "$PY" -m minisgl.benchmark.decode_step --model-path "$QWEN25" \
+    --dummy-weights --batch 64 --context 512 --arms fused,torch --out "$WORK/decode-step-qwen25-b64.json"
+offline nano-vllm-qwen3 "$QWEN3" nano-vllm
 MINISGL_FUSED_OPS=off offline nano-vllm-qwen25-torch-ops "$QWEN25" nano-vllm
 step decode-step-qwen3-b256 90 "$PY" -m minisgl.benchmark.decode_step --model-path "$QWEN3" \
     --dummy-weights --batch 256 --context 600 --arms fused,torch \
