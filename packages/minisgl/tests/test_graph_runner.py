@@ -190,6 +190,36 @@ def test_a_graph_step_launches_one_copy_in_one_clone_and_one_copy_out(
 @pytest.mark.card(
     "P2-001", "cpu-stand-in-bucket-choice-padding-isolation-hf-parity-no-host-reads-in-replay"
 )
+def test_padding_rows_read_ids_in_range_after_a_step_with_inputs_in_flight(tiny_model_dir):
+    """A decode input still in flight is -1 in the plan (the fill writes the real token on
+    the device). A later, smaller step's padding rows must not read such a -1 left in the
+    staged inputs: the CUDA runner keeps no garbage of its own (the stand-in's random
+    padding is switched off here, as on CUDA), and an embedding lookup of -1 is out of range."""
+    from minisgl.step.staging import InputFill
+
+    engine = make_engine(tiny_model_dir("llama"), max_bs=8)
+    runner = engine.graphs
+    runner._garbage = lambda b, bucket: None  # the CUDA runner's padding: what is staged
+    batch = make_batch(engine, [5, 17, 9, 6, 8])
+    rows = [GreedyRow()] * 5
+    batch.push(sample(engine.forward(batch.plan(True)), rows).tokens)
+    plan = batch.plan(False)
+    real = torch.tensor(plan.input_ids.astype(np.int64))
+    plan.input_ids[:] = -1  # every input in flight: the fill supplies them on the device
+    fill = InputFill(torch.arange(5), real)
+    batch.push(engine.sample_on_device(plan, rows, frozenset(), fill).result().tokens)
+    # the staging buffers alternate: one step more, and the in-flight step's comes back
+    batch.push(engine.sample_step(batch.plan(False), rows, frozenset()).tokens)
+    small = batch.plan(False, rows=[0, 1, 2])  # 3 rows: bucket 4, one padding row
+    runner._replay = lambda bucket: None
+    runner.run(small)
+    ids = runner.inputs.input_ids[:4].tolist()
+    assert min(ids) >= 0, f"staged ids of bucket 4: {ids}"
+
+
+@pytest.mark.card(
+    "P2-001", "cpu-stand-in-bucket-choice-padding-isolation-hf-parity-no-host-reads-in-replay"
+)
 @pytest.mark.parametrize("arch", ["qwen3", "mistral"])
 def test_graph_steps_are_taken_and_match_hf(arch, tiny_model_dir):
     """End to end through LLM.generate: decode batches of 1..5 ride buckets 1, 2, 4, 8 while
