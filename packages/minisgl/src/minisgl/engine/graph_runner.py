@@ -183,9 +183,10 @@ class _BucketRunner:
         return GraphOutput(logits[:b], packed[:, :b])
 
     def _stage(self, plan: StepPlan, b: int, bucket: int) -> None:
-        """The step's rows and its `bucket - b` padding rows (one token each at the spare
-        slot) laid out on the host, then one copy of the used prefix to the device. A padding
-        row's id and position are whatever an earlier step left there (always in range)."""
+        """The step's rows and its `bucket - b` padding rows (token 0 at position 0, written
+        to the spare slot) laid out on the host, then one copy of the used prefix to the
+        device. The padding ids are set every step: an earlier step may have left a -1 there
+        (an input in flight, which only the device-side fill replaced)."""
         i = self._i = 1 - self._i
         done = self._copied[i]
         if done is not None and not done.query():
@@ -194,7 +195,9 @@ class _BucketRunner:
         ids, pos, out, seq, indptr, kv = self.layout.offsets()
         n_kv, pad = int(plan.kv_indptr[-1]), bucket - b
         h[ids : ids + b] = plan.input_ids
+        h[ids + b : ids + bucket] = 0
         h[pos : pos + b] = plan.positions
+        h[pos + b : pos + bucket] = 0
         h[out : out + b] = plan.out_loc
         h[out + b : out + bucket] = self.spare_loc
         h[seq : seq + b] = plan.seq_lens
@@ -211,8 +214,8 @@ class _BucketRunner:
             self._copied[i] = event
 
     def _garbage(self, b: int, bucket: int) -> None:
-        """What the padding rows' ids and positions hold: whatever an earlier step left there
-        (always in range). The stand-in overrides this with fresh random values."""
+        """What the padding rows' ids and positions hold: the staged zeros. The stand-in
+        overrides this with fresh random values (any in-range garbage must do)."""
 
     # ------------------------------------------------------------------ device side
     @torch.inference_mode()
