@@ -5,6 +5,7 @@
 #   bash tools/ci/gpu_session.sh profile    # only the decode step by kernel + nano-vllm
 #   bash tools/ci/gpu_session.sh sweep      # only the split-KV target sweep of the decode step
 #   bash tools/ci/gpu_session.sh probe      # the decode tile sweep with gaps, the gate's step test
+#   bash tools/ci/gpu_session.sh verify     # the graph tests and the nano-vllm profiles, no gate
 #
 # 1. installs the wheels carried in .whl/ (the runtime's dependencies the machine lacks, and the
 #    minisgl / pytest-cardgate wheels for their entry points only: both import from the tree)
@@ -98,6 +99,14 @@ if [ "${1:-}" = probe ]; then  # the decode step's tile sweep, gaps, and the gat
         tests/test_gpu_fast_path.py -k "decode_step_batch_64"
     pack
     echo "gpu session (probe): status=$status"
+    exit $status
+fi
+if [ "${1:-}" = verify ]; then  # the graph tests and the nano-vllm profiles, no gate
+    step verify-tests 110 "$PY" -m pytest -p no:randomly -p no:cacheprovider -q -s -n 0 \
+        tests/test_gpu_fast_path.py -k "sync_debug_error or padding_isolation or nano_vllm"
+    offline nano-vllm-qwen3 "$QWEN3" nano-vllm
+    pack
+    echo "gpu session (verify): status=$status"
     exit $status
 fi
 if [ "${1:-}" = sweep ]; then  # the split-KV target of the triton decode, fused layer
