@@ -25,6 +25,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = ROOT / "packages" / "minisgl"
 BENCH = ROOT / "packages" / "minisgl-bench"
+CARDGATE = ROOT / "packages" / "cardgate"
 MOVED = ("minisgl/benchmark/", "minisgl/testing/")
 BUILD = "import sys; from setuptools import build_meta as b; print(b.build_wheel(sys.argv[1]))"
 
@@ -122,13 +123,17 @@ def test_the_bench_wheel_holds_the_benchmarks_and_test_helpers_and_needs_the_run
 
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory, runtime_wheel, bench_wheel) -> Path:
-    """A fresh venv with the two wheels installed; their dependencies from this interpreter."""
+    """A fresh venv with the runtime, the bench and pytest-cardgate (the bench's dependency that
+    this interpreter has as an editable install) installed from their wheels; the other
+    dependencies come from this interpreter."""
+    cardgate_wheel = build_wheel(CARDGATE, tmp_path_factory.mktemp("cardgate-wheel"))
     venv = tmp_path_factory.mktemp("fresh") / "venv"
     run([sys.executable, "-m", "venv", venv])
     python = venv / "bin" / "python"
     alone = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no checkout's minisgl
     pip = [python, "-m", "pip", "--disable-pip-version-check", "--no-input"]
-    run([*pip, "install", "--no-deps", "--no-index", runtime_wheel, bench_wheel], env=alone)
+    wheels = [runtime_wheel, bench_wheel, cardgate_wheel]
+    run([*pip, "install", "--no-deps", "--no-index", *wheels], env=alone)
     purelib = run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"])
     ours = dict.fromkeys(sysconfig.get_path(k) for k in ("purelib", "platlib"))
     (Path(purelib.stdout.strip()) / "zz_test_dependencies.pth").write_text(
@@ -137,7 +142,7 @@ def venv(tmp_path_factory, runtime_wheel, bench_wheel) -> Path:
     return venv
 
 
-def test_the_benchmark_commands_run_from_the_two_installed_wheels(venv, tmp_path):
+def test_the_benchmark_commands_run_from_the_installed_wheels(venv, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     python = venv / "bin" / "python"
     code = "import minisgl.benchmark.harness as h, minisgl.testing.server as s; print(h.__file__)"
