@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import zipfile
 from email.parser import Parser
 from pathlib import Path
@@ -150,3 +151,27 @@ def test_the_benchmark_commands_run_from_the_installed_wheels(venv, tmp_path):
     assert Path(out[-1]).is_relative_to(venv)  # the bench from its wheel, not this checkout
     usage = run([python, "-m", "minisgl.benchmark.harness", "--help"], cwd=tmp_path, env=env)
     assert "offline" in usage.stdout and "online" in usage.stdout
+
+
+# imported by the bench without being its dependency or the runtime's: module -> why
+BENCH_OPTIONAL = {
+    "llama_cpp": "the llama.cpp arm, minisgl-bench[llamacpp], opt-in",
+    "minisgl_cpu": "the PyO3 extension (rust/minisgl-cpu-py), tests and benchmarks only",
+    "triton": "CUDA only, comes with torch's Linux wheels",
+    "tokenizers": "transformers' dependency",
+}
+IMPORT_NAMES = {"cardgate": "pytest-cardgate", "yaml": "pyyaml", "zmq": "pyzmq"}
+
+
+def test_the_bench_declares_what_it_imports():
+    def deps(project: Path) -> set[str]:
+        meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
+        extras = meta.get("optional-dependencies", {})
+        return {distribution(d) for d in [*meta["dependencies"], *extras.get("serve", [])]}
+
+    declared = deps(BENCH) | deps(RUNTIME)
+    sources = sorted((BENCH / "src").rglob("*.py"))
+    tops = {m.split(".")[0] for f in sources for m in imported(f.read_text())}
+    third_party = tops - set(sys.stdlib_module_names) - {"minisgl", "__future__"}
+    needed = {IMPORT_NAMES.get(t, t) for t in third_party - set(BENCH_OPTIONAL)}
+    assert needed <= declared, f"undeclared: {sorted(needed - declared)}"
