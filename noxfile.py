@@ -16,12 +16,16 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["lint", "tests"]
 
 PYTHON = None  # the interpreter that runs nox (any Python >= 3.11)
-RUNTIME = ("-e", "packages/minisgl[dev,serve,bench]", "-e", "packages/cardgate")
+# the runtime, its benchmarks / release gate / test helpers (packages/minisgl-bench: the same
+# `minisgl.benchmark` and `minisgl.testing` import names), and cardgate
+RUNTIME = (
+    "-e", "packages/minisgl[dev,serve]", "-e", "packages/minisgl-bench", "-e", "packages/cardgate",
+)  # fmt: skip
 
 
 def install_runtime(session: nox.Session, *, extension: bool = True) -> None:
-    """The runtime, cardgate and the Rust service binary; with `extension`, also the PyO3
-    extension `minisgl_cpu` (tests and benchmarks only: the runtime never imports it)."""
+    """The runtime, the bench, cardgate and the Rust service binary; with `extension`, also the
+    PyO3 extension `minisgl_cpu` (tests and benchmarks only: the runtime never imports it)."""
     session.env.setdefault("HF_HUB_OFFLINE", "1")  # no hub downloads at run time, ever
     session.env.setdefault("TOKENIZERS_PARALLELISM", "false")
     session.install(*RUNTIME)
@@ -289,7 +293,7 @@ LLAMACPP_CARDS = {"P2-002", "P2-005"}
 
 
 def install_llamacpp(session: nox.Session) -> None:
-    """The `llamacpp` extra of packages/minisgl, without replacing its editable install."""
+    """The `llamacpp` extra of packages/minisgl-bench, without replacing its editable install."""
     env = {"CMAKE_ARGS": os.environ.get("CMAKE_ARGS", "-DGGML_NATIVE=ON")}
     session.install("--no-binary", "llama-cpp-python", "llama-cpp-python>=0.3", env=env)
 

@@ -21,8 +21,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "packages" / "minisgl" / "src" / "minisgl"
+BENCH_SRC = ROOT / "packages" / "minisgl-bench" / "src" / "minisgl"  # minisgl.testing's
 EXTENSION = "minisgl_cpu"
-TEST_ONLY_OWNER = SRC / "testing" / "rust_hotpath.py"  # the one module that may import it
+TEST_ONLY_OWNER = BENCH_SRC / "testing" / "rust_hotpath.py"  # the one module that may import it
 
 # Installed first in a child: records and refuses every import of the extension, as if it
 # were not installed (`ModuleNotFoundError`, what a missing wheel raises).
@@ -139,7 +140,7 @@ def _imports_extension(path: Path) -> list[int]:
 def test_only_the_test_module_imports_the_extension() -> None:
     offenders = {
         f"{p.relative_to(ROOT)}:{line}"
-        for p in sorted(SRC.rglob("*.py"))
+        for p in sorted([*SRC.rglob("*.py"), *BENCH_SRC.rglob("*.py")])
         if p != TEST_ONLY_OWNER
         for line in _imports_extension(p)
     }

@@ -8,7 +8,9 @@
 #   bash tools/ci/gpu_session.sh verify     # the graph tests and the nano-vllm profiles, no gate
 #
 # 1. installs the wheels carried in .whl/ (the runtime's dependencies the machine lacks, and the
-#    minisgl / pytest-cardgate wheels for their entry points only: both import from the tree)
+#    minisgl / pytest-cardgate wheels, and minisgl-bench's if carried, for their entry points
+#    only: they import from the tree, minisgl.benchmark and minisgl.testing from
+#    packages/minisgl-bench/src, which the runtime's minisgl extends its path over)
 # 2. the card gate of P2-001 (its gpu tests, the launch budget, the speed gates)
 # 3. the other `gpu` tests
 # 4. decode step per arm (fused Triton layer, torch ops) and the nano-vllm profile on Qwen3-0.6B
@@ -53,10 +55,12 @@ step() {  # step NAME LIMIT_S CMD...: output to $WORK/NAME.log, rc recorded
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$SITE" "${GPU_WHEELS:-.whl}"/*.whl || exit 1
 rm -rf "$SITE/minisgl" "$SITE/cardgate"  # their dist-info stays: entry points, versions
-export PYTHONPATH="$ROOT/packages/minisgl/src:$ROOT/packages/cardgate/src:$SITE"
+SRC="$ROOT/packages/minisgl/src:$ROOT/packages/minisgl-bench/src:$ROOT/packages/cardgate/src"
+export PYTHONPATH="$SRC:$SITE"
 "$PY" - <<'EOF' || exit 1
-import cardgate, minisgl, torch, triton
-print("minisgl", minisgl.__file__, "| cardgate", cardgate.__file__)
+import cardgate, minisgl, minisgl.benchmark, minisgl.testing, torch, triton
+print("minisgl", minisgl.__file__, "| bench", minisgl.benchmark.__file__,
+      "| cardgate", cardgate.__file__)
 print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
 EOF

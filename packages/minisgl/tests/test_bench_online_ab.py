@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from minisgl.benchmark import harness, online_ab
-from minisgl.benchmark.online_ab import RoleCpuMeter, role_of, server_flags
+from minisgl.benchmark.online_ab import server_flags
 from minisgl.benchmark.profiles import WorkItem, build_workload, get_profile
+from minisgl.benchmark.roles import RoleCpuMeter, role_of
 
 
 def test_roles_of_the_workers_health_names():

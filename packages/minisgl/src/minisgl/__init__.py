@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from pkgutil import extend_path
 from typing import TYPE_CHECKING
+
+# `minisgl.benchmark` and `minisgl.testing` are another distribution's, packages/minisgl-bench:
+# installed, its files land in this folder; from source (PYTHONPATH, editable installs) its
+# `src/minisgl` folder on sys.path joins this package's path here
+__path__ = extend_path(__path__, __name__)
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]

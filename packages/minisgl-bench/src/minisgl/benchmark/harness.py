@@ -53,88 +53,22 @@ from minisgl.benchmark.profiles import (
     WorkItem,
     build_workload,
     get_profile,
-    parse_sets,
     warmup_workload,
 )
-from minisgl.benchmark.report import Progress, latency_samples, plot, print_summary
+from minisgl.benchmark.record import (
+    RATIO_KEYS,
+    base_record,
+    finish,
+    median_nested,
+    model_info,
+    split_sets,
+)
+from minisgl.benchmark.report import Progress, latency_samples, print_summary
 from minisgl.config import QUANTIZATION_METHODS
 from minisgl.utils.threads import set_threads
 
-RATIO_KEYS = (
-    "output_tok_s",
-    "output_tok_per_cpu_s",
-    "total_tok_s",
-    "request_s",
-    "ttft_ms.p50",
-    "ttft_ms.p99",
-    "tpot_ms.p50",
-    "itl_ms.p50",
-    "e2e_ms.p99",
-    "sched_step_cpu_ms.p50",
-    "sched_step_cpu_ms.p99",
-)
-
-
 # --------------------------------------------------------------------------- helpers
-def median_nested(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Key-wise median of numeric leaves across repeats (structure of the first run)."""
-    if not runs:
-        return {}
-    out: dict[str, Any] = {}
-    for key, value in runs[0].items():
-        if isinstance(value, dict):
-            out[key] = median_nested([r.get(key) or {} for r in runs])
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            vals = [r.get(key) for r in runs]
-            out[key] = common.median(v for v in vals if isinstance(v, int | float))
-        else:
-            out[key] = value
-    return out
-
-
 PAIRED_KEYS = ("output_tok_s", "output_tok_per_cpu_s")
-
-
-def split_sets(items: list[str] | None) -> tuple[dict[str, str], dict[str, Any]]:
-    sets = parse_sets(items)
-    profile_sets = {k: v for k, v in sets.items() if not k.startswith("llm.")}
-    llm_sets: dict[str, Any] = {}
-    for key, value in sets.items():
-        if key.startswith("llm."):
-            llm_sets[key[4:]] = _literal(value)
-    return profile_sets, llm_sets
-
-
-def _literal(value: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
-    return {"true": True, "false": False, "none": None}.get(value.lower(), value)
-
-
-def model_info(model_path: str | None) -> dict[str, Any]:
-    if model_path is None:
-        from minisgl.default_model import default_model_path
-
-        model_path = str(default_model_path())
-        name = "embedded:SmolLM2-135M-Instruct"
-    else:
-        name = Path(model_path).name
-    info: dict[str, Any] = {"name": name, "path": Path(model_path).name}
-    cfg_path = Path(model_path) / "config.json"
-    if cfg_path.exists():
-        cfg = json.loads(cfg_path.read_text())
-        info.update(
-            {
-                "architecture": (cfg.get("architectures") or ["?"])[0],
-                "hidden_size": cfg.get("hidden_size"),
-                "num_layers": cfg.get("num_hidden_layers"),
-                "vocab_size": cfg.get("vocab_size"),
-            }
-        )
-    return info  # no absolute paths: results are committed (privacy guardrail)
 
 
 def offline_observations(
@@ -164,58 +98,6 @@ def offline_observations(
         token_ids=out["token_ids"],
         kv_samples=out["kv_samples"],
     )
-
-
-def base_record(kind: str, args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
-    return {
-        "schema_version": common.SCHEMA_VERSION,
-        "kind": kind,
-        "created": common.now_iso(),
-        "argv": sys.argv[1:],
-        "git": common.git_commit(),
-        "machine": common.machine_info(),
-        "backend_env": common.backend_env(),
-        "profile": profile.to_dict(),
-        "repeats": args.repeats,
-    }
-
-
-def finish(record: dict[str, Any], args: argparse.Namespace, plot_runs: dict[str, Any]) -> int:
-    """Gates, JSON, plot; returns the exit status."""
-    from minisgl.benchmark.gating import check_gates, gate_report, load_baseline_metrics
-
-    status = 0
-    if args.gate:
-        baseline = load_baseline_metrics(args.baseline) if args.baseline else None
-        ok, results, lines = check_gates(
-            args.gate,
-            record["gate_metrics"],
-            record["machine"]["hardware"],
-            baseline,
-            allow_missing=args.allow_missing,
-        )
-        record["gates"] = {
-            "files": args.gate,
-            "baseline": args.baseline,
-            "passed": ok,
-            "results": gate_report(results),
-        }
-        print("\nGates:")
-        for line in lines:
-            print("  " + line)
-        if not ok:
-            failed = [ln for ln in lines if not ln.startswith("PASS")]
-            print(f"GATE FAILED: {len(failed)} check(s) did not pass", file=sys.stderr)
-            for line in failed:
-                print("  " + line, file=sys.stderr)
-            status = 1
-    if args.plot and plot_runs:
-        plot(args.plot, f"{record['kind']} {record['profile']['name']}", plot_runs)
-        record["plot"] = args.plot
-    if args.out:
-        common.write_json(args.out, record)
-        print(f"wrote {args.out}")
-    return status
 
 
 # --------------------------------------------------------------------------- offline
@@ -462,6 +344,68 @@ def run_ab(args: argparse.Namespace, profile: Profile) -> int:
     return finish(record, args, results)
 
 
+# --------------------------------------------------------------------------- online
+def run_online(args: argparse.Namespace) -> int:
+    """The online benchmark against a running server (`--base-url`), the client in a process
+    of its own (`client.py`)."""
+    from minisgl.benchmark import client as bench_client
+    from minisgl.benchmark.online import prepare, server_backend, stream_observations
+
+    profile_sets, llm_sets = split_sets(args.set)
+    if llm_sets:
+        raise ValueError("llm.* overrides apply to the server's launch flags, not to online runs")
+    profile = get_profile(args.profile, profile_sets)
+    record = base_record("online", args, profile)
+    record["base_url"] = args.base_url
+    reps: list[dict[str, Any]] = []
+    last: dict[str, Any] = {}
+    last_items: list[WorkItem] = []
+    observed: list[Observation] = []
+    loads: list[bench_client.ClientLoad] = []
+    threshold = args.client_saturation_threshold
+    with bench_client.ClientProcess() as client:
+        for rep in range(args.repeats):
+            last = client.run(bench_client.ClientJob(args, profile, prepare(args, profile)))
+            loads.append(bench_client.mark_client(last["metrics"], f"online#{rep}", threshold))
+            if args.observations:
+                backend = server_backend(args.base_url)
+                labels = observe.RunLabels(
+                    profile.name, backend, observe.device_label(False),
+                    Path(last["model"]).name, "minisgl-online", rep,
+                )  # fmt: skip
+                observed += stream_observations(last, labels)
+            last_items = last.pop("items")
+            reps.append(last["metrics"])
+        pids = client.pids
+    if args.observations:
+        record["observations"] = str(write_jsonl(args.observations, observed))
+    metrics = median_nested(reps)
+    metrics["cpu"]["client_saturated"] = any(ld.saturated for ld in loads)  # not the first's
+    refuse = args.refuse_saturated_client
+    record["client"] = bench_client.client_record(loads, threshold, refuse, pids)
+    record["model"] = {"name": Path(last["model"]).name, "tokenizer": last["tokenizer"]}
+    record["results"] = {
+        "online": {
+            "metrics": metrics,
+            "repeats": reps,
+            "samples": latency_samples(last_items, last["token_times"]),
+        }
+    }
+    record["error_samples"] = last["error_samples"]
+    record["gate_metrics"] = common.flatten(metrics)
+    print_summary(
+        f"online {profile.name} ({Path(last['model']).name}, {args.repeats} repeat(s), median)",
+        {"online": metrics},
+        None,
+    )
+    status = finish(record, args, record["results"])
+    if metrics.get("errors"):
+        print(f"error: {metrics['errors']} request(s) failed, e.g. {last['error_samples'][0]}")
+        status = status or 1
+    print(bench_client.describe(loads, threshold))
+    return bench_client.refusal(loads, refuse) or status
+
+
 # --------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minisgl.benchmark.harness")
@@ -579,8 +523,6 @@ def main(argv: list[str] | None = None) -> int:
             return run_online_ab(args, get_profile(args.profile, profile_sets))
         if args.sim_device is not None:
             raise ValueError("online --sim-device applies with --ab (pass it to the server)")
-        from minisgl.benchmark.online import run_online
-
         return run_online(args)
     except (ValueError, BackendUnavailable, LlamaCppUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -20,8 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from minisgl.benchmark.harness import get_profile
 from minisgl.benchmark.online_ab import server_flags
+from minisgl.benchmark.profiles import get_profile
 from minisgl.testing.server import metric, metrics, running_server
 
 KEYS = ("output_tok_s", "request_s")

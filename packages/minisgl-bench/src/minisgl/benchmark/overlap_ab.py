@@ -19,9 +19,9 @@ import time
 from typing import Any
 
 from minisgl.benchmark import common
-from minisgl.benchmark.harness import RATIO_KEYS, median_nested
 from minisgl.benchmark.offline import make_llm, run_minisgl
 from minisgl.benchmark.profiles import PROFILES, build_workload, get_profile, warmup_workload
+from minisgl.benchmark.record import RATIO_KEYS, median_nested
 from minisgl.utils.threads import set_threads
 
 PAIRED = ("output_tok_s", "output_tok_per_cpu_s", "e2e_ms.p50", "tpot_ms.p50")

@@ -28,11 +28,8 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
-
-import psutil
 
 from minisgl.benchmark import common, observe
 from minisgl.benchmark.backends import ENV, check_server_backend
@@ -47,7 +44,8 @@ from minisgl.benchmark.client import (
 )
 from minisgl.benchmark.observations import Observation, arm_path, write_jsonl
 from minisgl.benchmark.profiles import Profile
-from minisgl.server import ipc
+from minisgl.benchmark.record import base_record, finish, median_nested, model_info
+from minisgl.benchmark.roles import server_roles
 
 AB_KEYS = (
     "output_tok_s",
@@ -72,85 +70,6 @@ CPU_COUNTING = (
     "client_cpu_core_frac = client_cpu_s / wall_s). *_per_token: divided by output tokens."
 )
 SERVICE_BINARY_ENV = "MINISGL_CPU_SERVICE_BIN"
-
-
-def role_of(name: str) -> str:
-    """The role of a worker named in /health's `workers` (see `server.ipc`)."""
-    if name == ipc.SCHEDULER:
-        return "scheduler"
-    if name == ipc.SERVICE:
-        return "service"
-    if name.startswith("tokenizer"):
-        return "tokenizer"
-    if name.startswith("worker"):
-        return "gpu_worker"
-    return "other"
-
-
-class RoleCpuMeter:
-    """CPU seconds of a server's processes by role over a `with` window (the client's too)."""
-
-    def __init__(self, roles: dict[str, list[int]]) -> None:
-        self._procs: dict[str, list[psutil.Process]] = {}
-        for role, pids in roles.items():
-            for pid in pids:
-                with contextlib.suppress(psutil.Error):
-                    self._procs.setdefault(role, []).append(psutil.Process(pid))
-        self._client = psutil.Process()
-        self._start: dict[tuple[str, int], float] = {}
-        self.result: dict[str, Any] = {}
-
-    @staticmethod
-    def _cpu(proc: psutil.Process) -> float | None:
-        try:
-            t = proc.cpu_times()
-        except psutil.Error:
-            return None
-        return t.user + t.system
-
-    def _snapshot(self) -> dict[tuple[str, int], float]:
-        out = {("client", self._client.pid): self._cpu(self._client)}
-        for role, procs in self._procs.items():
-            for p in procs:
-                out[(role, p.pid)] = self._cpu(p)
-        return {k: v for k, v in out.items() if v is not None}
-
-    def __enter__(self) -> RoleCpuMeter:
-        self._t0 = time.perf_counter()
-        self._start = self._snapshot()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        wall = max(time.perf_counter() - self._t0, 1e-9)
-        end = self._snapshot()
-        by_role: dict[str, float] = {}
-        for key, t0 in self._start.items():
-            if key in end:  # a process that died in the window is left out (the run then errs)
-                by_role[key[0]] = by_role.get(key[0], 0.0) + end[key] - t0
-        client = by_role.pop("client", 0.0)
-        server = sum(by_role.values())
-        cp = server - by_role.get("gpu_worker", 0.0)
-        self.result = {
-            "wall_s": wall,
-            "cpu_s": dict(sorted(by_role.items())),
-            "client_cpu_s": client,
-            "server_cpu_s": server,
-            "cp_cpu_s": cp,
-            "client_cpu_pct": 100.0 * client / wall,
-            "server_cpu_pct": 100.0 * server / wall,
-            "cp_cpu_pct": 100.0 * cp / wall,
-        }
-        with contextlib.suppress(OSError):
-            self.result["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-
-
-def server_roles(handle) -> dict[str, list[int]]:
-    """Every process of a running server (`testing.server.ServerHandle`) by role."""
-    named = {int(pid): role_of(name) for name, pid in handle.worker_pids().items()}
-    roles: dict[str, list[int]] = {"launcher": [handle.proc.pid]}
-    for child in psutil.Process(handle.proc.pid).children(recursive=True):
-        roles.setdefault(named.get(child.pid, "other"), []).append(child.pid)
-    return roles
 
 
 def server_flags(profile: Profile, sim_device: str | None, extra: list[str]) -> list[str]:
@@ -219,7 +138,6 @@ def server_info(server) -> dict[str, Any]:
 
 
 def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
-    from minisgl.benchmark.harness import base_record, finish, median_nested, model_info
     from minisgl.benchmark.online import stream_observations
     from minisgl.benchmark.report import latency_samples, print_summary
 

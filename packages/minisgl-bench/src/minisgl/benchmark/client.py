@@ -4,7 +4,7 @@ The asyncio openai/httpx client (`online._run`) runs in a spawned child process
 (`ClientProcess`, one per harness run, reused across repeats and A/B arms): the harness's own
 work (the tokenizer and the prompts: `online.prepare`; JSON, plots, starting servers) never
 shares its core, and its CPU is its own. The child measures, over the measured window, its CPU time (user + system) and the
-server's (`common.CpuMeter` of --server-pid, or `online_ab.RoleCpuMeter` by role);
+server's (`common.CpuMeter` of --server-pid, or `roles.RoleCpuMeter` by role);
 `client_cpu_core_frac` = client CPU seconds / wall seconds. Above `--client-saturation-threshold`
 (default 0.7 of a core) the client may be what limits the run: the run is flagged in the JSON
 (`cpu.client_saturated`, per repeat and arm) with a warning, and with
@@ -195,7 +195,7 @@ def run_job(job: ClientJob) -> dict[str, Any]:
 
     meter = None
     if job.roles is not None:
-        from minisgl.benchmark.online_ab import RoleCpuMeter
+        from minisgl.benchmark.roles import RoleCpuMeter
 
         meter = RoleCpuMeter(job.roles)
     with Progress(not job.args.no_progress) as prog:

@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from minisgl.benchmark import common, observe
-from minisgl.benchmark.observations import Observation, write_jsonl
+from minisgl.benchmark.observations import Observation
 from minisgl.benchmark.offline import request_metrics
-from minisgl.benchmark.profiles import Profile, WorkItem, build_workload, get_profile
-from minisgl.benchmark.report import latency_samples, print_summary
+from minisgl.benchmark.profiles import Profile, WorkItem, build_workload
 
 KV_POLL_S = 0.2  # /metrics polling period for observations' KV pages (only with --observations)
 
@@ -218,65 +217,6 @@ async def _run(args, profile: Profile, prep: PreparedRun, prog, meter=None) -> d
         "requests": requests,
         "kv_samples": kv_samples,
     }
-
-
-def run_online(args) -> int:
-    from minisgl.benchmark import client as bench_client
-    from minisgl.benchmark.harness import base_record, finish, median_nested, split_sets
-
-    profile_sets, llm_sets = split_sets(args.set)
-    if llm_sets:
-        raise ValueError("llm.* overrides apply to the server's launch flags, not to online runs")
-    profile = get_profile(args.profile, profile_sets)
-    record = base_record("online", args, profile)
-    record["base_url"] = args.base_url
-    reps: list[dict[str, Any]] = []
-    last: dict[str, Any] = {}
-    last_items: list[WorkItem] = []
-    observed: list[Observation] = []
-    loads: list[bench_client.ClientLoad] = []
-    threshold = args.client_saturation_threshold
-    with bench_client.ClientProcess() as client:
-        for rep in range(args.repeats):
-            last = client.run(bench_client.ClientJob(args, profile, prepare(args, profile)))
-            loads.append(bench_client.mark_client(last["metrics"], f"online#{rep}", threshold))
-            if args.observations:
-                backend = server_backend(args.base_url)
-                labels = observe.RunLabels(
-                    profile.name, backend, observe.device_label(False),
-                    Path(last["model"]).name, "minisgl-online", rep,
-                )  # fmt: skip
-                observed += stream_observations(last, labels)
-            last_items = last.pop("items")
-            reps.append(last["metrics"])
-        pids = client.pids
-    if args.observations:
-        record["observations"] = str(write_jsonl(args.observations, observed))
-    metrics = median_nested(reps)
-    metrics["cpu"]["client_saturated"] = any(ld.saturated for ld in loads)  # not the first's
-    refuse = args.refuse_saturated_client
-    record["client"] = bench_client.client_record(loads, threshold, refuse, pids)
-    record["model"] = {"name": Path(last["model"]).name, "tokenizer": last["tokenizer"]}
-    record["results"] = {
-        "online": {
-            "metrics": metrics,
-            "repeats": reps,
-            "samples": latency_samples(last_items, last["token_times"]),
-        }
-    }
-    record["error_samples"] = last["error_samples"]
-    record["gate_metrics"] = common.flatten(metrics)
-    print_summary(
-        f"online {profile.name} ({Path(last['model']).name}, {args.repeats} repeat(s), median)",
-        {"online": metrics},
-        None,
-    )
-    status = finish(record, args, record["results"])
-    if metrics.get("errors"):
-        print(f"error: {metrics['errors']} request(s) failed, e.g. {last['error_samples'][0]}")
-        status = status or 1
-    print(bench_client.describe(loads, threshold))
-    return bench_client.refusal(loads, refuse) or status
 
 
 def stream_observations(out: dict[str, Any], labels: observe.RunLabels) -> list[Observation]:
