@@ -50,3 +50,23 @@ def test_held_text_is_released_at_finish(tok):
     pieces, st, hit = run(tok, ids, stops=["fox"])
     assert not hit and st.finished == "length"
     assert "".join(pieces) == text
+
+
+def test_tokenizer_worker_warms_its_paths_before_ready_and_keeps_no_state(tok):
+    """Issue 39: the first request after start must not pay the chat template's compilation
+    and the tokenizer's first calls. `warm_up` runs them (chat render, batched encode of both
+    special-token settings, a streamed decode) outside any request, reports its time and
+    leaves the worker as it was: the next request tokenizes as a fresh worker would."""
+    from minisgl.message.schema import Codec, TokenizeReq, WireParams
+    from minisgl.tokenizer.worker import TokenizerWorker
+
+    warm, fresh = TokenizerWorker(tok, Codec(True)), TokenizerWorker(tok, Codec(True))
+    assert hasattr(warm, "warm_up"), "TokenizerWorker has no warm_up"
+    ms = warm.warm_up()
+    assert isinstance(ms, float) and ms > 0
+    assert warm.states == {} and warm.pending_lp == {}
+    chat = [{"role": "user", "content": "Name three colors."}]
+    reqs = [TokenizeReq(7, "chat", chat, WireParams()), TokenizeReq(8, "text", "hi", WireParams())]
+    got, want = warm.tokenize(reqs), fresh.tokenize(reqs)
+    assert [a.input_ids.tolist() for a in got[0]] == [a.input_ids.tolist() for a in want[0]]
+    assert got[1] == want[1] == []
