@@ -27,7 +27,7 @@ import torch
 
 from minisgl.core import SamplingParams
 from minisgl.kernels import cpu as cpu_native
-from minisgl.structured import GrammarBank
+from minisgl.structured import GrammarBank, MaskJob
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as signed int64
@@ -201,14 +201,27 @@ def greedy_packed(
     return torch.stack([tokens, bad.to(torch.int64)])
 
 
+def start_masks(rows: Sequence[SampleRow], grammars: GrammarBank | None) -> MaskJob | None:
+    """Start computing the token masks of the rows with a `response_format` (on the bank's
+    worker thread); None, and nothing done, when no row has one."""
+    cons = [r for r in rows if r.params.response_format is not None]
+    if not cons:
+        return None
+    if grammars is None:
+        raise ValueError("a row with a response_format needs the engine's GrammarBank")
+    return grammars.start(cons, [r.params.response_format for r in cons])
+
+
 def sample_on_device(
     logits: torch.Tensor,
     rows: Sequence[SampleRow],
     eos_ids: frozenset[int] = frozenset(),
     grammars: GrammarBank | None = None,
+    masks: MaskJob | None = None,
 ) -> DeviceSample:
     """`sample` without reading anything back: the tokens stay on the logits' device.
-    `grammars`: the matchers of rows with a `response_format` (their allowed tokens)."""
+    `grammars`: the matchers of rows with a `response_format` (their allowed tokens); `masks`:
+    those already started (`start_masks` on the same rows), else they are computed here."""
     vocab = logits.shape[-1]
     dev = logits.device
     raw = logits  # the model's dtype: widened only where arithmetic follows (the argmax and the
@@ -251,14 +264,16 @@ def sample_on_device(
         )
         x = x.index_copy(0, idx, sub)
     cons = [i for i, p in enumerate(params) if p.response_format is not None]
+    csub = cidx = None  # the constrained rows' logits, masked: only those rows pay
     if cons:  # after the penalties, before any choice: only allowed tokens stay finite
-        if grammars is None:
-            raise ValueError("a row with a response_format needs the engine's GrammarBank")
-        idx = _host(cons, torch.int64, dev)
-        x = x.float() if x is not raw else x.float().clone()
-        sub = grammars.apply(x[idx], [rows[i] for i in cons],
-                             [params[i].response_format for i in cons])  # fmt: skip
-        x = x.index_copy(0, idx, sub)
+        job = masks if masks is not None else start_masks(rows, grammars)
+        assert job is not None
+        forbidden = torch.from_numpy(job.result()).to(dev, non_blocking=True)
+        cidx = _host(cons, torch.int64, dev)
+        csub = x[cidx]  # a copy (advanced indexing); -inf and the argmax are exact in bf16
+        csub.masked_fill_(forbidden[:, :vocab], float("-inf"))
+        if x is not raw:  # then x is this call's own copy
+            x.index_copy_(0, cidx, csub)
     # a bad row: a NaN or +inf among the raw logits, or nothing above -inf once biased and
     # penalised (a penalty may make +inf of a finite logit: then that is the row's argmax). A
     # row's max is finite exactly when it has none of the three (max propagates NaN): one pass
@@ -268,11 +283,19 @@ def sample_on_device(
     else:
         top, tokens = row_max(x)
         bad = ~torch.isfinite(raw.amax(dim=-1)) | ~(top > float("-inf"))
+    masked = csub is not None and x is raw  # the constrained rows are in `csub` alone
+    if masked:
+        top_c, tokens_c = row_max(csub)
+        tokens = tokens.index_copy(0, cidx, tokens_c)
+        bad = bad.index_copy(0, cidx, bad[cidx] | ~(top_c > float("-inf")))
     rand = [i for i, p in enumerate(params) if not p.is_greedy]
     if rand:
         idx = _host(rand, torch.int64, dev)
         ps = [params[i] for i in rand]
-        y = x[idx].float() / _host([p.temperature for p in ps], torch.float32, dev)[:, None]
+        y = x[idx].float()
+        if masked:
+            y = _take_masked(y, rand, cons, csub)
+        y = y / _host([p.temperature for p in ps], torch.float32, dev)[:, None]
         cut = [j for j, p in enumerate(ps) if 0 < p.top_k < vocab or p.top_p < 1.0]
         if cut:  # only the rows that filter pay for the sort
             cps = [ps[j] for j in cut]
@@ -299,6 +322,19 @@ def sample_on_device(
         if max(ks):
             lp_top = lps.topk(max(ks), dim=-1)
     return DeviceSample(tokens, bad, tuple(lp_rows), tuple(ks), lp_vals, lp_top)
+
+
+def _take_masked(
+    y: torch.Tensor, rand: list[int], cons: list[int], sub: torch.Tensor
+) -> torch.Tensor:
+    """`y` (the rows `rand`) with the rows also in `cons` taken from `sub` (those rows, masked)."""
+    at = {i: k for k, i in enumerate(cons)}
+    both = [j for j, i in enumerate(rand) if i in at]
+    if not both:
+        return y
+    dev = y.device
+    src = sub.index_select(0, _host([at[rand[j]] for j in both], torch.int64, dev))
+    return y.index_copy(0, _host(both, torch.int64, dev), src.float())
 
 
 def sample(

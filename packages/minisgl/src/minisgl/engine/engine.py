@@ -35,6 +35,7 @@ from minisgl.sampler import (
     SampleRow,
     is_plain_greedy,
     sample_on_device,
+    start_masks,
 )
 from minisgl.step.plan import StepPlan
 from minisgl.step.staging import DevicePlan, InputFill, PlanStager
@@ -187,7 +188,9 @@ class Engine:
                 self._forward(plan, self._stage(plan, fill))
 
     def close(self) -> None:
-        """Stop the other ranks of a tensor-parallel group (rank 0; nothing otherwise)."""
+        """Stop the grammar worker thread and the other ranks of a tensor-parallel group (rank
+        0)."""
+        self.grammars.close()
         if self.leader is not None:
             self.leader.close()
 
@@ -232,15 +235,17 @@ class Engine:
         eos_ids: frozenset[int],
         fill: InputFill | None,
     ) -> DeviceSample:
+        masks = start_masks(rows, self.grammars)  # on the bank's thread, during the forward
         if self.graphs is not None and self.graphs.can_run(plan):
             # the graph runner stages the step into its own buffers (no tensor parallelism:
             # the engine captures no graphs with tp > 1, so no other rank waits for the plan)
             out = self.graphs.run(plan, fill)
             if is_plain_greedy(rows):  # a copy: the next replay overwrites the graph's outputs
                 return DeviceSample.of_packed(out.packed.clone())
-            return sample_on_device(out.logits, rows, eos_ids, self.grammars)
+            return sample_on_device(out.logits, rows, eos_ids, self.grammars, masks)
         staged = self._stage(plan, fill)
-        return sample_on_device(self._forward(plan, staged), rows, eos_ids, self.grammars)
+        logits = self._forward(plan, staged)
+        return sample_on_device(logits, rows, eos_ids, self.grammars, masks)
 
     def launch_step(
         self, plan: StepPlan, rows: Sequence[SampleRow], eos_ids: frozenset[int]
