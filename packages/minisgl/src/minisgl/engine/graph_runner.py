@@ -32,7 +32,7 @@ from minisgl.config import GRAPH_RUNNERS
 from minisgl.engine.sync_guard import SyncGuard
 from minisgl.sampler import greedy_packed
 from minisgl.step.plan import StepPlan
-from minisgl.step.staging import InputFill
+from minisgl.step.staging import CopyTurns, InputFill
 from minisgl.utils.log import get_logger
 
 if TYPE_CHECKING:
@@ -137,15 +137,12 @@ class _BucketRunner:
             kv_indices=self._flat[kv:],
             max_seq_len=max_seq_len,
         )
-        # the host's copies, double-buffered: a step fills one while the other may still be
-        # read by the previous step's copy (waited for before reuse, as `PlanStager` does)
-        self._pinned = device.type == "cuda"
+        # the host's copies, filled in turn (`CopyTurns`, as `PlanStager` does)
+        self._turns = CopyTurns(device)
         self._host = [torch.from_numpy(init.copy()) for _ in range(2)]
-        if self._pinned:
+        if self._turns.pinned:
             self._host = [h.pin_memory() for h in self._host]
         self._host_np = [h.numpy() for h in self._host]
-        self._copied: list[torch.cuda.Event | None] = [None, None]
-        self._i = 0
         self._pad_steps = np.arange(1, max_bs + 1, dtype=np.int32)
         self._rows = torch.arange(max_bs, dtype=torch.int64, device=device)
         fused = getattr(model, "fused_ops", None)  # the model's Triton ops: the fused argmax
@@ -187,10 +184,7 @@ class _BucketRunner:
         to the spare slot) laid out on the host, then one copy of the used prefix to the
         device. The padding ids are set every step: an earlier step may have left a -1 there
         (an input in flight, which only the device-side fill replaced)."""
-        i = self._i = 1 - self._i
-        done = self._copied[i]
-        if done is not None and not done.query():
-            done.synchronize()  # the copy that read this host buffer two steps ago
+        i = self._turns.next()
         h = self._host_np[i]
         ids, pos, out, seq, indptr, kv = self.layout.offsets()
         n_kv, pad = int(plan.kv_indptr[-1]), bucket - b
@@ -208,10 +202,7 @@ class _BucketRunner:
         h[kv + n_kv : kv + n_kv + pad] = self.spare_loc
         n = kv + n_kv + pad
         self._flat[:n].copy_(self._host[i][:n], non_blocking=True)
-        if self._pinned:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self._copied[i] = event
+        self._turns.copied(i)
 
     def _garbage(self, b: int, bucket: int) -> None:
         """What the padding rows' ids and positions hold: the staged zeros. The stand-in

@@ -46,11 +46,42 @@ class DevicePlan:
     sample_rows: torch.Tensor
 
 
+class CopyTurns:
+    """Two host buffers filled in turn, each read by a non-blocking copy (pinned on CUDA): a
+    step fills one while the other's copy may still run; before a buffer is filled again the
+    copy that read it two steps ago is waited for (it has long finished)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._i = 0
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+
+    def next(self) -> int:
+        """The buffer to fill now, once no copy reads it any more."""
+        i = self._i = 1 - self._i
+        done = self._copied[i]
+        if done is not None and not done.query():
+            done.synchronize()
+        return i
+
+    def copied(self, i: int) -> None:
+        """Buffer i's copy is queued on the current stream."""
+        if self.pinned:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._copied[i] = event
+
+    def forget(self) -> None:
+        """No copy reads either buffer (after a stream synchronize)."""
+        self._copied = [None, None]
+
+
 class PlanStager:
     def __init__(self, device: torch.device, capacity: int = _MIN_CAPACITY) -> None:
         self.device = device
         self.pinned = device.type == "cuda"
-        self._i = 0
+        self.turns = CopyTurns(device)
         self._alloc(capacity)
         self.copies = 0  # H2D copies issued (one per staged plan)
 
@@ -61,7 +92,7 @@ class PlanStager:
         ]
         self._host_np = [h.numpy() for h in self._host]
         self._dev = [torch.empty(capacity, dtype=torch.int32, device=self.device) for _ in range(2)]
-        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self.turns.forget()
 
     def stage(self, plan: StepPlan) -> DevicePlan:
         layout = PlanLayout.of(plan)
@@ -71,17 +102,11 @@ class PlanStager:
             if self.pinned:
                 torch.cuda.current_stream(self.device).synchronize()  # in-flight copies
             self._alloc(max(n, 2 * self.capacity))
-        i = self._i = 1 - self._i
-        done = self._copied[i]
-        if done is not None and not done.query():
-            done.synchronize()  # the copy that read this host buffer two steps ago
+        i = self.turns.next()
         np.concatenate([getattr(plan, f) for f in PLAN_FIELDS], out=self._host_np[i][:n],
                        casting="same_kind")  # fmt: skip
         dev = self._dev[i]
         dev[:n].copy_(self._host[i][:n], non_blocking=True)
         self.copies += 1
-        if self.pinned:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self._copied[i] = event
+        self.turns.copied(i)
         return DevicePlan(*(dev[off : off + length] for _, off, length in segments))
