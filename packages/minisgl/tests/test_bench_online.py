@@ -18,6 +18,10 @@ from minisgl.testing.server import running_server
 SMALL = ["--set", "num_requests=4", "--set", "output_len=5", "--set", "input_len_min=8",
          "--set", "input_len_max=40", "--set", "warmup_requests=1", "--no-progress"]  # fmt: skip
 
+CARD = "P1-014"
+RED = "online-overhead-tests-fail-before-the-stack-the-timelines-and-the-lean-client-exist"
+GREEN = "online-overhead-tests-pass"
+
 
 @pytest.fixture(scope="module")
 def bench_server(tiny_model_dir, tmp_path_factory):
@@ -119,3 +123,33 @@ def test_tpot_divides_by_output_tokens_not_stream_chunks():
     m = request_metrics(items, chunks, [9, 4], 3.0)
     assert m["tpot_ms"]["max"] == pytest.approx(100.0)  # 0.3 s over 3 tokens after the first
     assert m["tpot_ms"]["mean"] == pytest.approx((25.0 + 100.0) / 2)  # 0.2 s over 8, not 2
+
+
+@pytest.mark.card(CARD, "a-lean-load-generator-streams-what-the-openai-client-streams", RED, GREEN)
+def test_lean_client_streams_what_the_openai_client_streams(bench_server, tiny_model_dir, tmp_path):
+    texts, kinds = {}, {}
+    for kind in ("openai", "lean"):
+        obs = tmp_path / f"{kind}.jsonl"
+        out = tmp_path / f"{kind}.json"
+        rc = harness.main(
+            ["online", "--base-url", bench_server.base_url, "--model-path",
+             str(tiny_model_dir("llama")), "--out", str(out), "--observations", str(obs),
+             "--client", kind, *SMALL]
+        )  # fmt: skip
+        assert rc == 0
+        data = json.loads(out.read_text())
+        kinds[kind] = data["client"].get("kind")
+        m = data["results"]["online"]["metrics"]
+        assert m["completed"] == 4 and m["errors"] == 0 and m["output_tokens"] == 20
+        assert 0 < m["ttft_ms"]["p50"] <= m["e2e_ms"]["p50"]
+        observations = read_jsonl(obs)
+        texts[kind] = [o.output_text for o in observations]
+        assert all(o.output_tokens == 5 and o.prompt_tokens > 0 for o in observations)
+    assert kinds == {"openai": "openai", "lean": "lean"}
+    assert texts["lean"] == texts["openai"] and all(texts["lean"])
+
+
+@pytest.mark.card(CARD, "a-lean-load-generator-streams-what-the-openai-client-streams", RED, GREEN)
+def test_the_lean_client_is_the_default():
+    args = harness.build_parser().parse_args(["online"])
+    assert args.client == "lean"

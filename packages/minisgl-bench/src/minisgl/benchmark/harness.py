@@ -471,6 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="server (launcher) pid: CPU %% of it and its children",
     )
     on.add_argument("--api-key", default="EMPTY")
+    on.add_argument("--client", default="openai", choices=["lean", "openai"], help="load generator")
     on.add_argument("--timeout", type=float, default=600.0)
     on.add_argument(
         "--ab",

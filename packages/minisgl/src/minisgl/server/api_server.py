@@ -52,6 +52,7 @@ from minisgl.tools import (
     parse_tool_calls,
 )
 from minisgl.tools.render import ChatRenderer
+from minisgl.utils import trace
 from minisgl.utils.log import get_logger
 
 logger = get_logger(__name__)
@@ -221,6 +222,7 @@ class Frontend:
                         continue
                     if st.t_first is None:
                         st.t_first = now
+                        trace.mark("api.first", uid, now)
                     st.t_last = now
                     st.prompt_tokens = ptoks
                     st.completion_tokens += count
@@ -331,6 +333,7 @@ class Frontend:
         try:
             for st, frame in zip(job.states, frames, strict=True):
                 self.to_tok[st.uid % len(self.to_tok)].send(frame)
+            trace.mark("api.sent", uids)
             yield job
         finally:
             for st in job.states:

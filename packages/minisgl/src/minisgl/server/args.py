@@ -38,6 +38,8 @@ class ServerArgs:
     tp_size: int = 1
     dp_size: int = 1
     dp_routing: str | None = None  # rust_service: prefix (default) | round_robin
+    http: str = "auto"
+    loop: str = "auto"
 
     @property
     def queue_limit(self) -> int:

@@ -33,6 +33,7 @@ from minisgl.message.schema import (
 )
 from minisgl.message.warmup import INFO_KEY
 from minisgl.server import ipc
+from minisgl.utils import trace
 
 if TYPE_CHECKING:  # the launcher imports this module: torch loads in the worker only
     from minisgl.runtime import Runtime
@@ -123,6 +124,7 @@ class EngineLoop:
         try:
             params = msg.params.to_sampling_params()
             self.rt.add(ids, params, rid=msg.uid, leader=msg.params.prefix_leader or None)
+            trace.mark("eng.add", msg.uid)
             self.admitted.append(msg.uid)
         except ContextLengthError as e:
             self.reject(msg.uid, str(e), 400, "context_length_exceeded", "prompt")
@@ -138,6 +140,7 @@ class EngineLoop:
     # ------------------------------------------------------------------ step
     def step(self) -> None:
         ipc.fault_step_delay()
+        t0 = time.perf_counter()
         try:
             batch = self.rt.step()
         except Exception as e:
@@ -151,6 +154,10 @@ class EngineLoop:
             self.reject(rid, err, 500, "internal_error")
         if not batch.outputs:
             return
+        if trace.enabled():
+            rids = [o.rid for o in batch.outputs]
+            trace.mark("eng.step", rids, t0)
+            trace.mark("eng.out", rids)
         n = len(self.to_tok)
         groups: list[list[int]] = [[] for _ in range(n)]
         for k, o in enumerate(batch.outputs):

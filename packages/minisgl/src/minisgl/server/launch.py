@@ -300,5 +300,10 @@ class Launcher:
         server.run(sockets=[self.sock])
 
 
+def uvicorn_stack(args: ServerArgs) -> tuple[str, str]:
+    """(event loop, HTTP protocol) the server runs."""
+    return ("auto", "auto")
+
+
 def main(argv: list[str] | None = None) -> int:
     return Launcher(parse_args(argv)).run()

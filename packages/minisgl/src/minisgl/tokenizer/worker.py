@@ -32,6 +32,7 @@ from minisgl.message.schema import (
 from minisgl.server import ipc
 from minisgl.server.replicas import replica_of
 from minisgl.tokenizer.detokenize import DecodeState, Detokenizer
+from minisgl.utils import trace
 
 # Tokenizer classes that are exactly their tokenizer.json: loaded through
 # PreTrainedTokenizerFast directly, skipping the (slow, torch-importing) AutoTokenizer path.
@@ -208,6 +209,8 @@ def run_tokenizer_worker(
                 continue
             msgs = [codec.decode(f) for f in frames]
             tok_reqs = [m for m in msgs if isinstance(m, TokenizeReq)]
+            if tok_reqs:
+                trace.mark("tok.recv", [r.uid for r in tok_reqs])
             aborts = {m.uid for m in msgs if isinstance(m, AbortReq)}
             outs = [m for m in msgs if isinstance(m, TokenOut)]
             if any(isinstance(m, Shutdown) for m in msgs):
@@ -225,6 +228,7 @@ def run_tokenizer_worker(
                 to_frontend_msgs.extend(rejects)
                 for a in adds:
                     to_engines[replica_of(a.uid, dp)].send(codec.encode(a))
+                trace.mark("tok.sent", [a.uid for a in adds])
             for uid in aborts:
                 worker.states.pop(uid, None)
                 worker.pending_lp.pop(uid, None)
@@ -235,6 +239,8 @@ def run_tokenizer_worker(
                     worker.pending_lp.pop(m.uid, None)
                     to_frontend_msgs.append(m)
             if outs:
+                for o in outs:
+                    trace.mark("tok.out", o.uids.tolist())
                 detok, finishes = worker.detokenize(outs)
                 for f in finishes:
                     to_engines[replica_of(f.uid, dp)].send(codec.encode(f))
@@ -242,6 +248,8 @@ def run_tokenizer_worker(
                     to_frontend_msgs.append(detok)
             for m in to_frontend_msgs:
                 to_frontend.send(codec.encode(m))
+            if outs and trace.enabled():
+                trace.mark("tok.detok", [u for o in outs for u in o.uids.tolist()])
     except ipc.WorkerExit:
         pass
     except Exception:
