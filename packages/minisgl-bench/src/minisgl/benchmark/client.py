@@ -80,11 +80,13 @@ def mark_client(metrics: dict[str, Any], label: str, threshold: float) -> Client
 
 
 def client_record(
-    loads: list[ClientLoad], threshold: float, refuse: bool, pids: list[int]
+    loads: list[ClientLoad], threshold: float, refuse: bool, pids: list[int], kind: str
 ) -> dict[str, Any]:
-    """The result JSON's `client`: the threshold, the most loaded run, the saturated runs."""
+    """The result JSON's `client`: which one (`--client`), the threshold, the most loaded run,
+    the saturated runs."""
     saturated = [ld.label for ld in loads if ld.saturated]
     return {
+        "kind": kind,
         "processes": 1,
         "pids": pids,
         "threshold": threshold,

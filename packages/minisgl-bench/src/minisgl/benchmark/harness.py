@@ -382,7 +382,7 @@ def run_online(args: argparse.Namespace) -> int:
     metrics = median_nested(reps)
     metrics["cpu"]["client_saturated"] = any(ld.saturated for ld in loads)  # not the first's
     refuse = args.refuse_saturated_client
-    record["client"] = bench_client.client_record(loads, threshold, refuse, pids)
+    record["client"] = bench_client.client_record(loads, threshold, refuse, pids, args.client)
     record["model"] = {"name": Path(last["model"]).name, "tokenizer": last["tokenizer"]}
     record["results"] = {
         "online": {
@@ -471,7 +471,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="server (launcher) pid: CPU %% of it and its children",
     )
     on.add_argument("--api-key", default="EMPTY")
-    on.add_argument("--client", default="openai", choices=["lean", "openai"], help="load generator")
+    on.add_argument(
+        "--client",
+        default="lean",
+        choices=["lean", "openai"],
+        help="load generator: lean (aiohttp, one json.loads a line, as SGLang's and vLLM's "
+        "serving benchmarks) or the openai SDK (a pydantic model a chunk)",
+    )
     on.add_argument("--timeout", type=float, default=600.0)
     on.add_argument(
         "--ab",

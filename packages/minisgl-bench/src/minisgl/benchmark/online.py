@@ -18,6 +18,7 @@ from minisgl.benchmark import common, observe
 from minisgl.benchmark.observations import Observation
 from minisgl.benchmark.offline import request_metrics
 from minisgl.benchmark.profiles import Profile, WorkItem, build_workload
+from minisgl.benchmark.sse import LeanClient
 
 KV_POLL_S = 0.2  # /metrics polling period for observations' KV pages (only with --observations)
 
@@ -69,6 +70,34 @@ def messages_for(item: WorkItem, profile: Profile, tok) -> list[dict[str, str]]:
     return msgs
 
 
+def request_body(model: str, item: WorkItem, messages) -> dict[str, Any]:
+    """The streamed chat request of `item` (both clients send this)."""
+    return {
+        "model": model,
+        "messages": messages,
+        "max_tokens": item.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+
+
+async def _stream_openai(client, body: dict[str, Any], t0: float, times, parts):
+    extra = {"ignore_eos": body["ignore_eos"]}
+    std = {k: v for k, v in body.items() if k != "ignore_eos"}
+    stream = await client.chat.completions.create(**std, extra_body=extra)
+    usage = None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices or []:
+            if choice.delta and choice.delta.content:
+                times.append(time.perf_counter() - t0)
+                parts.append(choice.delta.content)
+    return usage
+
+
 async def _one(client, model: str, item: WorkItem, messages, t0: float, sem, advance):
     async with sem:
         now = time.perf_counter() - t0
@@ -78,27 +107,26 @@ async def _one(client, model: str, item: WorkItem, messages, t0: float, sem, adv
         parts: list[str] = []
         usage = None
         error = None
+        body = request_body(model, item, messages)
         try:
-            stream = await client.chat.completions.create(
-                model=model,
-                messages=messages,
-                max_tokens=item.max_tokens,
-                temperature=0.0,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True},
-            )
-            async for chunk in stream:
-                if chunk.usage is not None:
-                    usage = chunk.usage
-                for choice in chunk.choices or []:
-                    if choice.delta and choice.delta.content:
-                        times.append(time.perf_counter() - t0)
-                        parts.append(choice.delta.content)
+            if isinstance(client, LeanClient):
+                usage = await client.chat(body, t0, times, parts)
+            else:
+                usage = await _stream_openai(client, body, t0, times, parts)
         except Exception as exc:
             error = repr(exc)
         advance(1)
         return times, usage, error, "".join(parts)
+
+
+def make_client(args):
+    """The load generator `args.client` names: `lean` (default) or the openai SDK."""
+    base = args.base_url.rstrip("/")
+    if getattr(args, "client", "lean") == "openai":
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(base_url=f"{base}/v1", api_key=args.api_key, timeout=args.timeout)
+    return LeanClient(base, args.api_key, args.timeout)
 
 
 @dataclass(frozen=True)
@@ -135,10 +163,8 @@ def prepare(args, profile: Profile) -> PreparedRun:
 async def _run(args, profile: Profile, prep: PreparedRun, prog, meter=None) -> dict[str, Any]:
     """Stream `prep`'s requests (after `profile.warmup_requests` unmeasured ones); `meter`: a
     CPU meter for the measured window (default: `CpuMeter` of --server-pid)."""
-    from openai import AsyncOpenAI
-
     base = args.base_url.rstrip("/")
-    client = AsyncOpenAI(base_url=f"{base}/v1", api_key=args.api_key, timeout=args.timeout)
+    client = make_client(args)
     model, items, msgs = prep.model, prep.items, prep.messages
     async with client:
         sem = asyncio.Semaphore(profile.concurrency or len(items))

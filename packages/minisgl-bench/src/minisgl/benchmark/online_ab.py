@@ -210,7 +210,7 @@ def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
     record["results"] = results
     all_loads = [ld for arm in arms for ld in loads[arm]]
     refuse = args.refuse_saturated_client
-    record["client"] = client_record(all_loads, threshold, refuse, pids)
+    record["client"] = client_record(all_loads, threshold, refuse, pids, args.client)
     if args.observations:
         record["observations"] = {
             arm: str(write_jsonl(arm_path(args.observations, arm), obs))

@@ -161,6 +161,7 @@ class Frontend:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.unhealthy: str | None = None
         self.serving = False
+        self.http_stack: dict[str, str] | None = None  # {"loop", "protocol"}: set by the launcher
         self.created = int(time.time())
         self._stop = threading.Event()
         self._pending: list = []  # messages received before the loop was attached
@@ -331,9 +332,9 @@ class Frontend:
         for st in job.states:
             self.reqs[st.uid] = st
         try:
+            trace.mark("api.sent", uids)  # before the send: the next stage may come first
             for st, frame in zip(job.states, frames, strict=True):
                 self.to_tok[st.uid % len(self.to_tok)].send(frame)
-            trace.mark("api.sent", uids)
             yield job
         finally:
             for st in job.states:
@@ -729,6 +730,7 @@ def create_app(fe: Frontend) -> FastAPI:
             "cpu_backend": fe.cpu_backend,
             "replicas": fe.replicas.view(),
             "warmup": None if fe.warmup is None else fe.warmup.info(),
+            "http": fe.http_stack,
         }
 
     @app.get("/v1/models")

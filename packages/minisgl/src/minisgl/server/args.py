@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from dataclasses import asdict, dataclass
 
 
@@ -184,6 +185,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="warning")
     p.add_argument(
+        "--http",
+        default="auto",
+        choices=["auto", "httptools", "h11"],
+        help="HTTP protocol implementation (uvicorn's): auto = httptools when installed",
+    )
+    p.add_argument(
+        "--loop",
+        default="auto",
+        choices=["auto", "uvloop", "asyncio"],
+        help="event loop of the API server: auto = uvloop when installed",
+    )
+    p.add_argument(
         "--sim-device",
         nargs="?",
         const="default",
@@ -227,6 +240,9 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         errors.append("--max-request-bytes must be >= 1")
     if not 0 <= args.port < 65536:
         errors.append("--port must be in [0, 65535]")
+    for flag, name in (("--http", args.http), ("--loop", args.loop)):
+        if name not in ("auto", "h11", "asyncio") and importlib.util.find_spec(name) is None:
+            errors.append(f"{flag} {name}: the {name} package is not installed")
     if args.sim_device is not None:
         from minisgl.config import SimDevice
 

@@ -18,6 +18,7 @@ remove the ipc dir.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import multiprocessing as mp
 import os
@@ -277,6 +278,8 @@ class Launcher:
         fe = self.frontend
 
         grace = self.args.shutdown_timeout
+        loop, http = uvicorn_stack(self.args)
+        fe.http_stack = {"loop": loop, "protocol": http}
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame) -> None:  # stop accepting at once
@@ -294,6 +297,8 @@ class Launcher:
             # uvicorn cancels what is left only after the requests got their 503 / SSE error
             timeout_graceful_shutdown=math.ceil(grace) + SHUTDOWN_REPLY_S,
             access_log=False,
+            loop=loop,
+            http=http,
         )
         server = self.server = Server(config)
         log(f"serving on http://{self.args.host}:{self.args.port}")
@@ -301,8 +306,15 @@ class Launcher:
 
 
 def uvicorn_stack(args: ServerArgs) -> tuple[str, str]:
-    """(event loop, HTTP protocol) the server runs."""
-    return ("auto", "auto")
+    """(event loop, HTTP protocol) the API server runs: `auto` takes uvloop / httptools when
+    installed (plain dependencies on Linux), else asyncio / h11."""
+
+    def pick(choice: str, fast: str, plain: str) -> str:
+        if choice != "auto":
+            return choice
+        return fast if importlib.util.find_spec(fast) is not None else plain
+
+    return pick(args.loop, "uvloop", "asyncio"), pick(args.http, "httptools", "h11")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -226,9 +226,9 @@ def run_tokenizer_worker(
                         for r in tok_reqs
                     ]
                 to_frontend_msgs.extend(rejects)
+                trace.mark("tok.sent", [a.uid for a in adds])
                 for a in adds:
                     to_engines[replica_of(a.uid, dp)].send(codec.encode(a))
-                trace.mark("tok.sent", [a.uid for a in adds])
             for uid in aborts:
                 worker.states.pop(uid, None)
                 worker.pending_lp.pop(uid, None)
@@ -239,17 +239,16 @@ def run_tokenizer_worker(
                     worker.pending_lp.pop(m.uid, None)
                     to_frontend_msgs.append(m)
             if outs:
-                for o in outs:
-                    trace.mark("tok.out", o.uids.tolist())
+                uids = [u for o in outs for u in o.uids.tolist()] if trace.enabled() else []
+                trace.mark("tok.out", uids)
                 detok, finishes = worker.detokenize(outs)
+                trace.mark("tok.detok", uids)
                 for f in finishes:
                     to_engines[replica_of(f.uid, dp)].send(codec.encode(f))
                 if detok is not None:
                     to_frontend_msgs.append(detok)
             for m in to_frontend_msgs:
                 to_frontend.send(codec.encode(m))
-            if outs and trace.enabled():
-                trace.mark("tok.detok", [u for o in outs for u in o.uids.tolist()])
     except ipc.WorkerExit:
         pass
     except Exception:

@@ -1,0 +1,76 @@
+"""The online benchmark's lean streaming client: aiohttp and one `json.loads` a `data:` line.
+
+What SGLang's `bench_serving` and vLLM's serving benchmark do, and a fraction of the openai
+SDK's CPU a chunk (which builds a pydantic model of every chunk): on a 2-core machine the load
+generator would otherwise be what a run measures. `--client openai` keeps the SDK path; both
+send the same body and read the same stream (tested).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+DATA = b"data: "
+DONE = b"[DONE]"
+
+
+@dataclass(frozen=True)
+class Usage:
+    """The stream's `usage` (stream_options.include_usage), as the openai SDK names it."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class LeanClient:
+    """`async with LeanClient(base_url, api_key, timeout) as c: await c.chat(...)`."""
+
+    def __init__(self, base_url: str, api_key: str, timeout: float) -> None:
+        self.url = base_url.rstrip("/") + "/v1/chat/completions"
+        self.headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+        self.timeout = timeout
+        self.session: Any = None
+
+    async def __aenter__(self) -> LeanClient:
+        import aiohttp
+
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.timeout),
+            connector=aiohttp.TCPConnector(limit=0),  # concurrency is the profile's semaphore
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.session.close()
+
+    async def chat(
+        self, body: dict[str, Any], t0: float, times: list[float], parts: list[str]
+    ) -> Usage | None:
+        """Stream one chat completion: every content chunk's arrival (seconds from `t0`) into
+        `times`, its text into `parts`; returns the usage. An HTTP error or an error event
+        raises `RuntimeError`."""
+        usage = None
+        async with self.session.post(self.url, data=json.dumps(body), headers=self.headers) as r:
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
+            async for line in r.content:
+                if not line.startswith(DATA):
+                    continue
+                payload = line[len(DATA) :].strip()
+                if payload == DONE:
+                    break
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    raise RuntimeError(f"error event: {chunk['error']}")
+                for choice in chunk.get("choices") or ():
+                    content = (choice.get("delta") or {}).get("content")
+                    if content:
+                        times.append(time.perf_counter() - t0)
+                        parts.append(content)
+                u = chunk.get("usage")
+                if u:
+                    usage = Usage(int(u["prompt_tokens"]), int(u["completion_tokens"]))
+        return usage
