@@ -76,3 +76,39 @@ class ServiceSteps:
         errors = res.errors if any(res.errors) else []
         lps = [wire_logprob(lp) for lp in res.logprobs] if any(res.logprobs) else []
         return StepResult(step.step, tokens, errors, lps)
+
+
+class ServicePipeline:
+    """Steps of a Rust service on a device stream (not yet: serial)."""
+
+    def __init__(self, steps: ServiceSteps, stream: object, depth: int = 2) -> None:
+        import os
+
+        self.steps = steps
+        self.stream = stream
+        self.depth = depth
+        self._done: list[StepResult] = []
+        self._r, self._w = os.pipe()
+
+    @property
+    def pending(self) -> int:
+        return len(self._done)
+
+    def fileno(self) -> int:
+        return self._r
+
+    def submit(self, step: Step) -> list[StepResult]:
+        self._done.append(self.steps.run(step))
+        return []
+
+    def ready(self) -> list[StepResult]:
+        return []
+
+    def wait_oldest(self) -> StepResult:
+        return self._done.pop(0)
+
+    def close(self) -> None:
+        import os
+
+        os.close(self._r)
+        os.close(self._w)
