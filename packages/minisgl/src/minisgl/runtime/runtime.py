@@ -28,7 +28,7 @@ from minisgl.runtime.device_step import DeviceStep
 from minisgl.runtime.local import LocalPlane
 from minisgl.runtime.loop import StepBatch, StepLoop, overlap_disabled, pipelined
 from minisgl.runtime.plane import ControlPlane
-from minisgl.runtime.service_steps import ServiceSteps
+from minisgl.runtime.service_steps import ServicePipeline, ServiceSteps
 from minisgl.sampler import request_key
 from minisgl.scheduler import cpu_backend
 from minisgl.scheduler.backend import SchedulerBackend, SchedulerConfig
@@ -205,6 +205,13 @@ class Runtime:
         """Run the steps of a Rust service (the server's GPU worker), whose stop tokens
         (`HelloAck`: the model's and the tokenizer's) `min_tokens` masks."""
         self.device.eos = frozenset(eos_token_ids)
+
+    def service_pipeline(self, depth: int = 2) -> ServicePipeline:
+        """The service's steps on this engine's device stream (a CUDA side stream, the
+        simulated device's thread; inline on a CPU), the next one submitted while the device
+        runs the last (the server's GPU worker)."""
+        stream = make_stream(None, self.device.device, getattr(self.engine, "simulated", False))
+        return ServicePipeline(self.steps, stream, depth)
 
     def execute(self, step: Step) -> StepResult:
         """Run a step a Rust service scheduled (the GPU worker's one job)."""

@@ -1,7 +1,9 @@
 """A Python GPU worker of the `rust_service` backend: it owns the model, the KV tensors and
 sampling, and nothing else. The Rust service schedules; each `Step` it sends runs through the
-`Runtime` (`Runtime.execute`: the same step code as the offline API on the service), and the
-sampled tokens go back in a `StepResult`. No scheduling logic and no PyO3 module here.
+`Runtime` (the same step code as the offline API on the service), and the sampled tokens go
+back in a `StepResult`. Steps go to the device as they arrive (`ServicePipeline`): the device
+runs step k+1 while this process sends step k's result, and a finished step wakes the loop
+through a pipe polled with the inbox. No scheduling logic and no PyO3 module here.
 """
 
 from __future__ import annotations
@@ -59,10 +61,25 @@ def run_gpu_worker(
         ctx.destroy(linger=0)
         raise SystemExit(1) from None
     to_service.send(codec.encode(WorkerHello(index, os.getpid(), info)))
+    pipe = runtime.service_pipeline()
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    poller.register(pipe.fileno(), zmq.POLLIN)
     acked = False
+
+    def send(results) -> None:
+        for result in results:
+            to_service.send(codec.encode(result))
+            if engine_lost(engine):  # a tensor-parallel rank died: no later step runs
+                ipc.worker_log(name, result.fatal or "engine lost")
+                time.sleep(0.2)  # the result reaches the service first
+                raise SystemExit(1)
+
     try:
         while alive():
-            for frame in ipc.drain(inbox, 100):
+            events = dict(poller.poll(100))
+            frames = ipc.drain(inbox, 0) if inbox in events else []
+            for frame in frames:
                 try:
                     msg = codec.decode(frame)
                 except (SchemaError, ValueError, TypeError) as e:
@@ -74,17 +91,15 @@ def run_gpu_worker(
                     runtime.serve_service(int(t) for t in msg.eos_token_ids)
                     acked = True
                 elif isinstance(msg, Step) and acked:
-                    result = run_step(runtime, msg)
-                    to_service.send(codec.encode(result))
-                    if engine_lost(engine):  # a tensor-parallel rank died: no later step runs
-                        ipc.worker_log(name, result.fatal or "engine lost")
-                        time.sleep(0.2)  # the result reaches the service first
-                        raise SystemExit(1)
+                    ipc.fault_step_delay()
+                    send(pipe.submit(msg))  # the steps it had to wait for
                 else:
                     ipc.worker_log(name, f"rejected an unexpected {type(msg).__name__}")
+            send(pipe.ready())
     except ipc.WorkerExit:
         pass
     finally:
+        pipe.close()
         runtime.close()
         ctx.destroy(linger=0)
 
