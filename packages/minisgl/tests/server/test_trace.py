@@ -5,6 +5,7 @@ token that add up to the server's time to first token."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import httpx
 import pytest
@@ -42,7 +43,7 @@ def traced(tiny_model_dir, tmp_path_factory):
 @pytest.mark.card(CARD, "request-timelines-break-the-time-to-first-token-down-by-stage", RED, GREEN)
 def test_every_request_passes_every_stage_in_order(traced):
     report = trace_report.summarize(traced)
-    assert report.requests == 3 + report.warmup_requests
+    assert report.requests == 3 and report.runs == 1
     assert report.stages == STAGES
     for uid, times in report.timelines.items():
         assert list(times) == STAGES, uid
@@ -68,3 +69,16 @@ def test_off_by_default_marks_nothing(monkeypatch, tmp_path):
     trace.mark("api.sent", [1, 2])
     trace.flush()
     assert not trace.enabled() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.card(CARD, "request-timelines-break-the-time-to-first-token-down-by-stage", GREEN)
+def test_servers_traced_into_one_folder_keep_their_uids_apart(tmp_path):
+    for run, base in ((100, 0.0), (200, 10.0)):  # two servers, both with uid 1
+        for pid, stages in ((run, STAGES[:1] + STAGES[-1:]), (run + 1, STAGES[1:-1])):
+            rows = [[s, 1, base + 0.001 * STAGES.index(s)] for s in stages]
+            (tmp_path / f"trace-{run}-{pid}.jsonl").write_text(
+                "".join(json.dumps(r) + "\n" for r in rows)
+            )
+    report = trace_report.summarize(tmp_path)
+    assert report.runs == 2 and report.requests == 2
+    assert report.gaps_ms["api.sent->api.first"] == pytest.approx([8.0, 8.0])

@@ -1,8 +1,8 @@
 """Where a streamed request's time to first token goes, from the server's trace files.
 
 A server started with `MINISGL_TRACE_DIR=<dir>` (`minisgl.utils.trace`) has every process mark
-the stages a request passes. `summarize(dir)` keeps, per request, the first time it passed each
-stage of `STAGES` (the first token's way), drops requests that missed one (aborted, rejected,
+the stages a request passes. `summarize(dir)` keeps, per request (a run's uid), the first time it passed
+each stage of `STAGES` (the first token's way), drops requests that missed one (aborted, rejected,
 the python backend only: the Rust service marks none) and returns the gaps between successive
 stages; they add up to the server's own time to first token (`api.sent -> api.first`).
 
@@ -37,9 +37,9 @@ TOTAL = f"{STAGES[0]}->{STAGES[-1]}"
 @dataclass(frozen=True)
 class TraceReport:
     stages: list[str]
-    timelines: dict[int, dict[str, float]]  # uid -> stage -> perf_counter seconds
+    timelines: dict[tuple[int, int], dict[str, float]]  # (run, uid) -> stage -> seconds
     gaps_ms: dict[str, list[float]]  # "a->b" (and TOTAL) -> one value a request, uid order
-    warmup_requests: int  # uids below 0: the server's own warm-up
+    runs: int  # servers (a launcher and its workers) traced into the folder
 
     @property
     def requests(self) -> int:
@@ -58,20 +58,23 @@ class TraceReport:
 
         return {
             "requests": self.requests,
+            "runs": self.runs,
             "stages": self.stages,
             "gaps_ms": {k: row(v) for k, v in self.gaps_ms.items() if v},
         }
 
 
-def read_rows(trace_dir: Path) -> dict[int, dict[str, float]]:
-    """uid -> stage -> the first time the uid passed it, over every process's file."""
-    first: dict[int, dict[str, float]] = {}
+def read_rows(trace_dir: Path) -> dict[tuple[int, int], dict[str, float]]:
+    """(run, uid) -> stage -> the first time the uid passed it, over every process's file
+    (`trace-<run>-<pid>.jsonl`: a run is one server, whose uids restart at 1)."""
+    first: dict[tuple[int, int], dict[str, float]] = {}
     for path in sorted(Path(trace_dir).glob("trace-*.jsonl")):
+        run = int(path.stem.split("-")[1])
         for line in path.read_text().splitlines():
             if not line.strip():
                 continue
             stage, uid, t = json.loads(line)
-            seen = first.setdefault(int(uid), {})
+            seen = first.setdefault((run, int(uid)), {})
             if stage not in seen or t < seen[stage]:
                 seen[stage] = float(t)
     return first
@@ -94,7 +97,7 @@ def summarize(trace_dir: Path, stages: list[str] = STAGES) -> TraceReport:
         stages=list(stages),
         timelines=timelines,
         gaps_ms=gaps,
-        warmup_requests=sum(1 for uid in timelines if uid < 0),
+        runs=len({run for run, _ in rows}),
     )
 
 

@@ -33,6 +33,7 @@ from minisgl.message.warmup import WarmUpReport
 from minisgl.server import ipc
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.replicas import replica_threads, worker_names
+from minisgl.utils import trace
 
 SHUTDOWN_REPLY_S = 2  # after --shutdown-timeout: time to write the 503s before uvicorn cancels
 WORKER_DEATH_GRACE_S = 5.0  # after a worker died: answer 503s this long, then exit 1
@@ -199,6 +200,7 @@ class Launcher:
     # ------------------------------------------------------------------ run
     def run(self) -> int:
         args = self.args
+        trace.start_run()  # before the workers start: they inherit the run's name
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         try:

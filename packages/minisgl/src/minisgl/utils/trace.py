@@ -2,7 +2,8 @@
 
 Each process appends `(stage, uid, t)` rows to a buffer, `t` being `time.perf_counter()`
 (CLOCK_MONOTONIC on Linux: one clock for every process of the machine), and writes them to
-`<dir>/trace-<pid>.jsonl` every `FLUSH_ROWS` rows and at exit. `minisgl.benchmark.trace` joins
+`<dir>/trace-<run>-<pid>.jsonl` every second and at exit (`run`: the launcher's pid, shared by
+its workers, so servers started one after another keep their uids apart). `minisgl.benchmark.trace` joins
 the files into per-request stage gaps (where the time to the first token goes). When the
 variable is unset, `mark` is one global test.
 """
@@ -18,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 ENV = "MINISGL_TRACE_DIR"
+RUN_ENV = "MINISGL_TRACE_RUN"  # one server's processes share it (uids restart with a server)
 FLUSH_ROWS = 4096
 
 _dir = os.environ.get(ENV) or None
@@ -47,6 +49,12 @@ def mark(stage: str, uids: Iterable[int] | int, t: float | None = None) -> None:
         flush()
 
 
+def start_run() -> None:
+    """Name this process's server run (the launcher, before it starts its workers)."""
+    if _dir is not None:
+        os.environ.setdefault(RUN_ENV, str(os.getpid()))
+
+
 def flush() -> None:
     global _flushed
     if _dir is None:
@@ -57,7 +65,8 @@ def flush() -> None:
         _rows.clear()
     if not rows:
         return
-    path = Path(_dir) / f"trace-{os.getpid()}.jsonl"
+    run = os.environ.get(RUN_ENV) or str(os.getpid())
+    path = Path(_dir) / f"trace-{run}-{os.getpid()}.jsonl"
     with open(path, "a") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
