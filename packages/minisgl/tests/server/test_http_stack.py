@@ -44,3 +44,13 @@ def test_flags_choose_the_stack():
 def test_health_names_the_stack(server):
     h = httpx.get(server.base_url + "/health", timeout=10).json()
     assert h.get("http") == {"loop": "uvloop", "protocol": "httptools"}
+
+
+def test_health_reports_the_http_warm_up(server):
+    """The first streamed response used to import anyio's asyncio backend and FastAPI's lazy
+    modules inside the first requests (70-290 ms stalls, `MINISGL_TRACE_DIR`)."""
+    h = httpx.get(server.base_url + "/health", timeout=10).json()
+    warm = h["http"].get("warmup")
+    assert warm is not None and warm["ms"] > 0
+    assert warm["steps"] == ["GET /health", "GET /v1/models", "POST /v1/chat/completions 400",
+                             "POST /v1/completions 400", "stream"]  # fmt: skip
