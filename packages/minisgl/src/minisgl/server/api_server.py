@@ -38,6 +38,7 @@ from minisgl.message.schema import (
 from minisgl.message.warmup import WarmUpReport
 from minisgl.server import ipc
 from minisgl.server.args import ServerArgs
+from minisgl.server.http_warmup import HttpWarmUp, warm_http
 from minisgl.server.metrics import Metrics
 from minisgl.server.openapi import request_bodies
 from minisgl.server.protocol import APIError, Parsed, parse_chat, parse_completion
@@ -162,6 +163,7 @@ class Frontend:
         self.unhealthy: str | None = None
         self.serving = False
         self.http_stack: dict[str, str] | None = None  # {"loop", "protocol"}: set by the launcher
+        self.http_warmup: HttpWarmUp | None = None
         self.created = int(time.time())
         self._stop = threading.Event()
         self._pending: list = []  # messages received before the loop was attached
@@ -694,6 +696,7 @@ def create_app(fe: Frontend) -> FastAPI:
     async def lifespan(app: FastAPI):
         fe.attach_loop(asyncio.get_running_loop())
         fe.serving = True
+        fe.http_warmup = await warm_http(app, fe.model_name)  # before the first real request
         yield
         fe.serving = False
         fe.fail_all("server is shutting down", 503)
@@ -730,7 +733,10 @@ def create_app(fe: Frontend) -> FastAPI:
             "cpu_backend": fe.cpu_backend,
             "replicas": fe.replicas.view(),
             "warmup": None if fe.warmup is None else fe.warmup.info(),
-            "http": fe.http_stack,
+            "http": {
+                **(fe.http_stack or {}),
+                "warmup": None if fe.http_warmup is None else fe.http_warmup.info(),
+            },
         }
 
     @app.get("/v1/models")
