@@ -68,13 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slowdown", type=float, default=0.2)
     p.add_argument("--policy", default="worklog/gates/release.cpu.yaml")
     p.add_argument("--out", required=True)
+    p.add_argument("--keep", metavar="DIR", help="keep every run's observations in DIR")
     args = p.parse_args(argv)
     model = default_model_path()
     flags = ["--sim-device", args.sim_device, "--max-seq-len-override", "448"]
     rows: list[dict] = []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
+        tmp = Path(args.keep or tmp_name)
+        tmp.mkdir(parents=True, exist_ok=True)
         with running_server(model, *flags, log_dir=tmp) as base:
             calib = observe(base.base_url, args, tmp / "calibration.jsonl")
             e2e = calib["e2e_ms"]["p50"]
