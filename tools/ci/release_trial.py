@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import io
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -110,22 +111,30 @@ def calibrate(
     e2e_ms: float,
     per_request: float,
 ) -> tuple[float, list[dict[str, float]]]:
-    """A step delay whose slowdown of the median e2e is within 4% of `--slowdown`: interleaved
-    runs of the baseline and a slow server, up to 4 delays."""
+    """A step delay whose slowdown of the median e2e is within 4% of `--slowdown`: 4
+    interleaved runs a side of the baseline and a slow server per delay tried, the next delay
+    from a least-squares slope through every delay tried (slowdown ~ delay), within half to
+    twice the last; after 4 tries the slow server runs at the fitted delay."""
     delay_ms = args.slowdown * e2e_ms / per_request  # a first guess: every step slower
-    tried = []
+    tried: list[dict[str, float]] = []
     for attempt in range(4):
         slow_url = start_slow(delay_ms)
         sides: dict[str, list[Observation]] = {"base": [], "slow": []}
-        for side, r in schedule(2, ("base", "slow"), False):
+        for side, r in schedule(4, ("base", "slow"), False):
             sides[side] += run(base_url if side == "base" else slow_url, r)
         ratio = e2e_median_ratio(sides["base"], sides["slow"])
         tried.append({"step_delay_ms": round(delay_ms, 4), "e2e_p50_ratio": round(ratio, 4)})
         print(f"calibration {attempt}: delay {delay_ms:.3f} ms -> e2e p50 {ratio:.3f}x",
               flush=True)  # fmt: skip
-        if abs(ratio - 1 - args.slowdown) <= 0.04 or attempt == 3:
-            break
-        delay_ms *= args.slowdown / max(ratio - 1, 0.02)
+        if abs(ratio - 1 - args.slowdown) <= 0.04:
+            return delay_ms, tried
+        slope = sum(t["step_delay_ms"] * (t["e2e_p50_ratio"] - 1) for t in tried) / sum(
+            t["step_delay_ms"] ** 2 for t in tried
+        )
+        fitted = args.slowdown / slope if slope > 0 else 2 * delay_ms
+        delay_ms = min(max(fitted, delay_ms / 2), 2 * delay_ms)
+    start_slow(delay_ms)
+    tried.append({"step_delay_ms": round(delay_ms, 4), "fitted": 1.0})
     return delay_ms, tried
 
 
@@ -143,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--keep", metavar="DIR", help="keep every run's observations in DIR")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on a kill
     profile = get_profile(args.profile, parse_sets(args.set))
     model = default_model_path()
     flags = ["--sim-device", args.sim_device, "--max-seq-len-override", "448"]

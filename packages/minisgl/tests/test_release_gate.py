@@ -665,9 +665,12 @@ def test_a_slow_first_repeat_on_both_sides_is_not_noise():
     assert slower.count("hold") >= 9, slower
 
 
-def test_a_20pc_slowdown_holds_with_8_requests_a_run():
-    """With 8 requests a run the q0.95 of a run is about its slowest request; the gate pools
-    every run's requests (and judges the median too), so 3 runs of 8 still tell 20%."""
+def test_8_requests_a_run_never_hold_identical_builds_nor_promote_a_20pc_slowdown():
+    """With 8 requests a run the q0.95 of a run is about its slowest request: the old judgement
+    held identical builds here (seed 7). 3 runs of 8 (15% per request, 5% per run) carry too
+    little to hold a 20% slowdown 9 times in 10 (an ideal test of the 6 latency signals' family
+    at 95% has about 75% power here: 6 of 10 hold); the gate never promotes it, and
+    'insufficient' names the repeats that would tell."""
     same = [
         evaluate(noisy(2 * s, n=8), noisy(2 * s + 1, n=8), POLICY, "request_id").decision
         for s in range(10)
@@ -677,7 +680,7 @@ def test_a_20pc_slowdown_holds_with_8_requests_a_run():
         for s in range(10)
     ]  # fmt: skip
     assert same.count("promote") >= 9 and "hold" not in same, same
-    assert slower.count("hold") >= 9, slower
+    assert "promote" not in slower and slower.count("hold") >= 6, slower
 
 
 def test_runs_are_paired_by_repeat():
