@@ -138,6 +138,17 @@ def calibrate(
     return delay_ms, tried
 
 
+def _public(argv: list[str]) -> list[str]:
+    """argv without --keep DIR (a local path)."""
+    out, skip = [], False
+    for a in argv:
+        if skip or a == "--keep" or a.startswith("--keep="):
+            skip = a == "--keep"
+            continue
+        out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python tools/ci/release_trial.py")
     p.add_argument("--pairs", type=int, default=10)
@@ -206,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "schema_version": common.SCHEMA_VERSION,
         "tool": "release_trial",
-        "argv": sys.argv[1:] if argv is None else argv,
+        "argv": _public(sys.argv[1:] if argv is None else argv),
         "git": common.git_commit(),
         "machine": common.machine_info(),
         "settings": {

@@ -41,7 +41,7 @@ from typing import Any, Literal
 from minisgl.benchmark.common import quantile
 from minisgl.benchmark.observations import Observation
 from minisgl.benchmark.release_policy import Policy, Thresholds
-from minisgl.benchmark.release_stats import RatioInterval, by_run, cluster_intervals
+from minisgl.benchmark.release_stats import RatioInterval, by_run, run_intervals
 
 Decision = Literal["promote", "hold", "rollback", "mismatch", "insufficient"]
 MISMATCH_FRACTION = 0.5  # shared requests whose workloads differ, above which the runs differ
@@ -260,7 +260,7 @@ def _latency_signals(
     # family-wise: the segment's latency signals share the error budget (Bonferroni)
     family = len(qs) * sum(1 for m, _ in LATENCY if getattr(th, f"{m}_max_ratio") is not None)
     confidence = 1.0 - (1.0 - th.latency_confidence) / max(family, 1)
-    intervals = cluster_intervals(b_runs, c_runs, qs, confidence)
+    intervals = run_intervals(b_runs, c_runs, qs, confidence)
     out = []
     for qq in qs:
         iv = intervals.get(qq)
