@@ -1,8 +1,9 @@
 """The release gate on real runs (issue 41): `--pairs` decisions between two runs of one build
 (both sides against one server: they should promote) and as many against a build whose
-requests take 20% longer end to end (a second server whose engine sleeps before every step,
-`MINISGL_FAULT_STEP_DELAY_MS`, calibrated until the median e2e is within 4% of `--slowdown`
-above the baseline's: they should hold).
+requests take 20% longer end to end (a second server whose engine spins on the CPU before every
+step, `MINISGL_FAULT_STEP_CPU_MS`, or sleeps, `MINISGL_FAULT_STEP_DELAY_MS` with `--fault sleep`,
+calibrated until the median e2e is within 4% of `--slowdown` above the baseline's: they should
+hold).
 
 Each decision has `--repeats` runs a side of `--profile` on the simulated device, interleaved
 the way the harness's `--ab` runs are: in repeat r the three sides (baseline, identical,
@@ -50,6 +51,7 @@ DECISIONS = {
     5: "insufficient",
 }
 SIDES = ("base", "same", "slow")
+FAULTS = {"cpu": "MINISGL_FAULT_STEP_CPU_MS", "sleep": "MINISGL_FAULT_STEP_DELAY_MS"}
 
 
 class Runner:
@@ -158,6 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sim-device", default="0.5,0.002")
     p.add_argument("--slowdown", type=float, default=0.2)
     p.add_argument("--step-delay-ms", type=float, help="skip the calibration: this delay")
+    p.add_argument(
+        "--fault",
+        choices=sorted(FAULTS),
+        default="cpu",
+        help="the slower build: CPU time spun before every step (cpu, default: a real "
+        "regression's cost, which a loaded machine does not hide) or a sleep (sleep)",
+    )
     p.add_argument("--sequential", action="store_true", help="each side's repeats in a row")
     p.add_argument("--policy", default="worklog/gates/release.cpu.yaml")
     p.add_argument("--out", required=True)
@@ -182,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def start_slow(delay_ms: float) -> str:
             slow_stack.close()
-            env = {"MINISGL_FAULT_STEP_DELAY_MS": f"{delay_ms:.4f}"}
+            env = {FAULTS[args.fault]: f"{delay_ms:.4f}"}
             server = slow_stack.enter_context(running_server(model, *flags, log_dir=tmp, env=env))
             slow_urls.append(server.base_url)
             return server.base_url
