@@ -6,8 +6,8 @@ calibrated until the median e2e is within 4% of `--slowdown` above the baseline'
 hold).
 
 Each decision has `--repeats` runs a side of `--profile` on the simulated device, interleaved
-the way the harness's `--ab` runs are: in repeat r the three sides (baseline, identical,
-slower) run one after another, in ABBA order across repeats, all through one benchmark client
+the way the harness's `--ab` runs are: in repeat r the three sides (baseline, slower,
+identical) run one after another, in ABBA order across repeats, all through one benchmark client
 process (`benchmark/client.py`), so repeat r of every side sees the same machine (the gate
 pairs runs by repeat: `release_stats.py`). The calibration interleaves the same way.
 `--sequential` runs each side's repeats back to back instead (what the first trial did, one
@@ -50,7 +50,10 @@ DECISIONS = {
     4: "mismatch",
     5: "insufficient",
 }
-SIDES = ("base", "same", "slow")
+# run order in a repeat (ABBA across repeats): the two runs of the baseline's server never
+# follow each other within a repeat (a run right after another on the same server was slower:
+# identical builds at 1.09-1.14x with base, same, slow)
+SIDES = ("base", "slow", "same")
 FAULTS = {"cpu": "MINISGL_FAULT_STEP_CPU_MS", "sleep": "MINISGL_FAULT_STEP_DELAY_MS"}
 
 
