@@ -19,10 +19,11 @@ Signals and what a failure means:
 - latency (hold / insufficient): the `latency.quantile` of e2e, TTFT, TPOT (decode time per
   token after the first, per request) and inter-token latency (every gap of every request
   pooled; online a gap is between stream chunks, so backends that group tokens differently
-  differ here), candidate / baseline. With `latency.min_repeats` runs on each side the ratio
-  is of the per-run quantiles' means, judged on a bootstrap lower bound (`release_stats.py`):
-  hold only when the slowdown is real at `latency.confidence`, `insufficient` when the runs
-  cannot tell it from noise (with the repeats that would); with fewer runs, one point ratio;
+  differ here), candidate / baseline. With `latency.min_repeats` runs on each side the
+  quantile and the median (`*_q0.5`) are judged over runs: the geometric mean of the runs'
+  ratios, paired by repeat, with a Student-t lower bound (`release_stats.py`): hold only when
+  the slowdown is real at `latency.confidence`, `insufficient` when the runs cannot tell it
+  from noise (with the repeats that would); with fewer runs, the quantile's point ratio;
 - kv_pressure (hold): peak and p95 of `kv_pages_in_use`, candidate / baseline;
 - workload (mismatch): more than half of the requests on both sides carry different workload
   fingerprints of the same kind (`workload:` prompt ids and output length for the harness's
