@@ -787,3 +787,18 @@ def test_real_sglang_bench_serving_files_through_the_adapter(tool_backend, tmp_p
         decisions[name] = (rc, json.loads(report.read_text())["decision"])
     assert decisions["same"][1] in ("promote", "insufficient"), decisions
     assert decisions["slow"] == (1, "hold"), decisions
+
+
+def test_a_median_without_runs_to_judge_is_its_own_point_ratio():
+    """Real sglang.bench_serving runs under load: most streams came in one chunk (TPOT 0), so a
+    run's median TPOT is 0 and no ratio over runs exists; the signal is then the pooled median's
+    point ratio, not the q0.95's under the median's name."""
+
+    def side(backend: str) -> list[Observation]:
+        return [obs(i, repeat=r, backend=backend, ttft_s=0.010,
+                    e2e_s=0.010 if i < 6 else 0.010 + 0.001 * i, itl_s=())
+                for r in range(3) for i in range(N)]  # fmt: skip
+
+    ev = evaluate(side("python"), side("rust_service"), POLICY, "request_id")
+    med = next(s for s in ev.signals if s.name == "tpot_q0.5")
+    assert med.baseline == pytest.approx(0.0) and "point ratio" in med.detail, med
