@@ -265,8 +265,12 @@ def _latency_signals(
     out = []
     for qq in qs:
         iv = intervals.get(qq)
-        if iv is None:
-            out.append(replace(point, name=f"{metric}_q{qq:g}"))
+        if iv is None:  # a run's quantile is 0 on a side (TPOT of one-chunk streams)
+            p = _ratio_signal(f"{metric}_q{qq:g}", "latency", name,
+                              quantile(_values(base, get), qq), quantile(_values(cand, get), qq),
+                              max_ratio, slack, True, "s")  # fmt: skip
+            out.append(replace(p, detail=p.detail + "; a run's value is 0 on a side: one point "
+                                                    "ratio, noise not separated"))  # fmt: skip
             continue
         out.append(_interval_signal(f"{metric}_q{qq:g}", name, iv, max_ratio, slack))
     return out
