@@ -765,28 +765,39 @@ def test_student_t_quantiles():
 PEER = REPO / "worklog" / "release" / "peer"
 
 
-@pytest.mark.parametrize("tool_backend", ["sglang-oai", "vllm"])
-def test_real_sglang_bench_serving_files_through_the_adapter(tool_backend, tmp_path):
+@pytest.mark.parametrize(
+    ("tool_backend", "slow", "slow_decision"),
+    [
+        # a server sleeping 1 ms before every step, under load 8-16 from other work: not
+        # slower (0.64-0.71x: the sleep hides in the wait for a core), and the gate says so
+        ("sglang-oai", "slow-sleep", "promote"),
+        # a server spinning 2 ms of CPU before every step: slower, held
+        ("vllm", "slow-cpu", "hold"),
+    ],
+)
+def test_real_sglang_bench_serving_files_through_the_adapter(
+    tool_backend, slow, slow_decision, tmp_path
+):
     """`python -m sglang.bench_serving` (sglang 0.5.3, unmodified; commands in
     docs/release_gate.md) against `python -m minisgl` on the simulated device: 4 runs (lines) a
-    side, ABBA order; `same` is a second series against the baseline's server, `slow` a server
-    that sleeps 1 ms before every step."""
-    base, same, slow = (PEER / f"sglang-bench-serving-{tool_backend}-{s}.jsonl"
-                        for s in ("base", "same", "slow"))  # fmt: skip
+    side in ABBA order; `same` is a second series against the baseline's server."""
+    base, same, slower = (PEER / f"sglang-bench-serving-{tool_backend}-{s}.jsonl"
+                          for s in ("base", "same", slow))  # fmt: skip
     assert detect_format(base) == "sglang"
     out = load_sglang(base, device="sim:cpu")
     assert {o.repeat for o in out} == {0, 1, 2, 3} and len(out) == 4 * 32
     assert all(o.ok and o.output_text and o.e2e_s and o.ttft_s is not None for o in out)
     assert {o.backend for o in out} == {"sglang"}
     decisions = {}
-    for name, cand_path in (("same", same), ("slow", slow)):
+    for name, cand_path in (("same", same), ("slow", slower)):
         report = tmp_path / f"{name}.json"
-        rc = release_gate.main(["--baseline", str(base), "--candidate", str(cand_path),
-                                "--policy", str(REPO / "worklog/gates/release.cpu.yaml"),
-                                "--out", str(report)])  # fmt: skip
-        decisions[name] = (rc, json.loads(report.read_text())["decision"])
-    assert decisions["same"][1] in ("promote", "insufficient"), decisions
-    assert decisions["slow"] == (1, "hold"), decisions
+        release_gate.main(["--baseline", str(base), "--candidate", str(cand_path),
+                           "--policy", str(REPO / "worklog/gates/release.cpu.yaml"),
+                           "--out", str(report)])  # fmt: skip
+        data = json.loads(report.read_text())
+        assert data["counts"]["matched"] == 32 and data["join"] == "index", data["counts"]
+        decisions[name] = data["decision"]
+    assert decisions == {"same": "promote", "slow": slow_decision}, decisions
 
 
 def test_a_median_without_runs_to_judge_is_its_own_point_ratio():
