@@ -597,11 +597,19 @@ def test_identical_builds_under_noise_promote():
 
 
 def test_a_real_20pc_slowdown_holds_under_noise():
+    """6 runs a side hold it; 3 cannot bound it at the family's confidence (Student's t with 2
+    degrees of freedom is 7.6 standard errors at 99.4%): 'insufficient', never promote."""
     decisions = [
-        evaluate(noisy(2 * s), noisy(2 * s + 1, slowdown=1.2), POLICY, "request_id").decision
+        evaluate(noisy(2 * s, repeats=6), noisy(2 * s + 1, slowdown=1.2, repeats=6), POLICY,
+                 "request_id").decision
         for s in range(10)
     ]  # fmt: skip
     assert decisions.count("hold") >= 9, decisions
+    three = [
+        evaluate(noisy(2 * s), noisy(2 * s + 1, slowdown=1.2), POLICY, "request_id").decision
+        for s in range(10)
+    ]  # fmt: skip
+    assert set(three) <= {"hold", "insufficient"}, three
 
 
 def test_too_noisy_to_tell_is_its_own_outcome_with_the_repeats_needed():
@@ -624,3 +632,186 @@ def test_a_flipped_token_rolls_back_whatever_the_repeats():
     c = noisy(1)
     c[5] = dataclasses.replace(c[5], output_token_ids=(2, 3, 9, 9))
     assert evaluate(noisy(0), c, POLICY, "request_id").decision == "rollback"
+
+
+def closed_loop(
+    seed: int, slowdown: float = 1.0, repeats: int = 3, n: int = 64, first: float = 1.4
+) -> list[Observation]:
+    """Runs shaped like the real trial's (`worklog/release/release-trial-*.json`): 8 requests in
+    flight, so request i waits for i // 8 waves before its own (its latency is set by its place
+    in the workload); the first repeat of a harness run is `first` times slower than the others
+    (the client's warm-up: 1.3-1.6x on the AMD EPYC box); 5% run-to-run drift, 15% per request.
+    The same outputs; fixed seeds."""
+    import random
+
+    rng = random.Random(seed)
+    backend = "python" if seed % 2 == 0 else "rust_service"
+    out = []
+    for r in range(repeats):
+        run_f = slowdown * (first if r == 0 else 1.0) * rng.lognormvariate(0.0, 0.05)
+        for i in range(n):
+            f = run_f * rng.lognormvariate(0.0, 0.15)
+            wait = 0.016 * (i // 8) * run_f
+            out.append(obs(i, repeat=r, backend=backend, ttft_s=wait + 0.004 * f,
+                           e2e_s=wait + 0.016 * f, itl_s=(0.004 * f,) * 3))  # fmt: skip
+    return out
+
+
+def test_a_slow_first_repeat_on_both_sides_is_not_noise():
+    """Issue 41 on real runs: the first repeat of every harness run is slower on both sides;
+    judged run against run in repeat order (paired), that shared effect cancels, and a 20%
+    slowdown holds (6 runs a side) where the unpaired runs' spread left it 'insufficient'."""
+    same = [
+        evaluate(closed_loop(2 * s, repeats=6), closed_loop(2 * s + 1, repeats=6), POLICY,
+                 "request_id").decision
+        for s in range(10)
+    ]  # fmt: skip
+    slower = [
+        evaluate(closed_loop(2 * s, repeats=6), closed_loop(2 * s + 1, 1.2, repeats=6), POLICY,
+                 "request_id").decision
+        for s in range(10)
+    ]  # fmt: skip
+    assert same.count("promote") >= 9 and "hold" not in same, same
+    assert slower.count("hold") >= 9, slower
+
+
+def test_8_requests_a_run_never_hold_identical_builds_and_8_runs_hold_a_20pc_slowdown():
+    """With 8 requests a run the q0.95 of a run is about its slowest request: the old judgement
+    held identical builds here (seed 7). 8 runs of 8 hold a 20% slowdown; 3 runs of 8 cannot
+    tell it (15% per request, 5% per run) and say so: never promote."""
+    same = [
+        evaluate(noisy(2 * s, n=8), noisy(2 * s + 1, n=8), POLICY, "request_id").decision
+        for s in range(10)
+    ]  # fmt: skip
+    assert same.count("promote") >= 9 and "hold" not in same, same
+    slower = [
+        evaluate(noisy(2 * s, repeats=8, n=8), noisy(2 * s + 1, 1.2, repeats=8, n=8), POLICY,
+                 "request_id").decision
+        for s in range(10)
+    ]  # fmt: skip
+    assert slower.count("hold") >= 9, slower
+    three = [
+        evaluate(noisy(2 * s, n=8), noisy(2 * s + 1, 1.2, n=8), POLICY, "request_id").decision
+        for s in range(10)
+    ]  # fmt: skip
+    assert "promote" not in three, three
+
+
+def test_runs_are_paired_by_repeat():
+    """The candidate exactly 1.2x the baseline in every run, the runs themselves 2x apart:
+    paired by repeat the slowdown is certain; the same runs in another order are not pairs
+    (their repeat numbers differ) and cannot tell it from the runs' spread."""
+    factors = (1.0, 1.5, 0.7)
+
+    def side(scale: float, repeats: tuple[int, ...], backend: str) -> list[Observation]:
+        return [obs(i, repeat=r, backend=backend, e2e_s=0.016 * f * scale * (1 + i / N),
+                    ttft_s=0.004 * f * scale, itl_s=(0.004 * f * scale,) * 3)
+                for r, f in zip(repeats, factors, strict=True) for i in range(N)]  # fmt: skip
+
+    base = side(1.0, (0, 1, 2), "python")
+    ev = evaluate(base, side(1.2, (0, 1, 2), "rust_service"), POLICY, "request_id")
+    sig = next(s for s in ev.signals if s.name == "e2e_q0.95")
+    assert ev.decision == "hold" and sig.on_fail == "hold" and not sig.ok, sig.detail
+    assert "paired" in sig.detail
+    ev = evaluate(base, side(1.2, (3, 4, 5), "rust_service"), POLICY, "request_id")
+    assert ev.decision == "insufficient", failed(ev)
+
+
+def test_the_median_is_judged_over_runs_too():
+    """A build whose typical request is 30% slower while its slowest are not: the q0.95 alone
+    misses it; with repeats the median (q0.5) pooled over runs is a signal of its own."""
+
+    def side(scale: float, backend: str) -> list[Observation]:
+        return [obs(i, repeat=r, backend=backend,
+                    e2e_s=(0.050 if i >= N - 2 else 0.016 * scale) * (1 + 0.01 * r),
+                    ttft_s=0.004, itl_s=(0.004,) * 3)
+                for r in range(3) for i in range(N)]  # fmt: skip
+
+    ev = evaluate(side(1.0, "python"), side(1.3, "rust_service"), POLICY, "request_id")
+    assert "e2e_q0.5" in failed(ev) and "e2e_q0.95" not in failed(ev), failed(ev)
+    assert ev.decision == "hold"
+    same = evaluate(side(1.0, "python"), side(1.0, "rust_service"), POLICY, "request_id")
+    assert same.decision == "promote", failed(same)
+
+
+def test_three_runs_above_one_by_chance_are_not_a_hold():
+    """Real pair 2 of worklog/release/release-trial-cpu-seed-online-64-abba-bootstrap.json: one
+    build against itself, 3 interleaved runs a side, every run of the second side slower by
+    chance (1.15x, 1.02x, 1.5x). The bootstrap held it; Student's t says it cannot tell."""
+
+    def side(medians: tuple[float, ...], backend: str) -> list[Observation]:
+        return [obs(i, repeat=r, backend=backend, e2e_s=m * (0.5 + i / N), ttft_s=0.004,
+                    itl_s=(0.004,) * 3)
+                for r, m in enumerate(medians) for i in range(N)]  # fmt: skip
+
+    ev = evaluate(side((0.55, 0.63, 0.73), "python"), side((0.63, 0.64, 1.10), "rust_service"),
+                  POLICY, "request_id")  # fmt: skip
+    sig = next(s for s in ev.signals if s.name == "e2e_q0.5")
+    assert sig.value == pytest.approx((0.63 / 0.55 * 0.64 / 0.63 * 1.10 / 0.73) ** (1 / 3))
+    assert ev.decision == "insufficient" and sig.on_fail == "insufficient", sig.detail
+
+
+def test_student_t_quantiles():
+    from minisgl.benchmark.release_stats import t_quantile
+
+    for p, df, table in ((0.975, 1, 12.706), (0.975, 2, 4.303), (0.99, 5, 3.365),
+                         (0.995, 7, 3.499), (0.975, 30, 2.042)):  # fmt: skip
+        assert t_quantile(p, df) == pytest.approx(table, abs=2e-3)
+    with pytest.raises(ValueError):
+        t_quantile(0.3, 2)
+
+
+# --------------------------------------------------------------------------- peer benchmarks
+PEER = REPO / "worklog" / "release" / "peer"
+
+
+@pytest.mark.parametrize(
+    ("tool_backend", "slow", "slow_decision"),
+    [
+        # a server sleeping 1 ms before every step, under load 8-16 from other work: not
+        # slower (0.64-0.71x: the sleep hides in the wait for a core), and the gate says so
+        ("sglang-oai", "slow-sleep", "promote"),
+        # a server spinning 2 ms of CPU before every step: 2.9x slower, but the 4 runs a side
+        # (a bench process each, about a minute apart under load 6-10) vary 1.15x-9.4x pair by
+        # pair: 'insufficient' (exit 5; about 8 runs a side would tell), never promote
+        ("vllm", "slow-cpu", "insufficient"),
+    ],
+)
+def test_real_sglang_bench_serving_files_through_the_adapter(
+    tool_backend, slow, slow_decision, tmp_path
+):
+    """`python -m sglang.bench_serving` (sglang 0.5.3, unmodified; commands in
+    docs/release_gate.md) against `python -m minisgl` on the simulated device: 4 runs (lines) a
+    side in ABBA order; `same` is a second series against the baseline's server."""
+    base, same, slower = (PEER / f"sglang-bench-serving-{tool_backend}-{s}.jsonl"
+                          for s in ("base", "same", slow))  # fmt: skip
+    assert detect_format(base) == "sglang"
+    out = load_sglang(base, device="sim:cpu")
+    assert {o.repeat for o in out} == {0, 1, 2, 3} and len(out) == 4 * 32
+    assert all(o.ok and o.output_text and o.e2e_s and o.ttft_s is not None for o in out)
+    assert {o.backend for o in out} == {"sglang"}
+    decisions = {}
+    for name, cand_path in (("same", same), ("slow", slower)):
+        report = tmp_path / f"{name}.json"
+        release_gate.main(["--baseline", str(base), "--candidate", str(cand_path),
+                           "--policy", str(REPO / "worklog/gates/release.cpu.yaml"),
+                           "--out", str(report)])  # fmt: skip
+        data = json.loads(report.read_text())
+        assert data["counts"]["matched"] == 32 and data["join"] == "index", data["counts"]
+        decisions[name] = data["decision"]
+    assert decisions == {"same": "promote", "slow": slow_decision}, decisions
+
+
+def test_a_median_without_runs_to_judge_is_its_own_point_ratio():
+    """Real sglang.bench_serving runs under load: most streams came in one chunk (TPOT 0), so a
+    run's median TPOT is 0 and no ratio over runs exists; the signal is then the pooled median's
+    point ratio, not the q0.95's under the median's name."""
+
+    def side(backend: str) -> list[Observation]:
+        return [obs(i, repeat=r, backend=backend, ttft_s=0.010,
+                    e2e_s=0.010 if i < 6 else 0.010 + 0.001 * i, itl_s=())
+                for r in range(3) for i in range(N)]  # fmt: skip
+
+    ev = evaluate(side("python"), side("rust_service"), POLICY, "request_id")
+    med = next(s for s in ev.signals if s.name == "tpot_q0.5")
+    assert med.baseline == pytest.approx(0.0) and "point ratio" in med.detail, med

@@ -24,3 +24,18 @@ def test_stale_ipc_dirs_of_dead_launchers_are_removed(tmp_path):
     new = ipc.make_ipc_dir(str(tmp_path))
     assert not stale.exists() and live.exists() and other.exists()
     assert (tmp_path / os.path.basename(new) / ipc.PID_FILE).read_text() == str(os.getpid())
+
+
+def test_fault_step_cpu_burns_cpu_time_not_wall_time(monkeypatch):
+    """`MINISGL_FAULT_STEP_CPU_MS`: a slower build whose extra cost is CPU work, as a real
+    control-plane regression is (the release trial's slower build, issue 41): on a loaded
+    machine a sleep hides in the wait for a core, a spin does not."""
+    import time
+
+    from minisgl.server import ipc
+
+    monkeypatch.setattr(ipc, "FAULT_STEP_DELAY_S", 0.0)
+    monkeypatch.setattr(ipc, "FAULT_STEP_CPU_S", 0.02, raising=False)
+    t0 = time.thread_time()
+    ipc.fault_step_delay()
+    assert time.thread_time() - t0 >= 0.02

@@ -18,9 +18,10 @@ Format (YAML, `worklog/gates/release.cpu.yaml` documents every key with the CPU 
       max_error_rate_delta: 0.0   # candidate error rate - baseline's above it: rollback
     latency:
       quantile: 0.95              # the quantile compared (0 < q <= 1)
-      min_repeats: 3              # with this many runs on each side: judged on a bootstrap
-      confidence: 0.95            #   interval of the ratio (release_stats.py); fewer: one
-                                  #   point ratio (noise not separated from regression)
+      min_repeats: 3              # with this many runs on each side: the quantile and the
+      confidence: 0.95            #   median judged over runs paired by repeat, Student-t lower
+                                  #   bound (release_stats.py); fewer: one point ratio (noise
+                                  #   not separated from regression)
       e2e:  {max_ratio: 1.10, slack_s: 0.0}   # candidate / baseline above max_ratio AND
       ttft: {max_ratio: 1.10, slack_s: 0.0}   #   candidate - baseline above slack_s: hold;
       tpot: {max_ratio: 1.10, slack_s: 0.0}   #   max_ratio null: not checked. tpot: decode
@@ -66,7 +67,7 @@ class Thresholds:
     match_any_baseline_repeat: bool = True
     max_error_rate_delta: float = 0.0
     latency_quantile: float = 0.95
-    latency_min_repeats: int = 3  # per side, for the bootstrap judgement (else one point ratio)
+    latency_min_repeats: int = 3  # per side, for the judgement over runs (else one point ratio)
     latency_confidence: float = 0.95
     e2e_max_ratio: float | None = 1.10
     e2e_slack_s: float = 0.0

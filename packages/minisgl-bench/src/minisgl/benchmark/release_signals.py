@@ -19,10 +19,11 @@ Signals and what a failure means:
 - latency (hold / insufficient): the `latency.quantile` of e2e, TTFT, TPOT (decode time per
   token after the first, per request) and inter-token latency (every gap of every request
   pooled; online a gap is between stream chunks, so backends that group tokens differently
-  differ here), candidate / baseline. With `latency.min_repeats` runs on each side the ratio
-  is of the per-run quantiles' means, judged on a bootstrap lower bound (`release_stats.py`):
-  hold only when the slowdown is real at `latency.confidence`, `insufficient` when the runs
-  cannot tell it from noise (with the repeats that would); with fewer runs, one point ratio;
+  differ here), candidate / baseline. With `latency.min_repeats` runs on each side the
+  quantile and the median (`*_q0.5`) are judged over runs: the geometric mean of the runs'
+  ratios, paired by repeat, with a Student-t lower bound (`release_stats.py`): hold only when
+  the slowdown is real at `latency.confidence`, `insufficient` when the runs cannot tell it
+  from noise (with the repeats that would); with fewer runs, the quantile's point ratio;
 - kv_pressure (hold): peak and p95 of `kv_pages_in_use`, candidate / baseline;
 - workload (mismatch): more than half of the requests on both sides carry different workload
   fingerprints of the same kind (`workload:` prompt ids and output length for the harness's
@@ -41,11 +42,12 @@ from typing import Any, Literal
 from minisgl.benchmark.common import quantile
 from minisgl.benchmark.observations import Observation
 from minisgl.benchmark.release_policy import Policy, Thresholds
-from minisgl.benchmark.release_stats import per_run, ratio_interval
+from minisgl.benchmark.release_stats import RatioInterval, by_run, run_intervals
 
 Decision = Literal["promote", "hold", "rollback", "mismatch", "insufficient"]
 MISMATCH_FRACTION = 0.5  # shared requests whose workloads differ, above which the runs differ
 JOINS = ("request_id", "index")
+MEDIAN = 0.5
 EXAMPLES = 5
 
 
@@ -232,39 +234,64 @@ def _ratio_signal(
     return make(ratio if ratio != float("inf") else None, ok, detail)
 
 
-def _latency_signal(
+def _latency_signals(
     name: str,
     metric: str,
     get: Callable[[Observation], Any],
     base: list[Observation],
     cand: list[Observation],
     th: Thresholds,
-) -> Signal:
-    """One latency quantile, candidate / baseline: over runs when each side brings
-    `latency_min_repeats` of them (`release_stats`), else one point ratio."""
+    key: Callable[[Observation], str],
+) -> list[Signal]:
+    """One latency, candidate / baseline: with `latency_min_repeats` runs a side, its policy
+    quantile and its median over every request of every run (`release_stats`), else the
+    quantile's point ratio."""
     q = th.latency_quantile
     max_ratio = getattr(th, f"{metric}_max_ratio")
     slack = getattr(th, f"{metric}_slack_s")
     point = _ratio_signal(f"{metric}_q{q:g}", "latency", name, quantile(_values(base, get), q),
                           quantile(_values(cand, get), q), max_ratio, slack, True, "s")  # fmt: skip
-    b_runs, c_runs = per_run(base, get, q), per_run(cand, get, q)
+    b_runs, c_runs = by_run(base, get, key), by_run(cand, get, key)
     if max_ratio is None or min(len(b_runs), len(c_runs)) < th.latency_min_repeats:
         if point.ok is not None and max_ratio is not None:
             runs = f"; {len(b_runs)} / {len(c_runs)} run(s): one point ratio, noise not separated"
-            return replace(point, detail=point.detail + runs)
-        return point
+            return [replace(point, detail=point.detail + runs)]
+        return [point]
+    qs = _judged_quantiles(th)
     # family-wise: the segment's latency signals share the error budget (Bonferroni)
-    family = sum(1 for m, _ in LATENCY if getattr(th, f"{m}_max_ratio") is not None)
-    iv = ratio_interval(b_runs, c_runs, 1.0 - (1.0 - th.latency_confidence) / max(family, 1))
-    if iv is None:
-        return point
-    b_mean, c_mean = sum(b_runs) / len(b_runs), sum(c_runs) / len(c_runs)
+    family = len(qs) * sum(1 for m, _ in LATENCY if getattr(th, f"{m}_max_ratio") is not None)
+    confidence = 1.0 - (1.0 - th.latency_confidence) / max(family, 1)
+    intervals = run_intervals(b_runs, c_runs, qs, confidence)
+    out = []
+    for qq in qs:
+        iv = intervals.get(qq)
+        if iv is None:  # a run's quantile is 0 on a side (TPOT of one-chunk streams)
+            p = _ratio_signal(f"{metric}_q{qq:g}", "latency", name,
+                              quantile(_values(base, get), qq), quantile(_values(cand, get), qq),
+                              max_ratio, slack, True, "s")  # fmt: skip
+            out.append(replace(p, detail=p.detail + "; a run's value is 0 on a side: one point "
+                                                    "ratio, noise not separated"))  # fmt: skip
+            continue
+        out.append(_interval_signal(f"{metric}_q{qq:g}", name, iv, max_ratio, slack))
+    return out
+
+
+def _judged_quantiles(th: Thresholds) -> tuple[float, ...]:
+    """The policy quantile, and the median when it is another."""
+    q = th.latency_quantile
+    return (q,) if q == MEDIAN else (q, MEDIAN)
+
+
+def _interval_signal(
+    signal: str, segment: str, iv: RatioInterval, max_ratio: float, slack: float
+) -> Signal:
+    runs = f"{iv.runs[1]} / {iv.runs[0]} runs" + (", paired by repeat" if iv.paired else "")
     how = (
-        f"mean of per-run q{q:g} {c_mean:.6g} vs {b_mean:.6g} s over {iv.runs[1]} / "
-        f"{iv.runs[0]} runs: {iv.ratio:.3f}x, {iv.confidence:.2%} lower bound {iv.lower:.3f}x "
-        f"(max {max_ratio:g}x"
+        f"runs' {signal.rsplit('_', 1)[1]} (geometric mean) {iv.candidate:.6g} vs "
+        f"{iv.baseline:.6g} s over {runs}: {iv.ratio:.3f}x, {iv.confidence:.2%} lower bound "
+        f"{iv.lower:.3f}x (max {max_ratio:g}x"
     ) + (f", slack {slack:g} s)" if slack else ")")
-    within = iv.ratio <= max_ratio or c_mean - b_mean <= slack
+    within = iv.ratio <= max_ratio or iv.candidate - iv.baseline <= slack
     if within:
         outcome, ok = "hold", True
     elif iv.lower > 1.0:
@@ -276,8 +303,8 @@ def _latency_signal(
             f": cannot tell a slowdown from noise; about {iv.runs_needed()} repeats a side "
             "would separate them at this spread"
         )
-    return Signal(point.name, "latency", name, b_mean, c_mean, iv.ratio, max_ratio, "<=", ok,
-                  outcome, how)  # fmt: skip
+    return Signal(signal, "latency", segment, iv.baseline, iv.candidate, iv.ratio, max_ratio,
+                  "<=", ok, outcome, how)  # fmt: skip
 
 
 def _values(observations: Sequence[Observation], get: Callable[[Observation], Any]) -> list[float]:
@@ -414,9 +441,16 @@ def _error_signal(
 
 
 def _latency_and_kv_signals(
-    name: str, base: list[Observation], cand: list[Observation], th: Thresholds
+    name: str, base: list[Observation], cand: list[Observation], th: Thresholds, join: str
 ) -> list[Signal]:
-    out = [_latency_signal(name, metric, get, base, cand, th) for metric, get in LATENCY]
+    def key(o: Observation) -> str:
+        return join_key(o, join)
+
+    out = [
+        s
+        for metric, get in LATENCY
+        for s in _latency_signals(name, metric, get, base, cand, th, key)
+    ]
     bkv = _values(base, lambda o: o.kv_pages_in_use)
     ckv = _values(cand, lambda o: o.kv_pages_in_use)
     out += [
@@ -450,7 +484,7 @@ def evaluate_segment(
         *_evidence_signals(name, keys, matched, th),
         *output_signals,
         _error_signal(name, base, cand, th),
-        *_latency_and_kv_signals(name, base, cand, th),
+        *_latency_and_kv_signals(name, base, cand, th, joined.join),
     ]
     seg.summary = {
         "requests": len(keys),

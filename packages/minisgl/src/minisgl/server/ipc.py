@@ -74,12 +74,21 @@ def drain(sock: zmq.Socket, first_timeout_ms: int, limit: int = 4096) -> list[by
 # `MINISGL_FAULT_STEP_DELAY_MS`: a worker sleeps before every engine step (tests of disconnects
 # and timeouts that must not depend on how fast the machine generates). Never set in production.
 FAULT_STEP_DELAY_S = float(os.environ.get("MINISGL_FAULT_STEP_DELAY_MS", "0")) / 1000.0
+# `MINISGL_FAULT_STEP_CPU_MS`: a worker spins for this much of its own CPU time before every
+# step: a slower build whose extra cost is CPU work, as a real control-plane regression is (the
+# release trial's, issue 41: on a loaded machine a sleep hides in the wait for a core).
+FAULT_STEP_CPU_S = float(os.environ.get("MINISGL_FAULT_STEP_CPU_MS", "0")) / 1000.0
 
 
 def fault_step_delay() -> None:
-    """Fault injection: a slow engine (no-op unless MINISGL_FAULT_STEP_DELAY_MS is set)."""
+    """Fault injection: a slow engine (no-op unless MINISGL_FAULT_STEP_DELAY_MS or
+    MINISGL_FAULT_STEP_CPU_MS is set)."""
     if FAULT_STEP_DELAY_S:
         time.sleep(FAULT_STEP_DELAY_S)
+    if FAULT_STEP_CPU_S:
+        end = time.thread_time() + FAULT_STEP_CPU_S
+        while time.thread_time() < end:
+            pass
 
 
 class WorkerExit(BaseException):
