@@ -106,16 +106,18 @@ class Scheduler(InFlight):
         (running, or retired and waiting for its unconfirmed steps), or waiting to be freed
         when an unconfirmed step is committed; no page an unconfirmed step reads is free."""
         ps = self.page_size
-        owners = np.zeros(self.alloc.num_pages, dtype=np.int32)
-        free = np.array(self.alloc._free_pages, dtype=np.int64)
-        np.add.at(owners, free, 1)
-        np.add.at(owners, self.cache.all_indices()[::ps] // ps, 1)
-        for req in [*self.running, *self._retiring]:
+        pages = self.alloc.num_pages
+        free_list = self.alloc._free_pages
+        free = np.fromiter(free_list, dtype=np.int64, count=len(free_list))
+        held = [free, self.cache.all_indices()[::ps] // ps]  # one bincount: np.add.at was 5x
+        for req in [*self.running, *self._retiring]:  # slower (8 ms at 115k pages, idle edge)
             own = self.alloc.page_table[req.slot, req.cache_len : req.alloc_len]
-            np.add.at(owners, own[::ps] // ps, 1)
+            held.append(own[::ps] // ps)
         for st in self._inflight:
-            for dup in st.deferred_free:
-                np.add.at(owners, dup[::ps] // ps, 1)
+            held.extend(dup[::ps] // ps for dup in st.deferred_free)
+        owners = np.bincount(np.concatenate([h.astype(np.int64) for h in held]), minlength=pages)
+        if len(owners) > pages:
+            raise AssertionError(f"KV integrity: page {len(owners) - 1} is past the pool's {pages}")
         bad = np.flatnonzero(owners != 1)
         if len(bad):
             raise AssertionError(
