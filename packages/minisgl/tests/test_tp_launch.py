@@ -170,8 +170,9 @@ def test_torchrun_server_tp2(tiny_model_dir, tmp_path):
 )  # fmt: skip
 def test_torchrun_bad_settings_fail_before_loading(tiny_model_dir, monkeypatch, capsys):
     launch = require_module("minisgl.distributed.launch")
-    import minisgl.engine.engine as engine_mod
     import torch.distributed as dist
+
+    import minisgl.engine.engine as engine_mod
 
     def no_load(*a, **kw):
         raise AssertionError("weights were loaded before the settings were checked")
