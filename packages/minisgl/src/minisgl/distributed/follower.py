@@ -59,9 +59,9 @@ def serve(conn: Connection, boot: Boot, link: Callable[[Boot, Connection, str], 
 def follow_torchrun(env: TorchrunEnv, device_type: str) -> int:
     """A torchrun rank > 0: join the group, connect to rank 0, run its steps on the config it
     sends (on CUDA, on this node's device LOCAL_RANK); the exit code of `serve`."""
-    from minisgl.distributed.ranks import Follower, join_follower, join_torchrun
-
     import torch.distributed as dist
+
+    from minisgl.distributed.ranks import Follower, join_follower, join_torchrun
 
     owns = join_torchrun(env, device_type)
     conn = None
