@@ -60,7 +60,13 @@ class LLM:
         `cpu_backend`: the control plane (default `MINISGL_CPU_BACKEND`, else python);
         `rust_service` starts the server's Rust service for this `LLM` (`close()` stops it).
         `tp_size`: tensor-parallel ranks, this process rank 0 and one process each for the
-        others (`minisgl.distributed`); `close()` stops them."""
+        others (`minisgl.distributed`); `close()` stops them. Under `torchrun
+        --nproc-per-node tp_size` the ranks are torchrun's processes instead: on rank 0 this
+        is the `LLM` that generates; on a rank > 0 the constructor runs rank 0's steps until
+        rank 0 closes its `LLM` or exits, then ends the process (`SystemExit`, code 0; 3 when
+        rank 0 vanished), so the code after `LLM(...)` runs on rank 0 only
+        (`distributed/launch.py`). A WORLD_SIZE other than `tp_size` is a ValueError on every
+        rank before anything loads."""
         if model_path is None:
             from minisgl.default_model import default_model_path
 

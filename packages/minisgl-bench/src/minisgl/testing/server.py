@@ -104,16 +104,22 @@ class ServerHandle:
 
 @contextlib.contextmanager
 def running_server(
-    model_dir, *extra: str, log_dir: Path, env: dict | None = None, python: str = sys.executable
+    model_dir,
+    *extra: str,
+    log_dir: Path,
+    env: dict | None = None,
+    python: str = sys.executable,
+    launcher: tuple[str, ...] = (),
 ):
-    """Start `python -m minisgl` (`python`: another interpreter, e.g. a fresh venv's), wait for
-    /health, yield; then SIGTERM and check cleanup."""
+    """Start `python -m minisgl` (`python`: another interpreter, e.g. a fresh venv's;
+    `launcher`: arguments before `-m minisgl`, e.g. `-m torch.distributed.run ...` for torchrun),
+    wait for /health, yield; then SIGTERM and check cleanup."""
     ipc_root = tempfile.mkdtemp(prefix="msgl-t", dir="/tmp")  # short: ipc paths <= 107 bytes
     full_env = {**os.environ, "MINISGL_IPC_ROOT": ipc_root, **(env or {})}
     for attempt in range(3):  # the launcher binds first: a port taken meanwhile fails at once
         port = free_port()
         log_path = log_dir / f"server-{port}.log"
-        cmd = [python, "-m", "minisgl", "--model-path", str(model_dir), "--host",
+        cmd = [python, *launcher, "-m", "minisgl", "--model-path", str(model_dir), "--host",
                "127.0.0.1", "--port", str(port), *SERVER_FLAGS, *extra]  # fmt: skip
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
@@ -193,10 +199,18 @@ class Started:
 
 
 @contextlib.contextmanager
-def start(name: str, model: Path, *flags: str, log_dir: Path, backend: str, env=None):
+def start(
+    name: str,
+    model: Path,
+    *flags: str,
+    log_dir: Path,
+    backend: str,
+    env=None,
+    launcher: tuple[str, ...] = (),
+):
     """Yield a `Started`; the server (if any) is stopped and checked for leftovers after."""
     full_env = {"MINISGL_CPU_BACKEND": backend, **(env or {})}
-    cm = running_server(model, *flags, log_dir=log_dir, env=full_env)
+    cm = running_server(model, *flags, log_dir=log_dir, env=full_env, launcher=launcher)
     try:
         handle = cm.__enter__()
     except Exception as e:  # recorded: the test that needs it fails by assertion

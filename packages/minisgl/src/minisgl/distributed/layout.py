@@ -64,12 +64,13 @@ def check_tp(
     config: EngineConfig,
     device_type: str,
     *,
-    device_count: int,
+    device_count: int | None,
     backend_available: Callable[[str], bool],
     quantization: str = "none",
 ) -> None:
     """Raise ValueError when `config.tp_size` cannot run `cfg` on `device_type` (with
-    `device_count` devices of it and `quantization` resolved): before any rank starts."""
+    `device_count` devices of it, None: not checked here, and `quantization` resolved): before
+    any rank starts. On CUDA the ranks take the devices from `config.device`'s index on."""
     tp = config.tp_size
     if tp < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp}")
@@ -96,8 +97,16 @@ def check_tp(
     for reason in reasons:
         if reason:
             raise ValueError(f"{head} is not supported with {reason}")
-    if device_type == "cuda" and device_count < tp:
-        raise ValueError(f"{head} needs {tp} CUDA devices, {device_count} visible")
+    base = _index(config.device)
+    if device_type == "cuda" and device_count is not None and device_count < base + tp:
+        start = f" from cuda:{base}" if base else ""
+        raise ValueError(f"{head} needs {tp} CUDA devices{start}, {device_count} visible")
     backend = dist_backend(device_type)
     if not backend_available(backend):
         raise ValueError(f"{head}: the torch.distributed backend {backend} is not available")
+
+
+def _index(device: str) -> int:
+    """The device index a spec names (`cuda:2` -> 2; `cuda`, `auto`, `cpu` -> 0)."""
+    _, _, index = device.partition(":")
+    return int(index) if index else 0

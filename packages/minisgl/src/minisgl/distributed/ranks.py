@@ -1,15 +1,23 @@
 """The ranks of a tensor-parallel engine: rank 0 (the `Leader`, in the process that schedules)
-starts ranks 1..N-1 (`python -m minisgl.distributed.follower`, one process each) and sends
-them every step plan; each `Follower` runs the same forward, so the collectives meet.
+sends every step plan to ranks 1..N-1; each `Follower` runs the same forward, so the collectives
+meet.
 
-Control messages go over a private socket pair per follower (a `multiprocessing` connection:
-it polls, so rank 0 never waits on a dead rank); the tensors of a step (the model's
-collectives, the in-flight inputs of overlap scheduling) go over torch.distributed. A follower
-exits when rank 0's process goes away; rank 0 names a dead rank in every later call.
+Two launches: rank 0 starts ranks 1..N-1 itself (`Leader.start`: `python -m
+minisgl.distributed.follower`, one process each, over a private socket pair), or torchrun
+started every rank (`Leader.join` / `join_follower`: the processes meet in torchrun's process
+group and the followers connect to rank 0's control socket, authenticated by a key rank 0
+broadcasts over the group; `minisgl.distributed.launch`).
+
+Control messages go over one `multiprocessing` connection per follower (it polls, so rank 0
+never waits on a dead rank); the tensors of a step (the model's collectives, the in-flight
+inputs of overlap scheduling) go over torch.distributed. A follower exits when rank 0 goes away;
+rank 0 names a dead rank in every later call (a rank it did not start shows as its connection
+closing).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -21,7 +29,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 import torch
 import torch.distributed as dist
@@ -29,7 +37,9 @@ import torch.distributed as dist
 from minisgl.config import EngineConfig
 from minisgl.distributed.comm import Comm
 from minisgl.distributed.errors import RankFailed
+from minisgl.distributed.launch import TorchrunEnv
 from minisgl.distributed.layout import TPInfo, dist_backend
+from minisgl.distributed.placement import rank_device
 from minisgl.step.plan import StepPlan
 from minisgl.step.staging import InputFill
 from minisgl.utils.log import get_logger
@@ -42,7 +52,8 @@ STOP_S = 10.0
 
 @dataclass(frozen=True)
 class Boot:
-    """What rank `rank` needs to join: its engine config and where the group meets."""
+    """What rank `rank` needs to join: its engine config and where the group meets (spawned
+    ranks: `store_port`; torchrun's ranks are in the group already)."""
 
     config: EngineConfig
     rank: int
@@ -61,10 +72,11 @@ class Step:
 
 
 def rank_config(config: EngineConfig, rank: int, device_type: str) -> EngineConfig:
-    """Rank `rank`'s engine config: its own CUDA device; on a CPU, an equal share of the cores
-    unless the caller set a thread budget."""
+    """Rank `rank`'s engine config: on CUDA the device `rank` after rank 0's (`cuda:k` ->
+    `cuda:{k + rank}`); on a CPU, an equal share of the cores unless the caller set a thread
+    budget."""
     if device_type == "cuda":
-        return replace(config, device=f"cuda:{rank}")
+        return replace(config, device=rank_device(config.device, rank))
     if config.threads is None:
         return replace(config, threads=max(1, (os.cpu_count() or 1) // config.tp_size))
     return config
@@ -82,39 +94,91 @@ def _join(info: TPInfo, device_type: str, store: dist.TCPStore) -> None:
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))  # fmt: skip
 
 
-class Leader:
-    """Rank 0: starts the other ranks, agrees with them, sends them every step."""
+def join_torchrun(env: TorchrunEnv, device_type: str) -> bool:
+    """Join torchrun's process group (env://), or check the one the script initialised; True
+    when this call created it (and so destroys it at the end)."""
+    backend = dist_backend(device_type)
+    if dist.is_initialized():
+        size, rank, got = dist.get_world_size(), dist.get_rank(), str(dist.get_backend())
+        if (size, rank) != (env.world_size, env.rank):
+            raise ValueError(f"the initialised process group is rank {rank} of {size}, torchrun "
+                             f"says RANK={env.rank} of WORLD_SIZE={env.world_size}")  # fmt: skip
+        if backend not in got:
+            raise ValueError(f"the initialised process group runs {got}; tensor parallelism on "
+                             f"{device_type} needs {backend}")  # fmt: skip
+        return False
+    dist.init_process_group(backend, init_method="env://", rank=env.rank,
+                            world_size=env.world_size,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))  # fmt: skip
+    return True
 
-    def __init__(
-        self, config: EngineConfig, device_type: str, procs: list[subprocess.Popen],
-        conns: list[Connection],
-    ) -> None:  # fmt: skip
+
+def _share(value: object) -> object:
+    """Rank 0's `value` on every rank of torchrun's group (over gloo: a CPU object)."""
+    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    if group is not None:
+        dist.destroy_process_group(group)
+    return box[0]
+
+
+class _Peer:
+    """Rank 0's view of a follower: its control connection, and its process where rank 0
+    started it (a torchrun rank's death shows as its connection closing)."""
+
+    def __init__(self, conn: Connection, proc: subprocess.Popen | None = None) -> None:
+        self.conn = conn
+        self.proc = proc
+        self.pid = proc.pid if proc is not None else None
+
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def stop(self, deadline: float) -> None:
+        """Wait for the follower's clean stop until `deadline`: a spawned one is killed then; a
+        torchrun rank has left the group once its connection closes (torchrun ends it)."""
+        if self.proc is None:
+            with contextlib.suppress(EOFError, OSError):
+                while self.conn.poll(max(0.0, deadline - time.monotonic())):
+                    self.conn.recv_bytes()
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(max(0.0, deadline - time.monotonic()))
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Leader:
+    """Rank 0: starts (or meets) the other ranks, agrees with them, sends them every step."""
+
+    def __init__(self, config: EngineConfig, device_type: str) -> None:
         self.info = TPInfo(0, config.tp_size)
         self.device_type = device_type
-        self.procs, self.conns = procs, conns
+        self.peers: list[_Peer] = []
         self.comm: Comm | None = None  # once the model's vocabulary is known (`attach`)
         self.failed: str | None = None
         self.store: dist.TCPStore | None = None
+        self.owns_group = True  # False: the torchrun script's own group, left to it
 
     @classmethod
     def start(cls, config: EngineConfig, device_type: str) -> Leader:
         """Start ranks 1..tp-1 and join the process group with them (an error of a rank's
         start-up is raised here, naming the rank)."""
         master = _store(0, config.tp_size, is_master=True)
-        procs, conns = [], []
-        leader = cls(config, device_type, procs, conns)
+        leader = cls(config, device_type)
         leader.store = master  # kept alive: the group's rendezvous lives in it
         try:
             for rank in range(1, config.tp_size):
                 mine, theirs = socket.socketpair()
                 cmd = [sys.executable, "-m", "minisgl.distributed.follower", str(theirs.fileno())]
-                procs.append(subprocess.Popen(cmd, pass_fds=(theirs.fileno(),)))
+                proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),))
                 theirs.close()
-                conn = Connection(mine.detach())
-                conns.append(conn)
+                leader.peers.append(_Peer(Connection(mine.detach()), proc))
                 boot = Boot(rank_config(config, rank, device_type), rank, config.tp_size,
                             master.port, os.getpid())  # fmt: skip
-                conn.send(boot)
+                leader.peers[-1].conn.send(boot)
             for rank in range(1, config.tp_size):
                 leader._expect(rank, "joining")
             with leader.guard("joining the process group"):
@@ -126,27 +190,64 @@ class Leader:
                     dist_backend(device_type), config.tp_size - 1, leader.follower_pids())  # fmt: skip
         return leader
 
+    @classmethod
+    def join(cls, config: EngineConfig, device_type: str, env: TorchrunEnv) -> Leader:
+        """torchrun started every rank: join its group, take each follower's connection to a
+        control socket whose address and key go to them over the group, send each its boot."""
+        leader = cls(config, device_type)
+        leader.owns_group = join_torchrun(env, device_type)
+        host = "127.0.0.1" if env.single_node else "0.0.0.0"
+        try:
+            with socket.create_server((host, 0)) as server:
+                server.settimeout(TIMEOUT_S)
+                key = os.urandom(32)
+                where = host if env.single_node else socket.getfqdn()
+                _share((where, server.getsockname()[1], key))
+                conns: dict[int, Connection] = {}
+                while len(conns) < config.tp_size - 1:
+                    sock, _ = server.accept()
+                    sock.settimeout(None)
+                    conn = Connection(sock.detach())
+                    deliver_challenge(conn, key)  # a connection without the key: dropped here
+                    answer_challenge(conn, key)
+                    conns[int(conn.recv())] = conn
+            leader.peers = [_Peer(conns[rank]) for rank in range(1, config.tp_size)]
+            for rank, peer in enumerate(leader.peers, start=1):
+                peer.conn.send(Boot(rank_config(config, rank, device_type), rank,
+                                    config.tp_size, 0, os.getpid()))  # fmt: skip
+            for rank, peer in enumerate(leader.peers, start=1):
+                msg = leader._expect(rank, "joining")
+                peer.pid = int(msg[1]) if isinstance(msg, tuple) and len(msg) == 2 else None
+        except BaseException:
+            leader.close()
+            raise
+        atexit.register(leader.close)  # a script that never closes still stops its followers
+        logger.info("tensor parallel under torchrun: %d ranks (%s), ranks 1..%d in pids %s",
+                    config.tp_size, dist_backend(device_type), config.tp_size - 1,
+                    leader.follower_pids())  # fmt: skip
+        return leader
+
     def attach(self, vocab_size: int) -> Comm:
         self.comm = Comm(self.info, vocab_size)
         return self.comm
 
     def follower_pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
+        return [p.pid for p in self.peers if p.pid is not None]
 
     # ------------------------------------------------------------------ control messages
     def _expect(self, rank: int, what: str) -> object:
         """The next message of `rank`, waiting while it lives; its error, if it sent one."""
-        conn, proc = self.conns[rank - 1], self.procs[rank - 1]
+        peer = self.peers[rank - 1]
         deadline = time.monotonic() + TIMEOUT_S
-        while not conn.poll(0.05):
-            if proc.poll() is not None:
-                self._fail(rank, f"exited with code {proc.returncode} while {what}")
+        while not peer.conn.poll(0.05):
+            if (code := peer.exit_code()) is not None:
+                self._fail(rank, f"exited with code {code} while {what}")
             if time.monotonic() > deadline:
                 self._fail(rank, f"sent nothing for {TIMEOUT_S:.0f}s while {what}")
         try:
-            msg = conn.recv()
+            msg = peer.conn.recv()
         except (EOFError, OSError):
-            self._fail(rank, f"closed its connection while {what}")
+            self._fail(rank, f"closed its connection (its process ended) while {what}")
         if isinstance(msg, tuple) and msg and msg[0] == "error":
             self._fail(rank, f"failed while {what}: {msg[1]}")
         return msg
@@ -159,17 +260,33 @@ class Leader:
         """The smallest `value` over the ranks (each computes its own: e.g. KV pages)."""
         values = [value] + [int(self._expect(r, what)) for r in range(1, self.info.size)]
         agreed = min(values)
-        for conn in self.conns:
-            conn.send(agreed)
+        for peer in self.peers:
+            peer.conn.send(agreed)
         return agreed
+
+    def _unsolicited(self, rank: int, what: str) -> None:
+        """A follower speaks between exchanges only to report its end: its error, or (a rank
+        that rank 0 did not start) its connection closing."""
+        peer = self.peers[rank - 1]
+        if not peer.conn.poll(0):
+            return
+        try:
+            msg = peer.conn.recv()
+        except (EOFError, OSError):
+            if peer.proc is None:
+                self._fail(rank, f"closed its connection (its process ended){what}")
+            return  # a spawned rank: its exit code tells more
+        if isinstance(msg, tuple) and msg and msg[0] == "error":
+            self._fail(rank, f"failed{what}: {msg[1]}")
 
     def check(self) -> None:
         """Raise `RankFailed` once a rank is gone (every call after, too)."""
         if self.failed is not None:
             raise RankFailed(self.failed)
-        for rank, proc in enumerate(self.procs, start=1):
-            if proc.poll() is not None:
-                self._fail(rank, f"exited with code {proc.returncode}")
+        for rank, peer in enumerate(self.peers, start=1):
+            if (code := peer.exit_code()) is not None:
+                self._fail(rank, f"exited with code {code}")
+            self._unsolicited(rank, "")
 
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:
@@ -181,14 +298,10 @@ class Leader:
         except Exception as e:
             deadline = time.monotonic() + 2.0  # a rank's exit may lag the broken collective
             while time.monotonic() < deadline:
-                for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
-                    if conn.poll(0):
-                        with contextlib.suppress(EOFError, OSError):
-                            msg = conn.recv()
-                            if isinstance(msg, tuple) and msg and msg[0] == "error":
-                                self._fail(rank, f"failed while {what}: {msg[1]}")
-                    if proc.poll() is not None:
-                        self._fail(rank, f"exited with code {proc.returncode} while {what}")
+                for rank, peer in enumerate(self.peers, start=1):
+                    self._unsolicited(rank, f" while {what}")
+                    if (code := peer.exit_code()) is not None:
+                        self._fail(rank, f"exited with code {code} while {what}")
                 time.sleep(0.05)
             self.failed = f"tensor-parallel rank 0 lost the group while {what}: {e}"
             raise RankFailed(self.failed) from e
@@ -199,9 +312,9 @@ class Leader:
         self.check()
         data = pickle.dumps(Step(plan, 0 if fill is None else int(fill.positions.numel())),
                             protocol=pickle.HIGHEST_PROTOCOL)  # fmt: skip
-        for rank, conn in enumerate(self.conns, start=1):
+        for rank, peer in enumerate(self.peers, start=1):
             try:
-                conn.send_bytes(data)
+                peer.conn.send_bytes(data)
             except OSError:
                 self._fail(rank, "closed its connection")
         if fill is not None and self.comm is not None:
@@ -210,34 +323,38 @@ class Leader:
                 self.comm.broadcast(fill.tokens.to(torch.int64).contiguous())
 
     def close(self) -> None:
-        """Stop the followers (a clean stop, then a kill after `STOP_S`) and leave the group."""
-        for conn in self.conns:
+        """Stop the followers (a clean stop; a spawned one is killed after `STOP_S`) and leave
+        the group (unless it is the torchrun script's own)."""
+        atexit.unregister(self.close)
+        for peer in self.peers:
             with contextlib.suppress(OSError):
-                conn.send_bytes(pickle.dumps(None))
+                peer.conn.send_bytes(pickle.dumps(None))
         deadline = time.monotonic() + STOP_S
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for conn in self.conns:
-            conn.close()
-        self.procs, self.conns = [], []
-        if dist.is_initialized():
+        for peer in self.peers:
+            peer.stop(deadline)
+        for peer in self.peers:
+            peer.conn.close()
+        self.peers = []
+        if self.owns_group and dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
 
 
 class Follower:
-    """Rank r > 0: the engine's link to rank 0."""
+    """Rank r > 0: the engine's link to rank 0 (in the group already: see `spawned`)."""
 
     def __init__(self, boot: Boot, conn: Connection, device_type: str) -> None:
         self.info = TPInfo(boot.rank, boot.size)
         self.conn = conn
         self.device_type = device_type
         self.comm: Comm | None = None
-        _join(self.info, device_type, _store(boot.store_port, boot.size, is_master=False))
+
+    @classmethod
+    def spawned(cls, boot: Boot, conn: Connection, device_type: str) -> Follower:
+        """A rank that rank 0 started: join the group at rank 0's store."""
+        link = cls(boot, conn, device_type)
+        _join(link.info, device_type, _store(boot.store_port, boot.size, is_master=False))
+        return link
 
     def attach(self, vocab_size: int) -> Comm:
         self.comm = Comm(self.info, vocab_size)
@@ -262,6 +379,18 @@ class Follower:
     def report(self, error: str) -> None:
         with contextlib.suppress(OSError):
             self.conn.send(("error", error))
+
+
+def join_follower(env: TorchrunEnv) -> Connection:
+    """A torchrun rank > 0 in the group already: its authenticated connection to rank 0."""
+    host, port, key = _share(None)  # type: ignore[misc]
+    sock = socket.create_connection((host, port), timeout=TIMEOUT_S)
+    sock.settimeout(None)
+    conn = Connection(sock.detach())
+    answer_challenge(conn, key)
+    deliver_challenge(conn, key)
+    conn.send(env.rank)
+    return conn
 
 
 def watch_parent(parent_pid: int) -> None:

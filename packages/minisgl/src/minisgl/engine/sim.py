@@ -26,10 +26,9 @@ from minisgl.config import EngineConfig, ModelConfig, SimDevice
 from minisgl.engine.engine import Engine
 from minisgl.engine.memory import (
     plan_num_pages,
-    resolve_device,
     resolve_dtype,
-    resolve_quantization,
 )
+from minisgl.engine.parallel import launched_by_torchrun, tensor_parallel_engine
 from minisgl.sampler import SampleResult, SampleRow, TokenLogprob
 from minisgl.step.plan import StepPlan
 from minisgl.step.staging import InputFill
@@ -163,46 +162,14 @@ class HostSample:
 def make_engine(config: EngineConfig) -> Engine | SimEngine:
     """The real `Engine`, or a `SimEngine` when `config.sim_device` is set; the config's thread
     budget applies to the calling process first. `config.tp_size` > 1: the settings are checked
-    before anything loads, ranks 1.. start in their own processes (`minisgl.distributed`) and
-    this process is rank 0."""
+    before anything loads and this process is rank 0, starting ranks 1.. in their own processes
+    (`minisgl.distributed`), or one of torchrun's ranks (`engine/parallel.py`: a rank > 0
+    follows rank 0 and exits)."""
+    env = launched_by_torchrun(config)  # torchrun's WORLD_SIZE is tp_size, or ValueError
     if config.tp_size > 1:
-        return _tensor_parallel(config)
+        return tensor_parallel_engine(config, env)
     if config.threads is not None:
         set_threads(config.threads)
-    if config.sim_device is not None:
-        return SimEngine(config, SimDevice.parse(config.sim_device))
-    return Engine(config)
-
-
-def _tensor_parallel(config: EngineConfig) -> Engine:
-    import torch.distributed as dist
-
-    from minisgl.distributed import check_tp
-    from minisgl.distributed.ranks import Leader, rank_config
-
-    device = resolve_device(config.device)
-    if device.index is not None:
-        raise ValueError(f"tp_size={config.tp_size}: rank r runs on cuda:r; give device "
-                         f"'cuda' or 'auto', not {config.device!r}")  # fmt: skip
-    quantization = config.quantization
-    if config.dummy_weights and quantization == "auto":
-        quantization = "none"  # as `Engine` decides it
     if config.sim_device is None:
-        quantization = resolve_quantization(quantization, config.model_path, device)
-    check_tp(
-        ModelConfig.from_dir(config.model_path),
-        config,
-        device.type,
-        device_count=torch.cuda.device_count() if device.type == "cuda" else 0,
-        backend_available=lambda name: dist.is_available() and dist.is_backend_available(name),
-        quantization=quantization,
-    )
-    config = rank_config(config, 0, device.type)
-    if config.threads is not None:
-        set_threads(config.threads)
-    leader = Leader.start(config, device.type)
-    try:
-        return Engine(config, tp=leader)
-    except BaseException:
-        leader.close()
-        raise
+        return Engine(config)
+    return SimEngine(config, SimDevice.parse(config.sim_device))

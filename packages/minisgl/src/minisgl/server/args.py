@@ -144,8 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
         dest="tp_size",
         type=int,
         default=1,
-        help="tensor-parallel ranks: one process each, gloo on CPU, NCCL on CUDA (rank r on "
-        "cuda:r)",
+        help="tensor-parallel ranks: one process each, gloo on CPU, NCCL on CUDA (replica r's "
+        "rank i on cuda:{r*tp + i}); started by the server, or by torchrun (torchrun "
+        "--nproc-per-node N -m minisgl --tp N: rank 0 serves, the others follow it)",
     )
     p.add_argument(
         "--dp",
@@ -154,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="data-parallel replicas: N engines (each of --tp ranks) behind one control plane; "
-        "--threads is per replica (default: an equal share of the cores)",
+        "--threads is per replica (default: an equal share of the cores); on CUDA replica r "
+        "runs on cuda:{r*tp}..cuda:{r*tp + tp - 1}, and dp x tp above the visible GPUs is "
+        "refused before any weight loads",
     )
     p.add_argument(
         "--dp-routing",
@@ -229,6 +232,14 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         errors.append("--tp must be >= 1")
     if args.dp_size < 1:
         errors.append("--dp must be >= 1")
+    from minisgl.distributed.launch import check_world, torchrun_env
+
+    try:
+        env = torchrun_env()
+        if env is not None:
+            check_world(env, tp=args.tp_size, dp=args.dp_size)
+    except ValueError as e:
+        errors.append(str(e))
     if args.dp_routing == "prefix" and args.cpu_backend != SERVICE:
         errors.append(
             "--dp-routing prefix needs MINISGL_CPU_BACKEND=rust_service (the python "

@@ -33,6 +33,7 @@ from minisgl.message.schema import (
 )
 from minisgl.message.warmup import INFO_KEY
 from minisgl.server import ipc
+from minisgl.server.replicas import placed
 from minisgl.utils import trace
 
 if TYPE_CHECKING:  # the launcher imports this module: torch loads in the worker only
@@ -224,6 +225,7 @@ def run_engine_worker(
     typed: bool,
     num_tokenizer: int,
     replica: int = 0,
+    dp: int = 1,
 ) -> None:
     name = ipc.scheduler_name(replica)
     alive = ipc.setup_worker_process()
@@ -235,7 +237,7 @@ def run_engine_worker(
         to_tok = [ipc.push(ctx, ipc_dir, ipc.tokenizer_name(i)) for i in range(num_tokenizer)]
         from minisgl.llm import LLM
 
-        llm = LLM(model_path, **llm_kwargs)
+        llm = LLM(model_path, **placed(llm_kwargs, replica, dp))
         warmup = llm.runtime.ensure_warm()  # before Ready: /health waits for it
     except ipc.WorkerExit:
         ctx.destroy(linger=0)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # the launcher imports this module: torch loads in the worker
 
 
 def run_gpu_worker(
-    index: int, model_path: str, llm_kwargs: dict, ipc_dir: str, typed: bool
+    index: int, model_path: str, llm_kwargs: dict, ipc_dir: str, typed: bool, dp: int = 1
 ) -> None:
     name = ipc.worker_name(index)
     alive = ipc.setup_worker_process()
@@ -45,8 +45,10 @@ def run_gpu_worker(
         from minisgl.engine.sim import make_engine
         from minisgl.runtime import Runtime
         from minisgl.runtime.service_plane import engine_info
+        from minisgl.server.replicas import placed
 
-        engine = make_engine(EngineConfig(model_path=model_path, **llm_kwargs))
+        kwargs = placed(llm_kwargs, index, dp)  # this replica's devices
+        engine = make_engine(EngineConfig(model_path=model_path, **kwargs))
         # warmed up on the worker's own scheduler before the service hears of this worker
         runtime = Runtime.build(engine, backend="python", overlap=False, warm_up=True)
         info = {**engine_info(engine), INFO_KEY: runtime.ensure_warm().info()}

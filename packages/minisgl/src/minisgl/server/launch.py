@@ -83,6 +83,7 @@ class Launcher:
                     typed,
                     args.num_tokenizer,
                     i,
+                    args.dp_size,
                 ),
                 name=f"minisgl-{name}",
                 daemon=True,
@@ -122,7 +123,7 @@ class Launcher:
         for i, name in enumerate(self.replica_names):
             self.procs[name] = ctx.Process(
                 target=run_gpu_worker,
-                args=(i, model_path, self._replica_kwargs(), self.ipc_dir, typed),
+                args=(i, model_path, self._replica_kwargs(), self.ipc_dir, typed, args.dp_size),
                 name=f"minisgl-{name}",
                 daemon=True,
             )
@@ -320,4 +321,31 @@ def uvicorn_stack(args: ServerArgs) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return Launcher(parse_args(argv)).run()
+    args = parse_args(argv)  # under torchrun: WORLD_SIZE checked against --tp x --dp
+    from minisgl.distributed.launch import torchrun_env
+
+    env = torchrun_env()
+    if env is not None and env.rank > 0:
+        return follow(args)
+    return Launcher(args).run()
+
+
+def follow(args: ServerArgs) -> int:
+    """A torchrun rank > 0: no server, no workers; rank 0's engine worker sends it every step
+    (`minisgl.distributed.launch`), its exit code when rank 0 ends."""
+    from minisgl.config import EngineConfig
+    from minisgl.engine.sim import make_engine
+
+    model_path = args.model_path
+    if model_path is None:
+        from minisgl.default_model import default_model_path
+
+        model_path = str(default_model_path())
+    try:
+        make_engine(EngineConfig(model_path=model_path, **args.llm_kwargs()))
+    except SystemExit as e:  # the follower's end
+        return e.code if isinstance(e.code, int) else 1
+    except ValueError as e:
+        log(f"failed: {e}")
+        return 1
+    return 1  # unreachable: a rank > 0 never gets an engine back

@@ -43,6 +43,22 @@ def replica_threads(threads: int | None, dp: int, tp: int, cores: int | None = N
     return max(1, cores // (dp * tp))
 
 
+def placed(llm_kwargs: dict, replica: int, dp: int) -> dict:
+    """Replica `replica`'s engine arguments, in its worker: on CUDA its block of --tp devices
+    from cuda:{replica * tp} (`distributed.placement`; ValueError before any weight loads when
+    dp x tp exceeds the visible GPUs). dp=1 keeps the device as given."""
+    if dp == 1:
+        return llm_kwargs
+    import torch
+
+    from minisgl.distributed.placement import replica_device
+
+    device = replica_device(str(llm_kwargs.get("device", "auto")), replica=replica, dp=dp,
+                            tp=int(llm_kwargs.get("tp_size", 1)),
+                            cuda_count=torch.cuda.device_count())  # fmt: skip
+    return {**llm_kwargs, "device": device}
+
+
 @dataclass(frozen=True)
 class Metric:
     name: str
