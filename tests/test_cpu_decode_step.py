@@ -1,8 +1,8 @@
 """The C decode step of int4 bf16 models and the ISA levels (card P2-005, issue 35).
 
-A decode step of at most 8 requests runs as one C call over the decoder layers
-(`engine/cpu_decode.py`, `kernels/cpu/decode_step.c`); its int4 GEMVs multiply the codes by
-per-32 int8 activations. The reference is the torch modules (`MINISGL_CPU_DECODE=modules`) on the
+A decode step runs as one C call over the decoder layers (`engine/cpu_decode.py`,
+`kernels/cpu/decode_step.c`), batches of up to `cpu_decode.MAX_ROWS` requests; its int4 GEMMs
+multiply the codes by per-32 int8 activations, each weight block by several activation rows. The reference is the torch modules (`MINISGL_CPU_DECODE=modules`) on the
 same weights: logits close at every decode step of a teacher-forced text, the same greedy
 choice where the reference's margin is not within the activations' rounding, the same quality.
 `MINISGL_CPU_ISA` (`utils/cpu.py`) caps the features every path sees; the kernels are checked
@@ -41,28 +41,29 @@ def _int4() -> Any:
 
 
 def _matrix(n: int, k: int, seed: int, bias: bool) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
-    """An `Int4Matrix` of a random [n, k] weight, its weights `(code - 8) * scale + zero` in
-    fp32 (not rounded to bf16, as `Int4Linear.dequantize` rounds them), its bias."""
-    from minisgl.quantization.linear import Int4Linear
+    """An `Int4Matrix` of a random [n, k] weight (any n: `Int4Linear`'s layout, without its
+    packed torch copy, which needs n % 16 == 0), its weights `(code - 8) * scale + zero` in fp32
+    (not rounded to bf16, as `Int4Linear.dequantize` rounds them), its bias."""
     from minisgl.quantization.packed import quantize_int4
 
     g = torch.Generator().manual_seed(seed)
     b = torch.randn(n, generator=g).bfloat16() if bias else None
-    layer = Int4Linear(quantize_int4(torch.randn(n, k, generator=g) * 0.05), b, torch.bfloat16)
-    c = layer.codes
+    w4 = quantize_int4(torch.randn(n, k, generator=g) * 0.05)
+    scales_zeros = torch.stack((w4.scale.t(), w4.zero.t()), dim=-1).bfloat16()  # [k / 32, n, 2]
+    c = w4.q
     q = torch.stack((c & 15, c >> 4), dim=-1).view(n, k // 32, 32).float()
-    sz = layer.scales_zeros.float().transpose(0, 1)  # [n, k / 32, 2]
+    sz = scales_zeros.float().transpose(0, 1)  # [n, k / 32, 2]
     w = ((q - 8) * sz[..., :1] + sz[..., 1:]).view(n, k)
-    return _int4().Int4Matrix.of(layer.codes, layer.scales_zeros, b), w, b
+    return _int4().Int4Matrix.of(c, scales_zeros, b), w, b
 
 
 @pytest.mark.card(
     CARD, "the-int4-gemv-matches-the-de-quantized-weights-within-its-activation-rounding"
 )
 @pytest.mark.card(CARD, RED)
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 64])
 @pytest.mark.parametrize(("n", "k", "bias"), [(64, 32, False), (96, 96, True), (208, 576, False),
-                                              (576, 1536, True)])  # fmt: skip
+                                              (576, 1536, True), (67, 160, True), (3, 544, False)])  # fmt: skip
 def test_int4_gemv_matches_the_dequantized_weights(rows: int, n: int, k: int, bias: bool) -> None:
     """Per-32 int8 activations: each product's error is at most half a step of its group
     (max |x| / 254) times |w|, so the result is within ~1% of the fp32 product (norm)."""
@@ -78,6 +79,24 @@ def test_int4_gemv_matches_the_dequantized_weights(rows: int, n: int, k: int, bi
     assert bool(((got - ref).abs() <= bound).all())
 
 
+@pytest.mark.card(
+    CARD, "the-int4-gemv-matches-the-de-quantized-weights-within-its-activation-rounding"
+)
+@pytest.mark.parametrize("rows", [2, 3, 5, 8, 9, 16, 64, 131])
+@pytest.mark.parametrize(("n", "k"), [(64, 64), (67, 160), (200, 576), (13, 1536)])
+def test_the_multi_row_gemm_gives_each_row_its_one_row_result(rows: int, n: int, k: int) -> None:
+    """Each weight block meets several activation rows at once: the codes' int32 sums are the
+    one-row kernel's exactly, only the fp32 accumulation order may differ (within one bf16
+    step of the output)."""
+    int4 = _int4()
+    w4, _, _ = _matrix(n, k, seed=rows + n, bias=True)
+    x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(k)) * 3).bfloat16()
+    got = int4.int4_gemv(x, w4).float()
+    one = torch.cat([int4.int4_gemv(x[m : m + 1], w4) for m in range(rows)]).float()
+    assert got.shape == (rows, n)
+    assert bool(((got - one).abs() <= one.abs() / 128 + 1e-6).all()), (got - one).abs().max()
+
+
 @pytest.mark.card(CARD, "the-int4-gemv-refuses-bad-input")
 def test_int4_gemv_refuses_bad_input() -> None:
     int4 = _int4()
@@ -86,7 +105,6 @@ def test_int4_gemv_refuses_bad_input() -> None:
     for bad, match in (
         (torch.randn(2, 64), "x"),  # fp32
         (torch.randn(2, 32).bfloat16(), "x"),  # another K
-        (torch.randn(17, 64).bfloat16(), "rows"),  # more rows than a call takes
         (torch.randn(0, 64).bfloat16(), "rows"),
         (x.t().contiguous().t(), "x"),  # columns not contiguous
     ):
@@ -107,7 +125,7 @@ def _llm(path: Path | None, monkeypatch: pytest.MonkeyPatch, mode: str, **kw: An
     monkeypatch.setenv("MINISGL_CPU_DECODE", mode)
     if path is None:
         return LLM(dtype="bfloat16", **kw)
-    return LLM(str(path), dtype="bfloat16", quantization="int4", num_pages=512, **kw)
+    return LLM(str(path), dtype="bfloat16", quantization="int4", **{"num_pages": 512, **kw})
 
 
 @pytest.mark.card(CARD, "the-c-decode-step-matches-the-torch-modules-on-every-architecture")
@@ -134,6 +152,50 @@ def test_the_c_decode_step_matches_the_modules(tiny: Path, monkeypatch) -> None:
     diff = (got - ref).abs().amax(dim=1)
     clear = (top2[:, 0] - top2[:, 1]) > 2 * diff
     assert int(clear.sum()) >= 20
+    assert torch.equal(got.argmax(1)[clear], ref.argmax(1)[clear])
+
+
+def _batch_decode_logits(llm: Any, prompts: list[list[int]], prefix: int) -> torch.Tensor:
+    """fp32 logits [steps, len(prompts), vocab]: one prefill of every prompt's first `prefix`
+    tokens, then decode steps of all of them at once, each row fed its prompt's next token
+    (a fresh engine: pool rows 0 .. len(prompts) * len(prompt) - 1 are free)."""
+    import numpy as np
+
+    from minisgl.step.plan import build_step_plan
+
+    b, n = len(prompts), len(prompts[0])
+    table = np.arange(b * n, dtype=np.int32).reshape(b, n)
+    slots, every = np.arange(b), np.ones(b, dtype=bool)
+
+    def step(start: int, width: int, prefill: bool) -> torch.Tensor:
+        ids = [t for p in prompts for t in p[start : start + width]]
+        plan = build_step_plan(table, slots, [start] * b, [width] * b, ids, every, prefill)
+        return llm.engine.forward(plan).float()
+
+    steps = [step(0, prefix, True)] + [step(t, 1, False) for t in range(prefix, n - 1)]
+    return torch.stack(steps)
+
+
+@pytest.mark.card(CARD, "the-c-decode-step-matches-the-torch-modules-on-every-architecture")
+@pytest.mark.parametrize("batch", [16, 64])
+def test_the_c_decode_step_matches_the_modules_in_batches(tiny: Path, batch: int,
+                                                          monkeypatch) -> None:  # fmt: skip
+    """Teacher-forced decode steps of `batch` requests at once, every one through the C step:
+    each row's logits within the int8 activations' rounding of the modules' (cosine > 0.99),
+    the same greedy token wherever the modules' margin exceeds the difference."""
+    prompts = random_prompts(batch, 14, 14, vocab=300, seed=batch)
+    kw = {"num_pages": batch * 14 + 64, "max_running_requests": batch}
+    c = _llm(tiny, monkeypatch, "c", **kw)
+    got = _batch_decode_logits(c, prompts, prefix=5)
+    assert c.engine.cpu_decode is not None and c.engine.cpu_decode.steps == 8
+    ref = _batch_decode_logits(_llm(tiny, monkeypatch, "modules", **kw), prompts, prefix=5)
+    assert got.shape == ref.shape == (9, batch, ref.shape[2])
+    got, ref = got.flatten(0, 1), ref.flatten(0, 1)
+    cos = torch.nn.functional.cosine_similarity(got, ref, dim=1)
+    assert float(cos.min()) > 0.99, cos.min()
+    top2 = ref.topk(2, dim=1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * (got - ref).abs().amax(dim=1)
+    assert int(clear.sum()) >= ref.shape[0] // 4
     assert torch.equal(got.argmax(1)[clear], ref.argmax(1)[clear])
 
 
@@ -206,8 +268,10 @@ _CHILD = textwrap.dedent(
     layer = Int4Linear(quantize_int4(torch.randn(96, 576, generator=g) * 0.05), None, torch.bfloat16)
     w = int4.Int4Matrix.of(layer.codes, layer.scales_zeros, None)
     x = torch.randn(3, 576, generator=g).bfloat16()
+    xs = torch.randn(21, 576, generator=g).bfloat16()
     out = {"isa": isa_summary(), "march": list(march_flags()), "so": cpu_native.build().name,
            "gemv": int4.int4_gemv(x, w).float().tolist(), "w8a8": w8a8.w8a8_supported(),
+           "gemm": int4.int4_gemv(xs, w).float().tolist(),
            "amx": "amx_tile" in cpu_flags()}
     if out["w8a8"]:
         xq = torch.randint(-127, 128, (5, 576), generator=g, dtype=torch.int8)
@@ -244,10 +308,11 @@ def test_every_isa_level_builds_the_kernels_and_agrees() -> None:
     assert runs["avx2"]["isa"]["features_used"] == ["avx2"] or not runs["avx2"]["isa"]["features"]
     assert runs["avx2"]["w8a8"] is False  # no int8 matrix instructions at that level
     assert "-mno-avx512f" in runs["avx2"]["march"] and runs["native"]["march"] == []
-    base = torch.tensor(runs["native"]["gemv"])
+    for key in ("gemv", "gemm"):  # 3 rows, and 21 (the multi-row kernel's blocks and tail)
+        base = torch.tensor(runs["native"][key])
+        for level, r in runs.items():
+            assert torch.allclose(torch.tensor(r[key]), base, rtol=1e-2, atol=1e-2), (key, level)
     for level, r in runs.items():
-        got = torch.tensor(r["gemv"])
-        assert torch.allclose(got, base, rtol=1e-2, atol=1e-2), level
         if r["w8a8"]:
             assert r["int8_exact"], level
 

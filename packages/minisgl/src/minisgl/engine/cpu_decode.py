@@ -4,7 +4,7 @@ Through the torch modules a batch-1 decode step of the embedded model runs ~500 
 dispatch of a few microseconds: ~6 of its ~14 ms (AMD EPYC, 2 threads). Here the decoder layers
 and the final norm are one call (`cpu_native.int4.decode_layers`) and the lm_head a second
 (`int4_gemv`): the int4 GEMVs multiply the codes by int8 activations on VNNI, the rest are
-plain loops over a few rows. It runs decode steps of at most `MAX_ROWS` (8) requests of a model
+plain loops over the rows. It runs decode steps of at most `MAX_ROWS` (64) requests of a model
 whose decoder linears and lm_head are all `Int4Linear` (bf16), through the C paged decode
 attention; every other step, and every other model, takes the modules. `MINISGL_CPU_DECODE=
 modules` turns it off (an A/B switch and the reference of its tests).
@@ -25,11 +25,12 @@ from minisgl.utils.log import get_logger
 
 logger = get_logger(__name__)
 
-# decode rows a step runs here at most (the C call takes up to `int4.MAX_ROWS`): past one row
-# its GEMV multiplies each weight row by the rows in turn, compute-bound, ~3 ms a row against
-# the packed torch kernel's ~1.5 (embedded model, AMD EPYC, 2 threads: 1 row 4.6 ms against
-# 12.6 through the modules, 8 rows 24.4 against 30.8, 12 rows 38.4 against 35.5)
-MAX_ROWS = 8
+# decode rows a step runs here at most: its GEMM multiplies each unpacked block of weights by 4
+# input rows at a time (decode_step.c's `tile`), compute-bound from a few rows at ~57 GMAC/s a
+# core; the modules de-quantize to bf16 from 64 rows for oneDNN, ~75 (embedded model, AMD EPYC,
+# 1 thread, CPU time a step: 16 rows 47.7 ms against 75.1 through the modules, 64 rows 175
+# against 202, 128 rows 350 against 340)
+MAX_ROWS = 64
 
 
 def _matrix(layer: nn.Module) -> int4.Int4Matrix | None:

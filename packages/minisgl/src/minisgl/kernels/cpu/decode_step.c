@@ -12,7 +12,11 @@
  * codes exact in int32 (AVX512-VNNI vpdpbusd: unsigned codes times signed activations, 64 products an
  * instruction), the second from the group's float sum. The activations are split per group
  * into their even and odd columns, so the low and high nibbles of 16 code bytes meet their 16
- * activations without a shuffle. Without AVX512-VNNI the same arithmetic runs as plain loops.
+ * activations without a shuffle. One input row: `dots4`, four weight rows a pass (a stream of
+ * the weights, bandwidth-bound). Several: `tile`, a block of up to 4 weight rows by 4 input
+ * rows, each weight vector unpacked once for the 4 inputs and each input vector loaded once for
+ * the 4 weight rows, its 16 accumulators in registers: the step's cost grows far slower than
+ * its rows. Without AVX512-VNNI the same arithmetic runs as plain loops.
  *
  * Roundings follow the model's eager bf16 ops (models/layers.py): RMSNorm normalised in fp32,
  * rounded, times the weight, rounded; a linear's output rounded once (bias added before);
@@ -30,7 +34,6 @@
 #include "vexp.h"
 
 #define GROUP 32
-#define MAX_ROWS 16 /* decode rows of one call */
 
 static inline float rbf(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
@@ -62,33 +65,41 @@ typedef struct {
 typedef struct {
     int8_t *xe, *xo;
     float *d4, *sum4, *q8sum4;
+    /* per group g at 2 g, 2 g + 1: -8 d sum q, sum x (the terms of the weights' s and z
+     * there, `tile` multiplies them once a row, 8 groups a vector) */
+    float *ext;
 } qrow;
 
-/* a[0..rows) start zeroed (`qrows_free` frees what was allocated) */
-static int qrows_alloc(qrow *a, int64_t rows, int64_t kmax) {
-    const int64_t gp = round_up(kmax / GROUP + 1, 16);
-    for (int64_t m = 0; m < rows; m++) {
-        a[m].xe = aligned_alloc(64, (size_t)(gp * 16));
-        a[m].xo = aligned_alloc(64, (size_t)(gp * 16));
-        a[m].d4 = aligned_alloc(64, (size_t)(gp * 4) * sizeof(float));
-        a[m].sum4 = aligned_alloc(64, (size_t)(gp * 4) * sizeof(float));
-        a[m].q8sum4 = aligned_alloc(64, (size_t)(gp * 4) * sizeof(float));
-        if (!a[m].xe || !a[m].xo || !a[m].d4 || !a[m].sum4 || !a[m].q8sum4) return 0;
+/* `rows` quantized input rows of up to kmax columns in one 64-aligned buffer (NULL: out of
+ * memory; `free(a[0].xe)` then `free(a)` release them) */
+static qrow *qrows_new(int64_t rows, int64_t kmax) {
+    const int64_t gp = round_up(kmax / GROUP + 1, 16); /* >= the groups rounded up to 8 */
+    const int64_t bytes = gp * (16 + 16 + 3 * 4 * sizeof(float) + 2 * sizeof(float));
+    qrow *a = malloc((size_t)rows * sizeof(qrow));
+    uint8_t *buf = aligned_alloc(64, (size_t)(rows * bytes));
+    if (a == NULL || buf == NULL) {
+        free(a);
+        free(buf);
+        return NULL;
     }
-    return 1;
+    for (int64_t m = 0; m < rows; m++) {
+        uint8_t *b = buf + m * bytes;
+        a[m].xe = (int8_t *)b;
+        a[m].xo = (int8_t *)(b + gp * 16);
+        a[m].d4 = (float *)(b + gp * 32);
+        a[m].sum4 = a[m].d4 + gp * 4;
+        a[m].q8sum4 = a[m].sum4 + gp * 4;
+        a[m].ext = a[m].q8sum4 + gp * 4;
+    }
+    return a;
 }
 
-static void qrows_free(qrow *a, int64_t rows) {
-    for (int64_t m = 0; m < rows; m++) {
-        free(a[m].xe);
-        free(a[m].xo);
-        free(a[m].d4);
-        free(a[m].sum4);
-        free(a[m].q8sum4);
-    }
+static void qrows_free(qrow *a) {
+    if (a != NULL) free(a[0].xe);
+    free(a);
 }
 
-/* quantize k floats (k a multiple of 32); the groups up to a multiple of 4 are zeroed */
+/* quantize k floats (k a multiple of 32); the groups up to a multiple of 8 are zeroed */
 static void quantize_row(const float *x, int64_t k, qrow *a) {
     const int64_t groups = k / GROUP, gp = round_up(groups, 4);
     for (int64_t g = 0; g < groups; g++) {
@@ -128,68 +139,38 @@ static void quantize_row(const float *x, int64_t k, qrow *a) {
             a->sum4[g * 4 + j] = 0.25f * sum;
             a->q8sum4[g * 4 + j] = 2.0f * d * (float)qsum;
         }
+        a->ext[2 * g] = -8.0f * d * (float)qsum;
+        a->ext[2 * g + 1] = sum;
     }
-    for (int64_t g = groups; g < gp; g++) {
-        memset(a->xe + g * 16, 0, 16);
-        memset(a->xo + g * 16, 0, 16);
-        for (int j = 0; j < 4; j++) a->d4[g * 4 + j] = a->sum4[g * 4 + j] = a->q8sum4[g * 4 + j] = 0.0f;
+    for (int64_t g = groups; g < round_up(groups, 8); g++) {
+        if (g < gp) {
+            memset(a->xe + g * 16, 0, 16);
+            memset(a->xo + g * 16, 0, 16);
+            for (int j = 0; j < 4; j++) a->d4[g * 4 + j] = a->sum4[g * 4 + j] = a->q8sum4[g * 4 + j] = 0.0f;
+        }
+        a->ext[2 * g] = a->ext[2 * g + 1] = 0.0f;
     }
 }
 
-/* out[m] = row n of w . input row m, for the `rows` quantized inputs */
-static void row_dots(const q4mat *w, int64_t n, const qrow *a, int64_t rows, float *out) {
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+/* row n of w . one quantized input row, in plain loops (CPUs without AVX512-VNNI) */
+static float row_dot(const q4mat *w, int64_t n, const qrow *a) {
     const int64_t groups = w->k / GROUP;
     const uint8_t *c = w->codes + n * (w->k / 2);
     const uint16_t *sz = w->sz + n * w->gp * 2;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    /* two accumulators a row (the codes' term, the zeros' term): no chain of two FMAs */
-    __m512 acc[MAX_ROWS], accz[MAX_ROWS];
-    for (int64_t m = 0; m < rows; m++) acc[m] = accz[m] = _mm512_setzero_ps();
-    /* lanes 4 j .. 4 j + 3 hold group j of 4: its s from 2 j, its z from 2 j + 1 */
-    const __m512i s_at = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
-    const __m512i z_at = _mm512_add_epi32(s_at, _mm512_set1_epi32(1));
-    const __m512i nib = _mm512_set1_epi8(0x0F);
-    for (int64_t g = 0; g < groups; g += 4) { /* 4 groups: 64 code bytes, 128 columns */
-        const int64_t left = groups - g;
-        const __mmask64 mask = left >= 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * left)) - 1);
-        const __m512i v = _mm512_maskz_loadu_epi8(mask, c + g * 16);
-        _mm_prefetch((const char *)(c + 4 * (w->k / 2) + g * 16), _MM_HINT_T0); /* 4 rows on */
-        const __m512i lo = _mm512_and_si512(v, nib);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-        /* sz is padded to a multiple of 4 groups: 8 bf16 always readable */
-        const __m512 f8 = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(sz + 2 * g)))), 16));
-        const __m512 sv = _mm512_permutexvar_ps(s_at, f8);
-        const __m512 zv = _mm512_permutexvar_ps(z_at, f8);
-        for (int64_t m = 0; m < rows; m++) {
-            __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
-                                               _mm512_load_si512((const void *)(a[m].xe + g * 16)));
-            isum = _mm512_dpbusd_epi32(isum, hi, _mm512_load_si512((const void *)(a[m].xo + g * 16)));
-            /* s (d sum code q - 8 d sum q), z sum x */
-            const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(isum), _mm512_load_ps(a[m].d4 + g * 4),
-                                             _mm512_load_ps(a[m].q8sum4 + g * 4));
-            acc[m] = _mm512_fmadd_ps(sv, t, acc[m]);
-            accz[m] = _mm512_fmadd_ps(zv, _mm512_load_ps(a[m].sum4 + g * 4), accz[m]);
-        }
-    }
-    for (int64_t m = 0; m < rows; m++)
-        out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], accz[m]));
-#else
-    for (int64_t m = 0; m < rows; m++) out[m] = 0.0f;
+    float out = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
         const float sg = bf16_to_f32(sz[2 * g]), zg = bf16_to_f32(sz[2 * g + 1]);
-        for (int64_t m = 0; m < rows; m++) {
-            int32_t isum = 0;
-            for (int j = 0; j < 16; j++) {
-                const uint8_t b = c[g * 16 + j];
-                isum += (int32_t)(b & 15) * a[m].xe[g * 16 + j] + (int32_t)(b >> 4) * a[m].xo[g * 16 + j];
-            }
-            out[m] += (float)isum * sg * a[m].d4[g * 4] + zg * 4.0f * a[m].sum4[g * 4] -
-                      sg * 4.0f * a[m].q8sum4[g * 4];
+        int32_t isum = 0;
+        for (int j = 0; j < 16; j++) {
+            const uint8_t b = c[g * 16 + j];
+            isum += (int32_t)(b & 15) * a->xe[g * 16 + j] + (int32_t)(b >> 4) * a->xo[g * 16 + j];
         }
+        out += (float)isum * sg * a->d4[g * 4] + zg * 4.0f * a->sum4[g * 4] - sg * 4.0f * a->q8sum4[g * 4];
     }
-#endif
+    return out;
 }
+#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* 16-bit lanes that put a group's s (or z) in the upper half of its 4 fp32 lanes (the lower
@@ -248,6 +229,109 @@ static void dots4(const q4mat *w, int64_t n, const qrow *a, float *out) {
     const __m256 h4 = _mm256_hadd_ps(h01, h23); /* [r0 r1 r2 r3 | r0 r1 r2 r3] partial sums */
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h4), _mm256_extractf128_ps(h4, 1)));
 }
+
+/* out[m * nr + r] = row n + r of w . input row m, for r < nr (1 or 4), m < mr (1 to 4). Inlined
+ * with constant nr, mr: the loops unroll and the nr x mr accumulators stay in registers. Per 4
+ * groups a weight row's codes are unpacked and its scales widened once for the mr inputs, an
+ * input's codes and scales loaded once for the nr rows: the codes' term s d sum code q only;
+ * the terms of -8 d sum q and of the zeros, s (-8 d sum q) + z sum x, once per 8 groups after
+ * (`qrow.ext` against the interleaved s, z: one FMA a row pair), into the same accumulators. */
+static inline __attribute__((always_inline)) void tile(const q4mat *w, int64_t n, const qrow *a,
+                                                       const int nr, const int mr, float *out) {
+    const int64_t groups = w->k / GROUP, half = w->k / 2, sstride = w->gp * 2;
+    const uint8_t *c = w->codes + n * half;
+    const uint16_t *sz = w->sz + n * sstride;
+    const __m512i s_at = _mm512_loadu_si512((const void *)S_AT);
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    __m512 acc[4][4];
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < mr; m++) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 4) {
+        const int64_t left = groups - g;
+        const __mmask64 mask = left >= 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * left)) - 1);
+        __m512i lo[4], hi[4];
+        __m512 sv[4];
+        for (int r = 0; r < nr; r++) {
+            const __m512i v = _mm512_maskz_loadu_epi8(mask, c + r * half + g * 16);
+            lo[r] = _mm512_and_si512(v, nib);
+            hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+            const __m512i raw = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(sz + r * sstride + 2 * g)));
+            sv[r] = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(UPPER_HALVES, s_at, raw));
+        }
+        for (int m = 0; m < mr; m++) {
+            const __m512i xe = _mm512_load_si512((const void *)(a[m].xe + g * 16));
+            const __m512i xo = _mm512_load_si512((const void *)(a[m].xo + g * 16));
+            const __m512 d4 = _mm512_load_ps(a[m].d4 + g * 4);
+            for (int r = 0; r < nr; r++) {
+                /* vpdpbusd: the unsigned codes (0..15) times the signed activations, 4 products
+                 * summed into each int32 lane: exact */
+                __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], xe);
+                isum = _mm512_dpbusd_epi32(isum, hi[r], xo);
+                acc[r][m] = _mm512_fmadd_ps(sv[r], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), d4), acc[r][m]);
+            }
+        }
+    }
+    /* 8 groups a vector: s, z of a row (16 bf16 widened, masked past its gp groups) against the
+     * input's -8 d sum q, sum x (zero past its groups) */
+    for (int64_t g = 0; g < groups; g += 8) {
+        const int64_t left = w->gp - g;
+        const __mmask16 mask = left >= 8 ? (__mmask16)0xFFFF : (__mmask16)((1u << (2 * left)) - 1);
+        __m512 szf[4];
+        for (int r = 0; r < nr; r++)
+            szf[r] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, sz + r * sstride + 2 * g)), 16));
+        for (int m = 0; m < mr; m++) {
+            const __m512 e = _mm512_load_ps(a[m].ext + 2 * g);
+            for (int r = 0; r < nr; r++) acc[r][m] = _mm512_fmadd_ps(szf[r], e, acc[r][m]);
+        }
+    }
+    for (int m = 0; m < mr; m++) {
+        if (nr == 4) { /* four horizontal sums at once, as dots4 */
+            __m256 h[4];
+            for (int r = 0; r < 4; r++)
+                h[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][m]), _mm512_extractf32x8_ps(acc[r][m], 1));
+            const __m256 h4 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+            _mm_storeu_ps(out + m * 4, _mm_add_ps(_mm256_castps256_ps128(h4), _mm256_extractf128_ps(h4, 1)));
+        } else {
+            for (int r = 0; r < nr; r++) out[m * nr + r] = _mm512_reduce_add_ps(acc[r][m]);
+        }
+    }
+}
+
+/* weight rows a thread takes at a time in `gemm` (their codes stay in L1 / L2 while every
+ * block of 4 input rows passes over them) */
+#define GEMM_CHUNK 32
+
+/* y [rows, n] (floats rounded to bf16) = the quantized rows times w^T (+ bias), rows >= 2 */
+static void gemm(const q4mat *w, const qrow *a, int64_t rows, float *y, int threads) {
+    const int64_t n = w->n, chunks = (n + GEMM_CHUNK - 1) / GEMM_CHUNK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t ch = 0; ch < chunks; ch++) {
+        const int64_t n_hi = n < (ch + 1) * GEMM_CHUNK ? n : (ch + 1) * GEMM_CHUNK;
+        for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+            const int64_t mr = rows - m0 < 4 ? rows - m0 : 4;
+            for (int64_t n0 = ch * GEMM_CHUNK; n0 < n_hi;) {
+                const int nr = n_hi - n0 >= 4 ? 4 : 1;
+                float o[16];
+                switch (nr * 8 + (int)mr) { /* constant shapes: `tile` inlined for each */
+                case 36: tile(w, n0, a + m0, 4, 4, o); break;
+                case 35: tile(w, n0, a + m0, 4, 3, o); break;
+                case 34: tile(w, n0, a + m0, 4, 2, o); break;
+                case 33: tile(w, n0, a + m0, 4, 1, o); break;
+                case 12: tile(w, n0, a + m0, 1, 4, o); break;
+                case 11: tile(w, n0, a + m0, 1, 3, o); break;
+                case 10: tile(w, n0, a + m0, 1, 2, o); break;
+                default: tile(w, n0, a + m0, 1, 1, o); break;
+                }
+                for (int r = 0; r < nr; r++) {
+                    const float b = w->bias != NULL ? bf16_to_f32(w->bias[n0 + r]) : 0.0f;
+                    for (int64_t m = 0; m < mr; m++) y[(m0 + m) * n + n0 + r] = rbf(o[m * nr + r] + b);
+                }
+                n0 += nr;
+            }
+        }
+    }
+}
 #define HAVE_DOTS4 1
 #else
 #define HAVE_DOTS4 0
@@ -256,25 +340,25 @@ static void dots4(const q4mat *w, int64_t n, const qrow *a, float *out) {
 /* y [rows, n] (floats rounded to bf16) = the quantized rows times w^T (+ bias) */
 static void gemv(const q4mat *w, const qrow *a, int64_t rows, float *y, int threads) {
     const int64_t n = w->n;
-    if (HAVE_DOTS4 && rows == 1 && n % 4 == 0) {
+#if HAVE_DOTS4
+    if (rows == 1 && n % 4 == 0) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t r = 0; r < n; r += 4) {
             float o[4];
-#if HAVE_DOTS4
             dots4(w, r, a, o);
-#endif
             for (int j = 0; j < 4; j++)
                 y[r + j] = rbf(o[j] + (w->bias != NULL ? bf16_to_f32(w->bias[r + j]) : 0.0f));
         }
-        return;
+    } else {
+        gemm(w, a, rows, y, threads);
     }
+#else
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < n; r++) {
-        float o[MAX_ROWS];
-        row_dots(w, r, a, rows, o);
         const float b = w->bias != NULL ? bf16_to_f32(w->bias[r]) : 0.0f;
-        for (int64_t m = 0; m < rows; m++) y[m * n + r] = rbf(o[m] + b);
+        for (int64_t m = 0; m < rows; m++) y[m * n + r] = rbf(row_dot(w, r, &a[m]) + b);
     }
+#endif
 }
 
 static int check_mat(const q4mat *w) {
@@ -288,11 +372,11 @@ int int4_gemv_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *codes, co
                    int threads) {
     const q4mat w = {codes, sz, bias, n, k, gp};
     if (!check_mat(&w)) return 9;
-    if (rows < 1 || rows > MAX_ROWS) return 9;
-    qrow a[MAX_ROWS] = {{0}};
+    if (rows < 1) return 9;
+    qrow *a = qrows_new(rows, k);
     float *xf = malloc((size_t)k * sizeof(float));
     float *y = malloc((size_t)(rows * n) * sizeof(float));
-    int ok = xf != NULL && y != NULL && qrows_alloc(a, rows, k);
+    int ok = xf != NULL && y != NULL && a != NULL;
     if (ok) {
         for (int64_t m = 0; m < rows; m++) {
             for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(x[m * x_stride + i]);
@@ -301,7 +385,7 @@ int int4_gemv_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *codes, co
         gemv(&w, a, rows, y, threads);
         for (int64_t i = 0; i < rows * n; i++) out[i] = f32_to_bf16(y[i]);
     }
-    qrows_free(a, rows);
+    qrows_free(a);
     free(xf);
     free(y);
     return ok ? 0 : 3;
@@ -356,6 +440,10 @@ static void silu_mul(const float *g, const float *u, float *h, int64_t n) {
     for (; i < n; i++) h[i] = rbf(rbf(g[i] / (1.0f + expf(-g[i]))) * u[i]);
 }
 
+/* the per-row work between the GEMMs (norms, quantization, RoPE, SiLU): rows split over the
+ * threads from 4 rows (fewer: not worth a fork) */
+#define ROWS_PARALLEL _Pragma("omp parallel for schedule(static) num_threads(threads) if (rows >= 4)")
+
 /* The decoder layers of `rows` decode tokens: x [rows, h] bf16 (the embeddings) is the residual
  * stream, updated in place; out [rows, h] its final RMSNorm. cos / sin [rows, d] (the tokens'
  * positions already looked up), out_loc [rows] the pool rows their K / V go to; attention reads
@@ -366,7 +454,7 @@ int decode_layers_bf16(const layer_w *layers, int64_t num_layers, uint16_t *x, c
                        const int64_t *lens, int64_t rows, int64_t h, int64_t nh, int64_t kvh,
                        int64_t d, int64_t inter, int64_t num_rows, int64_t row_stride, int64_t window,
                        float eps, int threads) {
-    if (rows < 1 || rows > MAX_ROWS || d > MAX_D || d % 2 || nh % kvh) return 9;
+    if (rows < 1 || d > MAX_D || d % 2 || nh % kvh) return 9;
     for (int64_t l = 0; l < num_layers; l++) {
         const layer_w *L = &layers[l];
         if (!check_mat(&L->qkv) || !check_mat(&L->o) || !check_mat(&L->gate_up) || !check_mat(&L->down))
@@ -381,23 +469,25 @@ int decode_layers_bf16(const layer_w *layers, int64_t num_layers, uint16_t *x, c
     int64_t kmax = h > qn ? h : qn;
     kmax = kmax > inter ? kmax : inter;
     int64_t ymax = nqkv > 2 * inter ? nqkv : 2 * inter;
-    qrow a[MAX_ROWS] = {{0}};
+    qrow *a = qrows_new(rows, kmax);
     float *xf = malloc((size_t)(rows * h) * sizeof(float));
-    float *hb = malloc((size_t)kmax * sizeof(float));
+    float *hb = malloc((size_t)(rows * kmax) * sizeof(float)); /* a row's norm or SiLU x up */
     float *y = malloc((size_t)(rows * ymax) * sizeof(float));
     uint16_t *qb = malloc((size_t)(rows * qn) * sizeof(uint16_t));
     uint16_t *ob = malloc((size_t)(rows * qn) * sizeof(uint16_t));
-    int rc = (xf && hb && y && qb && ob && qrows_alloc(a, rows, kmax)) ? 0 : 3;
+    int rc = (xf && hb && y && qb && ob && a) ? 0 : 3;
     const float scale = 1.0f / sqrtf((float)d);
     for (int64_t i = 0; rc == 0 && i < rows * h; i++) xf[i] = bf16_to_f32(x[i]);
     for (int64_t l = 0; rc == 0 && l < num_layers; l++) {
         const layer_w *L = &layers[l];
         /* attention: norm, QKV, q / k norms, RoPE, KV store */
+        ROWS_PARALLEL
         for (int64_t m = 0; m < rows; m++) {
-            rms_norm(xf + m * h, L->in_norm, eps, h, hb);
-            quantize_row(hb, h, &a[m]);
+            rms_norm(xf + m * h, L->in_norm, eps, h, hb + m * kmax);
+            quantize_row(hb + m * kmax, h, &a[m]);
         }
         gemv(&L->qkv, a, rows, y, threads);
+        ROWS_PARALLEL
         for (int64_t m = 0; m < rows; m++) {
             float *ym = y + m * nqkv;
             for (int64_t hd = 0; hd < nh + kvh; hd++) {
@@ -421,36 +511,43 @@ int decode_layers_bf16(const layer_w *layers, int64_t num_layers, uint16_t *x, c
                                          row_stride, window, scale, threads);
         if (rc != 0) break;
         /* o_proj and the residual */
+        ROWS_PARALLEL
         for (int64_t m = 0; m < rows; m++) {
-            for (int64_t i = 0; i < qn; i++) hb[i] = bf16_to_f32(ob[m * qn + i]);
-            quantize_row(hb, qn, &a[m]);
+            float *hm = hb + m * kmax;
+            for (int64_t i = 0; i < qn; i++) hm[i] = bf16_to_f32(ob[m * qn + i]);
+            quantize_row(hm, qn, &a[m]);
         }
         gemv(&L->o, a, rows, y, threads);
-        for (int64_t i = 0; i < rows * h; i++) xf[i] = rbf(xf[i] + y[i]);
-        /* MLP: norm, gate / up, SiLU x up, down, the residual */
+        /* the residual, then the MLP: norm, gate / up, SiLU x up, down, the residual */
+        ROWS_PARALLEL
         for (int64_t m = 0; m < rows; m++) {
-            rms_norm(xf + m * h, L->post_norm, eps, h, hb);
-            quantize_row(hb, h, &a[m]);
+            for (int64_t i = m * h; i < (m + 1) * h; i++) xf[i] = rbf(xf[i] + y[i]);
+            rms_norm(xf + m * h, L->post_norm, eps, h, hb + m * kmax);
+            quantize_row(hb + m * kmax, h, &a[m]);
         }
         gemv(&L->gate_up, a, rows, y, threads);
+        ROWS_PARALLEL
         for (int64_t m = 0; m < rows; m++) {
             const float *g = y + m * 2 * inter;
-            silu_mul(g, g + inter, hb, inter);
-            quantize_row(hb, inter, &a[m]);
+            silu_mul(g, g + inter, hb + m * kmax, inter);
+            quantize_row(hb + m * kmax, inter, &a[m]);
         }
         gemv(&L->down, a, rows, y, threads);
+        ROWS_PARALLEL
         for (int64_t i = 0; i < rows * h; i++) xf[i] = rbf(xf[i] + y[i]);
     }
     if (rc == 0) {
+        ROWS_PARALLEL
         for (int64_t m = 0; m < rows; m++) {
-            rms_norm(xf + m * h, final_norm, eps, h, hb);
+            float *hm = hb + m * kmax;
+            rms_norm(xf + m * h, final_norm, eps, h, hm);
             for (int64_t i = 0; i < h; i++) {
-                out[m * h + i] = f32_to_bf16(hb[i]);
+                out[m * h + i] = f32_to_bf16(hm[i]);
                 x[m * h + i] = f32_to_bf16(xf[m * h + i]);
             }
         }
     }
-    qrows_free(a, rows);
+    qrows_free(a);
     free(xf);
     free(hb);
     free(y);

@@ -11,7 +11,6 @@ import torch
 from minisgl.kernels.cpu import _ERRORS, _library
 
 GROUP = 32  # columns a scale and zero cover (`INT4_GROUP`)
-MAX_ROWS = 16  # decode rows of one call (decode_step.c's MAX_ROWS)
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -69,8 +68,7 @@ class Int4Matrix:
 
 
 def int4_gemv(x: torch.Tensor, w: Int4Matrix) -> torch.Tensor:
-    """bf16 x [rows, K] (1 <= rows <= MAX_ROWS, rows contiguous) times w^T (+ bias): bf16
-    [rows, N]. x is quantized per group of 32 to int8 (decode_step.c), so the result is not
+    """bf16 x [rows, K] (rows >= 1, each contiguous) times w^T (+ bias): bf16 [rows, N]. x is quantized per group of 32 to int8 (decode_step.c), so the result is not
     the packed torch kernel's to the bit; ValueError on other shapes."""
     lib = _library()
     assert lib is not None
@@ -78,8 +76,8 @@ def int4_gemv(x: torch.Tensor, w: Int4Matrix) -> torch.Tensor:
     rows = x.shape[0] if x.dim() == 2 else 0
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"int4_gemv: x {tuple(x.shape)} {x.dtype} for a [{n}, {k}] matrix")
-    if not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"int4_gemv: 1 to {MAX_ROWS} rows, got {rows}")
+    if rows < 1:
+        raise ValueError(f"int4_gemv: rows must be >= 1, got {rows}")
     out = torch.empty(rows, n, dtype=torch.bfloat16)
     sz = w.scales_zeros  # the lm_head's call, every decode step: no ctypes record built
     rc = lib.int4_gemv_bf16(x.data_ptr(), x.stride(0), w.codes.data_ptr(), sz.data_ptr(),
