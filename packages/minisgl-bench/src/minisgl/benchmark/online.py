@@ -18,7 +18,7 @@ from minisgl.benchmark import common, observe
 from minisgl.benchmark.observations import Observation
 from minisgl.benchmark.offline import request_metrics
 from minisgl.benchmark.profiles import Profile, WorkItem, build_workload
-from minisgl.benchmark.sse import LeanClient
+from minisgl.benchmark.sse import LeanClient, OpenAIClient
 
 KV_POLL_S = 0.2  # /metrics polling period for observations' KV pages (only with --observations)
 
@@ -83,21 +83,6 @@ def request_body(model: str, item: WorkItem, messages) -> dict[str, Any]:
     }
 
 
-async def _stream_openai(client, body: dict[str, Any], t0: float, times, parts):
-    extra = {"ignore_eos": body["ignore_eos"]}
-    std = {k: v for k, v in body.items() if k != "ignore_eos"}
-    stream = await client.chat.completions.create(**std, extra_body=extra)
-    usage = None
-    async for chunk in stream:
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for choice in chunk.choices or []:
-            if choice.delta and choice.delta.content:
-                times.append(time.perf_counter() - t0)
-                parts.append(choice.delta.content)
-    return usage
-
-
 async def _one(client, model: str, item: WorkItem, messages, t0: float, sem, advance):
     async with sem:
         now = time.perf_counter() - t0
@@ -109,10 +94,7 @@ async def _one(client, model: str, item: WorkItem, messages, t0: float, sem, adv
         error = None
         body = request_body(model, item, messages)
         try:
-            if isinstance(client, LeanClient):
-                usage = await client.chat(body, t0, times, parts)
-            else:
-                usage = await _stream_openai(client, body, t0, times, parts)
+            usage = await client.chat(body, t0, times, parts)
         except Exception as exc:
             error = repr(exc)
         advance(1)
@@ -122,11 +104,8 @@ async def _one(client, model: str, item: WorkItem, messages, t0: float, sem, adv
 def make_client(args):
     """The load generator `args.client` names: `lean` (default) or the openai SDK."""
     base = args.base_url.rstrip("/")
-    if getattr(args, "client", "lean") == "openai":
-        from openai import AsyncOpenAI
-
-        return AsyncOpenAI(base_url=f"{base}/v1", api_key=args.api_key, timeout=args.timeout)
-    return LeanClient(base, args.api_key, args.timeout)
+    kind = OpenAIClient if getattr(args, "client", "lean") == "openai" else LeanClient
+    return kind(base, args.api_key, args.timeout)
 
 
 @dataclass(frozen=True)

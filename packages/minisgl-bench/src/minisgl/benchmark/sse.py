@@ -74,3 +74,35 @@ class LeanClient:
                 if u:
                     usage = Usage(int(u["prompt_tokens"]), int(u["completion_tokens"]))
         return usage
+
+
+class OpenAIClient:
+    """The same `chat` through the openai SDK's `AsyncOpenAI` (`--client openai`)."""
+
+    def __init__(self, base_url: str, api_key: str, timeout: float) -> None:
+        from openai import AsyncOpenAI
+
+        self.client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, timeout=timeout)
+
+    async def __aenter__(self) -> OpenAIClient:
+        await self.client.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.__aexit__(*exc)
+
+    async def chat(
+        self, body: dict[str, Any], t0: float, times: list[float], parts: list[str]
+    ) -> Any:
+        extra = {"ignore_eos": body["ignore_eos"]}
+        std = {k: v for k, v in body.items() if k != "ignore_eos"}
+        stream = await self.client.chat.completions.create(**std, extra_body=extra)
+        usage = None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices or []:
+                if choice.delta and choice.delta.content:
+                    times.append(time.perf_counter() - t0)
+                    parts.append(choice.delta.content)
+        return usage

@@ -97,7 +97,8 @@ def run_gpu_worker(
                     send(pipe.submit(msg))  # the steps it had to wait for
                 else:
                     ipc.worker_log(name, f"rejected an unexpected {type(msg).__name__}")
-            send(pipe.ready())
+            if pipe.fileno() in events:  # a step was read back
+                send(pipe.ready())
     except ipc.WorkerExit:
         pass
     finally:
