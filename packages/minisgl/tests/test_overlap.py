@@ -61,7 +61,8 @@ def shared_prefix_prompts(n: int, seed: int) -> list[list[int]]:
 def test_make_stream_specs():
     cpu = torch.device("cpu")
     assert isinstance(make_stream("auto", cpu), InlineStream)
-    assert isinstance(make_stream("auto", cpu, simulated=True), ThreadStream)
+    # the simulated device is asynchronous itself (engine/sim.py): launched inline, like CUDA
+    assert isinstance(make_stream("auto", cpu, simulated=True), InlineStream)
     slow = make_stream("slow:2.5", cpu)
     assert isinstance(slow, ThreadStream) and slow.delay_s == 0.0025 and slow.name == "slow:2.5"
     slow.close()
@@ -76,7 +77,7 @@ def test_env_switches_overlap_off(tiny_model_dir, monkeypatch):
     assert LLM(tiny_model_dir("llama"), **kw).runtime.depth == 0
     monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0")
     llm = LLM(tiny_model_dir("llama"), **kw)
-    assert llm.runtime.depth == 1 and llm.runtime.loop.stream.name == "thread"  # sim: auto
+    assert llm.runtime.depth == 1 and llm.runtime.loop.stream.name == "inline"  # sim: auto
     llm.close()
 
 

@@ -61,15 +61,85 @@ def test_token_rule_is_a_pure_function_in_range_and_never_eos():
         sim_tokens(last, pos, 8, frozenset(range(8)))
 
 
-def test_step_sleeps_the_documented_time(monkeypatch, tiny_model_dir):
-    slept: list[float] = []
-    monkeypatch.setattr(sim.time, "sleep", slept.append)
+class FakeClock:
+    """Host time that moves only when the host sleeps or works (`advance`)."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+        self.slept: list[float] = []
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.t += seconds
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(sim.time, "monotonic", fake.now)
+    monkeypatch.setattr(sim.time, "sleep", fake.sleep)
+    return fake
+
+
+def test_step_sleeps_the_documented_time(clock, tiny_model_dir):
     llm = LLM(tiny_model_dir("llama"), sim_device="1,0.25", **SMALL)
     assert isinstance(llm.engine, SimEngine)
     out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=3, temperature=0))
     assert len(out[0]["token_ids"]) == 3
-    # a 5-token prefill, then two 1-token decodes: 1 ms + 0.25 ms per token
-    assert slept == pytest.approx([0.00225, 0.00125, 0.00125])
+    # a 5-token prefill, then two 1-token decodes: 1 ms + 0.25 ms per token, back to back
+    assert clock.slept == pytest.approx([0.00225, 0.00125, 0.00125])
+
+
+def one_token_plan(llm: LLM) -> tuple:
+    """A 1-token step of one request (slot 0) and its sample row."""
+    from types import SimpleNamespace
+
+    from minisgl.step.plan import build_step_plan
+
+    pt = np.arange(64, dtype=np.int32).reshape(1, 64)
+    one = np.ones(1, dtype=np.int32)
+    plan = build_step_plan(pt, np.zeros(1, np.int32), np.zeros(1, np.int32), one,
+                           np.array([7], np.int32), one.astype(bool), True)  # fmt: skip
+    row = SimpleNamespace(params=SamplingParams(temperature=0), generator=0,
+                          input_ids=np.array([7], np.int32), output_ids=[])  # fmt: skip
+    return plan, [row]
+
+
+def test_the_device_time_runs_while_the_host_works(clock, tiny_model_dir):
+    """Like a GPU: launching a step costs the host no device time; steps run one after
+    another on the device's own timeline; the host waits only when it reads a step's tokens,
+    and only for what is left of it."""
+    llm = LLM(tiny_model_dir("llama"), sim_device="2,0", overlap=False, **SMALL)
+    engine = llm.engine
+    step = llm.runtime.device
+    plan, rows = one_token_plan(llm)
+    a = engine.sample_on_device(plan, rows, step.eos)
+    b = engine.sample_on_device(plan, rows, step.eos)
+    assert clock.slept == []  # two launches, no wait
+    clock.advance(0.0015)  # the host works 1.5 ms meanwhile
+    a.result()
+    assert clock.slept == pytest.approx([0.0005])  # a ends 2 ms after its launch
+    clock.advance(0.003)  # 3 ms of host work: b (2 ms after a) has ended meanwhile
+    b.result()
+    assert clock.slept == pytest.approx([0.0005])
+    c = engine.sample_on_device(plan, rows, step.eos)  # the device is idle: c starts now
+    clock.advance(0.0005)
+    c.result()
+    assert clock.slept == pytest.approx([0.0005, 0.0015])
+    llm.close()
+
+
+def test_the_simulated_device_launches_inline_like_cuda(tiny_model_dir):
+    """Overlap on the simulated device needs no host thread: its steps are asynchronous."""
+    llm = LLM(tiny_model_dir("llama"), sim_device="0,0", **SMALL)
+    assert llm.runtime.depth == 1 and llm.runtime.loop.stream.name == "inline"
+    llm.close()
 
 
 def test_no_weights_are_loaded(tiny_model_dir, monkeypatch):
