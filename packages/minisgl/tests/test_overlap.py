@@ -61,8 +61,6 @@ def shared_prefix_prompts(n: int, seed: int) -> list[list[int]]:
 def test_make_stream_specs():
     cpu = torch.device("cpu")
     assert isinstance(make_stream("auto", cpu), InlineStream)
-    # the simulated device is asynchronous itself (engine/sim.py): launched inline, like CUDA
-    assert isinstance(make_stream("auto", cpu, simulated=True), InlineStream)
     slow = make_stream("slow:2.5", cpu)
     assert isinstance(slow, ThreadStream) and slow.delay_s == 0.0025 and slow.name == "slow:2.5"
     slow.close()

@@ -1,8 +1,13 @@
 """A simulated device: an `Engine` stand-in that runs no model (`--sim-device BASE_MS,TOKEN_MS`).
 
-Each step sleeps `base_ms + token_ms * tokens in the step` (`time.sleep`: the GIL is released,
-the CPU is free, as while a GPU runs a forward) and returns one deterministic token per sample
-row: a splitmix64 hash of (the row's last input token, the new token's position), mapped into
+Each step takes `base_ms + token_ms * tokens in the step` of device time and returns one
+deterministic token per sample row. Like a GPU, the device runs asynchronously to the host
+(`DeviceClock`): launching a step costs the host only its launch work (the tokens are computed
+then), steps run one after another on the device's own timeline, and the host waits
+(`time.sleep`: the GIL released, the CPU free) only when it reads a step's tokens, and only
+for what is left of the step. So overlap scheduling needs no host thread (its stream is
+`inline`, as `cuda`'s launches are) and a step's device time is exactly the configured time:
+the host's launch and bookkeeping work overlaps the previous step, as on a GPU. The token: a splitmix64 hash of (the row's last input token, the new token's position), mapped into
 `[min(100, vocab // 4), vocab)` (low ids are control tokens in most vocabularies) and never an
 EOS id, so every request runs to `max_tokens` and greedy outputs are equal on every CPU backend.
 A non-greedy row also mixes in its request key. Logprobs: the sampled token has logprob 0 (the
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -74,10 +80,29 @@ def sim_tokens(
     return tokens
 
 
-class SimEngine:
-    """The `Engine` interface without a model: `sample_step` sleeps and returns `sim_tokens`."""
+@dataclass
+class DeviceClock:
+    """The simulated device's timeline (host monotonic seconds): a step launched at `t` starts
+    at `max(t, end of the step before)` and ends `seconds` later."""
 
-    simulated = True
+    free_at: float = 0.0  # when the last launched step ends
+
+    def launch(self, seconds: float) -> float:
+        """Queue a step of `seconds`; returns when it ends."""
+        self.free_at = max(time.monotonic(), self.free_at) + seconds
+        return self.free_at
+
+    @staticmethod
+    def wait(until: float) -> None:
+        """Block the host until `until` (a step's end)."""
+        left = until - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+
+
+class SimEngine:
+    """The `Engine` interface without a model: its steps take the simulated device time on
+    `clock` and return `sim_tokens`."""
 
     def __init__(self, config: EngineConfig, sim: SimDevice) -> None:
         self.config = config
@@ -90,6 +115,7 @@ class SimEngine:
         if config.max_seq_len_override is not None:
             self.max_seq_len = min(self.max_seq_len, config.max_seq_len_override)
         self.num_pages = plan_num_pages(config, cfg, self.dtype, self.device, self.max_seq_len)
+        self.clock = DeviceClock()
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
         raise NotImplementedError("the simulated device computes no logits; use sample_step")
@@ -99,13 +125,34 @@ class SimEngine:
         plan: StepPlan,
         rows: Sequence[SampleRow],
         eos_ids: frozenset[int],
-        input_ids: np.ndarray | None = None,
     ) -> SampleResult:
-        """One step: the device time, then one token per sample row (`input_ids`: the plan's
-        inputs with the in-flight ones resolved)."""
-        time.sleep(self.sim.step_s(plan.num_tokens))
+        """One step, waited for: its device time, then one token per sample row."""
+        return self.sample_on_device(plan, rows, eos_ids).result()
+
+    def sample_on_device(
+        self,
+        plan: StepPlan,
+        rows: Sequence[SampleRow],
+        eos_ids: frozenset[int],
+        fill: InputFill | None = None,
+    ) -> HostSample:
+        """Launch one step (`fill`: the inputs still in flight, resolved on the device): its
+        tokens now, its end on the device's timeline; `result()` waits for that end."""
+        ids = plan.input_ids
+        if fill is not None:
+            ids = ids.astype(np.int64)
+            ids[fill.positions.numpy()] = fill.tokens.numpy()
+        res = self._sample(plan, rows, eos_ids, ids)
+        return HostSample(res, self.clock.launch(self.sim.step_s(plan.num_tokens)))
+
+    def _sample(
+        self,
+        plan: StepPlan,
+        rows: Sequence[SampleRow],
+        eos_ids: frozenset[int],
+        ids: np.ndarray,
+    ) -> SampleResult:
         idx = plan.logits_indices
-        ids = plan.input_ids if input_ids is None else input_ids
         keys = None
         if any(not r.params.is_greedy for r in rows):
             keys = np.array(
@@ -129,33 +176,21 @@ class SimEngine:
                 logprobs[i] = TokenLogprob(t, 0.0, top)
         return SampleResult(tokens, [None] * len(rows), logprobs)
 
-    def sample_on_device(
-        self,
-        plan: StepPlan,
-        rows: Sequence[SampleRow],
-        eos_ids: frozenset[int],
-        fill: InputFill | None = None,
-    ) -> HostSample:
-        """`sample_step` behind the `Engine.sample_on_device` interface (the host is the
-        device: nothing to copy)."""
-        ids = None
-        if fill is not None:
-            ids = plan.input_ids.astype(np.int64)
-            ids[fill.positions.numpy()] = fill.tokens.numpy()
-        return HostSample(self.sample_step(plan, rows, eos_ids, ids))
-
 
 class HostSample:
-    """A sample the simulated device already holds on the host (`DeviceSample`'s interface)."""
+    """A simulated step's sample: its tokens are known at launch (`tokens`, on the host: the
+    host is the device), `result()` waits for the step's end on the device's timeline."""
 
-    def __init__(self, res: SampleResult) -> None:
+    def __init__(self, res: SampleResult, ready_at: float) -> None:
         self.res = res
+        self.ready_at = ready_at
         self.tokens = torch.tensor(res.tokens, dtype=torch.int64)
 
     def start_copy(self) -> None:
         pass
 
     def result(self) -> SampleResult:
+        DeviceClock.wait(self.ready_at)
         return self.res
 
 

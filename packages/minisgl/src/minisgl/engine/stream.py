@@ -10,13 +10,13 @@ the tokens the previous step left on the device.
   non-blocking into pinned memory, an event marks it; `result` waits for the event.
 - `InlineStream`: the job runs at once in the caller's thread (a CPU device: the CPU is the
   device).
-- `ThreadStream`: the job runs on one worker thread (the CPU-side stand-in for a GPU:
-  `time.sleep` of the simulated device and torch's CPU kernels release the GIL, so the
-  caller schedules the next step meanwhile); `delay_s` sleeps before each job, so a test
+  The simulated device (`engine/sim.py`) runs here too: its steps are asynchronous by
+  themselves (their device time on the device's own timeline), as a CUDA launch is.
+- `ThreadStream`: the job runs on one worker thread (torch's CPU kernels release the GIL, so
+  the caller schedules the next step meanwhile); `delay_s` sleeps before each job, so a test
   sees ordering bugs a fast device hides.
 
-`make_stream(spec, device)`: `spec` is `auto` (a CUDA device: `cuda`; the simulated device:
-`thread`; else `inline`), `inline`,
+`make_stream(spec, device)`: `spec` is `auto` (a CUDA device: `cuda`; else `inline`), `inline`,
 `thread` or `slow:<ms>` (a `ThreadStream` with that delay); `MINISGL_DEVICE_STREAM` when not
 given.
 """
@@ -155,12 +155,10 @@ class CudaStream:
         self.stream.synchronize()
 
 
-def make_stream(spec: str | None, device: torch.device, simulated: bool = False) -> DeviceStream:
-    """`simulated`: the engine is `sim.SimEngine`, whose device `auto` runs on a thread (the
-    GPU it stands for runs asynchronously)."""
+def make_stream(spec: str | None, device: torch.device) -> DeviceStream:
     spec = (spec or os.environ.get(ENV_STREAM) or "auto").strip().lower()
     if spec == "auto":
-        spec = "cuda" if device.type == "cuda" else "thread" if simulated else "inline"
+        spec = "cuda" if device.type == "cuda" else "inline"
     if spec == "inline":
         return InlineStream()
     if spec == "thread":

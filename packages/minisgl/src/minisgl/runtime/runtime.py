@@ -110,8 +110,7 @@ class Runtime:
             depth = 1
             stream = device_stream
             if stream is None or isinstance(stream, str):
-                simulated = getattr(engine, "simulated", False)
-                stream = make_stream(stream, engine.device, simulated)
+                stream = make_stream(stream, engine.device)
             logger.info("overlap scheduling on (%s device stream)", stream.name)
         elif overlap and name != cpu_backend.SERVICE:
             logger.info("overlap scheduling off: backend %s has no pipelined mode", sched.backend)
@@ -207,10 +206,10 @@ class Runtime:
         self.device.eos = frozenset(eos_token_ids)
 
     def service_pipeline(self, depth: int = 2) -> ServicePipeline:
-        """The service's steps on this engine's device stream (a CUDA side stream, the
-        simulated device's thread; inline on a CPU), the next one submitted while the device
-        runs the last (the server's GPU worker)."""
-        stream = make_stream(None, self.device.device, getattr(self.engine, "simulated", False))
+        """The service's steps on this engine's device stream (a CUDA side stream; inline on a
+        CPU and on the simulated device, which is asynchronous itself), the next one submitted
+        while the device runs the last (the server's GPU worker)."""
+        stream = make_stream(None, self.device.device)
         return ServicePipeline(self.steps, stream, depth)
 
     def execute(self, step: Step) -> StepResult:
