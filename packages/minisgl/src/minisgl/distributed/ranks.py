@@ -27,9 +27,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,8 @@ logger = get_logger(__name__)
 TIMEOUT_S = float(os.environ.get("MINISGL_TP_TIMEOUT_S", "600"))  # start-up and collectives
 STOP_S = 10.0
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class Boot:
@@ -64,11 +67,34 @@ class Boot:
 
 @dataclass(frozen=True)
 class Step:
-    """One step for the followers: the plan, and how many in-flight inputs follow it over
-    torch.distributed (positions, then tokens)."""
+    """One step for the followers: the plan, how many in-flight inputs follow it over
+    torch.distributed (positions, then tokens), and whether rank 0 replays a decode graph for it
+    (the followers then replay the same bucket: the collectives are in the captured graphs)."""
 
     plan: StepPlan
     num_fill: int
+    graph: bool
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a follower ran, sent to rank 0 as it stops: its steps, and its decode graph replays
+    per bucket ((bucket, replays), by bucket)."""
+
+    steps: int
+    replays: tuple[tuple[int, int], ...]
+
+    @property
+    def graph_steps(self) -> int:
+        return sum(n for _, n in self.replays)
+
+
+def _same(values: Sequence[object], what: str) -> None:
+    """`RankFailed` naming the first rank whose value differs from rank 0's."""
+    for rank, value in enumerate(values):
+        if value != values[0]:
+            raise RankFailed(f"tensor-parallel rank {rank} differs from rank 0 while {what}: "
+                             f"rank 0 has {values[0]}, rank {rank} has {value}")  # fmt: skip
 
 
 def rank_config(config: EngineConfig, rank: int, device_type: str) -> EngineConfig:
@@ -149,6 +175,15 @@ class _Peer:
             self.proc.kill()
             self.proc.wait()
 
+    def summary(self, deadline: float) -> Summary | None:
+        """The follower's `Summary` as it stops, waiting until `deadline` (None: it failed or
+        died first)."""
+        with contextlib.suppress(EOFError, OSError):
+            if self.conn.poll(max(0.0, deadline - time.monotonic())):
+                msg = self.conn.recv()
+                return msg if isinstance(msg, Summary) else None
+        return None
+
 
 class Leader:
     """Rank 0: starts (or meets) the other ranks, agrees with them, sends them every step."""
@@ -161,6 +196,8 @@ class Leader:
         self.failed: str | None = None
         self.store: dist.TCPStore | None = None
         self.owns_group = True  # False: the torchrun script's own group, left to it
+        self.sent = 0  # steps sent to the followers
+        self.summaries: dict[int, Summary] = {}  # what each follower ran (once stopped)
 
     @classmethod
     def start(cls, config: EngineConfig, device_type: str) -> Leader:
@@ -264,6 +301,19 @@ class Leader:
             peer.conn.send(agreed)
         return agreed
 
+    def agree(self, value: T, what: str) -> T:
+        """`value` as every rank computed it (e.g. the decode graphs it would capture), checked
+        equal before anything relies on it: `RankFailed` on every rank, naming the first rank
+        that differs."""
+        values = [value] + [self._expect(r, what) for r in range(1, self.info.size)]
+        for rank, peer in enumerate(self.peers, start=1):
+            try:
+                peer.conn.send(values)
+            except OSError:
+                self._fail(rank, f"closed its connection while {what}")
+        _same(values, what)
+        return value
+
     def _unsolicited(self, rank: int, what: str) -> None:
         """A follower speaks between exchanges only to report its end: its error, or (a rank
         that rank 0 did not start) its connection closing."""
@@ -307,11 +357,13 @@ class Leader:
             raise RankFailed(self.failed) from e
 
     # ------------------------------------------------------------------ steps
-    def send_step(self, plan: StepPlan, fill: InputFill | None) -> None:
-        """Every follower gets the plan (and the in-flight inputs) before rank 0 runs it."""
+    def send_step(self, plan: StepPlan, fill: InputFill | None, *, graph: bool) -> None:
+        """Every follower gets the plan (and the in-flight inputs) before rank 0 runs it;
+        `graph`: rank 0 replays a decode graph for it."""
         self.check()
-        data = pickle.dumps(Step(plan, 0 if fill is None else int(fill.positions.numel())),
-                            protocol=pickle.HIGHEST_PROTOCOL)  # fmt: skip
+        num_fill = 0 if fill is None else int(fill.positions.numel())
+        data = pickle.dumps(Step(plan, num_fill, graph), protocol=pickle.HIGHEST_PROTOCOL)
+        self.sent += 1
         for rank, peer in enumerate(self.peers, start=1):
             try:
                 peer.conn.send_bytes(data)
@@ -322,6 +374,13 @@ class Leader:
                 self.comm.broadcast(fill.positions.contiguous())
                 self.comm.broadcast(fill.tokens.to(torch.int64).contiguous())
 
+    def _summary(self, rank: int, summary: Summary | None) -> None:
+        if summary is None:
+            return
+        self.summaries[rank] = summary
+        logger.info("tensor-parallel rank %d ran %d of the %d steps sent, %d as decode graph "
+                    "replays", rank, summary.steps, self.sent, summary.graph_steps)  # fmt: skip
+
     def close(self) -> None:
         """Stop the followers (a clean stop; a spawned one is killed after `STOP_S`) and leave
         the group (unless it is the torchrun script's own)."""
@@ -330,7 +389,8 @@ class Leader:
             with contextlib.suppress(OSError):
                 peer.conn.send_bytes(pickle.dumps(None))
         deadline = time.monotonic() + STOP_S
-        for peer in self.peers:
+        for rank, peer in enumerate(self.peers, start=1):
+            self._summary(rank, peer.summary(deadline))
             peer.stop(deadline)
         for peer in self.peers:
             peer.conn.close()
@@ -364,8 +424,15 @@ class Follower:
         self.conn.send(value)
         return int(self.conn.recv())
 
-    def recv_step(self, device: torch.device) -> tuple[StepPlan, InputFill | None] | None:
-        """The next step (None: stop)."""
+    def agree(self, value: T, what: str) -> T:
+        """`Leader.agree` on this rank: rank 0's value, or `RankFailed` if any rank differs."""
+        self.conn.send(value)
+        values: list[T] = self.conn.recv()
+        _same(values, what)
+        return values[0]
+
+    def recv_step(self, device: torch.device) -> tuple[Step, InputFill | None] | None:
+        """The next step and its in-flight inputs (None: stop)."""
         step: Step | None = pickle.loads(self.conn.recv_bytes())
         if step is None:
             return None
@@ -374,7 +441,13 @@ class Follower:
             positions = torch.empty(step.num_fill, dtype=torch.int64, device=device)
             tokens = torch.empty(step.num_fill, dtype=torch.int64, device=device)
             fill = InputFill(self.comm.broadcast(positions), self.comm.broadcast(tokens))
-        return step.plan, fill
+        return step, fill
+
+    def stopped(self, steps: int, replays: Mapping[int, int]) -> None:
+        """Tell rank 0 what this rank ran (`Summary`), as it stops."""
+        ran = tuple(sorted((b, n) for b, n in replays.items() if n))
+        with contextlib.suppress(OSError):
+            self.conn.send(Summary(steps, ran))
 
     def report(self, error: str) -> None:
         with contextlib.suppress(OSError):

@@ -1,8 +1,10 @@
 """The engine: model weights, the KV pool and the attention backend; runs one StepPlan.
 
 A step's inputs reach the device as one staged copy (`step/staging.py`, or the graph runner's
-own for a decode step that fits a graph bucket and replays a captured graph: `graph_runner.py`); the sampled tokens come back in one
-copy (`PendingStep.result`), the only device -> host read of a step.
+own for a decode step that fits a graph bucket and replays a captured graph: `graph_runner.py`);
+the sampled tokens come back in one copy (`PendingStep.result`), the only device -> host read of
+a step. With tensor parallelism rank 0 sends every step to the other ranks first, saying
+whether it replays a graph for it: they then replay the same bucket (`follow`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ from minisgl.distributed.layout import TPInfo
 from minisgl.engine.compiled import CompiledDecode, CompiledPrefill
 from minisgl.engine.cpu_decode import MAX_ROWS as CPU_DECODE_ROWS
 from minisgl.engine.cpu_decode import CpuDecode, unsupported
-from minisgl.engine.graph_runner import GraphRunner, make_graph_runner, resolve_runner
+from minisgl.engine.graph_runner import (
+    GraphRunner,
+    GraphSpec,
+    graph_buckets,
+    make_graph_runner,
+    resolve_runner,
+)
 from minisgl.engine.memory import (
     plan_num_pages,
     resolve_device,
@@ -148,21 +156,35 @@ class Engine:
         self._grad_mode = torch.no_grad if self.compiled is not None else torch.inference_mode
 
     def _graph_runner(self, config: EngineConfig) -> GraphRunner | None:
-        kind, max_bs = resolve_runner(config.graph_runner, self.device, config.cuda_graph_max_bs)
-        max_bs = min(max_bs, config.max_running_requests)
+        """The decode graphs, captured here. With tensor parallelism every rank captures the
+        same buckets in the same order (their collectives meet): checked before any capture."""
+        kind, max_bs = self._graph_kind(config)
+        spec = GraphSpec(kind, graph_buckets(max_bs) if kind != "none" else (), self.max_seq_len)
+        if self.tp is not None:
+            self.tp.agree(spec, "choosing the decode graphs")
+            if kind != "none":
+                logger.info("decode graphs with tensor parallelism (tp_size=%d): every rank "
+                            "captures %s graphs of batch sizes %s; the other ranks replay rank "
+                            "0's", self.tp_info.size, kind, spec.buckets)  # fmt: skip
         if kind == "none":
-            return None
-        if self.tp_info.size > 1:  # the followers replay no graph: every step runs eagerly
-            logger.info("no decode graphs with tensor parallelism (tp_size=%d): not yet "
-                        "verified on a multi-GPU machine", self.tp_info.size)  # fmt: skip
-            return None
-        if config.graph_runner == "auto" and not getattr(self.backend, "graph_friendly", False):
-            logger.info("no decode graphs: the %s attention backend pads every decode to the "
-                        "longest sequence in a graph (use --attention-backend triton)",
-                        self.attention_backend)  # fmt: skip
             return None
         return make_graph_runner(kind, self.model, self.backend, self.spare_loc, max_bs,
                                  self.max_seq_len, self.device)  # fmt: skip
+
+    def _graph_kind(self, config: EngineConfig) -> tuple[str, int]:
+        """(`cuda` / `replay` / `none`, max batch size) for this engine."""
+        kind, max_bs = resolve_runner(config.graph_runner, self.device, config.cuda_graph_max_bs)
+        max_bs = min(max_bs, config.max_running_requests)
+        if (
+            kind != "none"
+            and config.graph_runner == "auto"
+            and not getattr(self.backend, "graph_friendly", False)
+        ):
+            logger.info("no decode graphs: the %s attention backend pads every decode to the "
+                        "longest sequence in a graph (use --attention-backend triton)",
+                        self.attention_backend)  # fmt: skip
+            return "none", 0
+        return kind, max_bs
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Run one step (no decode graph); returns logits [len(plan.sample_rows), vocab], model dtype."""
@@ -179,13 +201,29 @@ class Engine:
             yield
 
     def follow(self) -> None:
-        """A rank > 0 of a tensor-parallel group: run rank 0's steps until it stops us."""
+        """A rank > 0 of a tensor-parallel group: run rank 0's steps until it stops us (a step
+        rank 0 replays a decode graph for: the same bucket's graph), then tell it what ran."""
         link = self.follower
         assert link is not None, "follow() runs on ranks > 0"
+        steps = 0
         with self._grad_mode():
-            while (step := link.recv_step(self.device)) is not None:
-                plan, fill = step
-                self._forward(plan, self._stage(plan, fill))
+            while (got := link.recv_step(self.device)) is not None:
+                step, fill = got
+                if step.graph:
+                    self._replay(step.plan, fill)
+                else:
+                    self._forward(step.plan, self._stage(step.plan, fill))
+                steps += 1
+        link.stopped(steps, self.graphs.bucket_replays if self.graphs is not None else {})
+
+    def _replay(self, plan: StepPlan, fill: InputFill | None) -> None:
+        """A follower's half of a step rank 0 replays a decode graph for."""
+        if self.graphs is None or not self.graphs.can_run(plan):
+            what = "captured no decode graphs" if self.graphs is None else "has no graph for it"
+            raise RuntimeError(f"tensor-parallel rank {self.tp_info.rank} {what}: rank 0 "
+                               f"replays a decode graph for a step of {plan.batch_size} "
+                               f"requests")  # fmt: skip
+        self.graphs.run(plan, fill)
 
     def close(self) -> None:
         """Stop the grammar worker thread and the other ranks of a tensor-parallel group (rank
@@ -196,7 +234,7 @@ class Engine:
 
     def _stage(self, plan: StepPlan, fill: InputFill | None) -> DevicePlan:
         if self.leader is not None:  # the other ranks run it too
-            self.leader.send_step(plan, fill)
+            self.leader.send_step(plan, fill, graph=False)
         staged = self.stager.stage(plan)
         if fill is not None:  # in place, on the device: no second copy of the inputs
             staged.input_ids[fill.positions] = fill.tokens.to(staged.input_ids.dtype)
@@ -237,8 +275,10 @@ class Engine:
     ) -> DeviceSample:
         masks = start_masks(rows, self.grammars)  # on the bank's thread, during the forward
         if self.graphs is not None and self.graphs.can_run(plan):
-            # the graph runner stages the step into its own buffers (no tensor parallelism:
-            # the engine captures no graphs with tp > 1, so no other rank waits for the plan)
+            # the graph runner stages the step into its own buffers; the other ranks replay
+            # the same bucket (every rank captured the same ones)
+            if self.leader is not None:
+                self.leader.send_step(plan, fill, graph=True)
             out = self.graphs.run(plan, fill)
             if is_plain_greedy(rows):  # a copy: the next replay overwrites the graph's outputs
                 return DeviceSample.of_packed(out.packed.clone())

@@ -17,10 +17,18 @@ Two implementations behind `GraphRunner`:
   bucket; "replay" runs the same forward over those buffers, with random garbage in the
   padding rows, under `SyncGuard` (any device -> host read raises). What it proves holds for
   the CUDA runner because both share everything but the last call (`_replay`).
+
+With tensor parallelism every rank builds the same runner (`GraphSpec`, checked equal on every
+rank before any capture) and captures its buckets in the same order, so the collectives of the
+captured forward meet (on CUDA: torch's NCCL all-reduces and all-gather inside the graphs); for
+each step rank 0 replays, the other ranks replay the same bucket with the same plan
+(`Engine.follow`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -94,8 +102,21 @@ class InputLayout:
         return 0, m, 2 * m, 3 * m, 4 * m, 5 * m + 1
 
 
+@dataclass(frozen=True)
+class GraphSpec:
+    """The graphs a rank captures: runner kind (`none`: no graphs), buckets and the sequence
+    capacity its buffers hold (what `can_run` accepts). The ranks of a tensor-parallel group
+    must agree on it: every bucket's capture and replay runs the collectives."""
+
+    kind: str
+    buckets: tuple[int, ...]
+    max_seq_len: int
+
+
 class GraphRunner(Protocol):
     buckets: tuple[int, ...]
+    replays: int
+    bucket_replays: Mapping[int, int]
 
     def can_run(self, plan: StepPlan) -> bool: ...
 
@@ -149,6 +170,7 @@ class _BucketRunner:
         self._argmax = fused.argmax_rows if fused is not None else None
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.replays = 0
+        self.bucket_replays: Counter[int] = Counter()  # replays per bucket
 
     # ------------------------------------------------------------------ host side
     def can_run(self, plan: StepPlan) -> bool:
@@ -176,6 +198,7 @@ class _BucketRunner:
         self.backend.before_replay()
         self._replay(bucket)
         self.replays += 1
+        self.bucket_replays[bucket] += 1
         logits, packed = self.outputs[bucket]
         return GraphOutput(logits[:b], packed[:, :b])
 
