@@ -1,7 +1,7 @@
 """Issue 37, item 1: decode graphs with tensor parallelism. Every rank captures the same buckets
 (the collectives run inside the captured forward) and, for each step rank 0 replays, the
 followers replay the same bucket with the same plan. On a CPU the `ReplayGraphRunner` stand-in
-runs the protocol over gloo (card P4-004); the NCCL capture on two GPUs is card P4-005."""
+runs the protocol over gloo (card P4-004); the NCCL capture on two GPUs is card P4-006."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def test_a_follower_whose_graphs_differ_fails_before_serving(tiny_model_dir, mon
 
 # ---------------------------------------------------------------------------------- two GPUs
 @pytest.mark.gpu
-@pytest.mark.card("P4-005", "tp-2-cuda-graphs-on-two-gpus-are-token-identical-to-eager-decoding")
+@pytest.mark.card("P4-006", "tp-2-cuda-graphs-on-two-gpus-are-token-identical-to-eager-decoding")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_tp2_cuda_graphs_match_eager_on_two_gpus(arch, tmp_path):
     """NCCL's all-reduces and the logits' all-gather captured in every rank's CUDA graphs:
