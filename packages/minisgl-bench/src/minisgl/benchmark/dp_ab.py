@@ -5,8 +5,10 @@ against it, the prefix hit rate and the per-replica split from its /metrics.
         [--backend rust_service] [--threads-total 2] [--set key=value] --out F.json
 
 Arm `dp1`: `--dp 1 --threads T` (or `--baseline-threads`); arm `dpN`: `--dp N --threads T/N`
-(each replica its share of the same T cores). The hit rate counts the benchmark's warm-up
-requests too.
+(each replica its share of the same T cores). With `--sim-device BASE_MS,TOKEN_MS` no model
+runs: each replica steps a simulated device of its own (as each would own a GPU) and no thread
+budget is split; what is left on the host's cores is the control plane. The hit rate counts
+the benchmark's warm-up requests too.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads-total", type=int, default=2)
     p.add_argument("--baseline-threads", type=int, default=None, help="dp1's (default: all)")
     p.add_argument("--model-path", default=None)
+    p.add_argument("--sim-device", default=None, metavar="BASE_MS,TOKEN_MS",
+                   help="no model: a simulated device per replica (engine/sim.py)")  # fmt: skip
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--note", action="append", default=[])
     p.add_argument("--out", required=True)
@@ -72,17 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     sets = dict(s.split("=", 1) for s in args.set)
     profile = get_profile(args.profile, sets)
     bench = ["--profile", args.profile, *(f"--set={s}" for s in args.set)]
-    per = max(1, args.threads_total // args.dp)
-    arms = {
-        "dp1": ["--dp", "1", "--threads", str(args.baseline_threads or args.threads_total)],
-        f"dp{args.dp}": ["--dp", str(args.dp), "--threads", str(per)],
-    }
+    arms = {"dp1": ["--dp", "1"], f"dp{args.dp}": ["--dp", str(args.dp)]}
+    if args.sim_device is None:  # a model on the CPU: the replicas share the cores
+        per = max(1, args.threads_total // args.dp)
+        arms["dp1"] += ["--threads", str(args.baseline_threads or args.threads_total)]
+        arms[f"dp{args.dp}"] += ["--threads", str(per)]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
     names = list(arms)
     with tempfile.TemporaryDirectory(prefix="dp-ab-") as tmp:
         for r in range(args.repeats):
             for name in names if r % 2 == 0 else names[::-1]:  # ABBA
-                flags = server_flags(profile, None, arms[name])
+                flags = server_flags(profile, args.sim_device, arms[name])
                 bench_m, observed = run_arm(args.model_path, flags, args.backend, bench, Path(tmp))
                 runs[name].append({**bench_m, **observed})
                 print(f"repeat {r} {name}: {runs[name][-1]}", file=sys.stderr, flush=True)
@@ -95,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         "profile": args.profile,
         "sets": sets,
         "backend": args.backend,
-        "threads_total": args.threads_total,
+        "threads_total": None if args.sim_device else args.threads_total,
+        "sim_device": args.sim_device,
         "arms": {name: " ".join(flags) for name, flags in arms.items()},
         "median": summary,
         "speedup_output_tok_s": summary[b]["output_tok_s"] / summary[a]["output_tok_s"],
