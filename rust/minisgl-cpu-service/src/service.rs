@@ -237,7 +237,9 @@ pub struct Service {
     router: Router,
     reqs: HashMap<i64, Req>,
     held: HashMap<i64, Vec<Held>>,
+    /// Requests queued since the last `Admitted`, and the replica of each.
     admitted: Vec<i64>,
+    admitted_replicas: Vec<i32>,
     counters: Counters,
     last_stats: Instant,
     was_busy: bool,
@@ -328,6 +330,7 @@ pub fn run(cfg: Config) -> Exit {
         reqs: HashMap::new(),
         held: HashMap::new(),
         admitted: Vec::new(),
+        admitted_replicas: Vec::new(),
         counters: Counters::default(),
         last_stats: Instant::now(),
         was_busy: false,
@@ -572,12 +575,14 @@ impl Service {
             },
         );
         self.admitted.push(uid);
+        self.admitted_replicas.push(replica as i32);
     }
 
     fn flush_admitted(&mut self) {
         if !self.admitted.is_empty() {
-            let frame = wire::admitted(&self.admitted);
+            let frame = wire::admitted(&self.admitted, &self.admitted_replicas);
             self.admitted.clear();
+            self.admitted_replicas.clear();
             self.sock.send_frontend(frame);
         }
     }

@@ -10,7 +10,7 @@ use std::io::Cursor;
 use rmpv::Value;
 
 /// The schema version this build speaks (`minisgl.message.schema.SCHEMA_VERSION`).
-pub const SCHEMA_VERSION: i64 = 4;
+pub const SCHEMA_VERSION: i64 = 5;
 /// Nesting deeper than this is refused before it is decoded (a chat message list is 3 deep).
 const MAX_DEPTH: usize = 64;
 
@@ -460,8 +460,10 @@ pub fn reject(uid: i64, message: &str, status: u16, code: &str, param: Option<&s
     )
 }
 
-pub fn admitted(uids: &[i64]) -> Vec<u8> {
-    frame(tag::ADMITTED, vec![i64_bytes(uids)])
+/// `Admitted`: the requests queued since the last one, and the replica that took each
+/// (aligned with `uids`; the API server's response extension names it).
+pub fn admitted(uids: &[i64], replicas: &[i32]) -> Vec<u8> {
+    frame(tag::ADMITTED, vec![i64_bytes(uids), i32_bytes(replicas)])
 }
 
 pub fn stats(data: Value) -> Vec<u8> {
@@ -630,6 +632,23 @@ mod tests {
         let mut deep = vec![0x91u8; 10_000];
         deep.push(0xc0);
         assert!(decode(&deep).is_err());
+    }
+
+    #[test]
+    fn admitted_names_each_request_s_replica() {
+        // [version, tag, uids as int64 bytes, replicas as int32 bytes]: `schema.Admitted`
+        let f = admitted(&[3, 1 << 40], &[1, 0]);
+        let v = rmpv::decode::read_value(&mut Cursor::new(&f[..])).unwrap();
+        let items = v.as_array().unwrap();
+        assert_eq!(items.len(), 4);
+        assert_eq!(items[0].as_i64(), Some(SCHEMA_VERSION));
+        assert_eq!(items[1].as_i64(), Some(tag::ADMITTED));
+        let uids: Vec<u8> = [3i64, 1 << 40]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        assert_eq!(items[2], Value::Binary(uids));
+        assert_eq!(i32_payload(&items[3], "replicas").unwrap(), vec![1, 0]);
     }
 
     #[test]

@@ -17,6 +17,9 @@ by the release gate (`release_gate.py`); vLLM / SGLang result files convert into
     ttft_s, itl_s (per-token gaps after the first), e2e_s
     prompt_tokens, output_tokens, kv_pages_in_use (peak KV pages used while it ran)
     source          what wrote it: "minisgl-offline", "minisgl-online", "vllm", "sglang"
+    replica         the data-parallel replica that served it (0-based), when the server named
+                    it (`--dp N`, N > 1); None otherwise (dp=1, offline, other servers)
+    replicas        the server's replica count, when it named one (replica < replicas)
 
 A malformed line raises `ObservationError("F.jsonl:12: ...")`.
 """
@@ -57,6 +60,8 @@ class Observation:
     kv_pages_in_use: int | None = None
     source: str = "minisgl"
     extra: Mapping[str, Any] = field(default_factory=dict)
+    replica: int | None = None
+    replicas: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -95,7 +100,7 @@ def fingerprint(token_ids: Iterable[int] | None = None, text: str | None = None)
 
 _STR = ("request_id", "backend", "device", "model")
 _OPT_STR = ("output_text", "output_fingerprint", "workload_fingerprint", "error")
-_OPT_INT = ("index", "prompt_tokens", "output_tokens", "kv_pages_in_use")
+_OPT_INT = ("index", "prompt_tokens", "output_tokens", "kv_pages_in_use", "replica")
 _OPT_FLOAT = ("ttft_s", "e2e_s")
 _KNOWN = {f.name for f in fields(Observation)}
 
@@ -129,6 +134,12 @@ def from_dict(data: Any) -> Observation:
         v = data.get(key)
         if v is not None and (not _is_num(v) or v < 0):
             raise ValueError(f"{key!r} must be a non-negative number or null, got {v!r}")
+    replicas = data.get("replicas")
+    if replicas is not None and (not _is_int(replicas) or replicas < 1):
+        raise ValueError(f"'replicas' must be a positive integer or null, got {replicas!r}")
+    replica = data.get("replica")
+    if replica is not None and replicas is not None and replica >= replicas:
+        raise ValueError(f"'replica' {replica} is not below 'replicas' {replicas}")
     repeat = data.get("repeat", 0)
     if not _is_int(repeat) or repeat < 0:
         raise ValueError(f"'repeat' must be a non-negative integer, got {repeat!r}")
@@ -161,6 +172,8 @@ def from_dict(data: Any) -> Observation:
         kv_pages_in_use=data.get("kv_pages_in_use"),
         source=str(data.get("source", "minisgl")),
         extra=extra,
+        replica=replica,
+        replicas=replicas,
     )
 
 

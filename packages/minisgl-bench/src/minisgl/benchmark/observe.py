@@ -9,7 +9,9 @@ Timing is the harness's own clock, the same numbers its latency metrics use:
 - online: the streaming client's clock: a token's time is when its SSE chunk arrived (several
   tokens in one chunk count once, so ITL is per chunk); TTFT, ITL and e2e as offline. KV pages:
   the peak of the server's `minisgl_kv_pages_used` gauge polled from /metrics (when polled)
-  between the request's arrival and its last chunk.
+  between the request's arrival and its last chunk. Replica: the data-parallel replica that
+  served the request and the server's replica count, when the server named them (`sse.Served`;
+  None offline, at dp=1 and for other servers).
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ def build(
     output_tokens: Sequence[int | None] | None = None,
     prompt_tokens: Sequence[int | None] | None = None,
     kv_samples: Sequence[tuple[float, int]] | None = None,
+    replica: Sequence[int | None] | None = None,
+    replicas: Sequence[int | None] | None = None,
 ) -> list[Observation]:
     extra = {"host_cpu": cpu_model(), **labels.extra}  # device says "cpu"; this says which
     out = []
@@ -110,6 +114,8 @@ def build(
                 ),
                 source=labels.source,
                 extra=extra,
+                replica=replica[k] if replica is not None else None,
+                replicas=replicas[k] if replicas is not None else None,
             )
         )
     return out

@@ -2,7 +2,8 @@
 
 Prompts are the profile's seeded random token prompts decoded to text with the model's
 tokenizer (shared prefixes become the system message). Each request streams; the client
-stamps every content chunk, which yields TTFT, TPOT, ITL and end-to-end latency per request.
+stamps every content chunk, which yields TTFT, TPOT, ITL and end-to-end latency per request,
+and records the replica that served it when the server names one (`sse.Served`, `--dp N`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from minisgl.benchmark import common, observe
 from minisgl.benchmark.observations import Observation
 from minisgl.benchmark.offline import request_metrics
 from minisgl.benchmark.profiles import Profile, WorkItem, build_workload
-from minisgl.benchmark.sse import LeanClient, OpenAIClient
+from minisgl.benchmark.sse import LeanClient, OpenAIClient, Served
 
 KV_POLL_S = 0.2  # /metrics polling period for observations' KV pages (only with --observations)
 
@@ -32,6 +33,8 @@ class StreamOutcome:
     error: str | None
     prompt_tokens: int | None  # what the server counted (usage), chat template included
     completion_tokens: int | None
+    replica: int | None = None  # the replica that served it, when the server said (dp > 1)
+    replicas: int | None = None  # the server's replica count, when it said
 
 
 async def poll_kv(base_url: str, t0: float, samples: list[tuple[float, int]]) -> None:
@@ -92,13 +95,14 @@ async def _one(client, model: str, item: WorkItem, messages, t0: float, sem, adv
         parts: list[str] = []
         usage = None
         error = None
+        served = Served()
         body = request_body(model, item, messages)
         try:
-            usage = await client.chat(body, t0, times, parts)
+            usage = await client.chat(body, t0, times, parts, served)
         except Exception as exc:
             error = repr(exc)
         advance(1)
-        return times, usage, error, "".join(parts)
+        return times, usage, error, "".join(parts), served
 
 
 def make_client(args):
@@ -187,7 +191,7 @@ async def _run(args, profile: Profile, prep: PreparedRun, prog, meter=None) -> d
     token_times, out_tokens, errors, texts = [], [], [], []
     requests: list[StreamOutcome] = []
     in_tokens = 0
-    for times, usage, error, text in outs:
+    for times, usage, error, text, served in outs:
         token_times.append(times)
         texts.append(text)
         out_tokens.append(usage.completion_tokens if usage else len(times))
@@ -201,6 +205,8 @@ async def _run(args, profile: Profile, prep: PreparedRun, prog, meter=None) -> d
                 error,
                 usage.prompt_tokens if usage else None,
                 usage.completion_tokens if usage else None,
+                served.replica,
+                served.replicas,
             )
         )
     metrics = request_metrics(items, token_times, out_tokens, duration)
@@ -236,6 +242,8 @@ def stream_observations(out: dict[str, Any], labels: observe.RunLabels) -> list[
         output_tokens=[r.completion_tokens for r in reqs],
         prompt_tokens=[r.prompt_tokens for r in reqs],
         kv_samples=out["kv_samples"],
+        replica=[r.replica for r in reqs],
+        replicas=[r.replicas for r in reqs],
     )
 
 

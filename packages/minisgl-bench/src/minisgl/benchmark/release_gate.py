@@ -11,6 +11,10 @@ files of `vllm bench serve --save-result --save-detailed` / SGLang `bench_servin
 join is by request id, or by index when either side comes from vLLM / SGLang (`auto`).
 `--*-device` sets the device of an adapter's observations (those files do not record it).
 
+Segments: the candidate's backend x device, and, when its observations name the replica that
+served them (a `--dp N` server), each replica as well (`<backend>@<device> replica k`; the text
+and JSON reports show the split).
+
 Decision (`release_signals.py`): runs of different workloads -> mismatch; an output mismatch
 or an error-rate increase -> rollback; latency regressions real at the policy's confidence
 (bootstrap over >= 3 runs a side, `release_stats.py`; one point ratio with fewer runs),
@@ -151,7 +155,19 @@ def print_report(report: dict[str, Any]) -> None:
         f"candidate, {c['missing_in_baseline']} in the baseline; join by {report['join']})"
     )
     for seg in report["segments"]:
+        if seg.get("replica") is not None:
+            print(f"  segment {seg['name']}: {seg['decision']} "
+                  f"({seg['summary']['requests']} request(s))")  # fmt: skip
+            continue
         print(f"  segment {seg['name']}: {seg['decision']}")
+        split = seg["summary"].get("replicas")
+        if split:
+            line = ", ".join(f"replica {e['replica']}: {e['requests']} request(s)"
+                             for e in split["split"])  # fmt: skip
+            left = split["unattributed_observations"]
+            if left:
+                line += f"; {left} observation(s) name no replica (judged only in the whole)"
+            print(f"    split by replica: {line}")
     for item in report["triage"]:
         print(f"  [{item['response']}] {item['signal']} ({item['segment']}): {item['detail']}")
         print(f"      next: {item['next_action']}")

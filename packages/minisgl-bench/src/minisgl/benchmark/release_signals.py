@@ -4,7 +4,13 @@ segment, decide promote / hold / rollback (the CLI and report live in `release_g
 Joining: by `request_id` (or by `index`, for files from the vLLM / SGLang adapters); a request
 may appear several times on a side (repeats). Segments are the candidate's backend x device;
 each is compared with the baseline's observations of the same requests, under the policy's
-thresholds for that segment (`Policy.for_segment`).
+thresholds for that segment (`Policy.for_segment`). When the candidate's observations name the
+data-parallel replica that served them (`Observation.replica`, a `--dp N` server), each replica
+is a segment of its own as well (`<backend>@<device> replica k`: the observations it served, the
+same signals and thresholds), beside the whole backend x device: a regression in one replica is
+not averaged away. A replica segment's baseline is the baseline's observations of the same
+requests whatever replica served them there (a dp=1 baseline names none); a replica that served
+fewer requests than `min_matched_requests` holds, and says so.
 
 Signals and what a failure means:
 - evidence (hold): matched requests, the fraction of each side's requests matched, the
@@ -174,6 +180,7 @@ class SegmentResult:
     thresholds: Thresholds
     signals: list[Signal] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+    replica: int | None = None  # a replica's segment; None: the whole backend x device
 
     @property
     def decision(self) -> Decision:
@@ -184,6 +191,7 @@ class SegmentResult:
             "name": self.name,
             "backend": self.backend,
             "device": self.device,
+            "replica": self.replica,
             "models": self.models,
             "scopes_applied": self.scopes,
             "thresholds": asdict(self.thresholds),
@@ -354,16 +362,34 @@ def _summary(observations: Sequence[Observation], q: float) -> dict[str, Any]:
     return out
 
 
+def _matched_signal(
+    name: str, keys: set[str], matched: list[str], th: Thresholds, replica: Replica | None
+) -> Signal:
+    enough = len(matched) >= th.min_matched_requests
+    if replica is None:
+        detail = f"{len(matched)} of the segment's {len(keys)} request(s) found in the baseline"
+    else:
+        detail = (
+            f"replica {replica.index} served {len(keys)} of the candidate's {replica.total} "
+            f"request(s) ({len(matched)} found in the baseline)"
+        )
+        if not enough:
+            detail += (
+                f"; fewer than evidence.min_matched_requests ({th.min_matched_requests}): too "
+                "few to judge this replica on its own (run more requests or repeats)"
+            )
+    return Signal("matched_requests", "evidence", name, None, float(len(matched)),
+                  float(len(matched)), float(th.min_matched_requests), ">=", enough, "hold",
+                  detail)  # fmt: skip
+
+
 def _evidence_signals(
-    name: str, keys: set[str], matched: list[str], th: Thresholds
+    name: str, keys: set[str], matched: list[str], th: Thresholds, replica: Replica | None
 ) -> list[Signal]:
     frac = len(matched) / len(keys) if keys else 0.0
     missing = sorted(keys - set(matched))
     return [
-        Signal("matched_requests", "evidence", name, None, float(len(matched)),
-               float(len(matched)), float(th.min_matched_requests), ">=",
-               len(matched) >= th.min_matched_requests, "hold",
-               f"{len(matched)} of the segment's {len(keys)} request(s) found in the baseline"),
+        _matched_signal(name, keys, matched, th, replica),
         Signal("candidate_match_fraction", "evidence", name, None, None, frac,
                th.min_match_fraction, ">=", frac >= th.min_match_fraction, "hold",
                f"{len(missing)} candidate request(s) missing in the baseline",
@@ -463,25 +489,43 @@ def _latency_and_kv_signals(
     return out
 
 
+@dataclass(frozen=True)
+class Replica:
+    """A replica's segment: which replica, and the requests of the whole backend x device."""
+
+    index: int
+    total: int
+
+
 def evaluate_segment(
     joined: Joined,
     backend: str,
     device: str,
     cand_obs: list[tuple[str, Observation]],
     policy: Policy,
+    replica: Replica | None = None,
 ) -> SegmentResult:
-    """Every signal of one candidate segment against the baseline's same requests."""
+    """Every signal of one candidate segment against the baseline's same requests (`replica`:
+    the observations one replica served; its baseline is the same requests' observations,
+    whatever served them there). A replica that served nothing has only `matched_requests`."""
     name = f"{backend}@{device}"
+    if replica is not None:
+        name += f" replica {replica.index}"
     models = sorted({o.model for _, o in cand_obs})
     th, scopes = policy.for_segment(backend, device, models)
     keys = {k for k, _ in cand_obs}
     matched = sorted(keys & joined.matched)
     cand = [o for k, o in cand_obs if k in joined.matched]
     base = [o for k in matched for o in joined.baseline[k]]
+    seg = SegmentResult(name, backend, device, models, scopes, th,
+                        replica=None if replica is None else replica.index)  # fmt: skip
+    if not cand_obs:  # a replica that served nothing: nothing else to judge it on
+        seg.signals = [_matched_signal(name, keys, matched, th, replica)]
+        seg.summary = {"requests": 0, "matched": 0}
+        return seg
     output_signals, outputs = _output_signals(name, joined, cand_obs, th)
-    seg = SegmentResult(name, backend, device, models, scopes, th)
     seg.signals = [
-        *_evidence_signals(name, keys, matched, th),
+        *_evidence_signals(name, keys, matched, th, replica),
         *output_signals,
         _error_signal(name, base, cand, th),
         *_latency_and_kv_signals(name, base, cand, th, joined.join),
@@ -494,6 +538,39 @@ def evaluate_segment(
         "candidate": _summary(cand, th.latency_quantile),
     }
     return seg
+
+
+def replica_segments(
+    joined: Joined,
+    backend: str,
+    device: str,
+    cand_obs: list[tuple[str, Observation]],
+    policy: Policy,
+    whole: SegmentResult,
+) -> list[SegmentResult]:
+    """One segment per replica when the candidate's observations name replicas (every replica
+    up to the count the server reported, those that served nothing included), and the split in
+    `whole.summary["replicas"]`; [] when none does (dp=1, other servers)."""
+    served = [o.replica for _, o in cand_obs if o.replica is not None]
+    if not served:
+        return []
+    reported = [o.replicas for _, o in cand_obs if o.replicas is not None]
+    count = max([max(served) + 1, *reported])
+    total = len({k for k, _ in cand_obs})
+    out, split = [], []
+    for index in range(count):
+        mine = [(k, o) for k, o in cand_obs if o.replica == index]
+        seg = evaluate_segment(joined, backend, device, mine, policy, Replica(index, total))
+        out.append(seg)
+        split.append({"replica": index, "segment": seg.name,
+                      "requests": seg.summary["requests"], "observations": len(mine),
+                      "matched": seg.summary["matched"], "decision": seg.decision})  # fmt: skip
+    whole.summary["replicas"] = {
+        "replicas": count,
+        "split": split,
+        "unattributed_observations": len(cand_obs) - len(served),
+    }
+    return out
 
 
 @dataclass
@@ -512,10 +589,10 @@ def evaluate(
     for key, observations in sorted(joined.candidate.items()):
         for obs in observations:
             by_segment[(obs.backend, obs.device)].append((key, obs))
-    segments = [
-        evaluate_segment(joined, backend, device, obs, policy)
-        for (backend, device), obs in sorted(by_segment.items())
-    ]
+    segments = []
+    for (backend, device), obs in sorted(by_segment.items()):
+        whole = evaluate_segment(joined, backend, device, obs, policy)
+        segments += [whole, *replica_segments(joined, backend, device, obs, policy, whole)]
     matched = joined.matched
     th = policy.base
     missing_b = sorted(set(joined.baseline) - matched)

@@ -24,8 +24,9 @@ import msgpack
 import numpy as np
 
 # 2: penalties, logprobs, prefix_leader, Admitted...; 3: the service step protocol;
-# 4: response_format in the sampling params (a service of another version fails its handshake)
-SCHEMA_VERSION = 4
+# 4: response_format in the sampling params (a service of another version fails its handshake);
+# 5: the replica of each admitted request (`Admitted.replicas`)
+SCHEMA_VERSION = 5
 
 
 class SchemaError(ValueError):
@@ -230,14 +231,20 @@ class Stats(Message):
     data: dict
 
 
+def _no_replicas() -> np.ndarray:
+    return np.zeros(0, dtype=np.int32)
+
+
 @dataclass(slots=True)
 class Admitted(Message):
     """Scheduler -> API server: these requests passed validation and are queued (a stream sends
-    its headers now, not at its first token)."""
+    its headers now, not at its first token). `replicas`: the data-parallel replica that
+    admitted each uid (aligned with `uids`), or empty when the sender does not say."""
 
     TAG: ClassVar[int] = 11
-    ARRAYS: ClassVar[dict[str, Any]] = {"uids": np.int64}
+    ARRAYS: ClassVar[dict[str, Any]] = {"uids": np.int64, "replicas": np.int32}
     uids: np.ndarray
+    replicas: np.ndarray = field(default_factory=_no_replicas)
 
 
 @dataclass(slots=True)

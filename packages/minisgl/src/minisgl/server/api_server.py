@@ -61,6 +61,9 @@ logger = get_logger(__name__)
 
 RETRY_AFTER_S = "1"
 DISCONNECT_CHECK_S = 0.1
+# dp > 1: the replica that admitted a request, a server extension strict OpenAI clients ignore
+# (the body's / the stream's last chunks' `minisgl` object, and this header)
+REPLICA_HEADER = "X-Minisgl-Replica"
 
 
 class ClientGone(Exception):
@@ -108,6 +111,7 @@ class ReqState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finished: bool = False
+    replica: int | None = None  # the data-parallel replica that admitted it (`Admitted`)
 
 
 @dataclass(eq=False)
@@ -126,6 +130,11 @@ class Job:
     @property
     def completion_tokens(self) -> int:
         return sum(st.completion_tokens for st in self.states)
+
+    @property
+    def replica(self) -> int | None:
+        """The replica of its choices (n > 1: one replica; the first that said, else None)."""
+        return next((st.replica for st in self.states if st.replica is not None), None)
 
 
 class Frontend:
@@ -236,9 +245,14 @@ class Frontend:
                 if st is not None:
                     st.queue.put_nowait(Failure(st.index, reject_to_error(msg)))
             elif isinstance(msg, Admitted):
-                for uid in msg.uids.tolist():
+                uids = msg.uids.tolist()
+                reps = msg.replicas.tolist()
+                if len(reps) != len(uids):  # a sender that does not say
+                    reps = [None] * len(uids)
+                for uid, replica in zip(uids, reps, strict=True):
                     st = self.reqs.get(uid)
                     if st is not None:
+                        st.replica = replica
                         st.queue.put_nowait(Accepted(st.index))
 
     def wait_ready(self, names: list[str], timeout: float, alive) -> dict[str, Ready]:
@@ -295,6 +309,20 @@ class Frontend:
             st.queue.put_nowait(Failure(st.index, err))
 
     # ------------------------------------------------------------------ requests
+    def served(self, job: Job) -> dict[str, int] | None:
+        """The response extension naming the replica that serves `job` (`minisgl` in the body):
+        None with one replica, or before a replica admitted it."""
+        replica = job.replica
+        if self.replicas.dp == 1 or replica is None:
+            return None
+        return {"replica": replica, "replicas": self.replicas.dp}
+
+    def served_headers(self, job: Job) -> dict[str, str]:
+        replica = job.replica
+        if self.replicas.dp == 1 or replica is None:
+            return {}
+        return {REPLICA_HEADER: str(replica)}
+
     def _admission_error(self, n: int) -> APIError | None:
         retry = {"Retry-After": RETRY_AFTER_S}
         if self.unhealthy is not None:
@@ -381,8 +409,10 @@ class Frontend:
 
 
 # ----------------------------------------------------------------------------- responses
-def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def error_response(e: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    """`headers`: added to the error's own (the replica of a request that failed on one)."""
+    merged = {**(e.headers or {}), **(headers or {})} or None
+    return JSONResponse(e.body(), status_code=e.status, headers=merged)
 
 
 def reject_to_error(r: Reject) -> APIError:
@@ -506,7 +536,7 @@ async def complete_response(fe: Frontend, request: Request, parsed: Parsed, repl
                 if isinstance(item, Failure):
                     fe.settle(st)
                     fe.complete(job, "error")
-                    return error_response(reply.error(item.error))
+                    return error_response(reply.error(item.error), fe.served_headers(job))
                 texts[item.index].append(item.text)
                 if item.logprobs and lps[item.index] is not None:
                     lps[item.index].extend(item.logprobs)
@@ -532,7 +562,11 @@ async def complete_response(fe: Frontend, request: Request, parsed: Parsed, repl
             )
     out = reply.envelope(choices, "chat.completion" if reply.chat else "text_completion")
     out["usage"] = usage(job)
-    return out
+    served = fe.served(job)
+    if served is None:
+        return out
+    out["minisgl"] = served
+    return JSONResponse(out, headers=fe.served_headers(job))
 
 
 def assistant_message(
@@ -615,6 +649,10 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
             out["usage"] = usage(job)
         elif include_usage:
             out["usage"] = None
+        if fin is not None:  # a choice's last chunk names the replica (dp > 1)
+            served = fe.served(job)
+            if served is not None:
+                out["minisgl"] = served
         return sse(out)
 
     async def events():
@@ -662,6 +700,9 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
                         if include_usage:
                             out = reply.envelope([], obj)
                             out["usage"] = usage(job)
+                            served = fe.served(job)
+                            if served is not None:
+                                out["minisgl"] = served
                             yield sse(out)
                         break
                 item = await next_item(request, job)
@@ -675,7 +716,8 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
         events(),
         on_close=stack.aclose,
         media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        # the replica is known here: the stream starts once the scheduler queued the request
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **fe.served_headers(job)},
     )
 
 

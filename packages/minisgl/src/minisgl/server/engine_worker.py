@@ -136,7 +136,8 @@ class EngineLoop:
         if self.admitted:
             uids = np.asarray(self.admitted, dtype=np.int64)
             self.admitted = []
-            self.to_frontend.send(self.codec.encode(Admitted(uids)))
+            replicas = np.full(len(uids), self.replica, dtype=np.int32)  # which engine took them
+            self.to_frontend.send(self.codec.encode(Admitted(uids, replicas)))
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
