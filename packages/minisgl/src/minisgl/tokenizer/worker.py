@@ -54,6 +54,18 @@ def load_tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path)
 
 
+def plain_backend(tok):
+    """The `tokenizers.Tokenizer` behind a fast HF tokenizer when encoding with it alone gives
+    the HF call's ids (no truncation or padding configured on it, which the HF call would
+    switch off); else None."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode_batch_fast"):
+        return None
+    if backend.truncation is not None or backend.padding is not None:
+        return None
+    return backend
+
+
 def max_token_chars(tok) -> int:
     """An upper bound on the characters one token covers (byte-level tokens: one character per
     byte), so a text longer than context x this can be refused before tokenizing it."""
@@ -65,6 +77,7 @@ class TokenizerWorker:
     def __init__(self, tokenizer, codec: Codec) -> None:
         self.tok = tokenizer
         self.codec = codec
+        self.backend = plain_backend(tokenizer)
         self.detok = Detokenizer(tokenizer)
         self.states: dict[int, DecodeState] = {}
         self.pending_lp: dict[int, list] = {}  # uid -> [token id, lp, top ids, top lps] unsent
@@ -115,7 +128,7 @@ class TokenizerWorker:
                 idx = [i for i, (_, f) in enumerate(text_reqs) if f is flag]
                 if not idx:
                     continue
-                enc = self.tok([texts[i] for i in idx], add_special_tokens=flag)["input_ids"]
+                enc = self.encode([texts[i] for i in idx], flag)
                 for i, ids in zip(idx, enc, strict=True):
                     r = text_reqs[i][0]
                     adds.append(AddReq(r.uid, np.asarray(ids, dtype=np.int32), r.params))
@@ -127,6 +140,14 @@ class TokenizerWorker:
                 prompt_tokens=len(a.input_ids),
             )
         return adds, rejects
+
+    def encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """Token ids of `texts`, one batched call: the Rust backend directly when it is plain
+        (~25% faster than the HF call on random-token prompts: no offsets, no BatchEncoding)."""
+        if self.backend is not None:
+            encs = self.backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+            return [e.ids for e in encs]
+        return self.tok(texts, add_special_tokens=add_special_tokens)["input_ids"]
 
     # ------------------------------------------------------------------ detokenize
     def detokenize(self, outs: list[TokenOut]) -> tuple[DetokOut | None, list[FinishReq]]:
