@@ -13,6 +13,7 @@ chunks. Both clients record it in `Served` (None where the server does not say: 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Mapping
@@ -77,6 +78,16 @@ class LeanClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.session.close()
 
+    async def connect(self, n: int) -> None:
+        """Open `n` keep-alive connections (concurrent GET /health), left in the pool."""
+        url = self.url.removesuffix("/v1/chat/completions") + "/health"
+
+        async def one() -> None:
+            async with self.session.get(url, headers=self.headers) as r:
+                await r.read()
+
+        await asyncio.gather(*(one() for _ in range(n)))
+
     async def chat(
         self,
         body: dict[str, Any],
@@ -130,6 +141,10 @@ class OpenAIClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.client.__aexit__(*exc)
+
+    async def connect(self, n: int) -> None:
+        """Open `n` keep-alive connections of the SDK's pool (concurrent GET /v1/models)."""
+        await asyncio.gather(*(self.client.models.list() for _ in range(n)))
 
     async def chat(
         self,
