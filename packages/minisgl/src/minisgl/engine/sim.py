@@ -7,7 +7,8 @@ then), steps run one after another on the device's own timeline, and the host wa
 (`time.sleep`: the GIL released, the CPU free) only when it reads a step's tokens, and only
 for what is left of the step. So overlap scheduling needs no host thread (its stream is
 `inline`, as `cuda`'s launches are) and a step's device time is exactly the configured time:
-the host's launch and bookkeeping work overlaps the previous step, as on a GPU. The token: a splitmix64 hash of (the row's last input token, the new token's position), mapped into
+the host's launch and bookkeeping work overlaps the previous step, as on a GPU. The token: a
+splitmix64 hash of (the row's last input token, the new token's position), mapped into
 `[min(100, vocab // 4), vocab)` (low ids are control tokens in most vocabularies) and never an
 EOS id, so every request runs to `max_tokens` and greedy outputs are equal on every CPU backend.
 A non-greedy row also mixes in its request key. Logprobs: the sampled token has logprob 0 (the
