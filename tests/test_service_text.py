@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from minisgl.server.service import service_binary
 from minisgl.tokenizer.detokenize import DecodeState, Detokenizer
-from minisgl.tokenizer.worker import load_tokenizer, max_token_chars
+from minisgl.tokenizer.load import load_tokenizer
+from minisgl.tokenizer.worker import max_token_chars
 
 pytestmark = pytest.mark.card(
     "P1-011", "tokenizer-chat-templates-and-incremental-detokenizer-identical-to-hf"

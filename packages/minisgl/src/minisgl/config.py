@@ -42,10 +42,15 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
-    hf_config: Any  # the transformers PretrainedConfig (RoPE init reads it)
+    initializer_range: float  # the std of dummy weights
+    rope_type: str  # "default": inverse frequencies from rope_theta; else transformers' init
+    rope_theta: float
+    model_path: str  # where transformers reads the config of a non-default RoPE
 
     @staticmethod
     def from_dir(model_path: str | Path) -> ModelConfig:
+        """Read config.json as transformers does (its defaults for the keys left out), without
+        transformers: its config classes import ~3 s of modules an engine does not use."""
         path = Path(model_path)
         cfg_file = path / "config.json"
         if not path.is_dir():
@@ -60,35 +65,82 @@ class ModelConfig:
                 f"unsupported architecture {archs or raw.get('model_type')!r} in {cfg_file}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        from transformers import AutoConfig
-
-        hf = AutoConfig.from_pretrained(str(path))
-        heads = hf.num_attention_heads
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        hf = {**_HF_DEFAULTS, **_HF_ARCH_DEFAULTS[arch], **raw}
+        heads = hf["num_attention_heads"]
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         window = None
-        if arch == "MistralForCausalLM" or getattr(hf, "use_sliding_window", False):
-            window = getattr(hf, "sliding_window", None)
+        if arch == "MistralForCausalLM" or hf.get("use_sliding_window"):
+            window = hf.get("sliding_window")
+        rope_type, theta = _rope_of(raw)
         return ModelConfig(
             architecture=arch,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            rms_norm_eps=hf.rms_norm_eps,
-            max_position_embeddings=hf.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
+            num_kv_heads=hf["num_key_value_heads"] or heads,
+            head_dim=hf["head_dim"] or hf["hidden_size"] // heads,
+            rms_norm_eps=hf["rms_norm_eps"],
+            max_position_embeddings=hf["max_position_embeddings"],
+            tie_word_embeddings=bool(hf["tie_word_embeddings"]),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf["attention_bias"]),
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=window,
             eos_token_ids=eos_ids,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            hf_config=hf,
+            initializer_range=float(hf["initializer_range"]),
+            rope_type=rope_type,
+            rope_theta=theta,
+            model_path=str(path),
         )
+
+
+# transformers' (5.x) defaults for the keys a config.json leaves out, as its config classes set
+_HF_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": None,  # None: as many as the query heads
+    "head_dim": None,  # None: hidden_size // num_attention_heads
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "initializer_range": 0.02,
+}
+_QWEN_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 151936,
+    "intermediate_size": 22016,
+    "num_key_value_heads": 32,
+    "max_position_embeddings": 32768,
+    "sliding_window": 4096,  # used only with use_sliding_window
+}
+_HF_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {},
+    "Qwen2ForCausalLM": _QWEN_DEFAULTS,
+    "Qwen3ForCausalLM": {**_QWEN_DEFAULTS, "head_dim": 128},
+    "MistralForCausalLM": {
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096 * 32,
+        "sliding_window": 4096,
+    },
+}
+DEFAULT_ROPE_THETA = 10000.0
+
+
+def _rope_of(raw: dict[str, Any]) -> tuple[str, float]:
+    """(rope_type, rope_theta): transformers 5's `rope_parameters`, or the older `rope_scaling`
+    with a top-level `rope_theta`."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+    theta = params.get("rope_theta") or raw.get("rope_theta") or scaling.get("rope_theta")
+    return rope_type or "default", float(theta or DEFAULT_ROPE_THETA)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from minisgl.runtime import Runtime, StepBatch
 from minisgl.sampler import TokenLogprob, request_key
 from minisgl.scheduler.backend import SchedulerBackend
 from minisgl.scheduler.request import StepOutput
+from minisgl.tokenizer.load import load_tokenizer
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
@@ -93,9 +94,7 @@ class LLM:
             tp_size=tp_size,
         )
         self.engine = make_engine(self.config)  # sim_device: no model (engine/sim.py)
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        self.tokenizer = load_tokenizer(str(model_path))
         eos = self.tokenizer.eos_token_id
         self.runtime = Runtime.build(
             self.engine,

@@ -36,6 +36,11 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype) -> None:
         super().__init__()
+        if torch.get_default_device().type == "meta":  # shapes only: the loader rebuilds it
+            shape = (max_positions, cfg.head_dim)  # (ops on meta import torch._dynamo: ~2 s)
+            self.register_buffer("cos", torch.empty(shape, dtype=dtype), persistent=False)
+            self.register_buffer("sin", torch.empty(shape, dtype=dtype), persistent=False)
+            return
         inv_freq, scaling = _rope_init(cfg)
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :].float()
@@ -65,18 +70,15 @@ def _swap_halves(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rope_init(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    hf = cfg.hf_config
-    params = getattr(hf, "rope_parameters", None) or {}
-    scaling = getattr(hf, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
-    if rope_type in (None, "default"):
-        theta = params.get("rope_theta") or getattr(hf, "rope_theta", None) or 10000.0
+    if cfg.rope_type == "default":
         dim = cfg.head_dim
-        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         return inv, 1.0
+    from transformers import AutoConfig  # only here: its config classes import ~3 s of modules
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"unsupported rope_type {rope_type!r}")
-    inv, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, None)
+    if cfg.rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_type {cfg.rope_type!r}")
+    hf = AutoConfig.from_pretrained(cfg.model_path)
+    inv, attention_scaling = ROPE_INIT_FUNCTIONS[cfg.rope_type](hf, None)
     return inv.float(), float(attention_scaling)

@@ -207,7 +207,9 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab_rows: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
+        # `_weight`: no normal_() init, whose first call imports torch._dynamo (~2 s a process)
+        weight = torch.empty(vocab_rows, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -48,6 +48,26 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+def _to_empty(model: torch.nn.Module, device: torch.device) -> None:
+    """`model.to_empty(device)` without `empty_like` on meta tensors, whose reference
+    implementation imports sympy (~1 s a process); shared tensors stay shared."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty(t.shape, dtype=t.dtype, device=device)
+            if isinstance(t, torch.nn.Parameter):
+                new = torch.nn.Parameter(new, t.requires_grad)
+            made[id(t)] = new
+        return made[id(t)]
+
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for name, t in tensors.items():
+                if t is not None:
+                    tensors[name] = empty(t)
+
+
 DUMMY_SEED = 0
 DUMMY_STD = 0.02  # HF's default initializer_range
 
@@ -60,7 +80,7 @@ def _build(
     cls = MODEL_REGISTRY[cfg.architecture]
     with _default_dtype(dtype), torch.device("meta"):
         model = cls(cfg, max_positions, tp)
-    model = model.to_empty(device=device)
+    _to_empty(model, device)
     # the RoPE tables are computed, not loaded: rebuild them on the device
     with _default_dtype(dtype), torch.device(device):
         model.rotary = type(model.rotary)(cfg, max_positions, dtype)
@@ -98,7 +118,7 @@ class DummyCheckpoint:
 
     def __init__(self, cfg: ModelConfig, max_positions: int, seed: int = DUMMY_SEED) -> None:
         self.cfg, self.seed = cfg, seed
-        self.std = float(getattr(cfg.hf_config, "initializer_range", None) or DUMMY_STD)
+        self.std = cfg.initializer_range or DUMMY_STD
         with torch.device("meta"):
             whole = MODEL_REGISTRY[cfg.architecture](cfg, max_positions, TPInfo())
         whole.tie_weights()

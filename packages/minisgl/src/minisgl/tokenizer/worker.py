@@ -9,7 +9,6 @@ scheduler to finish the request. Worker i serves the requests with uid % num_tok
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 import traceback
@@ -32,26 +31,8 @@ from minisgl.message.schema import (
 from minisgl.server import ipc
 from minisgl.server.replicas import replica_of
 from minisgl.tokenizer.detokenize import DecodeState, Detokenizer
+from minisgl.tokenizer.load import load_tokenizer
 from minisgl.utils import trace
-
-# Tokenizer classes that are exactly their tokenizer.json: loaded through
-# PreTrainedTokenizerFast directly, skipping the (slow, torch-importing) AutoTokenizer path.
-PLAIN_FAST = {"PreTrainedTokenizerFast", "TokenizersBackend", "GPT2Tokenizer", "GPT2TokenizerFast", "Qwen2Tokenizer",
-              "Qwen2TokenizerFast"}  # fmt: skip
-
-
-def load_tokenizer(model_path: str):
-    cfg_file = os.path.join(model_path, "tokenizer_config.json")
-    if os.path.isfile(os.path.join(model_path, "tokenizer.json")) and os.path.isfile(cfg_file):
-        with open(cfg_file) as f:
-            cls = json.load(f).get("tokenizer_class")
-        if cls in PLAIN_FAST:
-            from transformers import PreTrainedTokenizerFast
-
-            return PreTrainedTokenizerFast.from_pretrained(model_path)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)
 
 
 def plain_backend(tok):

@@ -61,7 +61,7 @@ class ChatRenderer:
 
     def _tokenizer(self) -> Any:
         if self._tok is None:
-            from minisgl.tokenizer.worker import load_tokenizer
+            from minisgl.tokenizer.load import load_tokenizer
 
             self._tok = load_tokenizer(self.model_path)
         return self._tok
