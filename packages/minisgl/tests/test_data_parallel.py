@@ -143,7 +143,7 @@ def test_prefix_routing_beats_round_robin(tiny_model_dir, tmp_path):
 
 
 def long_request(server, prompt, stream: bool, out: list, i: int) -> None:
-    body = {"model": "m", "prompt": prompt, "max_tokens": 200, "temperature": 0,
+    body = {"model": "m", "prompt": prompt, "max_tokens": 120, "temperature": 0,
             "ignore_eos": True, "stream": stream}  # fmt: skip
     try:
         if not stream:

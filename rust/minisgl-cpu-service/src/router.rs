@@ -265,6 +265,34 @@ mod tests {
     }
 
     #[test]
+    fn a_holder_moderately_busier_keeps_its_prefix() {
+        // a burst of 64 requests over 8 prefixes leaves one replica a few requests ahead:
+        // moving a prefix then costs its whole prefill on the other replica (and every
+        // request of it that arrives before that prefill ends), more than the queue saves
+        let mut r = Router::new(Policy::Prefix, 2, 10_000);
+        r.route(&prompt(1, 64, 0), &idle(2));
+        let ahead = |holder: usize, other: usize| {
+            [
+                Load {
+                    requests: holder,
+                    kv_used: 0.2,
+                },
+                Load {
+                    requests: other,
+                    kv_used: 0.1,
+                },
+            ]
+        };
+        for (holder, other) in [(11, 1), (30, 12), (40, 24), (44, 13)] {
+            let to = r.route(&prompt(1, 64, 1), &ahead(holder, other));
+            assert_eq!(to.map(|x| x.replica), Some(0), "{holder} vs {other}");
+        }
+        // far busier (by BALANCE_ABS and by BALANCE_REL): the other replica takes it
+        let to = r.route(&prompt(1, 64, 2), &ahead(60, 20));
+        assert_eq!(to.map(|x| x.replica), Some(1));
+    }
+
+    #[test]
     fn round_robin_skips_replicas_that_are_down() {
         let mut r = Router::new(Policy::RoundRobin, 3, 100);
         let order: Vec<usize> = (0..4)
