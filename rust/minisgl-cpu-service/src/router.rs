@@ -2,19 +2,23 @@
 //!
 //! `prefix` (the default): the replica whose cache holds the longest prefix of the prompt, when
 //! that prefix is at least [`MIN_MATCH_RATIO`] of it; else (or when that replica is far busier
-//! than the least loaded one) the least loaded replica: queued + running requests, then KV
-//! pressure, then the fewest requests routed so far. The cache seen here is a radix tree per
-//! replica of the prompts routed to it (the core crate's [`RadixTree`]), evicted LRU at the
-//! replica's KV capacity: it holds the prompts still in flight, which the replica's own cache
-//! takes only once they are computed. `round_robin`: the live replicas in turn.
+//! than the least loaded one: [`BALANCE_ABS`], [`BALANCE_REL`]) the least loaded replica:
+//! queued + running requests, then KV pressure, then the fewest requests routed so far. The
+//! cache seen here is a radix tree per replica of the prompts routed to it (the core crate's
+//! [`RadixTree`]), evicted LRU at the replica's KV capacity: it holds the prompts still in
+//! flight, which the replica's own cache takes only once they are computed. `round_robin`:
+//! the live replicas in turn.
 //! A replica that is down gets nothing. Pure: no I/O.
 
 use minisgl_cpu_core::RadixTree;
 
 /// The share of the prompt a cached prefix must cover to decide the replica by itself.
 pub const MIN_MATCH_RATIO: f64 = 0.25;
-/// The prefix replica is passed over when its load exceeds twice the least one's plus this.
-pub const BALANCE_ABS: usize = 8;
+/// The prefix replica is passed over when its load exceeds the least one's by this many
+/// requests and by [`BALANCE_REL`] times (SGLang's cache-aware router weighs the same two).
+pub const BALANCE_ABS: usize = 32;
+/// See [`BALANCE_ABS`].
+pub const BALANCE_REL: f64 = 1.5;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Policy {
@@ -146,7 +150,8 @@ impl Router {
         }
         let holder =
             least(&mut live.iter().copied().filter(|&r| matched[r] == best)).unwrap_or(idle);
-        if load(holder).requests > 2 * load(idle).requests + BALANCE_ABS {
+        let (busy, least) = (load(holder).requests, load(idle).requests);
+        if busy > least + BALANCE_ABS && busy as f64 > BALANCE_REL * least as f64 {
             return idle;
         }
         holder
