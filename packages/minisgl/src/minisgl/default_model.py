@@ -56,10 +56,10 @@ def default_model_path() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         if not (target / "config.json").is_file():
-            # said before it starts: the GGUF is read three times (config and tokenizer by
-            # transformers, the weights by us), ~13 s on 2 cores (AMD EPYC)
+            # said before it starts: config and tokenizer through transformers, the weights
+            # through us, one parse of the file's metadata: ~10 s on 2 cores (AMD EPYC)
             logger.warning("first use of the embedded model: converting %s once into %s "
-                           "(about 15 s on 2 cores)", GGUF_NAME, target.parent)  # fmt: skip
+                           "(about 10 s on 2 cores)", GGUF_NAME, target.parent)  # fmt: skip
             _convert(gguf_path(), target)
         if manifest(target) is None:  # folders converted before the packed cache existed
             write_manifest(target, gguf_path(), NATIVE_QUANTIZATION)
@@ -77,14 +77,15 @@ def _convert(gguf: Path, target: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from minisgl.quantization.gguf import read_gguf_float
+    from minisgl.quantization.gguf import one_parse_per_file, read_gguf_float
 
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    weights = read_gguf_float(gguf, config.num_attention_heads, config.num_key_value_heads,
-                              bool(config.tie_word_embeddings))  # fmt: skip
+    with one_parse_per_file():  # the three reads share one parse of the metadata
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        weights = read_gguf_float(gguf, config.num_attention_heads, config.num_key_value_heads,
+                                  bool(config.tie_word_embeddings))  # fmt: skip
     tmp.mkdir(parents=True)
     for attr in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, attr):

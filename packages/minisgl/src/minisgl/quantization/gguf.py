@@ -13,8 +13,12 @@ blocks stay intact.
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,6 +71,35 @@ def float_name(gguf_name: str, tied: bool) -> str | None:
     if gguf_name == "output_norm.weight":
         return "model.norm.weight"
     return _layer_name(gguf_name, _NORM_NAMES) or hf_name(gguf_name)
+
+
+@contextmanager
+def one_parse_per_file() -> Iterator[None]:
+    """Inside: every `gguf.GGUFReader(path)` of the same unchanged file returns one reader, ours
+    and transformers' alike (its GGUF loader imports the class from gguf when called). Parsing
+    the metadata is most of a read (the embedded model's vocabulary and merges: ~100k strings,
+    ~3 s on 2 cores), and a conversion reads the file three times (config, tokenizer, weights).
+    The readers are dropped at exit; not for use from several threads at once."""
+    import gguf
+
+    real = gguf.GGUFReader
+    readers: dict[tuple[str, int, int], Any] = {}
+
+    def shared(path: Any, mode: str = "r") -> Any:
+        if mode != "r":
+            return real(path, mode)
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_mtime_ns, st.st_size)
+        if key not in readers:
+            readers[key] = real(path)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+        readers.clear()
 
 
 def read_gguf_float(path: Path, num_heads: int, num_kv_heads: int, tied: bool):
