@@ -103,12 +103,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_running=st.integers(1, 6),
         max_extend=st.integers(4, 40),
         cache_type=st.sampled_from(["radix", "radix", "naive"]),
+        in_batch=st.sampled_from([0, 2, 4, 32]),  # the in-batch prefix check's threshold
     )
-    def setup(self, page_size, num_pages, max_running, max_extend, cache_type):
+    def setup(self, page_size, num_pages, max_running, max_extend, cache_type, in_batch):
         cfg = SchedulerConfig(num_pages=num_pages // page_size, page_size=page_size,
                               max_seq_len=64, max_running_requests=max_running,
                               max_extend_tokens=max_extend, cache_type=cache_type,
-                              eos_token_ids=(0,))  # fmt: skip
+                              eos_token_ids=(0,), in_batch_prefix_min=in_batch)  # fmt: skip
         self.py = make_scheduler(cfg, "python", shadow=False)
         self.rs = make_scheduler(cfg, "rust_hotpath", shadow=False)
         assert type(self.py) is Scheduler and isinstance(self.rs, RustScheduler)

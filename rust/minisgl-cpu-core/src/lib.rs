@@ -92,6 +92,7 @@ pub use radix::{NodeIdx, RadixError, RadixTree, ROOT};
 pub use sched::{
     pipeline::TRACE_VERSION, validate_request, AheadStep, CoreStats, ReqParams, RequestError,
     SchedConfig, SchedCore, SchedError, FINISH_DROPPED, FINISH_LENGTH, FINISH_NONE, FINISH_STOP,
+    IN_BATCH_PREFIX_MIN,
 };
 
 #[cfg(test)]

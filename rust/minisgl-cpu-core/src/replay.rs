@@ -4,7 +4,9 @@
 //! for decision. The workload file format and the report JSON live in the service binary
 //! (`minisgl-cpu-service replay`); this module takes a parsed [`Workload`].
 
-use crate::sched::{validate_request, ReqParams, SchedConfig, SchedCore, FINISH_NONE};
+use crate::sched::{
+    validate_request, ReqParams, SchedConfig, SchedCore, FINISH_NONE, IN_BATCH_PREFIX_MIN,
+};
 use crate::sha256::sha256_hex;
 use crate::PlanBuf;
 
@@ -315,6 +317,7 @@ pub fn replay(w: &Workload, enable_priority: bool) -> Result<ReplayReport, Strin
         radix: c.radix,
         eos_token_ids: Vec::new(),
         priority_aging_steps: enable_priority.then_some(c.priority_aging_steps),
+        in_batch_prefix_min: IN_BATCH_PREFIX_MIN,
     });
     let mut run = Runner::new(w, core);
     let reqs = &w.requests;
@@ -627,6 +630,7 @@ mod tests {
             radix: true,
             eos_token_ids: vec![],
             priority_aging_steps: None,
+            in_batch_prefix_min: IN_BATCH_PREFIX_MIN,
         });
         assert!(replay(&w, false).unwrap().pages_returned());
         assert_eq!(drain(&core).error, None);

@@ -41,7 +41,14 @@ pub struct SchedConfig {
     /// `Some(k)`: priority scheduling with aging every `k` steps (see [`SchedCore::add_request_with_priority`]);
     /// `None`: FIFO.
     pub priority_aging_steps: Option<usize>,
+    /// A waiting request sharing this many uncached prompt tokens with a request of the
+    /// prefill step being built waits for the next step, where they are cached (SGLang's
+    /// in-batch prefix check; the Python `SchedulerConfig.in_batch_prefix_min`); 0: no check.
+    pub in_batch_prefix_min: usize,
 }
+
+/// The default of [`SchedConfig::in_batch_prefix_min`] (the Python `IN_BATCH_PREFIX_MIN`).
+pub const IN_BATCH_PREFIX_MIN: usize = 32;
 
 /// Why a request can never be served as asked ([`validate_request`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -579,6 +586,23 @@ impl SchedCore {
         self.batch.truncate(keep);
     }
 
+    /// Whether a request of the batch being built computes at least `in_batch_prefix_min` of
+    /// the prompt tokens request `idx` does not find cached (its first `cached`).
+    fn computed_in_batch(&self, idx: usize, cached: usize) -> bool {
+        let least = self.cfg.in_batch_prefix_min;
+        let r = self.req(idx);
+        let mine = &r.tokens[..r.prompt_len - 1];
+        if least == 0 || mine.len() < cached + least {
+            return false;
+        }
+        self.batch.iter().any(|&(other, _)| {
+            let o = self.req(other);
+            let theirs = &o.tokens[..o.prompt_len - 1];
+            let shared = mine.iter().zip(theirs).take_while(|(a, b)| a == b).count();
+            shared >= cached + least
+        })
+    }
+
     fn admit(&mut self, idx: usize) -> Result<bool, SchedError> {
         let ps = self.cfg.page_size;
         self.s_match.clear();
@@ -595,6 +619,13 @@ impl SchedCore {
             }
         };
         let m = self.s_match.len();
+        if self.computed_in_batch(idx, m) {
+            if let (Some(c), Some(h)) = (self.cache.as_mut(), node) {
+                c.unlock(h)
+                    .map_err(|e| SchedError::Internal(e.to_string()))?;
+            }
+            return Ok(false);
+        }
         let need = pages(self.req(idx).max_total_len, ps) as i64 - (m / ps) as i64;
         let avail = self.alloc.num_free_pages() as i64 + (self.evictable_size() / ps) as i64
             - self.reserved_pages() as i64;
@@ -975,6 +1006,7 @@ mod tests {
             radix,
             eos_token_ids: vec![0],
             priority_aging_steps: None,
+            in_batch_prefix_min: IN_BATCH_PREFIX_MIN,
         })
     }
 
@@ -1023,6 +1055,7 @@ mod tests {
             radix: true,
             eos_token_ids: vec![0],
             priority_aging_steps: None,
+            in_batch_prefix_min: IN_BATCH_PREFIX_MIN,
         });
         let p = ReqParams {
             max_tokens: 5,
@@ -1070,6 +1103,7 @@ mod tests {
             radix: true,
             eos_token_ids: vec![0],
             priority_aging_steps: None,
+            in_batch_prefix_min: IN_BATCH_PREFIX_MIN,
         });
         let prompt: Vec<i32> = (40..50).collect();
         c.add_request(1, &prompt, 15, p.clone()).unwrap();
@@ -1103,6 +1137,7 @@ mod tests {
             radix: true,
             eos_token_ids: vec![],
             priority_aging_steps: aging,
+            in_batch_prefix_min: IN_BATCH_PREFIX_MIN,
         })
     }
 

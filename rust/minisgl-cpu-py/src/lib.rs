@@ -8,8 +8,8 @@
 
 use minisgl_cpu_core::{
     build_step_plan, PlanBuf, PlanLayout, RadixError, RadixTree, ReqParams, SchedConfig, SchedCore,
-    SchedError, FINISH_DROPPED, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, SEGMENT_NAMES,
-    TRACE_VERSION,
+    SchedError, FINISH_DROPPED, FINISH_LENGTH, FINISH_NONE, FINISH_STOP, IN_BATCH_PREFIX_MIN,
+    SEGMENT_NAMES, TRACE_VERSION,
 };
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::{PyAssertionError, PyKeyError, PyRuntimeError, PyValueError};
@@ -203,7 +203,8 @@ impl SchedulerCore {
     #[new]
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (*, num_pages, page_size, max_seq_len, max_running_requests,
-                        max_extend_tokens, radix, eos_token_ids, priority_aging_steps=None))]
+                        max_extend_tokens, radix, eos_token_ids, priority_aging_steps=None,
+                        in_batch_prefix_min=IN_BATCH_PREFIX_MIN))]
     fn new(
         num_pages: usize,
         page_size: usize,
@@ -213,6 +214,7 @@ impl SchedulerCore {
         radix: bool,
         eos_token_ids: Vec<i32>,
         priority_aging_steps: Option<usize>,
+        in_batch_prefix_min: usize,
     ) -> PyResult<Self> {
         if page_size == 0 {
             return Err(PyValueError::new_err("page_size must be > 0"));
@@ -230,6 +232,7 @@ impl SchedulerCore {
                 radix,
                 eos_token_ids,
                 priority_aging_steps,
+                in_batch_prefix_min,
             }),
             codes: Vec::new(),
             rids: Vec::new(),

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use minisgl_cpu_core::{
     validate_request, PlanBuf, ReqParams, SchedConfig, SchedCore, FINISH_DROPPED, FINISH_LENGTH,
-    FINISH_STOP,
+    FINISH_STOP, IN_BATCH_PREFIX_MIN,
 };
 
 use crate::wire::WireParams;
@@ -113,6 +113,7 @@ fn new_core(cfg: &EngineConfig) -> SchedCore {
         radix: cfg.radix,
         eos_token_ids: cfg.eos_token_ids.clone(),
         priority_aging_steps: None,
+        in_batch_prefix_min: IN_BATCH_PREFIX_MIN,
     })
 }
 

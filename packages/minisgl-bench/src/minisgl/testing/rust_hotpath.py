@@ -303,6 +303,7 @@ class RustScheduler:
         max_extend_tokens: int,
         cache_type: str,
         eos_token_ids: Sequence[int] = (),
+        in_batch_prefix_min: int = 0,
     ) -> None:
         if cache_type not in ("radix", "naive"):
             raise ValueError(f"unknown cache_type {cache_type!r} (expected 'radix' or 'naive')")
@@ -322,6 +323,7 @@ class RustScheduler:
             max_extend_tokens=max_extend_tokens,
             radix=cache_type == "radix",
             eos_token_ids=sorted(int(t) for t in eos_token_ids),
+            in_batch_prefix_min=in_batch_prefix_min,
         )
         self.alloc = _AllocView(self.core, num_pages, page_size, max_running_requests)
         self.cache = _CacheView(self.core, page_size)

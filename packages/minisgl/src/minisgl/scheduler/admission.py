@@ -75,7 +75,7 @@ class Admission(SchedulerState):
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
-            if not self._admit(req):
+            if not self._admit(req, batch):
                 break
             self.waiting.popleft()
             self._join_running(req)
@@ -108,12 +108,32 @@ class Admission(SchedulerState):
             target -= cut[-1][1]
         return cut
 
-    def _admit(self, req: Req) -> bool:
+    def _computed_in_batch(self, fill: np.ndarray, cached: int, batch: list) -> bool:
+        """Whether a request of `batch` computes at least `in_batch_prefix_min` of the tokens
+        `fill` does not find cached (its first `cached` tokens): the shared prefix past it."""
+        least = self.in_batch_prefix_min
+        if not least or len(fill) - 1 - cached < least:
+            return False
+        mine = fill[: len(fill) - 1]
+        for other, _ in batch:
+            theirs = other.fill_ids[: len(other.fill_ids) - 1]
+            n = min(len(mine), len(theirs))
+            if n - cached < least:
+                continue
+            diff = np.flatnonzero(mine[:n] != theirs[:n])
+            if (diff[0] if len(diff) else n) - cached >= least:
+                return True
+        return False
+
+    def _admit(self, req: Req, batch: list[tuple[Req, int]]) -> bool:
         ps = self.page_size
         fill = req.fill_ids
         assert fill is not None
         match = self.cache.match_prefix(fill[: len(fill) - 1])
         self.cache.lock(match.node)
+        if self._computed_in_batch(fill, match.length, batch):
+            self.cache.unlock(match.node)
+            return False
         need = pages(req.max_total_len, ps) - match.length // ps
         avail = self.alloc.num_free_pages + self.cache.evictable_size // ps - self._reserved_pages()
         if need > avail or self.alloc.num_free_slots == 0:

@@ -19,6 +19,9 @@ from minisgl.scheduler.stats import KvUsage, SchedulerStats
 from minisgl.step.plan import StepPlan
 
 CACHE_TYPES = ("radix", "naive")
+# a waiting request sharing this many uncached prompt tokens with a request of the prefill step
+# being built waits for the next step, where they are cached (SGLang's in-batch prefix check)
+IN_BATCH_PREFIX_MIN = 32
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class SchedulerConfig:
     max_extend_tokens: int
     cache_type: str = "radix"
     eos_token_ids: tuple[int, ...] = ()
+    in_batch_prefix_min: int = IN_BATCH_PREFIX_MIN  # 0: no check
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_seq_len", "max_running_requests",
@@ -39,6 +43,9 @@ class SchedulerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"scheduler config: {name} must be a positive int, got {v!r}")
+        v = self.in_batch_prefix_min
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"scheduler config: in_batch_prefix_min must be an int >= 0, got {v!r}")
         if self.cache_type not in CACHE_TYPES:
             raise ValueError(
                 f"unknown cache_type {self.cache_type!r} (expected 'radix' or 'naive')"

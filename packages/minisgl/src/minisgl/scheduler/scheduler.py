@@ -10,6 +10,11 @@ radix cache (see `Scheduler._cache_prefix` for the exact order of operations, wh
 core mirrors), so a request admitted while an earlier one with the same prefix is still
 running reuses its KV. A request always owns exactly `[cache_len, alloc_len)` of its row.
 
+In-batch prefix check: admission stops (FIFO) at a request whose prompt, past its own cache
+hit, shares `in_batch_prefix_min` or more tokens with a request of the batch being built; the
+next step finds them cached (SGLang's check, so a burst on one long system prompt computes it
+once). 0 turns it off.
+
 Balanced prefill steps: a prefill step that spends its whole budget B while 0 < R < B prompt
 tokens are left for the next one is cut to `ceil((B + R) / 2)` tokens, so the two are even
 rather than a full step and a small tail (on a CPU a small step costs more per token:

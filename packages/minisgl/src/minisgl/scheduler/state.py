@@ -46,6 +46,7 @@ class SchedulerState:
         cache_type: str,
         eos_token_ids: Sequence[int] = (),
         priority_aging_steps: int | None = None,
+        in_batch_prefix_min: int = 0,
     ) -> None:
         if priority_aging_steps is not None and (
             isinstance(priority_aging_steps, bool)
@@ -61,6 +62,7 @@ class SchedulerState:
         self.max_seq_len = max_seq_len
         self.max_running = max_running_requests
         self.max_extend_tokens = max_extend_tokens
+        self.in_batch_prefix_min = in_batch_prefix_min
         self.eos_token_ids = frozenset(eos_token_ids)
         self._eos = sorted(self.eos_token_ids)
         self.alloc = PageAllocator(num_pages, page_size, max_running_requests, max_seq_len)
