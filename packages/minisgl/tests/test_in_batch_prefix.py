@@ -51,7 +51,7 @@ def test_the_default_is_sglangs_threshold():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_burst_sharing_a_prefix_computes_it_once(backend):
-    prompts = [SHARED + [100 + i, 101 + i, 102 + i] for i in range(4)] + [[200, 201, 202, 203]]
+    prompts = [[*SHARED, 100 + i, 101 + i, 102 + i] for i in range(4)] + [[200, 201, 202, 203]]
     steps, prompt, cached = run(backend, config(32), prompts)
     assert steps[0] == [0], steps  # the others wait: request 4 is behind them (FIFO)
     assert steps[1] == [1, 2, 3, 4], steps  # the prefix is cached now
@@ -74,9 +74,9 @@ def test_short_shares_and_distinct_prompts_are_admitted_together(backend, page_s
 def test_a_cached_prefix_does_not_count_only_what_is_left(backend):
     """Sharing counts the tokens past the waiting request's own cache hit: two requests whose
     48 shared tokens are cached already go together; a longer uncached share still waits."""
-    warm = [SHARED + [90]]
+    warm = [[*SHARED, 90]]
     cold = [SHARED + list(range(60, 100)) + [100 + i] for i in range(2)]  # 40 more shared
-    prompts = warm + [SHARED + [91], SHARED + [92]] + cold
+    prompts = [*warm, [*SHARED, 91], [*SHARED, 92], *cold]
     steps, _, cached = run(backend, config(32), prompts)
     assert steps[0] == [0], steps  # 1, 2 share 48 uncached tokens with 0
     assert steps[1] == [1, 2, 3], steps  # 4 shares 40 uncached tokens with 3

@@ -66,6 +66,7 @@ proptest! {
             radix,
             eos_token_ids: vec![0],
             priority_aging_steps: None,
+            in_batch_prefix_min: minisgl_cpu_core::IN_BATCH_PREFIX_MIN,
         });
         let mut buf = PlanBuf::default();
         let (mut codes, mut rids) = (Vec::new(), Vec::new());
@@ -120,6 +121,7 @@ proptest! {
             radix: true,
             eos_token_ids: vec![0],
             priority_aging_steps: None,
+            in_batch_prefix_min: minisgl_cpu_core::IN_BATCH_PREFIX_MIN,
         });
         let mut buf = PlanBuf::default();
         let (mut codes, mut rids) = (Vec::new(), Vec::new());

@@ -45,7 +45,9 @@ class SchedulerConfig:
                 raise ValueError(f"scheduler config: {name} must be a positive int, got {v!r}")
         v = self.in_batch_prefix_min
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"scheduler config: in_batch_prefix_min must be an int >= 0, got {v!r}")
+            raise ValueError(
+                f"scheduler config: in_batch_prefix_min must be an int >= 0, got {v!r}"
+            )
         if self.cache_type not in CACHE_TYPES:
             raise ValueError(
                 f"unknown cache_type {self.cache_type!r} (expected 'radix' or 'naive')"
