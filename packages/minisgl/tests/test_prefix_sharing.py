@@ -55,11 +55,14 @@ def test_running_request_prefix_is_shared(tiny_llama, backend, page_size, monkey
 @pytest.mark.parametrize("backend", _backends())
 def test_concurrent_duplicates_are_deduplicated(tiny_llama, backend, monkeypatch):
     """Identical prompts prefilled in the same step: the later one's KV pages are swapped for
-    the cache's copy when it caches its prefix, so the pool holds the prompt once."""
+    the cache's copy when it caches its prefix, so the pool holds the prompt once. (The
+    in-batch prefix check keeps them apart by default; off here, as a duplicate can still
+    share a step: a prompt shorter than its threshold, or the check at 0.)"""
     path, hf = tiny_llama
     prompt = random_prompts(1, 40, 40, seed=13)[0]
     cfg = SchedulerConfig(num_pages=1024, page_size=1, max_seq_len=256, max_running_requests=8,
-                          max_extend_tokens=4096, cache_type="radix")  # fmt: skip
+                          max_extend_tokens=4096, cache_type="radix",
+                          in_batch_prefix_min=0)  # fmt: skip
     sched = make_scheduler(cfg, backend)
     assert sched.backend == backend
     for _ in range(3):
