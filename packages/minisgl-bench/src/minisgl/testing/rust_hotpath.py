@@ -29,7 +29,7 @@ from minisgl.core import SamplingParams
 from minisgl.kvcache.allocator import OutOfPages
 from minisgl.kvcache.base import MatchResult
 from minisgl.scheduler import cpu_backend
-from minisgl.scheduler.backend import ScheduledStep
+from minisgl.scheduler.backend import IN_BATCH_PREFIX_MIN, ScheduledStep
 from minisgl.scheduler.request import FINISH_REASONS, RequestError, StepOutput, validate_request
 from minisgl.scheduler.stats import KvUsage, SchedulerStats
 from minisgl.step.plan import PlanLayout, StepPlan, split_flat
@@ -303,7 +303,7 @@ class RustScheduler:
         max_extend_tokens: int,
         cache_type: str,
         eos_token_ids: Sequence[int] = (),
-        in_batch_prefix_min: int = 0,
+        in_batch_prefix_min: int = IN_BATCH_PREFIX_MIN,
     ) -> None:
         if cache_type not in ("radix", "naive"):
             raise ValueError(f"unknown cache_type {cache_type!r} (expected 'radix' or 'naive')")

@@ -108,7 +108,9 @@ class Admission(SchedulerState):
             target -= cut[-1][1]
         return cut
 
-    def _computed_in_batch(self, fill: np.ndarray, cached: int, batch: list) -> bool:
+    def _computed_in_batch(
+        self, fill: np.ndarray, cached: int, batch: list[tuple[Req, int]]
+    ) -> bool:
         """Whether a request of `batch` computes at least `in_batch_prefix_min` of the tokens
         `fill` does not find cached (its first `cached` tokens): the shared prefix past it."""
         least = self.in_batch_prefix_min

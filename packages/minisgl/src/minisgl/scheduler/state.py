@@ -15,6 +15,7 @@ import numpy as np
 
 from minisgl.kvcache import create_prefix_cache
 from minisgl.kvcache.allocator import PageAllocator
+from minisgl.scheduler.backend import IN_BATCH_PREFIX_MIN
 from minisgl.scheduler.cpu_backend import served_counter
 from minisgl.scheduler.request import Req
 from minisgl.scheduler.slots import SlotTable
@@ -46,7 +47,7 @@ class SchedulerState:
         cache_type: str,
         eos_token_ids: Sequence[int] = (),
         priority_aging_steps: int | None = None,
-        in_batch_prefix_min: int = 0,
+        in_batch_prefix_min: int = IN_BATCH_PREFIX_MIN,
     ) -> None:
         if priority_aging_steps is not None and (
             isinstance(priority_aging_steps, bool)
