@@ -165,7 +165,8 @@ def metrics(server) -> str:
 
 
 def wait_kv_clean(server, timeout: float = 30.0) -> str:
-    """Until nothing runs and every used page belongs to the prefix cache (no leak)."""
+    """Until nothing runs, every used page belongs to the prefix cache (no leak) and an
+    integrity check ran since the last request (the engine checks once idle a moment)."""
     deadline = time.monotonic() + timeout
     while True:
         text = metrics(server)
@@ -175,12 +176,13 @@ def wait_kv_clean(server, timeout: float = 30.0) -> str:
         cached = metric(text, "minisgl_kv_pages_cached")
         inflight = metric(text, "minisgl_requests_in_flight")
         ok = metric(text, "minisgl_kv_integrity_ok")
-        if running == queued == inflight == 0 and used == cached and ok == 1:
+        pending = metric(text, "minisgl_kv_integrity_pending", default=0)
+        if running == queued == inflight == 0 and used == cached and ok == 1 and not pending:
             return text
         if time.monotonic() > deadline:
             raise AssertionError(
                 f"KV not clean: running={running} queued={queued} "
-                f"used={used} cached={cached} in_flight={inflight} ok={ok}"
+                f"used={used} cached={cached} in_flight={inflight} ok={ok} pending={pending}"
             )
         time.sleep(0.1)
 

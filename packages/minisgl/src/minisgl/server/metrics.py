@@ -112,6 +112,12 @@ class Metrics:
             sched.get("integrity_ok", 1),
         )
         gauge(
+            "minisgl_kv_integrity_pending",
+            "1 while the engine has not checked its KV pool since its last work (the check "
+            "runs once it has been idle a moment).",
+            sched.get("integrity_pending", 0),
+        )
+        gauge(
             "minisgl_prefix_cache_hit_rate",
             "Prompt tokens served from the prefix cache.",
             sched.get("prefix_hit_rate", 0.0),

@@ -159,6 +159,10 @@ class Replicas:
         prompt = out["prompt_tokens"]
         out["prefix_hit_rate"] = out["cached_prompt_tokens"] / prompt if prompt else 0.0
         out["integrity_ok"] = min((st.get("integrity_ok", 1) for st in self.stats), default=1)
+        out["integrity_pending"] = max(
+            (st.get("integrity_pending", 0) for i, st in enumerate(self.stats) if i not in self.down),
+            default=0,
+        )
         out["page_size"] = self.stats[0].get("page_size", 1)
         if "cpu_backend" in self.stats[0]:
             out["cpu_backend"] = self.stats[0]["cpu_backend"]
