@@ -160,7 +160,11 @@ class Replicas:
         out["prefix_hit_rate"] = out["cached_prompt_tokens"] / prompt if prompt else 0.0
         out["integrity_ok"] = min((st.get("integrity_ok", 1) for st in self.stats), default=1)
         out["integrity_pending"] = max(
-            (st.get("integrity_pending", 0) for i, st in enumerate(self.stats) if i not in self.down),
+            (
+                st.get("integrity_pending", 0)
+                for i, st in enumerate(self.stats)
+                if i not in self.down
+            ),
             default=0,
         )
         out["page_size"] = self.stats[0].get("page_size", 1)
