@@ -63,3 +63,29 @@ def test_cleanup_runs_once_after_a_full_stream():
     assert sent[0]["type"] == "http.response.start"
     assert b"".join(m.get("body", b"") for m in sent) == b"data: a\n\ndata: [DONE]\n\n"
     assert closed == ["closed"]
+
+
+def test_the_stream_leaves_the_connection_to_the_job_watcher():
+    """Uvicorn says ASGI 2.3, so starlette's StreamingResponse ran an anyio task group per
+    stream that listened for the disconnect itself (and a cancel scope delivered every loop
+    turn): a fifth of the API server's CPU under burst-256. The response only sends; the
+    request's `Job` watches the connection (one plain task), so `receive` is not the
+    response's to call."""
+    sent: list[dict] = []
+
+    async def body():
+        yield b"data: a\n\n"
+
+    async def on_close() -> None:
+        pass
+
+    async def send(message) -> None:
+        sent.append(message)
+
+    async def receive():
+        raise AssertionError("the response read the connection")
+
+    resp = ClosingStreamingResponse(body(), on_close=on_close, media_type="text/event-stream")
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "headers": []}
+    asyncio.run(resp(scope, receive, send))
+    assert [m["type"] for m in sent] == ["http.response.start"] + ["http.response.body"] * 2
