@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 import zmq
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl.message.schema import (
@@ -44,6 +44,7 @@ from minisgl.server.metrics import Metrics
 from minisgl.server.openapi import request_bodies
 from minisgl.server.protocol import APIError, Parsed, parse_chat, parse_completion
 from minisgl.server.replicas import Replicas, worker_names
+from minisgl.server.streaming import ClosingStreamingResponse
 from minisgl.tools import (
     ArgsDelta,
     CallStart,
@@ -60,7 +61,6 @@ from minisgl.utils.log import get_logger
 logger = get_logger(__name__)
 
 RETRY_AFTER_S = "1"
-DISCONNECT_CHECK_S = 0.1
 # dp > 1: the replica that admitted a request, a server extension strict OpenAI clients ignore
 # (the body's / the stream's last chunks' `minisgl` object, and this header)
 REPLICA_HEADER = "X-Minisgl-Replica"
@@ -114,14 +114,39 @@ class ReqState:
     replica: int | None = None  # the data-parallel replica that admitted it (`Admitted`)
 
 
+class Gone:
+    """Put on a job's queue when its client disconnected: wakes the waiting handler."""
+
+
+GONE = Gone()
+
+
 @dataclass(eq=False)
 class Job:
     """A request's choices (n of them) and its output queue; `Frontend.job` owns its lifetime."""
 
     states: list[ReqState]
     queue: asyncio.Queue
-    checked: float = field(default_factory=time.monotonic)  # last client-disconnect check
     held: list = field(default_factory=list)  # an item taken off the queue but not yet used
+    gone: bool = False  # the client disconnected
+    watcher: asyncio.Task | None = None
+
+    def watch(self, receive: Callable[[], Awaitable[dict]]) -> None:
+        """Notice the client leaving: one task awaits the connection's `http.disconnect` (the
+        body is read by then; uvicorn answers the next `receive` only when the client leaves
+        or the response completed), then marks the job gone and wakes its handler."""
+
+        async def run() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.gone = True
+            self.queue.put_nowait(GONE)
+
+        self.watcher = asyncio.get_running_loop().create_task(run())
+
+    def unwatch(self) -> None:
+        if self.watcher is not None and not self.watcher.done():
+            self.watcher.cancel()
 
     @property
     def prompt_tokens(self) -> int:
@@ -343,10 +368,13 @@ class Frontend:
         return None
 
     @contextlib.asynccontextmanager
-    async def job(self, parsed: Parsed) -> AsyncIterator[Job]:
-        """Admit a request (n choices, one uid each), send it to the tokenizers, yield it; on
-        every way out, whatever has not finished is aborted and released (the in-flight count
-        is exactly what is really in flight)."""
+    async def job(
+        self, parsed: Parsed, receive: Callable[[], Awaitable[dict]]
+    ) -> AsyncIterator[Job]:
+        """Admit a request (n choices, one uid each), send it to the tokenizers, yield it
+        (watching its connection through `receive`); on every way out, whatever has not
+        finished is aborted and released (the in-flight count is exactly what is really in
+        flight)."""
         err = self._admission_error(parsed.n)
         if err is not None:
             raise err
@@ -362,12 +390,14 @@ class Frontend:
         job = Job([ReqState(uid, i, queue) for i, uid in enumerate(uids)], queue)
         for st in job.states:
             self.reqs[st.uid] = st
+        job.watch(receive)
         try:
             trace.mark("api.sent", uids)  # before the send: the next stage may come first
             for st, frame in zip(job.states, frames, strict=True):
                 self.to_tok[st.uid % len(self.to_tok)].send(frame)
             yield job
         finally:
+            job.unwatch()
             for st in job.states:
                 self.abort(st)
 
@@ -457,24 +487,20 @@ def completion_logprobs(entries: list, offset: int) -> dict:
     }
 
 
-async def next_item(request: Request, job: Job) -> Item:
-    """The request's next output; raises ClientGone once the client disconnected."""
-    while True:
-        now = time.monotonic()
-        if now - job.checked > DISCONNECT_CHECK_S:  # also while tokens keep flowing
-            job.checked = now
-            if await request.is_disconnected():
-                raise ClientGone()
-        if job.held:
-            return job.held.pop()
-        if not job.queue.empty():  # what came meanwhile: no timer, no task
-            return coalesce(job, job.queue.get_nowait())
-        try:  # a timer, not `wait_for`'s extra task (3.11): ~7 -> ~4 us an item
-            async with asyncio.timeout(DISCONNECT_CHECK_S):
-                item = await job.queue.get()
-        except TimeoutError:
-            continue
-        return coalesce(job, item)
+async def next_item(job: Job) -> Item:
+    """The request's next output; raises ClientGone once the client disconnected (the job's
+    watcher wakes the wait: nothing polls the connection)."""
+    if job.gone:
+        raise ClientGone()
+    if job.held:
+        item = job.held.pop()
+    elif not job.queue.empty():  # what came meanwhile: no future, no task switch
+        item = job.queue.get_nowait()
+    else:
+        item = await job.queue.get()
+    if isinstance(item, Gone):
+        raise ClientGone()
+    return coalesce(job, item)
 
 
 def coalesce(job: Job, item: Item) -> Item:
@@ -525,7 +551,7 @@ class Reply:
 
 
 async def complete_response(fe: Frontend, request: Request, parsed: Parsed, reply: Reply):
-    async with fe.job(parsed) as job:
+    async with fe.job(parsed, request.receive) as job:
         texts: list[list[str]] = [[] for _ in job.states]
         want_lp = parsed.params.logprobs is not None
         lps: list[list | None] = [[] if want_lp else None for _ in job.states]
@@ -533,7 +559,7 @@ async def complete_response(fe: Frontend, request: Request, parsed: Parsed, repl
         left = len(job.states)
         try:
             while left:
-                item = await next_item(request, job)
+                item = await next_item(job)
                 if isinstance(item, Accepted):
                     continue
                 st = job.states[item.index]
@@ -607,10 +633,12 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
     obj = "chat.completion.chunk" if reply.chat else "text_completion"
     include_usage = parsed.include_usage
     stack = contextlib.AsyncExitStack()  # closed by events(), or here if no stream starts
-    job = await stack.enter_async_context(fe.job(parsed))  # admission errors: plain 4xx/5xx
+    job = await stack.enter_async_context(
+        fe.job(parsed, request.receive)
+    )  # admission errors: plain 4xx/5xx
     try:  # errors found before admission (tokenization, context length) stay plain 4xx too;
         # the stream starts once the scheduler queued the request, not at its first token
-        first = await next_item(request, job)
+        first = await next_item(job)
         if isinstance(first, Failure):
             fe.settle(job.states[first.index])
             fe.complete(job, "error")
@@ -671,7 +699,7 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
             while True:
                 st = job.states[item.index]
                 if isinstance(item, Accepted):
-                    item = await next_item(request, job)
+                    item = await next_item(job)
                     continue
                 if isinstance(item, Failure):
                     fe.settle(st)
@@ -709,7 +737,7 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
                                 out["minisgl"] = served
                             yield sse(out)
                         break
-                item = await next_item(request, job)
+                item = await next_item(job)
             yield b"data: [DONE]\n\n"
         except ClientGone:
             return
@@ -723,22 +751,6 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
         # the replica is known here: the stream starts once the scheduler queued the request
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **fe.served_headers(job)},
     )
-
-
-class ClosingStreamingResponse(StreamingResponse):
-    """A stream whose cleanup runs however the response ends, even when its body generator
-    never starts (the client left before the headers went out): the request it holds is
-    released then too. `on_close` must be idempotent (an AsyncExitStack's aclose is)."""
-
-    def __init__(self, content, *, on_close: Callable[[], Awaitable[None]], **kwargs) -> None:
-        super().__init__(content, **kwargs)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.on_close()
 
 
 def create_app(fe: Frontend) -> FastAPI:

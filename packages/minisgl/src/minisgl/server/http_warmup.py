@@ -58,7 +58,7 @@ async def call(app: Any, method: str, path: str, body: bytes = b"") -> int:
 
 async def warm_http(app: Any, model: str) -> HttpWarmUp:
     """`model`: the served name (a request for another is refused earlier, with a 404)."""
-    from starlette.responses import StreamingResponse
+    from minisgl.server.streaming import ClosingStreamingResponse
 
     t0 = time.perf_counter()
     steps: list[str] = []
@@ -73,7 +73,10 @@ async def warm_http(app: Any, model: str) -> HttpWarmUp:
         yield b'data: {"warmup": true}\n\n'
         yield b"data: [DONE]\n\n"
 
-    stream = StreamingResponse(chunks(), media_type="text/event-stream")
+    async def on_close() -> None:
+        return None
+
+    stream = ClosingStreamingResponse(chunks(), on_close=on_close, media_type="text/event-stream")
     scope = {
         "type": "http",
         "method": "GET",
