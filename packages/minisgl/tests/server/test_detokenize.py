@@ -100,3 +100,47 @@ def test_tokenizer_worker_ids_equal_the_hf_tokenizer_call(tok, truncating):
     want.append(t([rendered], add_special_tokens=False)["input_ids"][0])
     assert [got[i] for i in range(len(reqs))] == want
     assert len(got[2]) > 3  # never truncated
+
+
+def test_a_step_decodes_through_the_rust_backend_in_one_call_per_flag(tok, monkeypatch):
+    """The worker's detokenizer calls the `tokenizers` backend's `decode_batch` once per
+    skip_special_tokens value of a step, not transformers' per-sequence `decode` (its wrapper,
+    argument conversion and special-token map cost more than the decoding under load)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    specials = sorted(set(tok.all_special_ids))
+    seqs = []
+    for k in range(6):
+        ids = rng.integers(3, len(tok), size=12).tolist()
+        ids[3] = specials[k % len(specials)]
+        seqs.append(ids)
+    flags = [True, False, True, False, True, True]
+    want = [tok.decode(ids, skip_special_tokens=f) for ids, f in zip(seqs, flags, strict=True)]
+    assert tok.clean_up_tokenization_spaces is False
+
+    def refused(*a, **k):
+        raise AssertionError("decoded through transformers' wrapper")
+
+    monkeypatch.setattr(tok, "decode", refused)
+    monkeypatch.setattr(tok, "batch_decode", refused)
+    calls: list[int] = []
+    backend = tok.backend_tokenizer
+
+    class Counting:
+        def decode_batch(self, sequences, skip_special_tokens=True):
+            calls.append(len(sequences))
+            return backend.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
+
+    d = Detokenizer(tok)
+    d.backend = Counting()
+    states = [DecodeState(skip_special_tokens=f) for f in flags]
+    got = [""] * len(seqs)
+    for i in range(12):
+        calls.clear()
+        reason = "length" if i == 11 else None
+        items = [(st, [seqs[k][i]], reason) for k, st in enumerate(states)]
+        for k, (_, text, _) in enumerate(d.update(items)):
+            got[k] += text
+        assert len(calls) == 2, calls  # one call per flag value, both windows of each sequence
+    assert got == want
