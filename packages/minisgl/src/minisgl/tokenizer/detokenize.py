@@ -40,9 +40,39 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
     return best
 
 
+def plain_decoder(tokenizer):
+    """The `tokenizers.Tokenizer` behind a fast HF tokenizer when decoding with it alone gives
+    the HF call's text (no clean-up of tokenization spaces configured); else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode_batch"):
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    return backend
+
+
 class Detokenizer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.backend = plain_decoder(tokenizer)
+
+    def decode(self, seqs: list[list[int]], skips: list[bool]) -> list[str]:
+        """Each sequence's text (`skips`: its skip_special_tokens), one batched call per flag
+        value: the Rust backend's `decode_batch` directly where it gives the HF call's text
+        (transformers' per-sequence wrapper cost more than the decoding under load)."""
+        out: list[str] = [""] * len(seqs)
+        for flag in (True, False):
+            idx = [i for i, f in enumerate(skips) if f is flag]
+            if not idx:
+                continue
+            part = [seqs[i] for i in idx]
+            if self.backend is not None:
+                texts = self.backend.decode_batch(part, skip_special_tokens=flag)
+            else:
+                texts = self.tokenizer.batch_decode(part, skip_special_tokens=flag)
+            for i, t in zip(idx, texts, strict=True):
+                out[i] = t
+        return out
 
     def update(
         self, items: list[tuple[DecodeState, list[int], str | None]]
@@ -58,16 +88,8 @@ class Detokenizer:
             st.unsent_tokens += len(new_ids)
             pre.append(st.ids[st.prefix_offset : st.read_offset])
             full.append(st.ids[st.prefix_offset :])
-        skip = all(st.skip_special_tokens for st, _, _ in items)
-        if skip or all(not st.skip_special_tokens for st, _, _ in items):
-            texts = self.tokenizer.batch_decode(pre + full, skip_special_tokens=skip)
-        else:
-            texts = [
-                self.tokenizer.decode(
-                    ids, skip_special_tokens=items[i % len(items)][0].skip_special_tokens
-                )
-                for i, ids in enumerate(pre + full)
-            ]
+        skips = [bool(st.skip_special_tokens) for st, _, _ in items]
+        texts = self.decode(pre + full, skips + skips)
         n = len(items)
         out = []
         for i, (st, _, reason) in enumerate(items):
