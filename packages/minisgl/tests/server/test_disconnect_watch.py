@@ -16,14 +16,20 @@ def new_job() -> Job:
     return Job([], asyncio.Queue())
 
 
-def test_a_disconnect_wakes_a_request_that_waits_for_output():
+def disconnect_after(seconds: float):
+    """An ASGI `receive` whose client leaves after `seconds`."""
+
     async def receive():
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(seconds)
         return {"type": "http.disconnect"}
 
+    return receive
+
+
+def test_a_disconnect_wakes_a_request_that_waits_for_output():
     async def main() -> None:
         job = new_job()
-        job.watch(receive)
+        job.watch(disconnect_after(0.01))
         try:
             with pytest.raises(ClientGone):
                 await asyncio.wait_for(next_item(job), 5)
@@ -35,13 +41,9 @@ def test_a_disconnect_wakes_a_request_that_waits_for_output():
 
 
 def test_items_flow_while_the_client_stays():
-    async def receive():
-        await asyncio.sleep(3600)
-        return {"type": "http.disconnect"}
-
     async def main() -> None:
         job = new_job()
-        job.watch(receive)
+        job.watch(disconnect_after(3600))
         try:
             job.queue.put_nowait(Chunk(0, "a", None))
             assert await next_item(job) == Chunk(0, "a", None)
@@ -56,13 +58,10 @@ def test_items_flow_while_the_client_stays():
 
 
 def test_a_disconnect_ends_the_request_with_output_still_queued():
-    async def receive():
-        return {"type": "http.disconnect"}
-
     async def main() -> None:
         job = new_job()
         job.queue.put_nowait(Chunk(0, "a", None))
-        job.watch(receive)
+        job.watch(disconnect_after(0))
         await asyncio.sleep(0.01)  # the watcher saw the disconnect
         with pytest.raises(ClientGone):
             await next_item(job)

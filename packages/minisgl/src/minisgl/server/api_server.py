@@ -633,9 +633,8 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
     obj = "chat.completion.chunk" if reply.chat else "text_completion"
     include_usage = parsed.include_usage
     stack = contextlib.AsyncExitStack()  # closed by events(), or here if no stream starts
-    job = await stack.enter_async_context(
-        fe.job(parsed, request.receive)
-    )  # admission errors: plain 4xx/5xx
+    # admission errors: plain 4xx/5xx
+    job = await stack.enter_async_context(fe.job(parsed, request.receive))
     try:  # errors found before admission (tokenization, context length) stay plain 4xx too;
         # the stream starts once the scheduler queued the request, not at its first token
         first = await next_item(job)
