@@ -102,8 +102,9 @@ def install_extension(session: nox.Session) -> None:
 # prefill kernel), the plain C loops without AVX-512 anywhere; w8a8 needs int8 matrix units
 ISA_PASS_TESTS = {
     "avx512": ("tests/test_cpu_decode_step.py", "tests/test_cpu_prefill_kernel.py",
-               "tests/test_w8a8.py"),
-    "avx2": ("tests/test_cpu_decode_step.py", "tests/test_cpu_prefill_kernel.py"),
+               "tests/test_w8a8.py", "tests/test_w8a8_decode_step.py"),
+    "avx2": ("tests/test_cpu_decode_step.py", "tests/test_cpu_prefill_kernel.py",
+             "tests/test_w8a8_decode_step.py"),
 }  # fmt: skip
 
 

@@ -1,0 +1,241 @@
+"""The C decode step of w8a8 bf16 models (card P2-006, issue 35).
+
+A decode step of a w8a8 model runs as one C call over the decoder layers
+(`engine/cpu_decode.py`, `kernels/cpu/decode_step_w8a8.c`): the modules' own input quantization
+(`quant.c`), an int8 GEMM over weights repacked into panels of 16 output channels, the scales
+applied and rounded where the modules round them. The reference is the torch modules
+(`MINISGL_CPU_DECODE=modules`) on the same weights: the logits are the same to the bit.
+
+Every test reaches the new module through `_step()`, so before it exists each fails by
+assertion, not by an import error of the whole file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+from minisgl.testing.modules import require_module
+from minisgl.testing.scenarios import assert_kv_clean, random_prompts
+from minisgl.testing.tiny_models import write_tiny_model
+
+CARD = "P2-006"
+RED = "failing-tests-the-panel-gemm-the-w8a8-c-step-where-it-runs"
+GREEN = "decode-steps-of-w8a8-bf16-models-run-as-one-c-call"
+REFACTOR = "the-row-ops-both-c-steps-use-written-once"
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def _step() -> ModuleType:
+    return require_module("minisgl.kernels.cpu.w8a8_step")
+
+
+def _w8a8_ready() -> None:
+    """The modules' reference needs oneDNN's int8 GEMM (an int8 matrix unit): without one
+    w8a8 models refuse to load (test_w8a8's refusal test), so only the GEMM's own tests run at
+    the avx2 ISA level (`isa_paths`)."""
+    from minisgl.quantization import w8a8
+
+    if not w8a8.w8a8_supported():
+        pytest.fail("this CPU lacks int8 matrix instructions: w8a8 models refuse to load")
+
+
+def _int8_reference(xq: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """bf16(float(xq @ wq^T) * scales): the int32 sums exact, one fp32 product, one rounding."""
+    acc = (xq.double() @ wq.double().t()).float()
+    return (acc * scales).bfloat16()
+
+
+@pytest.mark.isa_paths  # the VNNI kernel and the plain loops (noxfile.py's ISA levels)
+@pytest.mark.card(CARD, "the-int8-panel-gemm-is-the-integer-product-exactly")
+@pytest.mark.card(CARD, RED)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 64, 131])
+@pytest.mark.parametrize(("n", "k"), [(16, 64), (67, 160), (576, 1536), (3072, 576), (5, 4)])
+def test_the_panel_gemm_is_the_integer_product(rows: int, n: int, k: int) -> None:
+    """Every output: the exact int32 sum of the codes' products (u8 activations, the weights'
+    sums as the zero-point term), times the channel's scale in fp32, rounded once to bf16."""
+    step = _step()
+    g = torch.Generator().manual_seed(rows * 7 + n + k)
+    wq = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    xq = torch.randint(-127, 128, (rows, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, generator=g) * 1e-3 + 1e-5
+    w = step.Int8Panels.of(wq, scales, None)
+    got = step.int8_gemm(xq, w)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    assert torch.equal(got, _int8_reference(xq, wq, scales))
+
+
+@pytest.mark.card(CARD, "the-int8-panel-gemm-is-the-integer-product-exactly")
+def test_the_panel_gemm_is_onednns_to_the_bit() -> None:
+    """Where oneDNN's int8 GEMM runs (the modules' `w8a8.int8_gemm`), the same bf16 outputs."""
+    _w8a8_ready()
+    from minisgl.quantization import w8a8
+
+    step = _step()
+    g = torch.Generator().manual_seed(5)
+    wq = torch.randint(-127, 128, (576, 1536), generator=g, dtype=torch.int8)
+    scales = torch.rand(576, generator=g) * 1e-3 + 1e-5
+    w = step.Int8Panels.of(wq, scales, None)
+    for rows in (1, 7, 64):
+        xq = torch.randint(-127, 128, (rows, 1536), generator=g, dtype=torch.int8)
+        assert torch.equal(step.int8_gemm(xq, w), w8a8.int8_gemm(xq, wq, scales, torch.bfloat16))
+
+
+@pytest.mark.isa_paths
+@pytest.mark.card(CARD, "the-int8-panel-gemm-refuses-bad-input")
+def test_the_panel_gemm_refuses_bad_input() -> None:
+    step = _step()
+    wq = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    w = step.Int8Panels.of(wq, torch.ones(32), None)
+    for bad, match in (
+        (torch.zeros(2, 64), "xq"),  # fp32
+        (torch.zeros(2, 32, dtype=torch.int8), "xq"),  # another K
+        (torch.zeros(0, 64, dtype=torch.int8), "rows"),
+        (torch.zeros(64, 2, dtype=torch.int8).t(), "xq"),  # columns not contiguous
+    ):
+        with pytest.raises(ValueError, match=match):
+            step.int8_gemm(bad, w)
+    with pytest.raises(ValueError, match="Int8Panels"):
+        step.Int8Panels.of(wq.float(), torch.ones(32), None)  # not int8
+    with pytest.raises(ValueError, match="Int8Panels"):
+        step.Int8Panels.of(wq[:, :62], torch.ones(32), None)  # K not a multiple of 4
+    with pytest.raises(ValueError, match="Int8Panels"):
+        step.Int8Panels.of(wq, torch.ones(31), None)  # a scale short
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny(request, tmp_path_factory) -> Path:
+    return write_tiny_model(request.param, tmp_path_factory.mktemp("w8a8-step") / request.param,
+                            seed=7)  # fmt: skip
+
+
+def _llm(path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, **kw: Any) -> Any:
+    monkeypatch.setenv("MINISGL_CPU_DECODE", mode)
+    return LLM(str(path), dtype="bfloat16", quantization="w8a8", **{"num_pages": 512, **kw})
+
+
+def _batch_decode_logits(llm: Any, prompts: list[list[int]], prefix: int) -> torch.Tensor:
+    """fp32 logits [steps, len(prompts), vocab]: one prefill of every prompt's first `prefix`
+    tokens, then decode steps of all of them at once, each row fed its prompt's next token."""
+    import numpy as np
+
+    from minisgl.step.plan import build_step_plan
+
+    b, n = len(prompts), len(prompts[0])
+    table = np.arange(b * n, dtype=np.int32).reshape(b, n)
+    slots, every = np.arange(b), np.ones(b, dtype=bool)
+
+    def step(start: int, width: int, prefill: bool) -> torch.Tensor:
+        ids = [t for p in prompts for t in p[start : start + width]]
+        plan = build_step_plan(table, slots, [start] * b, [width] * b, ids, every, prefill)
+        return llm.engine.forward(plan).float()
+
+    steps = [step(0, prefix, True)] + [step(t, 1, False) for t in range(prefix, n - 1)]
+    return torch.stack(steps)
+
+
+@pytest.mark.card(CARD, "the-w8a8-c-decode-step-gives-the-modules-logits-on-every-architecture")
+@pytest.mark.card(CARD, RED)
+@pytest.mark.card(CARD, GREEN)
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_the_w8a8_c_step_gives_the_modules_logits(tiny: Path, batch: int, monkeypatch) -> None:
+    """Teacher-forced decode steps of `batch` requests, every one through the C step: each
+    step's logits equal the modules' (the same int8 codes, exact int32 sums, the same roundings)."""
+    _w8a8_ready()
+    prompts = random_prompts(batch, 14, 14, vocab=300, seed=batch)
+    kw = {"num_pages": batch * 14 + 64, "max_running_requests": batch}
+    c = _llm(tiny, monkeypatch, "c", **kw)
+    assert c.engine.cpu_decode is not None and c.engine.cpu_decode.kind == "w8a8"
+    got = _batch_decode_logits(c, prompts, prefix=5)
+    assert c.engine.cpu_decode.steps == 8
+    ref_llm = _llm(tiny, monkeypatch, "modules", **kw)
+    assert ref_llm.engine.cpu_decode is None
+    ref = _batch_decode_logits(ref_llm, prompts, prefix=5)
+    assert got.shape == ref.shape == (9, batch, ref.shape[2])
+    diff = (got - ref).abs().amax()
+    assert torch.equal(got, ref), f"largest difference {float(diff)}"
+
+
+@pytest.mark.card(CARD, "the-w8a8-c-decode-step-serves-batches-and-prefix-hits-with-kv-returned")
+def test_the_w8a8_c_step_serves_batches_and_prefix_hits(tiny: Path, monkeypatch) -> None:
+    """Batches of 1 to 24 decode rows, shared prefixes (radix hits), stop tokens and n > 1:
+    every request finishes as asked, with the tokens the modules give; every KV page returns."""
+    _w8a8_ready()
+    shared = random_prompts(1, 24, 24, seed=11)[0]
+    prompts = [shared + p for p in random_prompts(20, 1, 9, seed=12)] + random_prompts(4, 3, 30)
+    lens = [4 + i % 13 for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
+    outs = {}
+    for mode in ("c", "modules"):
+        llm = _llm(tiny, monkeypatch, mode, max_running_requests=24)
+        outs[mode] = [o["token_ids"] for o in llm.generate(prompts, params)]
+        if mode == "c":
+            assert llm.engine.cpu_decode is not None and llm.engine.cpu_decode.steps > 0
+            greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+            one, again = (llm.generate([prompts[0]], greedy)[0]["token_ids"] for _ in range(2))
+            assert len(one) == 12 and one == again  # again: from the radix cache
+            stop = outs["c"][1][2]
+            cut = llm.generate([prompts[1]], SamplingParams(temperature=0.0, max_tokens=12,
+                                                            stop_token_ids=[stop]))  # fmt: skip
+            assert cut[0]["finish_reason"] == "stop" and cut[0]["token_ids"][-1] == stop
+            sampled = llm.generate([prompts[2]] * 3, SamplingParams(
+                temperature=0.8, max_tokens=8, ignore_eos=True, seed=5))  # fmt: skip
+            assert all(len(o["token_ids"]) == 8 for o in sampled)
+        assert_kv_clean(llm)
+        del llm
+    assert [len(t) for t in outs["c"]] == lens
+    assert outs["c"] == outs["modules"]
+
+
+@pytest.mark.card(CARD, "the-w8a8-c-step-runs-by-default-only-where-amx-int8-is-absent")
+@pytest.mark.card(CARD, RED)
+def test_the_w8a8_c_step_runs_by_default_only_without_amx_int8(tmp_path, monkeypatch) -> None:
+    """`MINISGL_CPU_DECODE` unset (auto): the C step on a CPU without AMX-INT8, the modules
+    (oneDNN's AMX kernels) with it; `c` runs it anywhere, `modules` nowhere; int4 models take
+    the C step on both kinds."""
+    _w8a8_ready()
+    _step()
+    from minisgl.engine import cpu_decode
+
+    path = write_tiny_model("llama", tmp_path / "llama", seed=3)
+    monkeypatch.delenv("MINISGL_CPU_DECODE", raising=False)
+    for amx, want in ((False, "w8a8"), (True, None)):
+        monkeypatch.setattr(cpu_decode, "amx_int8", lambda amx=amx: amx)
+        llm = LLM(str(path), dtype="bfloat16", quantization="w8a8", num_pages=64)
+        got = llm.engine.cpu_decode
+        assert (got.kind if got is not None else None) == want, amx
+        why = cpu_decode.unsupported(llm.engine.model, llm.engine.pool, torch.device("cpu"))
+        assert (why is None) == (want is not None) and (amx is False or "AMX" in why)
+        monkeypatch.setenv("MINISGL_CPU_DECODE", "c")
+        assert cpu_decode.unsupported(llm.engine.model, llm.engine.pool,
+                                      torch.device("cpu")) is None  # fmt: skip
+        monkeypatch.delenv("MINISGL_CPU_DECODE")
+        int4 = LLM(str(path), dtype="bfloat16", quantization="int4", num_pages=64)
+        assert int4.engine.cpu_decode is not None and int4.engine.cpu_decode.kind == "int4"
+        del llm, int4
+    monkeypatch.setenv("MINISGL_CPU_DECODE", "bogus")
+    with pytest.raises(ValueError, match="MINISGL_CPU_DECODE"):
+        LLM(str(path), dtype="bfloat16", quantization="w8a8", num_pages=64)
+
+
+@pytest.mark.gate_only
+@pytest.mark.bench
+@pytest.mark.card(CARD, "seed-offline-and-many-short-in-w8a8-at-least-3x-hf-bf16-on-an-amd-epyc")
+def test_w8a8_batched_vs_hf_bf16(metric, tmp_path) -> None:
+    """`cpu_speed` on seed-offline and many-short (128 requests): minisgl w8a8 (decode steps
+    through the C step) beside HF bf16 `generate`, 2 threads, medians of 2, same run."""
+    from minisgl.testing.cpu_speed import run_cpu_speed
+
+    res = run_cpu_speed(tmp_path, "w8a8", profiles="seed-offline,many-short", hf="bf16")
+    for profile in ("seed-offline", "many-short"):
+        mini = res[profile]["minisgl-w8a8"]["output_tok_s"]
+        hf16 = res[profile]["hf-bf16"]["output_tok_s"]
+        print(f"{profile}: minisgl w8a8 {mini:.1f} tok/s, HF bf16 {hf16:.1f} ({mini / hf16:.2f}x)")
+        key = profile.replace("-", "_")
+        metric(f"{key}_tok_s_minisgl_w8a8", mini, unit="tok/s")
+        metric(f"{key}_tok_s_hf_bf16", hf16, unit="tok/s")
