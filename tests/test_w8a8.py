@@ -238,6 +238,9 @@ def test_a_w8a8_model_runs_its_linears_on_int8_activations(tiny_llama, monkeypat
     if compiled and amx_tiles():
         assert rows.count(12) == 0, "compiled decode graphs on AMX: the weight-only template"
         assert llm.engine.compiled is not None and llm.engine.compiled.steps >= 7
+    elif llm.engine.cpu_decode is not None:  # the C decode step (P2-006): its own int8 GEMMs
+        assert llm.engine.cpu_decode.kind == "w8a8" and llm.engine.cpu_decode.steps >= 7
+        assert rows.count(12) == 0
     else:
         assert rows.count(12) >= per_step * 7, "decode steps did not run on int8 activations"
     assert_kv_clean(llm)

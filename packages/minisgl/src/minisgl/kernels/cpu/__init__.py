@@ -49,9 +49,10 @@ SOURCES = tuple(
         "dequant",
         "quant",
         "decode_step",
+        "decode_step_w8a8",
     )
 )
-HEADERS = (_HERE / "bf16.h", _HERE / "spans.h", _HERE / "vexp.h")
+HEADERS = (_HERE / "bf16.h", _HERE / "rowops.h", _HERE / "spans.h", _HERE / "vexp.h")
 # -ffast-math at compile time only: linked with it, the object would set flush-to-zero for
 # the whole process when loaded (crtfastmath), changing every fp32 op in torch
 # 512-bit vectors where the CPU has them (gcc prefers 256 on most AVX-512 parts): the softmax's
@@ -156,6 +157,11 @@ def _library() -> ctypes.CDLL | None:
     lib.decode_layers_bf16.restype = ctypes.c_int
     lib.decode_layers_bf16.argtypes = ([_PTR, _I64] + [_PTR] * 7 + [_I64] + [_PTR] * 2
                                        + [_I64] * 9 + [ctypes.c_float, ctypes.c_int])  # fmt: skip
+    lib.w8a8_gemm_bf16.restype = ctypes.c_int
+    lib.w8a8_gemm_bf16.argtypes = [_PTR, _I64] + [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int]
+    lib.decode_layers_w8a8_bf16.restype = ctypes.c_int
+    lib.decode_layers_w8a8_bf16.argtypes = ([_PTR, _I64] + [_PTR] * 5 + [_I64] + [_PTR] * 2
+                                            + [_I64] * 9 + [ctypes.c_float, ctypes.c_int])  # fmt: skip
     for suffix in _DTYPES.values():
         fn = getattr(lib, f"row_max_{suffix}")
         fn.restype = ctypes.c_int

@@ -31,22 +31,10 @@
 #endif
 
 #include "bf16.h"
+#include "rowops.h"
 #include "vexp.h"
 
 #define GROUP 32
-
-static inline float rbf(float f) { return bf16_to_f32(f32_to_bf16(f)); }
-
-#if defined(__AVX512F__)
-/* 16 floats rounded to bf16 (nearest even, as f32_to_bf16) and widened back */
-static inline __m512 rbf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
-}
-#endif
-static inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
 /* one int4 matrix: row r's codes at codes + r * k / 2, its scales and zeros interleaved at
  * sz + r * gp * 2 (s of group g at 2 g, z at 2 g + 1) */
@@ -399,32 +387,6 @@ typedef struct {
     uint16_t *k_pool, *v_pool;           /* [num_rows, kvh, d], rows row_stride apart */
 } layer_w;
 
-/* the paged decode attention kernel (decode_attention.c) */
-int decode_attention_bf16_paged(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
-                                const int64_t *indices, int64_t num_indices, const int64_t *indptr,
-                                const int64_t *lens, int64_t bs, int64_t kvh, int64_t gqa, int64_t d,
-                                int64_t num_rows, int64_t k_sh, int64_t k_sl, int64_t v_sh,
-                                int64_t v_sl, int64_t window, float scale, int threads);
-
-/* out = bf16(w * bf16(x / sqrt(mean(x^2) + eps))), x already bf16 values */
-static void rms_norm(const float *x, const uint16_t *w, float eps, int64_t n, float *out) {
-    float ss = 0.0f;
-    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
-    const float r = 1.0f / sqrtf(ss / (float)n + eps);
-    for (int64_t i = 0; i < n; i++) out[i] = rbf(bf16_to_f32(w[i]) * rbf(x[i] * r));
-}
-
-/* head of d values in place: q * cos + swap_halves(q) * sin (sin signed, as the model's table) */
-static void rope(float *q, const uint16_t *cos, const uint16_t *sin, int64_t d) {
-    float t[MAX_D];
-    const int64_t half = d / 2;
-    for (int64_t i = 0; i < d; i++) {
-        const float sw = q[i < half ? i + half : i - half];
-        t[i] = rbf(rbf(q[i] * bf16_to_f32(cos[i])) + rbf(sw * bf16_to_f32(sin[i])));
-    }
-    memcpy(q, t, (size_t)d * sizeof(float));
-}
-
 /* h[i] = bf16(bf16(silu(g[i])) * u[i]) for n values (g, u already bf16 values) */
 static void silu_mul(const float *g, const float *u, float *h, int64_t n) {
     int64_t i = 0;
@@ -439,10 +401,6 @@ static void silu_mul(const float *g, const float *u, float *h, int64_t n) {
 #endif
     for (; i < n; i++) h[i] = rbf(rbf(g[i] / (1.0f + expf(-g[i]))) * u[i]);
 }
-
-/* the per-row work between the GEMMs (norms, quantization, RoPE, SiLU): rows split over the
- * threads from 4 rows (fewer: not worth a fork) */
-#define ROWS_PARALLEL _Pragma("omp parallel for schedule(static) num_threads(threads) if (rows >= 4)")
 
 /* The decoder layers of `rows` decode tokens: x [rows, h] bf16 (the embeddings) is the residual
  * stream, updated in place; out [rows, h] its final RMSNorm. cos / sin [rows, d] (the tokens'
@@ -488,24 +446,10 @@ int decode_layers_bf16(const layer_w *layers, int64_t num_layers, uint16_t *x, c
         }
         gemv(&L->qkv, a, rows, y, threads);
         ROWS_PARALLEL
-        for (int64_t m = 0; m < rows; m++) {
-            float *ym = y + m * nqkv;
-            for (int64_t hd = 0; hd < nh + kvh; hd++) {
-                float *head = ym + hd * d;
-                if (L->q_norm != NULL) {
-                    float t[MAX_D];
-                    rms_norm(head, hd < nh ? L->q_norm : L->k_norm, eps, d, t);
-                    memcpy(head, t, (size_t)d * sizeof(float));
-                }
-                rope(head, cos + m * d, sin + m * d, d);
-            }
-            for (int64_t i = 0; i < qn; i++) qb[m * qn + i] = f32_to_bf16(ym[i]);
-            uint16_t *kr = L->k_pool + out_loc[m] * row_stride, *vr = L->v_pool + out_loc[m] * row_stride;
-            for (int64_t i = 0; i < kvn; i++) {
-                kr[i] = f32_to_bf16(ym[qn + i]);
-                vr[i] = f32_to_bf16(ym[qn + kvn + i]);
-            }
-        }
+        for (int64_t m = 0; m < rows; m++)
+            heads_to_pool(y + m * nqkv, L->q_norm, L->k_norm, eps, cos + m * d, sin + m * d, nh, kvh,
+                          d, qb + m * qn, L->k_pool + out_loc[m] * row_stride,
+                          L->v_pool + out_loc[m] * row_stride);
         rc = decode_attention_bf16_paged(qb, L->k_pool, L->v_pool, ob, indices, num_indices, indptr,
                                          lens, rows, kvh, nh / kvh, d, num_rows, d, row_stride, d,
                                          row_stride, window, scale, threads);

@@ -1,0 +1,263 @@
+/* A decode step of a w8a8 bf16 Llama-family model in one C call (engine/cpu_decode.py), and
+ * its int8 GEMM alone. The modules' arithmetic (quantization/w8a8.py), op for op: each linear's
+ * input is quantized per row by quant.c's fused pass (RMSNorm, the rows as they are, or
+ * SiLU x up with the gate/up GEMM's row scale), the int8 sums are exact in int32, each output
+ * is bf16(float(sum) * the channel's scale), then bf16(that * the row's scale) and + bias,
+ * each rounded, as `W8A8Linear` / `W8A8MLP` round them; q / k norms, RoPE, the KV store and the
+ * paged attention are the int4 step's (rowops.h, decode_attention.c). So the step's residual
+ * stream is the modules' to the bit; the final norm and the lm_head (bf16 activations) stay the
+ * modules'.
+ *
+ * The GEMM reads weights repacked once (`w8a8_step.Int8Panels`) into panels of 16 output
+ * channels: panel p, bytes [K / 4][16][4], channel j's 4 weights of columns 4c..4c+3 at
+ * (c * 16 + j) * 4. One AVX512-VNNI vpdpbusd multiplies a panel's 64 bytes by 4 activation
+ * bytes broadcast to every lane: 16 channels' partial sums, no horizontal reduction. The
+ * activations go in as u8 (code + 128; vpdpbusd multiplies unsigned by signed) and each
+ * channel's sum loses 128 times the sum of its weights (`comp`), as oneDNN's zero point does.
+ * A tile: 2 panels (32 channels) by up to 8 rows, 16 accumulators in registers; a thread takes
+ * pairs of panels and runs every row block over them (the panels stay in L1 / L2). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "rowops.h"
+
+#define PANEL 16 /* output channels a panel */
+#define TILE_ROWS 8
+
+/* quant.c: per-row int8 codes of a linear's input, formed as the modules form it */
+int quant_rows_bf16(const uint16_t *x, int64_t stride, const uint16_t *w, const float *in_scale,
+                    float eps, int kind, int8_t *codes, float *scales, int64_t rows, int64_t n,
+                    int threads);
+enum { Q_ROWS = 0, Q_RMSNORM = 1, Q_SILU_MUL = 2 }; /* quant.c's kinds */
+
+/* one int8 matrix: n channels of k columns (k % 4 == 0) in ceil(n / 16) panels; comp [n16]
+ * = 128 sum_k w[j, k]; scales [n16] fp32; bias [n] bf16 or NULL */
+typedef struct {
+    const int8_t *panels;
+    const int32_t *comp;
+    const float *scales;
+    const uint16_t *bias;
+    int64_t n, k;
+} i8mat;
+
+/* y = bf16(float(acc) * scale), then bf16(y * row scale) (rs != NULL), then bf16(y + bias) */
+static inline float finish(int32_t acc, float scale, const float *rs, const uint16_t *bias, int64_t j) {
+    float y = rbf((float)acc * scale);
+    if (rs != NULL) y = rbf(y * *rs);
+    if (bias != NULL) y = rbf(y + bf16_to_f32(bias[j]));
+    return y;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* rows m0 .. m0 + mr of panels p, p + 1 (np of them: 1 or 2): acc[q][m] the 16 channel sums */
+static inline __attribute__((always_inline)) void tile(const i8mat *w, int64_t p, int np,
+                                                       const uint8_t *xu, int64_t xs, int mr,
+                                                       const float *rs, uint16_t *out, int64_t os) {
+    const int64_t k4 = w->k / 4, pstride = k4 * 64;
+    const int8_t *w0 = w->panels + p * pstride, *w1 = w0 + pstride;
+    __m512i acc[2][TILE_ROWS];
+    for (int q = 0; q < np; q++)
+        for (int m = 0; m < mr; m++) acc[q][m] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < k4; c++) {
+        const __m512i a = _mm512_loadu_si512((const void *)(w0 + c * 64));
+        const __m512i b = np == 2 ? _mm512_loadu_si512((const void *)(w1 + c * 64)) : a;
+        for (int m = 0; m < mr; m++) {
+            int32_t four;
+            memcpy(&four, xu + m * xs + 4 * c, sizeof four);
+            const __m512i x = _mm512_set1_epi32(four);
+            acc[0][m] = _mm512_dpbusd_epi32(acc[0][m], x, a);
+            if (np == 2) acc[1][m] = _mm512_dpbusd_epi32(acc[1][m], x, b);
+        }
+    }
+    for (int q = 0; q < np; q++) {
+        const int64_t j0 = (p + q) * PANEL;
+        const __m512i comp = _mm512_loadu_si512((const void *)(w->comp + j0));
+        const __m512 sc = _mm512_loadu_ps(w->scales + j0);
+        const int64_t left = w->n - j0;
+        const __mmask16 keep = left >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        __m512 bias = _mm512_setzero_ps();
+        if (w->bias != NULL)
+            bias = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, w->bias + j0)), 16));
+        for (int m = 0; m < mr; m++) {
+            __m512 y = rbf16(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[q][m], comp)), sc));
+            if (rs != NULL) y = rbf16(_mm512_mul_ps(y, _mm512_set1_ps(rs[m])));
+            if (w->bias != NULL) y = rbf16(_mm512_add_ps(y, bias));
+            /* the upper halves of the rounded floats: the bf16 values */
+            const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(y), 16));
+            _mm256_mask_storeu_epi16(out + m * os + j0, keep, h);
+        }
+    }
+}
+#endif
+
+/* out [rows, n] bf16 (os apart) = the u8 codes xu [rows, k] (xs apart) times w^T, scaled: see
+ * `finish` (rs: a scale per row, or NULL) */
+static void i8_gemm(const i8mat *w, const uint8_t *xu, int64_t xs, int64_t rows, const float *rs,
+                    uint16_t *out, int64_t os, int threads) {
+    const int64_t panels = (w->n + PANEL - 1) / PANEL, pairs = (panels + 1) / 2;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t pp = 0; pp < pairs; pp++) {
+        const int64_t p = 2 * pp;
+        const int np = p + 1 < panels ? 2 : 1;
+        for (int64_t m0 = 0; m0 < rows; m0 += TILE_ROWS) {
+            const int mr = rows - m0 < TILE_ROWS ? (int)(rows - m0) : TILE_ROWS;
+            const float *r = rs != NULL ? rs + m0 : NULL;
+            const uint8_t *x = xu + m0 * xs;
+            uint16_t *o = out + m0 * os;
+            switch (np * 16 + mr) { /* constant shapes: `tile` inlined for each */
+            case 40: tile(w, p, 2, x, xs, 8, r, o, os); break;
+            case 39: tile(w, p, 2, x, xs, 7, r, o, os); break;
+            case 38: tile(w, p, 2, x, xs, 6, r, o, os); break;
+            case 37: tile(w, p, 2, x, xs, 5, r, o, os); break;
+            case 36: tile(w, p, 2, x, xs, 4, r, o, os); break;
+            case 35: tile(w, p, 2, x, xs, 3, r, o, os); break;
+            case 34: tile(w, p, 2, x, xs, 2, r, o, os); break;
+            case 33: tile(w, p, 2, x, xs, 1, r, o, os); break;
+            case 24: tile(w, p, 1, x, xs, 8, r, o, os); break;
+            default:
+                for (int m = 0; m < mr; m++) tile(w, p, 1, x + m * xs, xs, 1, r ? r + m : NULL, o + m * os, os);
+                break;
+            }
+        }
+    }
+#else
+    (void)pairs;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t j = 0; j < w->n; j++) {
+        const int8_t *pj = w->panels + (j / PANEL) * (w->k / 4) * 64 + (j % PANEL) * 4;
+        for (int64_t m = 0; m < rows; m++) {
+            const uint8_t *x = xu + m * xs;
+            int32_t acc = 0;
+            for (int64_t c = 0; c < w->k / 4; c++)
+                for (int i = 0; i < 4; i++) acc += (int32_t)x[4 * c + i] * pj[c * 64 + i];
+            const float y = finish(acc - w->comp[j], w->scales[j], rs != NULL ? rs + m : NULL, w->bias, j);
+            out[m * os + j] = f32_to_bf16(y);
+        }
+    }
+#endif
+}
+
+static int check_i8(const i8mat *w) {
+    return w->panels != NULL && w->comp != NULL && w->scales != NULL && w->n > 0 && w->k > 0 &&
+           w->k % 4 == 0;
+}
+
+/* int8 codes -> u8 (code + 128: the sign bit flipped), n bytes */
+static void to_u8(const int8_t *codes, uint8_t *xu, int64_t n) {
+    for (int64_t i = 0; i < n; i++) xu[i] = (uint8_t)codes[i] ^ 0x80u;
+}
+
+/* the GEMM alone: xq int8 [rows, k] (rows xs apart) -> out bf16 [rows, n] = bf16(float(xq w^T)
+ * * scale), no row scale, no bias (the modules' `w8a8.int8_gemm` in bf16) */
+int w8a8_gemm_bf16(const int8_t *xq, int64_t xs, const int8_t *panels, const int32_t *comp,
+                   const float *scales, uint16_t *out, int64_t rows, int64_t n, int64_t k,
+                   int threads) {
+    const i8mat w = {panels, comp, scales, NULL, n, k};
+    if (!check_i8(&w) || rows < 1 || xs < k) return 9;
+    uint8_t *xu = aligned_alloc(64, (size_t)round_up(rows * k, 64));
+    if (xu == NULL) return 3;
+    for (int64_t m = 0; m < rows; m++) to_u8(xq + m * xs, xu + m * k, k);
+    i8_gemm(&w, xu, k, rows, NULL, out, n, threads);
+    free(xu);
+    return 0;
+}
+
+/* one w8a8 decoder layer's weights and KV pools */
+typedef struct {
+    i8mat qkv, o, gate_up, down;
+    const uint16_t *in_norm, *post_norm; /* [h] */
+    const uint16_t *q_norm, *k_norm;     /* [d] each, or NULL (no q/k norm) */
+    uint16_t *k_pool, *v_pool;           /* [num_rows, kvh, d], rows row_stride apart */
+} layer_w8;
+
+/* x [rows, h] bf16, the residual stream, updated in place through every layer (x + attention,
+ * then + MLP, each add rounded); cos / sin [rows, d] at the tokens' positions; K / V of token m
+ * to pool row out_loc[m]; attention over pool rows indices[indptr[b] + l], l < lens[b]. */
+int decode_layers_w8a8_bf16(const layer_w8 *layers, int64_t num_layers, uint16_t *x,
+                            const uint16_t *cos, const uint16_t *sin, const int64_t *out_loc,
+                            const int64_t *indices, int64_t num_indices, const int64_t *indptr,
+                            const int64_t *lens, int64_t rows, int64_t h, int64_t nh, int64_t kvh,
+                            int64_t d, int64_t inter, int64_t num_rows, int64_t row_stride,
+                            int64_t window, float eps, int threads) {
+    if (rows < 1 || d > MAX_D || d % 2 || nh % kvh) return 9;
+    const int64_t qn = nh * d, kvn = kvh * d, nqkv = qn + 2 * kvn;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const layer_w8 *L = &layers[l];
+        if (!check_i8(&L->qkv) || !check_i8(&L->o) || !check_i8(&L->gate_up) || !check_i8(&L->down))
+            return 9;
+        if (L->qkv.k != h || L->qkv.n != nqkv || L->o.k != qn || L->o.n != h ||
+            L->gate_up.k != h || L->gate_up.n != 2 * inter || L->down.k != inter || L->down.n != h)
+            return 9;
+    }
+    for (int64_t m = 0; m < rows; m++)
+        if (out_loc[m] < 0 || out_loc[m] >= num_rows) return 4;
+    int64_t kmax = h > qn ? h : qn;
+    kmax = round_up(kmax > inter ? kmax : inter, 64);
+    const int64_t ymax = nqkv > 2 * inter ? nqkv : 2 * inter;
+    int8_t *codes = malloc((size_t)(rows * kmax));
+    uint8_t *xu = aligned_alloc(64, (size_t)(rows * kmax));
+    float *sx = malloc((size_t)rows * sizeof(float)), *sh = malloc((size_t)rows * sizeof(float));
+    uint16_t *y = malloc((size_t)(rows * ymax) * sizeof(uint16_t));
+    uint16_t *qb = malloc((size_t)(rows * qn) * sizeof(uint16_t));
+    uint16_t *ob = malloc((size_t)(rows * qn) * sizeof(uint16_t));
+    float *yf = malloc((size_t)(rows * nqkv) * sizeof(float)); /* a QKV row's heads as floats */
+    int rc = (codes && xu && sx && sh && y && qb && ob && yf) ? 0 : 3;
+    const float scale = 1.0f / sqrtf((float)d);
+    /* quant.c's pass of rows [rows, n] (stride apart) into the u8 codes, kmax apart */
+#define QUANT(src, stride, w, ins, kind, n, scales)                                                 \
+    do {                                                                                            \
+        rc = quant_rows_bf16((src), (stride), (w), (ins), eps, (kind), codes, (scales), rows, (n),   \
+                             threads);                                                              \
+        ROWS_PARALLEL                                                                               \
+        for (int64_t m = 0; m < rows; m++) to_u8(codes + m * (n), xu + m * kmax, (n));            \
+    } while (0)
+    for (int64_t l = 0; rc == 0 && l < num_layers; l++) {
+        const layer_w8 *L = &layers[l];
+        /* attention: the normed input's codes, QKV, q / k norms, RoPE, KV store, attention */
+        QUANT(x, h, L->in_norm, NULL, Q_RMSNORM, h, sx);
+        if (rc != 0) break;
+        i8_gemm(&L->qkv, xu, kmax, rows, sx, y, nqkv, threads);
+        ROWS_PARALLEL
+        for (int64_t m = 0; m < rows; m++) {
+            float *ym = yf + m * nqkv;
+            for (int64_t i = 0; i < nqkv; i++) ym[i] = bf16_to_f32(y[m * nqkv + i]);
+            heads_to_pool(ym, L->q_norm, L->k_norm, eps, cos + m * d, sin + m * d, nh, kvh, d,
+                          qb + m * qn, L->k_pool + out_loc[m] * row_stride,
+                          L->v_pool + out_loc[m] * row_stride);
+        }
+        rc = decode_attention_bf16_paged(qb, L->k_pool, L->v_pool, ob, indices, num_indices, indptr,
+                                         lens, rows, kvh, nh / kvh, d, num_rows, d, row_stride, d,
+                                         row_stride, window, scale, threads);
+        if (rc != 0) break;
+        /* o_proj of the attention output's codes, the residual */
+        QUANT(ob, qn, NULL, NULL, Q_ROWS, qn, sx);
+        if (rc != 0) break;
+        i8_gemm(&L->o, xu, kmax, rows, sx, y, h, threads);
+        ROWS_PARALLEL
+        for (int64_t i = 0; i < rows * h; i++) x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
+        /* the MLP: the normed input's codes, gate/up (its row scale left to the SiLU x up pass),
+         * SiLU x up's codes, down, the residual */
+        QUANT(x, h, L->post_norm, NULL, Q_RMSNORM, h, sx);
+        if (rc != 0) break;
+        i8_gemm(&L->gate_up, xu, kmax, rows, NULL, y, 2 * inter, threads);
+        QUANT(y, 2 * inter, NULL, sx, Q_SILU_MUL, inter, sh);
+        if (rc != 0) break;
+        i8_gemm(&L->down, xu, kmax, rows, sh, y, h, threads);
+        ROWS_PARALLEL
+        for (int64_t i = 0; i < rows * h; i++) x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
+    }
+#undef QUANT
+    free(codes);
+    free(xu);
+    free(sx);
+    free(sh);
+    free(y);
+    free(qb);
+    free(ob);
+    free(yf);
+    return rc;
+}
