@@ -108,6 +108,38 @@ def test_the_panel_gemm_refuses_bad_input() -> None:
         step.Int8Panels.of(wq, torch.ones(31), None)  # a scale short
 
 
+@pytest.mark.isa_paths
+@pytest.mark.card(CARD, "the-int8-panel-gemm-is-the-integer-product-exactly")
+@pytest.mark.parametrize("rows", [1, 5, 16, 64])
+@pytest.mark.parametrize(("n", "k"), [(16, 64), (67, 160), (1000, 576)])
+def test_the_c_head_is_the_weight_only_product(rows: int, n: int, k: int) -> None:
+    """The lm_head of a w8a8 model (weight-only int8, bf16 activations): the products exact in
+    fp32, summed in the kernel's order, times the scale, rounded once: within a bf16 rounding
+    (and the fp32 sums' order) of the exact product, and of the modules' kernel."""
+    step = _step()
+    g = torch.Generator().manual_seed(rows + n + k)
+    wq = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, generator=g) * 1e-2 + 1e-4).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    got = step.int8_head(x, step.HeadPanels.of(wq, scales)).float()
+    exact = ((x.double() @ wq.double().t()) * scales.double()).float()
+    bound = exact.abs() / 128 + 1e-5 * (x.float().abs() @ (wq.float().abs().t() * scales.float()))
+    assert got.shape == (rows, n) and bool(((got - exact).abs() <= bound).all())
+    module = torch.ops.aten._weight_int8pack_mm(x, wq, scales).float()
+    assert bool(((got - module).abs() <= 2 * bound).all())
+
+
+class _CHead(torch.nn.Module):
+    """An lm_head through the C head kernel: the reference the C step's logits equal."""
+
+    def __init__(self, head: Any) -> None:
+        super().__init__()
+        self.w = _step().HeadPanels.of(head.qweight, head.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _step().int8_head(x.reshape(-1, x.shape[-1]).contiguous(), self.w)
+
+
 @pytest.fixture(scope="module", params=ARCHS)
 def tiny(request, tmp_path_factory) -> Path:
     return write_tiny_model(request.param, tmp_path_factory.mktemp("w8a8-step") / request.param,
@@ -145,7 +177,8 @@ def _batch_decode_logits(llm: Any, prompts: list[list[int]], prefix: int) -> tor
 @pytest.mark.parametrize("batch", [1, 16, 64])
 def test_the_w8a8_c_step_gives_the_modules_logits(tiny: Path, batch: int, monkeypatch) -> None:
     """Teacher-forced decode steps of `batch` requests, every one through the C step: each
-    step's logits equal the modules' (the same int8 codes, exact int32 sums, the same roundings).
+    step's logits equal the modules' (the same int8 codes, exact int32 sums, the same roundings,
+    the same lm_head kernel).
     Except after a q / k RMSNorm (Qwen3): torch sums a head's squares in its reduction's order,
     the C loop in its own, and a rare bf16 rounding of q or k flips (measured: one row of 64 from
     its second step, logits off by at most 0.17 of 6.8); there the rows stay within that
@@ -159,8 +192,12 @@ def test_the_w8a8_c_step_gives_the_modules_logits(tiny: Path, batch: int, monkey
     assert c.engine.cpu_decode.steps == 8
     ref_llm = _llm(tiny, monkeypatch, "modules", **kw)
     assert ref_llm.engine.cpu_decode is None
-    ref = _batch_decode_logits(ref_llm, prompts, prefix=5)
-    assert got.shape == ref.shape == (9, batch, ref.shape[2])
+    # the modules' decode steps with the C step's lm_head (its own test above: within a bf16
+    # rounding of the modules' kernel, which sums the products in another order)
+    ref_llm.engine.model.lm_head = _CHead(ref_llm.engine.model.lm_head)
+    ref = _batch_decode_logits(ref_llm, prompts, prefix=5)[1:]
+    got = got[1:]  # the prefill step's logits: the modules' head there
+    assert got.shape == ref.shape == (8, batch, ref.shape[2])
     diff = (got - ref).abs().amax(dim=2)
     if not c.engine.model.config.qk_norm:
         assert torch.equal(got, ref), f"largest difference {float(diff.max())}"

@@ -27,7 +27,7 @@ from torch import nn
 from minisgl.kernels import cpu as cpu_native
 from minisgl.kernels.cpu import int4, w8a8_step
 from minisgl.kvcache.pool import KVPool
-from minisgl.quantization.linear import Int4Linear
+from minisgl.quantization.linear import Int4Linear, Int8Linear
 from minisgl.quantization.w8a8 import W8A8MLP, W8A8Linear
 from minisgl.utils.cpu import cpu_flags
 from minisgl.utils.log import get_logger
@@ -40,6 +40,9 @@ logger = get_logger(__name__)
 # 1 thread, CPU time a step: 16 rows 47.7 ms against 75.1 through the modules, 64 rows 175
 # against 202, 128 rows 350 against 340)
 MAX_ROWS = 64
+# w8a8: the panel GEMM is compute-bound at oneDNN's rate from ~64 rows, and the step saves the
+# modules' per-op work (the lm_head's de-quantized copy from 32 rows, ~120 dispatched ops)
+W8A8_MAX_ROWS = 256
 MODES = ("auto", "c", "modules")  # MINISGL_CPU_DECODE
 
 
@@ -147,15 +150,21 @@ class CpuDecode:
         self.structs = steps.layer_structs(self.layers, pool.k, pool.v)
         self.final_norm = _norm(model.model.norm.weight)
         self.head = _matrix(model.lm_head) if kind == "int4" else None
+        # a w8a8 model's weight-only int8 lm_head (bf16 activations) through the C head
+        lm = model.lm_head
+        self.head8 = (w8a8_step.HeadPanels.of(lm.qweight, lm.scales)
+                      if kind == "w8a8" and isinstance(lm, Int8Linear) and lm.bias is None
+                      and getattr(model, "comm", None) is None else None)  # fmt: skip
         self.dims = int4.Dims(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                               cfg.intermediate_size, float(cfg.rms_norm_eps))  # fmt: skip
         self.pool_rows, self.row_stride = pool.k[0].shape[0], pool.k[0].stride(0)
         self.window = window or 0
+        self.max_rows = MAX_ROWS if kind == "int4" else W8A8_MAX_ROWS
         self.steps = 0  # decode steps run here (tests read it)
 
     def runs(self, num_tokens: int, meta: object) -> bool:
         """Whether a decode step of `num_tokens` rows with this attention metadata runs here."""
-        return num_tokens <= MAX_ROWS and getattr(meta, "decode_mode", None) == "paged"
+        return num_tokens <= self.max_rows and getattr(meta, "decode_mode", None) == "paged"
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  logits_indices: torch.Tensor, backend: object, meta: object) -> torch.Tensor:  # fmt: skip
@@ -170,9 +179,10 @@ class CpuDecode:
             self.pool_rows, self.row_stride, self.window,
         )  # fmt: skip
         self.steps += 1
-        if self.kind == "w8a8":  # the final norm and the lm_head: the modules'
+        if self.kind == "w8a8":  # the final norm: the module's
             w8a8_step.decode_layers(self.structs, self.dims, x, *args)
-            return model.logits(model.model.norm(x[logits_indices]))
+            h = model.model.norm(x[logits_indices])
+            return model.logits(h) if self.head8 is None else w8a8_step.int8_head(h, self.head8)
         normed = int4.decode_layers(self.structs, self.dims, x, self.final_norm, *args)
         assert self.head is not None
         return int4.int4_gemv(normed[logits_indices], self.head)

@@ -159,6 +159,8 @@ def _library() -> ctypes.CDLL | None:
                                        + [_I64] * 9 + [ctypes.c_float, ctypes.c_int])  # fmt: skip
     lib.w8a8_gemm_bf16.restype = ctypes.c_int
     lib.w8a8_gemm_bf16.argtypes = [_PTR, _I64] + [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int]
+    lib.int8_head_bf16.restype = ctypes.c_int
+    lib.int8_head_bf16.argtypes = [_PTR, _I64] + [_PTR] * 3 + [_I64] * 3 + [ctypes.c_int]
     lib.decode_layers_w8a8_bf16.restype = ctypes.c_int
     lib.decode_layers_w8a8_bf16.argtypes = ([_PTR, _I64] + [_PTR] * 5 + [_I64] + [_PTR] * 2
                                             + [_I64] * 9 + [ctypes.c_float, ctypes.c_int])  # fmt: skip

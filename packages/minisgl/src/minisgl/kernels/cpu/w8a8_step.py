@@ -94,6 +94,52 @@ def int8_gemm(xq: torch.Tensor, w: Int8Panels) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class HeadPanels:
+    """A weight-only int8 matrix [N, K] (the lm_head: bf16 activations) as the C head reads it:
+    its int8 weights widened to bf16 (exact) in panels of 16 channels, [ceil(N / 16), K / 2,
+    16, 2] (channel j's columns 2c, 2c + 1 together), fp32 scales padded to the panels."""
+
+    panels: torch.Tensor
+    scales: torch.Tensor
+    n: int
+    k: int
+
+    @classmethod
+    def of(cls, qweight: torch.Tensor, scales: torch.Tensor) -> HeadPanels:
+        """From `Int8Linear`'s qweight int8 [N, K] (K even) and scales [N]."""
+        if qweight.dtype != torch.int8 or qweight.dim() != 2 or qweight.shape[1] % 2:
+            raise ValueError(f"HeadPanels: qweight {tuple(qweight.shape)} {qweight.dtype} is not "
+                             "int8 [N, K] with K even")  # fmt: skip
+        n, k = qweight.shape
+        if scales.numel() != n:
+            raise ValueError(f"HeadPanels: {n} channels, {scales.numel()} scales")
+        n16 = -(-n // PANEL) * PANEL
+        w = torch.zeros(n16, k, dtype=torch.bfloat16)
+        w[:n] = qweight
+        panels = w.view(n16 // PANEL, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+        sc = torch.zeros(n16, dtype=torch.float32)
+        sc[:n] = scales.reshape(-1).float()
+        return cls(panels, sc, n, k)
+
+
+def int8_head(x: torch.Tensor, w: HeadPanels) -> torch.Tensor:
+    """bf16 x [rows, K] (rows >= 1, each contiguous) times w^T: bf16 [rows, N], each output
+    bf16(the fp32 sum of exact products * its scale); ValueError on other shapes."""
+    lib = _library()
+    assert lib is not None
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != w.k or x.stride(1) != 1:
+        raise ValueError(f"int8_head: x {tuple(x.shape)} {x.dtype} for a [{w.n}, {w.k}] matrix")
+    if x.shape[0] < 1:
+        raise ValueError(f"int8_head: rows must be >= 1, got {x.shape[0]}")
+    out = torch.empty(x.shape[0], w.n, dtype=torch.bfloat16)
+    rc = lib.int8_head_bf16(x.data_ptr(), x.stride(0), w.panels.data_ptr(), w.scales.data_ptr(),
+                            out.data_ptr(), x.shape[0], w.n, w.k, torch.get_num_threads())  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"int8_head: {_ERRORS.get(rc, rc)}")
+    return out
+
+
+@dataclass(frozen=True)
 class LayerWeights:
     """One w8a8 decoder layer as `decode_layers` reads it: its four linears, the input norms
     they fold (bf16), q_norm / k_norm or None."""
