@@ -174,7 +174,7 @@ def _batch_decode_logits(llm: Any, prompts: list[list[int]], prefix: int) -> tor
 @pytest.mark.card(CARD, "the-w8a8-c-decode-step-gives-the-modules-logits-on-every-architecture")
 @pytest.mark.card(CARD, RED)
 @pytest.mark.card(CARD, GREEN)
-@pytest.mark.parametrize("batch", [1, 16, 64])
+@pytest.mark.parametrize("batch", [1, 16, 64, 130])
 def test_the_w8a8_c_step_gives_the_modules_logits(tiny: Path, batch: int, monkeypatch) -> None:
     """Teacher-forced decode steps of `batch` requests, every one through the C step: each
     step's logits equal the modules' (the same int8 codes, exact int32 sums, the same roundings,
