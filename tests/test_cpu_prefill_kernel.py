@@ -335,3 +335,48 @@ def test_store_rows_writes_the_pool_as_index_put():
     odd = torch.randn(6, 8, 3, generator=g).bfloat16().transpose(1, 2)  # [6, 3, 8], D strided
     cpu_native.store_rows(pool, loc, odd)
     assert torch.equal(pool[loc], odd)
+
+
+VECTOR = "a-bf16-prefill-without-amx-tiles-attends-through-the-vector-kernel"
+
+
+@pytest.mark.card("P2-006", VECTOR)
+@pytest.mark.card("P2-006", "failing-tests-the-panel-gemm-the-w8a8-c-step-where-it-runs")
+@pytest.mark.parametrize("amx", [False, True])
+def test_a_bf16_prefill_without_amx_attends_through_the_vector_kernel(tmp_path, monkeypatch, amx):
+    """bf16 on a CPU without AMX tiles: every request whose KV is at most
+    `PREFILL_VECTOR_MAX_KV` long attends through the C vector kernel, long prompts included
+    (on an AMD EPYC, where SDPA's bf16 products run in fp32 GEMMs, the kernel was ~2x faster
+    on seed-offline's prompts and still ahead at 1024 and 3000 tokens); a longer KV takes its
+    own SDPA call. With AMX tiles (the AMX kernel, or SDPA's tile GEMMs) and in fp32, long
+    prompts keep their own SDPA call."""
+    import minisgl.attention.torch_native as tn
+
+    assert getattr(tn, "PREFILL_VECTOR_MAX_KV", 0) >= 4096
+    monkeypatch.setattr(tn, "PREFILL_VECTOR_MAX_KV", 200)  # a long KV here: 300 tokens
+    monkeypatch.setattr(tn, "amx_tiles", lambda: amx)
+    monkeypatch.setattr(tn.cpu_native, "prefill_amx", lambda dtype, head_dim: False)
+    path = write_tiny_model("llama", tmp_path / "m", seed=0)
+    prompts = [*random_prompts(1, 20, 20, seed=9), *random_prompts(1, 100, 100, seed=10),
+               *random_prompts(1, 150, 150, seed=11), *random_prompts(1, 300, 300, seed=12)]  # fmt: skip
+    steps: dict[str, list] = {}
+    for dtype in ("bfloat16", "float32"):
+        llm = LLM(path, dtype=dtype, num_pages=4096)
+        backend = llm.engine.backend
+        assert backend.native and not backend.prefill_amx
+        prepare, seen = backend.prepare, []
+
+        def recording(plan, *args, prepare=prepare, seen=seen, **kwargs):
+            meta = prepare(plan, *args, **kwargs)
+            if meta.is_prefill:  # (kernel requests, SDPA-alone requests, padded groups)
+                seen.append((0 if meta.kernel is None else len(meta.kernel.q_lens),
+                             len(meta.requests), len(meta.groups)))  # fmt: skip
+            return meta
+
+        backend.prepare = recording
+        out = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+        assert [len(o["token_ids"]) for o in out] == [4] * 4
+        assert_kv_clean(llm)
+        steps[dtype] = seen
+    assert steps["bfloat16"] == ([(1, 3, 0)] if amx else [(3, 1, 0)])
+    assert steps["float32"] == [(1, 3, 0)]
