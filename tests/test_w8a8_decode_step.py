@@ -289,3 +289,30 @@ def test_w8a8_batched_vs_hf_bf16(metric, tmp_path) -> None:
         key = profile.replace("-", "_")
         metric(f"{key}_tok_s_minisgl_w8a8", mini, unit="tok/s")
         metric(f"{key}_tok_s_hf_bf16", hf16, unit="tok/s")
+
+
+@pytest.mark.slow
+@pytest.mark.card(CARD, "the-embedded-model-decodes-as-well-through-the-w8a8-c-step")
+def test_the_embedded_model_decodes_as_well_through_the_w8a8_c_step(monkeypatch) -> None:
+    """The embedded model in w8a8: decode perplexity of the ten texts through the C step within
+    0.5% of the modules' (the residual stream is theirs to the bit; only the lm_head sums its
+    products in another order), and the capital of France is Paris."""
+    from minisgl.benchmark.cpu_speed import PPL_TEXTS, decode_perplexity, geometric_mean
+
+    _w8a8_ready()
+
+    def quality(mode: str) -> tuple[float, str]:
+        monkeypatch.setenv("MINISGL_CPU_DECODE", mode)
+        llm = LLM(quantization="w8a8", dtype="bfloat16", max_seq_len_override=512)
+        assert (llm.engine.cpu_decode is not None) == (mode == "c")
+        ppl = [decode_perplexity(llm, llm.tokenizer.encode(t)[:80], prefix=16) for t in PPL_TEXTS]
+        msgs = [[{"role": "user", "content": "What is the capital of France?"}]]
+        out = llm.generate(msgs, SamplingParams(temperature=0.0, max_tokens=12))
+        return geometric_mean(ppl), out[0]["text"]
+
+    ppl_c, text_c = quality("c")
+    ppl_m, text_m = quality("modules")
+    print(f"w8a8 decode perplexity over {len(PPL_TEXTS)} texts: C step {ppl_c:.3f}, modules "
+          f"{ppl_m:.3f}; the capital of France: {text_c!r} / {text_m!r}")  # fmt: skip
+    assert "Paris" in text_c
+    assert abs(ppl_c / ppl_m - 1) <= 0.005, (ppl_c, ppl_m)

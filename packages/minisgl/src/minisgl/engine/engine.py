@@ -120,7 +120,7 @@ class Engine:
             device=self.device,
         )
 
-        # small decode steps of an int4 bf16 model on a CPU: one C call (engine/cpu_decode.py)
+        # decode steps of an int4 / w8a8 bf16 model on a CPU: one C call (engine/cpu_decode.py)
         # (with enable_torch_compile the compiled graphs run every decode step, as asked)
         why_not = (
             "enable_torch_compile"
@@ -133,8 +133,14 @@ class Engine:
             CpuDecode(self.model, self.pool, cfg.sliding_window) if why_not is None else None
         )
         if self.device.type == "cpu":
-            logger.info("decode steps of <= %d requests: %s", CPU_DECODE_ROWS,
-                        "one C call" if why_not is None else f"torch modules ({why_not})")  # fmt: skip
+            rows = CPU_DECODE_ROWS if self.cpu_decode is None else self.cpu_decode.max_rows
+            how = (
+                "torch modules"
+                if self.cpu_decode is None
+                else f"one C call ({self.cpu_decode.kind})"
+            )
+            logger.info("decode steps of <= %d requests: %s", rows,
+                        how if why_not is None else f"{how} ({why_not})")  # fmt: skip
         fused, why = resolve_fused_ops(self.device, compiled=config.enable_torch_compile)
         self.model.use_fused_ops(fused)  # before the graphs capture the forward
         logger.info("fused decode-layer ops: %s (%s)", "on" if fused else "off", why)
