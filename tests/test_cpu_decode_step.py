@@ -24,6 +24,7 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.testing.modules import require_module
+from minisgl.testing.plans import batch_decode_logits
 from minisgl.testing.scenarios import assert_kv_clean, random_prompts
 from minisgl.testing.tiny_models import write_tiny_model
 
@@ -155,27 +156,6 @@ def test_the_c_decode_step_matches_the_modules(tiny: Path, monkeypatch) -> None:
     assert torch.equal(got.argmax(1)[clear], ref.argmax(1)[clear])
 
 
-def _batch_decode_logits(llm: Any, prompts: list[list[int]], prefix: int) -> torch.Tensor:
-    """fp32 logits [steps, len(prompts), vocab]: one prefill of every prompt's first `prefix`
-    tokens, then decode steps of all of them at once, each row fed its prompt's next token
-    (a fresh engine: pool rows 0 .. len(prompts) * len(prompt) - 1 are free)."""
-    import numpy as np
-
-    from minisgl.step.plan import build_step_plan
-
-    b, n = len(prompts), len(prompts[0])
-    table = np.arange(b * n, dtype=np.int32).reshape(b, n)
-    slots, every = np.arange(b), np.ones(b, dtype=bool)
-
-    def step(start: int, width: int, prefill: bool) -> torch.Tensor:
-        ids = [t for p in prompts for t in p[start : start + width]]
-        plan = build_step_plan(table, slots, [start] * b, [width] * b, ids, every, prefill)
-        return llm.engine.forward(plan).float()
-
-    steps = [step(0, prefix, True)] + [step(t, 1, False) for t in range(prefix, n - 1)]
-    return torch.stack(steps)
-
-
 @pytest.mark.card(CARD, "the-c-decode-step-matches-the-torch-modules-on-every-architecture")
 @pytest.mark.parametrize("batch", [16, 64])
 def test_the_c_decode_step_matches_the_modules_in_batches(tiny: Path, batch: int,
@@ -186,9 +166,9 @@ def test_the_c_decode_step_matches_the_modules_in_batches(tiny: Path, batch: int
     prompts = random_prompts(batch, 14, 14, vocab=300, seed=batch)
     kw = {"num_pages": batch * 14 + 64, "max_running_requests": batch}
     c = _llm(tiny, monkeypatch, "c", **kw)
-    got = _batch_decode_logits(c, prompts, prefix=5)
+    got = batch_decode_logits(c, prompts, prefix=5)
     assert c.engine.cpu_decode is not None and c.engine.cpu_decode.steps == 8
-    ref = _batch_decode_logits(_llm(tiny, monkeypatch, "modules", **kw), prompts, prefix=5)
+    ref = batch_decode_logits(_llm(tiny, monkeypatch, "modules", **kw), prompts, prefix=5)
     assert got.shape == ref.shape == (9, batch, ref.shape[2])
     got, ref = got.flatten(0, 1), ref.flatten(0, 1)
     cos = torch.nn.functional.cosine_similarity(got, ref, dim=1)

@@ -122,6 +122,23 @@ def test_prefill_kernel_rejects_spans_outside_q_the_indices_and_the_pool():
         call(kv_lens=kv_lens[:1])
 
 
+def record_prefill_routes(backend) -> list[tuple[int, int, int]]:
+    """The backend's prefill steps from now on, each as (kernel requests, SDPA-alone requests,
+    padded groups)."""
+    steps: list[tuple[int, int, int]] = []
+    prepare = backend.prepare
+
+    def recording(plan, *args, **kwargs):
+        meta = prepare(plan, *args, **kwargs)
+        if meta.is_prefill:
+            steps.append((0 if meta.kernel is None else len(meta.kernel.q_lens),
+                          len(meta.requests), len(meta.groups)))  # fmt: skip
+        return meta
+
+    backend.prepare = recording
+    return steps
+
+
 @pytest.mark.card("P2-003", "failing-tests-prefill-attention-through-the-kernel")
 @pytest.mark.card("P2-003", PREFILL)
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])  # mistral: sliding window
@@ -167,16 +184,7 @@ def test_one_step_mixes_the_kernel_sdpa_per_request_and_the_padded_call(tmp_path
     assert backend.native
     llm.generate([system], SamplingParams(max_tokens=1, ignore_eos=True))
     kernel0, alone0 = backend.prefill_kernel_rows, backend.prefill_alone_rows
-    steps, prepare = [], backend.prepare
-
-    def recording(plan, *args, **kwargs):
-        meta = prepare(plan, *args, **kwargs)
-        if meta.is_prefill:  # (kernel requests, SDPA-alone requests, padded groups)
-            steps.append((0 if meta.kernel is None else len(meta.kernel.q_lens),
-                          len(meta.requests), len(meta.groups)))  # fmt: skip
-        return meta
-
-    backend.prepare = recording
+    steps = record_prefill_routes(backend)
     out = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     assert steps == [(1, 1, 1)]
     assert backend.prefill_kernel_rows - kernel0 == 20
@@ -362,16 +370,7 @@ def test_a_bf16_prefill_without_amx_attends_through_the_vector_kernel(tmp_path, 
         llm = LLM(path, dtype=dtype, num_pages=4096)
         backend = llm.engine.backend
         assert backend.native and not backend.prefill_amx
-        prepare, seen = backend.prepare, []
-
-        def recording(plan, *args, prepare=prepare, seen=seen, **kwargs):
-            meta = prepare(plan, *args, **kwargs)
-            if meta.is_prefill:  # (kernel requests, SDPA-alone requests, padded groups)
-                seen.append((0 if meta.kernel is None else len(meta.kernel.q_lens),
-                             len(meta.requests), len(meta.groups)))  # fmt: skip
-            return meta
-
-        backend.prepare = recording
+        seen = record_prefill_routes(backend)
         out = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
         assert [len(o["token_ids"]) for o in out] == [4] * 4
         assert_kv_clean(llm)

@@ -21,6 +21,7 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.testing.modules import require_module
+from minisgl.testing.plans import batch_decode_logits
 from minisgl.testing.scenarios import assert_kv_clean, random_prompts
 from minisgl.testing.tiny_models import write_tiny_model
 
@@ -151,26 +152,6 @@ def _llm(path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, **kw: Any) -> A
     return LLM(str(path), dtype="bfloat16", quantization="w8a8", **{"num_pages": 512, **kw})
 
 
-def _batch_decode_logits(llm: Any, prompts: list[list[int]], prefix: int) -> torch.Tensor:
-    """fp32 logits [steps, len(prompts), vocab]: one prefill of every prompt's first `prefix`
-    tokens, then decode steps of all of them at once, each row fed its prompt's next token."""
-    import numpy as np
-
-    from minisgl.step.plan import build_step_plan
-
-    b, n = len(prompts), len(prompts[0])
-    table = np.arange(b * n, dtype=np.int32).reshape(b, n)
-    slots, every = np.arange(b), np.ones(b, dtype=bool)
-
-    def step(start: int, width: int, prefill: bool) -> torch.Tensor:
-        ids = [t for p in prompts for t in p[start : start + width]]
-        plan = build_step_plan(table, slots, [start] * b, [width] * b, ids, every, prefill)
-        return llm.engine.forward(plan).float()
-
-    steps = [step(0, prefix, True)] + [step(t, 1, False) for t in range(prefix, n - 1)]
-    return torch.stack(steps)
-
-
 @pytest.mark.card(CARD, "the-w8a8-c-decode-step-gives-the-modules-logits-on-every-architecture")
 @pytest.mark.card(CARD, RED)
 @pytest.mark.card(CARD, GREEN)
@@ -188,14 +169,14 @@ def test_the_w8a8_c_step_gives_the_modules_logits(tiny: Path, batch: int, monkey
     kw = {"num_pages": batch * 14 + 64, "max_running_requests": batch}
     c = _llm(tiny, monkeypatch, "c", **kw)
     assert c.engine.cpu_decode is not None and c.engine.cpu_decode.kind == "w8a8"
-    got = _batch_decode_logits(c, prompts, prefix=5)
+    got = batch_decode_logits(c, prompts, prefix=5)
     assert c.engine.cpu_decode.steps == 8
     ref_llm = _llm(tiny, monkeypatch, "modules", **kw)
     assert ref_llm.engine.cpu_decode is None
     # the modules' decode steps with the C step's lm_head (its own test above: within a bf16
     # rounding of the modules' kernel, which sums the products in another order)
     ref_llm.engine.model.lm_head = _CHead(ref_llm.engine.model.lm_head)
-    ref = _batch_decode_logits(ref_llm, prompts, prefix=5)[1:]
+    ref = batch_decode_logits(ref_llm, prompts, prefix=5)[1:]
     got = got[1:]  # the prefill step's logits: the modules' head there
     assert got.shape == ref.shape == (8, batch, ref.shape[2])
     diff = (got - ref).abs().amax(dim=2)

@@ -4,8 +4,10 @@ tests that drive an `Engine` (or a graph runner) step by step."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import torch
 
 from minisgl.core import SamplingParams
 from minisgl.kvcache.allocator import PageAllocator
@@ -63,3 +65,21 @@ class PlannedBatch:
     def push(self, tokens: Sequence[int]) -> None:
         for t, new in zip(self.ids, tokens, strict=True):
             t.append(int(new))
+
+
+def batch_decode_logits(llm: Any, prompts: list[list[int]], prefix: int) -> torch.Tensor:
+    """fp32 logits [steps, len(prompts), vocab] of an offline `LLM`'s engine: one prefill of
+    every prompt's first `prefix` tokens, then decode steps of all of them at once, each row fed
+    its prompt's next token (teacher forced; a fresh engine: pool rows 0 .. len(prompts) *
+    len(prompt) - 1 are free; the prompts of one length)."""
+    b, n = len(prompts), len(prompts[0])
+    table = np.arange(b * n, dtype=np.int32).reshape(b, n)
+    slots, every = np.arange(b), np.ones(b, dtype=bool)
+
+    def step(start: int, width: int, prefill: bool) -> torch.Tensor:
+        ids = [t for p in prompts for t in p[start : start + width]]
+        plan = build_step_plan(table, slots, [start] * b, [width] * b, ids, every, prefill)
+        return llm.engine.forward(plan).float()
+
+    steps = [step(0, prefix, True)] + [step(t, 1, False) for t in range(prefix, n - 1)]
+    return torch.stack(steps)

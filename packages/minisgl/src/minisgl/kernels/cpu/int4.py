@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.kernels.cpu import _ERRORS, _library
+from minisgl.kernels.cpu import _ERRORS, _library, step_layers
 
 GROUP = 32  # columns a scale and zero cover (`INT4_GROUP`)
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -19,14 +19,8 @@ class _Mat(ctypes.Structure):
                 ("n", _I64), ("k", _I64), ("gp", _I64)]  # fmt: skip
 
 
-class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _Mat), ("o", _Mat), ("gate_up", _Mat), ("down", _Mat),
-                ("in_norm", _PTR), ("post_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR),
-                ("k_pool", _PTR), ("v_pool", _PTR)]  # fmt: skip
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+_LAYER = step_layers.layer_record(_Mat)
+LayerWeights = step_layers.LayerWeights  # of Int4Matrix matrices
 
 
 @dataclass(frozen=True)
@@ -64,7 +58,14 @@ class Int4Matrix:
     def struct(self) -> _Mat:
         n, k = self.shape
         sz = self.scales_zeros
-        return _Mat(self.codes.data_ptr(), sz.data_ptr(), _ptr(self.bias), n, k, sz.shape[1])
+        return _Mat(
+            self.codes.data_ptr(),
+            sz.data_ptr(),
+            step_layers.ptr(self.bias),
+            n,
+            k,
+            sz.shape[1],
+        )
 
 
 def int4_gemv(x: torch.Tensor, w: Int4Matrix) -> torch.Tensor:
@@ -81,37 +82,17 @@ def int4_gemv(x: torch.Tensor, w: Int4Matrix) -> torch.Tensor:
     out = torch.empty(rows, n, dtype=torch.bfloat16)
     sz = w.scales_zeros  # the lm_head's call, every decode step: no ctypes record built
     rc = lib.int4_gemv_bf16(x.data_ptr(), x.stride(0), w.codes.data_ptr(), sz.data_ptr(),
-                            _ptr(w.bias), out.data_ptr(), rows, n, k, sz.shape[1],
+                            step_layers.ptr(w.bias), out.data_ptr(), rows, n, k, sz.shape[1],
                             torch.get_num_threads())  # fmt: skip
     if rc != 0:
         raise ValueError(f"int4_gemv: {_ERRORS.get(rc, rc)}")
     return out
 
 
-@dataclass(frozen=True)
-class LayerWeights:
-    """One decoder layer as `decode_layers` reads it (bf16 norms; q_norm / k_norm or None)."""
-
-    qkv: Int4Matrix
-    o: Int4Matrix
-    gate_up: Int4Matrix
-    down: Int4Matrix
-    in_norm: torch.Tensor
-    post_norm: torch.Tensor
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-
-
 def layer_structs(layers: list[LayerWeights], k_pools: list[torch.Tensor],
                   v_pools: list[torch.Tensor]) -> ctypes.Array:  # fmt: skip
-    """The C array of `decode_layers`' layer records (pointers into the given tensors: keep
-    them alive as long as the array)."""
-    arr = (_Layer * len(layers))()
-    for i, (w, kp, vp) in enumerate(zip(layers, k_pools, v_pools, strict=True)):
-        arr[i] = _Layer(w.qkv.struct(), w.o.struct(), w.gate_up.struct(), w.down.struct(),
-                        w.in_norm.data_ptr(), w.post_norm.data_ptr(), _ptr(w.q_norm),
-                        _ptr(w.k_norm), kp.data_ptr(), vp.data_ptr())  # fmt: skip
-    return arr
+    """The C array of `decode_layers`' layer records (`step_layers.layer_structs`)."""
+    return step_layers.layer_structs(_LAYER, layers, k_pools, v_pools)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.kernels.cpu import _ERRORS, _library
+from minisgl.kernels.cpu import _ERRORS, _library, step_layers
 from minisgl.kernels.cpu.int4 import Dims
 
 PANEL = 16  # output channels a panel (`PANEL`)
@@ -20,14 +20,8 @@ class _Mat(ctypes.Structure):
                 ("n", _I64), ("k", _I64)]  # fmt: skip
 
 
-class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _Mat), ("o", _Mat), ("gate_up", _Mat), ("down", _Mat),
-                ("in_norm", _PTR), ("post_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR),
-                ("k_pool", _PTR), ("v_pool", _PTR)]  # fmt: skip
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+_LAYER = step_layers.layer_record(_Mat)
+LayerWeights = step_layers.LayerWeights  # of Int8Panels matrices
 
 
 @dataclass(frozen=True)
@@ -69,7 +63,7 @@ class Int8Panels:
 
     def struct(self) -> _Mat:
         return _Mat(self.panels.data_ptr(), self.comp.data_ptr(), self.scales.data_ptr(),
-                    _ptr(self.bias), self.n, self.k)  # fmt: skip
+                    step_layers.ptr(self.bias), self.n, self.k)  # fmt: skip
 
 
 def int8_gemm(xq: torch.Tensor, w: Int8Panels) -> torch.Tensor:
@@ -139,31 +133,10 @@ def int8_head(x: torch.Tensor, w: HeadPanels) -> torch.Tensor:
     return out
 
 
-@dataclass(frozen=True)
-class LayerWeights:
-    """One w8a8 decoder layer as `decode_layers` reads it: its four linears, the input norms
-    they fold (bf16), q_norm / k_norm or None."""
-
-    qkv: Int8Panels
-    o: Int8Panels
-    gate_up: Int8Panels
-    down: Int8Panels
-    in_norm: torch.Tensor
-    post_norm: torch.Tensor
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-
-
 def layer_structs(layers: list[LayerWeights], k_pools: list[torch.Tensor],
                   v_pools: list[torch.Tensor]) -> ctypes.Array:  # fmt: skip
-    """The C array of `decode_layers`' layer records (pointers into the given tensors: keep
-    them alive as long as the array)."""
-    arr = (_Layer * len(layers))()
-    for i, (w, kp, vp) in enumerate(zip(layers, k_pools, v_pools, strict=True)):
-        arr[i] = _Layer(w.qkv.struct(), w.o.struct(), w.gate_up.struct(), w.down.struct(),
-                        w.in_norm.data_ptr(), w.post_norm.data_ptr(), _ptr(w.q_norm),
-                        _ptr(w.k_norm), kp.data_ptr(), vp.data_ptr())  # fmt: skip
-    return arr
+    """The C array of `decode_layers`' layer records (`step_layers.layer_structs`)."""
+    return step_layers.layer_structs(_LAYER, layers, k_pools, v_pools)
 
 
 def decode_layers(
