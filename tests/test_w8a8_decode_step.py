@@ -256,8 +256,9 @@ def test_the_w8a8_c_step_serves_batches_and_prefix_hits(tiny: Path, monkeypatch)
 @pytest.mark.card(CARD, RED)
 def test_the_w8a8_c_step_runs_by_default_only_without_amx_int8(tmp_path, monkeypatch) -> None:
     """`MINISGL_CPU_DECODE` unset (auto): the C step on a CPU without AMX-INT8, the modules
-    (oneDNN's AMX kernels) with it; `c` runs it anywhere, `modules` nowhere; int4 models take
-    the C step on both kinds."""
+    (oneDNN's AMX kernels) with it, and without AVX512-BF16 / VNNI (the step's kernels would be
+    plain loops); `c` runs it anywhere, `modules` nowhere; int4 models take the C step on both
+    kinds."""
     _w8a8_ready()
     _step()
     from minisgl.engine import cpu_decode
@@ -278,6 +279,14 @@ def test_the_w8a8_c_step_runs_by_default_only_without_amx_int8(tmp_path, monkeyp
         int4 = LLM(str(path), dtype="bfloat16", quantization="int4", num_pages=64)
         assert int4.engine.cpu_decode is not None and int4.engine.cpu_decode.kind == "int4"
         del llm, int4
+    # without AVX512-BF16 (the C head) or VNNI (the panel GEMM) auto keeps the modules
+    flags = cpu_decode.cpu_flags()
+    monkeypatch.setattr(cpu_decode, "amx_int8", lambda: False)
+    monkeypatch.setattr(cpu_decode, "cpu_flags", lambda: flags - {"avx512_bf16"})
+    llm = LLM(str(path), dtype="bfloat16", quantization="w8a8", num_pages=64)
+    assert llm.engine.cpu_decode is None
+    monkeypatch.setenv("MINISGL_CPU_DECODE", "c")  # asked for: the plain loops
+    assert LLM(str(path), dtype="bfloat16", quantization="w8a8", num_pages=64).engine.cpu_decode
     monkeypatch.setenv("MINISGL_CPU_DECODE", "bogus")
     with pytest.raises(ValueError, match="MINISGL_CPU_DECODE"):
         LLM(str(path), dtype="bfloat16", quantization="w8a8", num_pages=64)

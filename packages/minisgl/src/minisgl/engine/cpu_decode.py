@@ -13,7 +13,8 @@ decode steps of at most `MAX_ROWS` (64) requests, through the C paged decode att
 other step, and every other model, takes the modules.
 
 `MINISGL_CPU_DECODE`: `auto` (default) runs int4 models here on every CPU and w8a8 models on
-CPUs without AMX-INT8 (with it, oneDNN's AMX kernels: not measured against this step); `c` runs
+CPUs with AVX512-VNNI and AVX512-BF16 but without AMX-INT8 (with it, oneDNN's AMX kernels: not
+measured against this step; without the two, the step's kernels are plain loops); `c` runs
 every model it can here; `modules` none (an A/B switch and the reference of the tests).
 """
 
@@ -98,9 +99,9 @@ def unsupported(model: nn.Module, pool: KVPool, device: torch.device) -> str | N
     if kind is None:
         return "not every linear is int4, nor a fused w8a8 model"
     if kind == "w8a8" and how == "auto" and amx_int8():
-        return (
-            "w8a8 on a CPU with AMX-INT8: oneDNN's AMX kernels (MINISGL_CPU_DECODE=c: the C step)"
-        )
+        return "w8a8 with AMX-INT8: oneDNN's AMX kernels (MINISGL_CPU_DECODE=c: the C step)"
+    if kind == "w8a8" and how == "auto" and not {"avx512_vnni", "avx512_bf16"} <= cpu_flags():
+        return "w8a8 without AVX512-VNNI and AVX512-BF16: the C step's kernels would be plain loops"
     k = pool.k[0]
     if k.stride(2) != 1 or k.stride(1) != k.shape[2] or pool.v[0].stride() != k.stride():
         return "a KV pool layout other than [rows, kv_heads, head_dim]"
