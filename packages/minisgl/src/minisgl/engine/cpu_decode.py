@@ -116,6 +116,28 @@ def _panels(layer: nn.Module) -> w8a8_step.Int8Panels:
     return w8a8_step.Int8Panels.of(layer.qweight, layer.scales, layer.bias)
 
 
+def _qk_norms(layer: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    att = layer.self_attn
+    return (_norm(att.q_norm.weight), _norm(att.k_norm.weight)) if att.qk_norm else (None, None)
+
+
+def _int4_layer(layer: nn.Module) -> int4.LayerWeights:
+    att, mlp = layer.self_attn, layer.mlp
+    mats = [_matrix(m) for m in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    assert all(m is not None for m in mats)
+    return int4.LayerWeights(*mats, _norm(layer.input_layernorm.weight),  # type: ignore[arg-type]
+                             _norm(layer.post_attention_layernorm.weight), *_qk_norms(layer))  # fmt: skip
+
+
+def _w8a8_layer(layer: nn.Module) -> w8a8_step.LayerWeights:
+    """The norms are those folded into the linears they feed (`fuse_w8a8_inputs`)."""
+    att, gu = layer.self_attn, layer.mlp.gate_up_proj
+    return w8a8_step.LayerWeights(
+        _panels(att.qkv_proj), _panels(att.o_proj), _panels(gu), _panels(layer.mlp.down_proj),
+        _norm(att.qkv_proj.norm.weight), _norm(gu.norm.weight), *_qk_norms(layer),
+    )  # fmt: skip
+
+
 class CpuDecode:
     """The C decode step of one model and KV pool (`unsupported` first); `kind` int4 or w8a8."""
 
@@ -124,29 +146,8 @@ class CpuDecode:
         kind = kind_of(model)
         assert kind is not None
         self.model, self.kind = model, kind
-        self.layers: list = []
-        for layer in model.model.layers:
-            att, mlp = layer.self_attn, layer.mlp
-            qk = att.qk_norm
-            q_norm = _norm(att.q_norm.weight) if qk else None
-            k_norm = _norm(att.k_norm.weight) if qk else None
-            if kind == "int4":
-                mats = [_matrix(m) for m in (att.qkv_proj, att.o_proj, mlp.gate_up_proj,
-                                             mlp.down_proj)]  # fmt: skip
-                assert all(m is not None for m in mats)
-                self.layers.append(int4.LayerWeights(
-                    *mats,  # type: ignore[arg-type]
-                    in_norm=_norm(layer.input_layernorm.weight),
-                    post_norm=_norm(layer.post_attention_layernorm.weight),
-                    q_norm=q_norm, k_norm=k_norm,
-                ))  # fmt: skip
-            else:  # the norms folded into the linears they feed (`fuse_w8a8_inputs`)
-                gu = mlp.gate_up_proj
-                self.layers.append(w8a8_step.LayerWeights(
-                    _panels(att.qkv_proj), _panels(att.o_proj), _panels(gu),
-                    _panels(mlp.down_proj), in_norm=_norm(att.qkv_proj.norm.weight),
-                    post_norm=_norm(gu.norm.weight), q_norm=q_norm, k_norm=k_norm,
-                ))  # fmt: skip
+        build = _int4_layer if kind == "int4" else _w8a8_layer
+        self.layers = [build(layer) for layer in model.model.layers]
         steps = int4 if kind == "int4" else w8a8_step
         self.structs = steps.layer_structs(self.layers, pool.k, pool.v)
         self.final_norm = _norm(model.model.norm.weight)
