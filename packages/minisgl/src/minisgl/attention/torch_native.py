@@ -14,7 +14,6 @@ from minisgl.attention.decode_workspace import DecodeWorkspace
 from minisgl.kernels import cpu as cpu_native
 from minisgl.step.plan import StepPlan
 from minisgl.step.staging import DevicePlan
-from minisgl.utils.cpu import amx_tiles
 
 
 @dataclass
@@ -95,12 +94,6 @@ PREFILL_KERNEL_MAX_KV = 256
 # against 3.9 for the vector kernel and ~4.3 for SDPA one request at a time; many-short's 102
 # prompts 1.5 against 2.8 ms). Longer KV takes the padded SDPA call.
 PREFILL_AMX_MAX_KV = 16384
-# bf16 without AMX tiles (an AMD EPYC: SDPA's bf16 products run as fp32 GEMMs) every request up
-# to this many positions attends through the vector kernel, long prompts included (card P2-006;
-# 2 threads, time in attention a prefill: seed-offline's 16 prompts of 64-256 tokens 160-180 ms
-# against 350-363 for SDPA one request at a time, 4 x 1024 tokens 1.12 against 1.59 s, 2 x 3000
-# 4.5 against 5.0 s). Longer KV takes its own SDPA call.
-PREFILL_VECTOR_MAX_KV = 4096
 
 
 def _prefill_groups(ext: np.ndarray, kv_lens: np.ndarray) -> list[np.ndarray]:
@@ -133,7 +126,6 @@ class TorchNativeBackend(AttentionBackend):
         # read the KV pool in place (paged), so only SDPA keeps a dense decode workspace
         self.native = self.device.type == "cpu" and cpu_native.available(dtype)
         self.prefill_amx = self.native and cpu_native.prefill_amx(dtype, self.head_dim)
-        self.prefill_vector = self.native and dtype == torch.bfloat16 and not amx_tiles()
         self.workspace = DecodeWorkspace(len(pool.k), self.num_kv_heads, self.head_dim, dtype,
                                          self.device)  # fmt: skip
         self.prefill_alone_rows = 0  # prefill tokens attended one request at a time
@@ -152,9 +144,6 @@ class TorchNativeBackend(AttentionBackend):
             kernel = np.zeros(len(ext), dtype=bool)
             if self.prefill_amx:
                 kernel = plan.seq_lens <= PREFILL_AMX_MAX_KV
-                alone = ~kernel & (ext >= PREFILL_ALONE_MIN_TOKENS)
-            elif self.prefill_vector:
-                kernel = plan.seq_lens <= PREFILL_VECTOR_MAX_KV
                 alone = ~kernel & (ext >= PREFILL_ALONE_MIN_TOKENS)
             elif self.device.type == "cpu":
                 alone = ext >= PREFILL_ALONE_MIN_TOKENS

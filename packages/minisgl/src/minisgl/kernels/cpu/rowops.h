@@ -29,7 +29,7 @@ static inline __m512 rbf16(__m512 v) {
 static inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
 /* out = bf16(w * bf16(x / sqrt(mean(x^2) + eps))), x already bf16 values */
-static inline void rms_norm(const float *x, const uint16_t *w, float eps, int64_t n, float *out) {
+static void rms_norm(const float *x, const uint16_t *w, float eps, int64_t n, float *out) {
     float ss = 0.0f;
     for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
     const float r = 1.0f / sqrtf(ss / (float)n + eps);
@@ -37,7 +37,7 @@ static inline void rms_norm(const float *x, const uint16_t *w, float eps, int64_
 }
 
 /* head of d values in place: q * cos + swap_halves(q) * sin (sin signed, as the model's table) */
-static inline void rope(float *q, const uint16_t *cos, const uint16_t *sin, int64_t d) {
+static void rope(float *q, const uint16_t *cos, const uint16_t *sin, int64_t d) {
     float t[MAX_D];
     const int64_t half = d / 2;
     for (int64_t i = 0; i < d; i++) {
@@ -50,7 +50,7 @@ static inline void rope(float *q, const uint16_t *cos, const uint16_t *sin, int6
 /* One token's QKV output y (nh + 2 kvh heads of d, bf16 values as floats, changed in place):
  * q and k normed per head (q_norm / k_norm, NULL: none) and rotated at the token's cos / sin,
  * q stored to qb, k and v to the pool rows kr, vr (bf16). */
-static inline void heads_to_pool(float *y, const uint16_t *q_norm, const uint16_t *k_norm, float eps,
+static void heads_to_pool(float *y, const uint16_t *q_norm, const uint16_t *k_norm, float eps,
                                  const uint16_t *cos, const uint16_t *sin, int64_t nh, int64_t kvh,
                                  int64_t d, uint16_t *qb, uint16_t *kr, uint16_t *vr) {
     const int64_t qn = nh * d, kvn = kvh * d;
