@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from minisgl.kernels import cpu as cpu_native
-from minisgl.kernels.cpu import int4, w8a8_step
+from minisgl.kernels.cpu import int4, step_layers, w8a8_step
 from minisgl.kvcache.pool import KVPool
 from minisgl.quantization.linear import Int4Linear, Int8Linear
 from minisgl.quantization.w8a8 import W8A8MLP, W8A8Linear
@@ -149,7 +149,7 @@ class CpuDecode:
         build = _int4_layer if kind == "int4" else _w8a8_layer
         self.layers = [build(layer) for layer in model.model.layers]
         steps = int4 if kind == "int4" else w8a8_step
-        self.structs = steps.layer_structs(self.layers, pool.k, pool.v)
+        self.structs = step_layers.layer_structs(steps.LAYER_RECORD, self.layers, pool.k, pool.v)
         self.final_norm = _norm(model.model.norm.weight)
         self.head = _matrix(model.lm_head) if kind == "int4" else None
         # a w8a8 model's weight-only int8 lm_head (bf16 activations) through the C head

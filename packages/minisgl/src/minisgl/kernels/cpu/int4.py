@@ -19,7 +19,7 @@ class _Mat(ctypes.Structure):
                 ("n", _I64), ("k", _I64), ("gp", _I64)]  # fmt: skip
 
 
-_LAYER = step_layers.layer_record(_Mat)
+LAYER_RECORD = step_layers.layer_record(_Mat)  # `step_layers.layer_structs`' record
 LayerWeights = step_layers.LayerWeights  # of Int4Matrix matrices
 
 
@@ -87,12 +87,6 @@ def int4_gemv(x: torch.Tensor, w: Int4Matrix) -> torch.Tensor:
     if rc != 0:
         raise ValueError(f"int4_gemv: {_ERRORS.get(rc, rc)}")
     return out
-
-
-def layer_structs(layers: list[LayerWeights], k_pools: list[torch.Tensor],
-                  v_pools: list[torch.Tensor]) -> ctypes.Array:  # fmt: skip
-    """The C array of `decode_layers`' layer records (`step_layers.layer_structs`)."""
-    return step_layers.layer_structs(_LAYER, layers, k_pools, v_pools)
 
 
 @dataclass(frozen=True)

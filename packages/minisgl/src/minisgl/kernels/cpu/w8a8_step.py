@@ -20,7 +20,7 @@ class _Mat(ctypes.Structure):
                 ("n", _I64), ("k", _I64)]  # fmt: skip
 
 
-_LAYER = step_layers.layer_record(_Mat)
+LAYER_RECORD = step_layers.layer_record(_Mat)  # `step_layers.layer_structs`' record
 LayerWeights = step_layers.LayerWeights  # of Int8Panels matrices
 
 
@@ -131,12 +131,6 @@ def int8_head(x: torch.Tensor, w: HeadPanels) -> torch.Tensor:
     if rc != 0:
         raise ValueError(f"int8_head: {_ERRORS.get(rc, rc)}")
     return out
-
-
-def layer_structs(layers: list[LayerWeights], k_pools: list[torch.Tensor],
-                  v_pools: list[torch.Tensor]) -> ctypes.Array:  # fmt: skip
-    """The C array of `decode_layers`' layer records (`step_layers.layer_structs`)."""
-    return step_layers.layer_structs(_LAYER, layers, k_pools, v_pools)
 
 
 def decode_layers(
