@@ -439,9 +439,9 @@ def test_a_w8a8_model_quantizes_norms_and_silu_mul_in_the_fused_pass(
     kinds: list[tuple[str, int]] = []
     impl = w8.quantize_input
 
-    def counted(x, weight, in_scale, eps, kind):
+    def counted(x, weight, in_scale, eps, kind, u8=False):
         kinds.append((kind, x.shape[0]))
-        return impl(x, weight, in_scale, eps, kind)
+        return impl(x, weight, in_scale, eps, kind, u8)
 
     monkeypatch.setattr(w8, "quantize_input", counted)
     calls = _count_gemms(monkeypatch)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from minisgl.config import ModelConfig
+from minisgl.kernels import cpu as cpu_native
 
 
 class RMSNorm(nn.Module):
@@ -59,7 +60,11 @@ class RotaryEmbedding(nn.Module):
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D] and k [T, KVH, D] rotated at cos / sin [T, 1, D]; bf16 on a CPU through one
+    C pass (`cpu_native.rope`), the same bits as the torch ops."""
     cos, sin = cos_sin
+    if cpu_native.elementwise(q) and q.dim() == 3 and cos.shape == (q.shape[0], 1, q.shape[2]):
+        return cpu_native.rope(q, k, cos[:, 0], sin[:, 0])
     return q * cos + _swap_halves(q) * sin, k * cos + _swap_halves(k) * sin
 
 

@@ -83,11 +83,13 @@ def quantize_input(
     in_scale: torch.Tensor | None,
     eps: float,
     kind: str,
+    u8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows` of a linear's input formed from x [rows, k] by `kind`: "rows" (x
     itself), "rmsnorm" (x's RMSNorm by `weight` [k] and `eps`), "silu_mul" (SiLU(gate) x up of
     x's halves [rows, 2n], both scaled by `in_scale` [rows] or [rows, 1] first: an int8 GEMM's
     output before its per-row activation scale), as the model's eager ops form it in x's dtype.
+    `u8`: the codes + 128 as uint8 (`int8_gemm` takes either).
     A bf16 x takes one C pass (`cpu_native.quant_rows`: the row formed, each intermediate
     rounded to bf16 as those ops round it, its maximum and its codes, no tensor in between; a
     code may differ by one where it lies within a rounding of a half), others the torch ops.
@@ -116,8 +118,9 @@ def quantize_input(
              and (weight is None or weight.dtype == torch.bfloat16)
              and cpu_native.available(torch.bfloat16))  # fmt: skip
     if fused and x.shape[0] > 0:
-        return cpu_native.quant_rows(x, weight, in_scale, eps, kind)
-    return quantize_rows(_input_rows(x, weight, in_scale, eps, kind))
+        return cpu_native.quant_rows(x, weight, in_scale, eps, kind, unsigned=u8)
+    codes, scales = quantize_rows(_input_rows(x, weight, in_scale, eps, kind))
+    return (codes.view(torch.uint8) ^ 0x80 if u8 else codes), scales
 
 
 def _packed(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,11 +148,16 @@ def int8_gemm(
     xq: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """(xq [M, K] int8 @ qweight [N, K] int8 ^ T) * scales [N] (fp32), in `out_dtype`: the
-    products summed exactly in int32, scaled and rounded once."""
+    products summed exactly in int32, scaled and rounded once. xq uint8: the codes + 128
+    (`quantize_input(..., u8=True)`), what the VNNI kernels take without a pass of their own."""
     packed, zeros = _packed(qweight)
     x, zero_point = xq.contiguous(), 0
+    shifted = x.dtype == torch.uint8
     if _unsigned_activations():  # v + 128 for every int8 v: its sign bit flipped, read as u8
-        x, zero_point = x.view(torch.uint8).bitwise_xor(0x80), 128
+        x = x if shifted else x.view(torch.uint8).bitwise_xor(0x80)
+        zero_point = 128
+    elif shifted:
+        x = x.bitwise_xor(0x80).view(torch.int8)
     return torch.ops.onednn.qlinear_pointwise(
         x, 1.0, zero_point, packed, scales, zeros, None, 1.0, 0, out_dtype, "none", [], ""
     )
@@ -175,8 +183,9 @@ def _w8a8_quant(
     in_scale: torch.Tensor | None,
     eps: float,
     kind: str,
+    u8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_input(x, weight, in_scale, eps, kind)
+    return quantize_input(x, weight, in_scale, eps, kind, u8)
 
 
 def _w8a8_quant_meta(
@@ -185,11 +194,26 @@ def _w8a8_quant_meta(
     in_scale: torch.Tensor | None,
     eps: float,
     kind: str,
+    u8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.shape[1] // 2 if kind == "silu_mul" else x.shape[1]
-    return x.new_empty(x.shape[0], n, dtype=torch.int8), x.new_empty(
-        x.shape[0], 1, dtype=torch.float32
-    )
+    codes = x.new_empty(x.shape[0], n, dtype=torch.uint8 if u8 else torch.int8)
+    return codes, x.new_empty(x.shape[0], 1, dtype=torch.float32)
+
+
+def _u8_codes(x: torch.Tensor) -> bool:
+    """Whether a linear's input codes come as u8 from the quantization pass: where the GEMM
+    takes u8 (no AMX-INT8) and the C ops run (`cpu_native.elementwise`)."""
+    return cpu_native.elementwise(x) and _unsigned_activations()
+
+
+def rescale(y: torch.Tensor, sx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An int8 GEMM's output times its rows' activation scales sx [rows, 1], in `dtype`:
+    `(y.float() * sx).to(dtype)`; a bf16 y on CPU in place through one C pass, the same bits
+    (`cpu_native.scale_rows_`)."""
+    if y.dtype == dtype and cpu_native.elementwise(y):
+        return cpu_native.scale_rows_(y, sx)
+    return (y.float() * sx).to(dtype)
 
 
 _LIB = torch.library.Library("minisgl", "FRAGMENT")
@@ -197,7 +221,8 @@ _LIB.define("w8a8_mm(Tensor xq, Tensor qweight, Tensor scales, ScalarType out_dt
 _LIB.impl("w8a8_mm", _w8a8_mm, "CPU")
 _LIB.impl("w8a8_mm", _w8a8_mm_meta, "Meta")
 _LIB.define(
-    "w8a8_quant(Tensor x, Tensor? weight, Tensor? in_scale, float eps, str kind) -> (Tensor, Tensor)"
+    "w8a8_quant(Tensor x, Tensor? weight, Tensor? in_scale, float eps, str kind, bool u8=False) "
+    "-> (Tensor, Tensor)"
 )
 _LIB.impl("w8a8_quant", _w8a8_quant, "CPU")
 _LIB.impl("w8a8_quant", _w8a8_quant_meta, "Meta")
@@ -242,11 +267,12 @@ class W8A8Linear(nn.Module):
         return linear.frozen_graph() and self.packed_when_frozen
 
     def quantize(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The int8 codes and per-row scales of this layer's input rows (normed if folded)."""
-        norm = self.norm
+        """The int8 codes (u8 where `_u8_codes`) and per-row scales of this layer's input rows
+        (normed if folded)."""
+        norm, u8 = self.norm, _u8_codes(x2)
         if norm is None:
-            return torch.ops.minisgl.w8a8_quant(x2, None, None, 0.0, "rows")
-        return torch.ops.minisgl.w8a8_quant(x2, norm.weight, None, norm.eps, "rmsnorm")
+            return torch.ops.minisgl.w8a8_quant(x2, None, None, 0.0, "rows", u8)
+        return torch.ops.minisgl.w8a8_quant(x2, norm.weight, None, norm.eps, "rmsnorm", u8)
 
     def gemm(self, xq: torch.Tensor) -> torch.Tensor:
         """The int8 GEMM of codes, weight scales applied, the rows' scales not."""
@@ -260,7 +286,7 @@ class W8A8Linear(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales_act)
         else:
             xq, sx = self.quantize(x2)
-            y = (self.gemm(xq).float() * sx).to(self.dtype)
+            y = rescale(self.gemm(xq), sx, self.dtype)
         return linear.as_output(y, self.bias, x)
 
 
@@ -287,6 +313,8 @@ class W8A8MLP(nn.Module):
             return down(F.silu(gate) * up)
         x2 = linear.as_rows(x, gu.dtype)
         xq, sx = gu.quantize(x2)
-        hq, sh = torch.ops.minisgl.w8a8_quant(gu.gemm(xq), None, sx, 0.0, "silu_mul")
-        y = (down.gemm(hq).float() * sh).to(down.dtype)
+        gate_up = gu.gemm(xq)
+        hq, sh = torch.ops.minisgl.w8a8_quant(gate_up, None, sx, 0.0, "silu_mul",
+                                              _u8_codes(gate_up))  # fmt: skip
+        y = rescale(down.gemm(hq), sh, down.dtype)
         return linear.as_output(y, down.bias, x)

@@ -48,6 +48,7 @@ SOURCES = tuple(
         "kv_store",
         "dequant",
         "quant",
+        "prefill_ops",
         "decode_step",
         "decode_step_w8a8",
     )
@@ -151,7 +152,14 @@ def _library() -> ctypes.CDLL | None:
     lib.dequant_int8_bf16.argtypes = [_PTR] * 3 + [_I64] * 2 + [ctypes.c_int]
     lib.quant_rows_bf16.restype = ctypes.c_int
     lib.quant_rows_bf16.argtypes = [_PTR, _I64, _PTR, _PTR, ctypes.c_float, ctypes.c_int,
-                                    _PTR, _PTR, _I64, _I64, ctypes.c_int]  # fmt: skip
+                                    _PTR, _I64, ctypes.c_int, _PTR, _I64, _I64,
+                                    ctypes.c_int]  # fmt: skip
+    lib.scale_rows_bf16.restype = ctypes.c_int
+    lib.scale_rows_bf16.argtypes = [_PTR, _I64, _PTR, _I64, _I64, ctypes.c_int]
+    lib.rope_bf16.restype = ctypes.c_int
+    lib.rope_bf16.argtypes = (
+        [_PTR, _I64, _I64, _PTR, _I64, _I64] + [_PTR] * 4 + [_I64] * 2 + [ctypes.c_int]
+    )
     lib.int4_gemv_bf16.restype = ctypes.c_int
     lib.int4_gemv_bf16.argtypes = [_PTR, _I64] + [_PTR] * 4 + [_I64] * 4 + [ctypes.c_int]
     lib.decode_layers_bf16.restype = ctypes.c_int
@@ -406,17 +414,19 @@ def quant_rows(
     in_scale: torch.Tensor | None,
     eps: float,
     kind: str,
+    unsigned: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 codes [rows, n] and fp32 scales [rows, 1] of a bf16 [rows, n] matrix (rows
     contiguous, any row stride), the row formed by `kind` (`quant.c`): the row itself, its
     RMSNorm by the bf16 `weight` [n] and `eps`, or SiLU x up of its halves ([rows, 2n]) scaled
-    by the fp32 `in_scale` [rows] (or 1). `available(torch.bfloat16)` first; the caller checks
+    by the fp32 `in_scale` [rows] (or 1). `unsigned`: the codes + 128 as uint8 (what oneDNN's
+    VNNI GEMM takes), in the same pass. `available(torch.bfloat16)` first; the caller checks
     the shapes (`quantization.w8a8.quantize_input`)."""
     lib = _library()
     assert lib is not None and x.dtype == torch.bfloat16 and x.stride(-1) == 1
     rows, width = x.shape
     n = width // 2 if kind == "silu_mul" else width
-    codes = torch.empty(rows, n, dtype=torch.int8)
+    codes = torch.empty(rows, n, dtype=torch.uint8 if unsigned else torch.int8)
     scales = torch.empty(rows, 1, dtype=torch.float32)
     if in_scale is not None:
         in_scale = in_scale.to(torch.float32).contiguous()
@@ -425,11 +435,72 @@ def quant_rows(
     rc = lib.quant_rows_bf16(
         x.data_ptr(), x.stride(0), None if weight is None else weight.data_ptr(),
         None if in_scale is None else in_scale.data_ptr(), eps, QUANT_KINDS.index(kind),
-        codes.data_ptr(), scales.data_ptr(), rows, n, torch.get_num_threads(),
+        codes.data_ptr(), n, int(unsigned), scales.data_ptr(), rows, n, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"quant_rows: {_ERRORS.get(rc, rc)}")
     return codes, scales
+
+
+def elementwise(x: torch.Tensor) -> bool:
+    """Whether the C elementwise ops (`scale_rows_`, `rope`, u8 codes from `quant_rows`) take
+    x's step: a bf16 CPU tensor, the kernels built, outside a graph torch.compile traces (there
+    inductor fuses the torch expressions). Their results are the torch ops' to the bit."""
+    if torch.compiler.is_compiling():  # first: dynamo folds it, and traces nothing after
+        return False
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and _library() is not None
+
+
+def scale_rows_(y: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """y [rows, n] bf16 (rows contiguous, any row stride) times the fp32 scale of its row
+    (s: [rows] or [rows, 1]), in place: `(y.float() * s).to(torch.bfloat16)` to the bit, one
+    pass (`prefill_ops.c`). Returns y."""
+    lib = _library()
+    assert lib is not None
+    if y.dtype != torch.bfloat16 or y.dim() != 2:
+        raise ValueError(f"scale_rows_: y must be a bf16 matrix, got {y.dtype} {tuple(y.shape)}")
+    if y.stride(-1) != 1:
+        raise ValueError("scale_rows_: y's rows must be contiguous")
+    rows, n = y.shape
+    if s.numel() != rows:
+        raise ValueError(f"scale_rows_: {rows} rows need {rows} scales, got {s.numel()}")
+    s = s.to(torch.float32).contiguous()
+    if rows and n:
+        rc = lib.scale_rows_bf16(y.data_ptr(), y.stride(0), s.data_ptr(), rows, n,
+                                 torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"scale_rows_: {_ERRORS.get(rc, rc)}")
+    return y
+
+
+def rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE of q [T, H, D] and k [T, KVH, D] (bf16, heads contiguous, tokens any stride apart:
+    the QKV GEMM's views) at cos / sin [T, D] (the model's signed sin table's rows): new q and k,
+    each head h -> h * cos + swap_halves(h) * sin as `models.layers.apply_rope`'s torch ops
+    give it, to the bit, in one pass (`prefill_ops.c`)."""
+    lib = _library()
+    assert lib is not None
+    t, nh, d = q.shape
+    kvh = k.shape[1]
+    if any(x.dtype != torch.bfloat16 for x in (q, k, cos, sin)):
+        raise ValueError("rope: q, k, cos and sin must be bf16")
+    if k.shape != (t, kvh, d) or cos.shape != (t, d) or sin.shape != (t, d) or d % 2:
+        raise ValueError(f"rope: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, cos "
+                         f"{tuple(cos.shape)}, sin {tuple(sin.shape)}")  # fmt: skip
+    if q.stride()[1:] != (d, 1) or k.stride()[1:] != (d, 1):
+        raise ValueError("rope: each token's heads must be contiguous")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    qo = torch.empty(t, nh, d, dtype=q.dtype)
+    ko = torch.empty(t, kvh, d, dtype=k.dtype)
+    if t:
+        rc = lib.rope_bf16(q.data_ptr(), q.stride(0), nh, k.data_ptr(), k.stride(0), kvh,
+                           cos.data_ptr(), sin.data_ptr(), qo.data_ptr(), ko.data_ptr(), t, d,
+                           torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"rope: {_ERRORS.get(rc, rc)}")
+    return qo, ko
 
 
 def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,8 +28,8 @@
 
 /* quant.c: per-row int8 codes of a linear's input, formed as the modules form it */
 int quant_rows_bf16(const uint16_t *x, int64_t stride, const uint16_t *w, const float *in_scale,
-                    float eps, int kind, int8_t *codes, float *scales, int64_t rows, int64_t n,
-                    int threads);
+                    float eps, int kind, int8_t *codes, int64_t cs, int u8, float *scales,
+                    int64_t rows, int64_t n, int threads);
 enum { Q_ROWS = 0, Q_RMSNORM = 1, Q_SILU_MUL = 2 }; /* quant.c's kinds */
 
 /* one int8 matrix: n channels of k columns (k % 4 == 0) in ceil(n / 16) panels; comp [n16]
@@ -276,23 +276,18 @@ int decode_layers_w8a8_bf16(const layer_w8 *layers, int64_t num_layers, uint16_t
     int64_t kmax = h > qn ? h : qn;
     kmax = round_up(kmax > inter ? kmax : inter, 64);
     const int64_t ymax = nqkv > 2 * inter ? nqkv : 2 * inter;
-    int8_t *codes = malloc((size_t)(rows * kmax));
     uint8_t *xu = aligned_alloc(64, (size_t)(rows * kmax));
     float *sx = malloc((size_t)rows * sizeof(float)), *sh = malloc((size_t)rows * sizeof(float));
     uint16_t *y = malloc((size_t)(rows * ymax) * sizeof(uint16_t));
     uint16_t *qb = malloc((size_t)(rows * qn) * sizeof(uint16_t));
     uint16_t *ob = malloc((size_t)(rows * qn) * sizeof(uint16_t));
     float *yf = malloc((size_t)(rows * nqkv) * sizeof(float)); /* a QKV row's heads as floats */
-    int rc = (codes && xu && sx && sh && y && qb && ob && yf) ? 0 : 3;
+    int rc = (xu && sx && sh && y && qb && ob && yf) ? 0 : 3;
     const float scale = 1.0f / sqrtf((float)d);
     /* quant.c's pass of rows [rows, n] (stride apart) into the u8 codes, kmax apart */
 #define QUANT(src, stride, w, ins, kind, n, scales)                                                 \
-    do {                                                                                            \
-        rc = quant_rows_bf16((src), (stride), (w), (ins), eps, (kind), codes, (scales), rows, (n),   \
-                             threads);                                                              \
-        ROWS_PARALLEL                                                                               \
-        for (int64_t m = 0; m < rows; m++) to_u8(codes + m * (n), xu + m * kmax, (n));            \
-    } while (0)
+    rc = quant_rows_bf16((src), (stride), (w), (ins), eps, (kind), (int8_t *)xu, kmax, 1, (scales), \
+                         rows, (n), threads)
     for (int64_t l = 0; rc == 0 && l < num_layers; l++) {
         const layer_w8 *L = &layers[l];
         /* attention: the normed input's codes, QKV, q / k norms, RoPE, KV store, attention */
@@ -329,7 +324,6 @@ int decode_layers_w8a8_bf16(const layer_w8 *layers, int64_t num_layers, uint16_t
         for (int64_t i = 0; i < rows * h; i++) x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
     }
 #undef QUANT
-    free(codes);
     free(xu);
     free(sx);
     free(sh);

@@ -59,32 +59,37 @@ static inline __m512 silu_mul16(const uint16_t *g, const uint16_t *u, __m512 s, 
 }
 #endif
 
-/* code the n floats of h: codes and the row's scale */
-static inline void code_row(const float *h, float amax, int8_t *codes, float *scale, int64_t n) {
+/* code the n floats of h: codes (u8: code + 128, the sign bit flipped, as oneDNN's and the C
+ * step's VNNI GEMMs take them) and the row's scale */
+static inline void code_row(const float *h, float amax, int8_t *codes, int u8, float *scale,
+                            int64_t n) {
     const float m = amax > 1e-12f ? amax : 1e-12f;
     const float inv = 127.0f / m;
+    const int8_t flip = u8 ? (int8_t)-128 : 0;
     *scale = m / 127.0f;
     int64_t c = 0;
 #if defined(__AVX512F__)
     const __m512 iv = _mm512_set1_ps(inv);
+    const __m128i fv = _mm_set1_epi8(flip);
     for (; c + 16 <= n; c += 16) { /* rounded to nearest even by the conversion; |v| <= 127 */
         const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(h + c), iv));
-        _mm_storeu_si128((__m128i *)(codes + c), _mm512_cvtsepi32_epi8(v));
+        _mm_storeu_si128((__m128i *)(codes + c), _mm_xor_si128(_mm512_cvtsepi32_epi8(v), fv));
     }
 #endif
     for (; c < n; c++) {
         float v = rintf(h[c] * inv);
         v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-        codes[c] = (int8_t)v;
+        codes[c] = (int8_t)((int8_t)v ^ flip);
     }
 }
 
 /* kind ROWS / RMSNORM: x [rows, n] (rows `stride` apart); w [n] (RMSNORM); in_scale unused.
- * kind SILU_MUL: x [rows, 2n]; in_scale [rows] or NULL. codes [rows, n] contiguous. */
+ * kind SILU_MUL: x [rows, 2n]; in_scale [rows] or NULL. codes [rows, n], rows cs apart (u8:
+ * code + 128). */
 int quant_rows_bf16(const uint16_t *x, int64_t stride, const uint16_t *w, const float *in_scale,
-                    float eps, int kind, int8_t *codes, float *scales, int64_t rows, int64_t n,
-                    int threads) {
-    if (rows < 0 || n < 1 || kind < ROWS || kind > SILU_MUL) return 10;
+                    float eps, int kind, int8_t *codes, int64_t cs, int u8, float *scales,
+                    int64_t rows, int64_t n, int threads) {
+    if (rows < 0 || n < 1 || cs < n || kind < ROWS || kind > SILU_MUL) return 10;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (rows * n >= 32768)
     {
@@ -143,7 +148,7 @@ int quant_rows_bf16(const uint16_t *x, int64_t stride, const uint16_t *w, const 
                     amax = fmaxf(amax, fabsf(h[c]));
                 }
             }
-            code_row(h, amax, codes + r * n, scales + r, n);
+            code_row(h, amax, codes + r * cs, u8, scales + r, n);
         }
         free(h);
     }
