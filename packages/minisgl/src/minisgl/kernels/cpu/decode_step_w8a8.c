@@ -27,7 +27,6 @@
 #include "rowops.h"
 
 #define PANEL 16 /* output channels a panel */
-#define HEAD_ROWS 8
 
 /* quant.c: per-row int8 codes of a linear's input, formed as the modules form it */
 int quant_rows_bf16(const uint16_t *x, int64_t stride, const uint16_t *w, const float *in_scale,
@@ -53,12 +52,104 @@ static inline float finish(int32_t acc, float scale, const float *rs, const uint
     return y;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/* 16 channels' sums of one row -> bf16 at out (the first `keep` of them): see `finish` */
-static inline __attribute__((always_inline)) void finish16(__m512i acc, __m512i comp, __m512 sc,
-                                                           const float *rs, int has_bias,
-                                                           __m512 bias, __mmask16 keep,
-                                                           uint16_t *out) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define VECTOR_TILES 1
+/* A tile's sums in assembly: 4 panels (64 output channels) by 6 rows, 24 accumulators in
+ * zmm8-31, the panels' 64 bytes of a step in zmm0-3, each row's 4 bytes broadcast into zmm4 /
+ * zmm5; a step: 4 panel loads, 6 broadcasts, 24 of INSN (AT&T order: weights, activations,
+ * accumulator). INSN vpdpbusd: 4 u8 activations x 4 s8 weights into int32; vdpbf16ps: 2 bf16
+ * pairs into fp32. Missing rows / panels of an edge tile point at real ones (their sums are
+ * dropped). With intrinsics gcc 12 kept most accumulators on the stack, a store and a load
+ * each per step: the int8 GEMM ran at 149-229 GMAC/s (2 threads, AMD EPYC) against 232 a core
+ * for vpdpbusd alone. acc [6][4]: row-major. */
+#define DOT_4X6(NAME, INSN)                                                                        \
+    static void NAME(const void *w0, const void *w1, const void *w2, const void *w3,               \
+                     const void *x0, const void *x1, const void *x2, const void *x3,               \
+                     const void *x4, const void *x5, int64_t steps, void *acc) {                   \
+        __asm__ volatile(                                                                          \
+            "vpxord %%zmm8, %%zmm8, %%zmm8\n\t"                                                    \
+            "vmovdqa64 %%zmm8, %%zmm9\n\t vmovdqa64 %%zmm8, %%zmm10\n\t"                           \
+            "vmovdqa64 %%zmm8, %%zmm11\n\t vmovdqa64 %%zmm8, %%zmm12\n\t"                          \
+            "vmovdqa64 %%zmm8, %%zmm13\n\t vmovdqa64 %%zmm8, %%zmm14\n\t"                          \
+            "vmovdqa64 %%zmm8, %%zmm15\n\t vmovdqa64 %%zmm8, %%zmm16\n\t"                          \
+            "vmovdqa64 %%zmm8, %%zmm17\n\t vmovdqa64 %%zmm8, %%zmm18\n\t"                          \
+            "vmovdqa64 %%zmm8, %%zmm19\n\t vmovdqa64 %%zmm8, %%zmm20\n\t"                          \
+            "vmovdqa64 %%zmm8, %%zmm21\n\t vmovdqa64 %%zmm8, %%zmm22\n\t"                          \
+            "vmovdqa64 %%zmm8, %%zmm23\n\t vmovdqa64 %%zmm8, %%zmm24\n\t"                          \
+            "vmovdqa64 %%zmm8, %%zmm25\n\t vmovdqa64 %%zmm8, %%zmm26\n\t"                          \
+            "vmovdqa64 %%zmm8, %%zmm27\n\t vmovdqa64 %%zmm8, %%zmm28\n\t"                          \
+            "vmovdqa64 %%zmm8, %%zmm29\n\t vmovdqa64 %%zmm8, %%zmm30\n\t"                          \
+            "vmovdqa64 %%zmm8, %%zmm31\n\t"                                                        \
+            "test %[n], %[n]\n\t"                                                                  \
+            "jle 2f\n\t"                                                                           \
+            "1:\n\t"                                                                               \
+            "vmovdqu64 (%[w0]), %%zmm0\n\t vmovdqu64 (%[w1]), %%zmm1\n\t"                          \
+            "vmovdqu64 (%[w2]), %%zmm2\n\t vmovdqu64 (%[w3]), %%zmm3\n\t"                          \
+            "vpbroadcastd (%[x0]), %%zmm4\n\t vpbroadcastd (%[x1]), %%zmm5\n\t"                    \
+            INSN " %%zmm0, %%zmm4, %%zmm8\n\t " INSN " %%zmm1, %%zmm4, %%zmm9\n\t"                 \
+            INSN " %%zmm2, %%zmm4, %%zmm10\n\t " INSN " %%zmm3, %%zmm4, %%zmm11\n\t"               \
+            "vpbroadcastd (%[x2]), %%zmm4\n\t"                                                     \
+            INSN " %%zmm0, %%zmm5, %%zmm12\n\t " INSN " %%zmm1, %%zmm5, %%zmm13\n\t"               \
+            INSN " %%zmm2, %%zmm5, %%zmm14\n\t " INSN " %%zmm3, %%zmm5, %%zmm15\n\t"               \
+            "vpbroadcastd (%[x3]), %%zmm5\n\t"                                                     \
+            INSN " %%zmm0, %%zmm4, %%zmm16\n\t " INSN " %%zmm1, %%zmm4, %%zmm17\n\t"               \
+            INSN " %%zmm2, %%zmm4, %%zmm18\n\t " INSN " %%zmm3, %%zmm4, %%zmm19\n\t"               \
+            "vpbroadcastd (%[x4]), %%zmm4\n\t"                                                     \
+            INSN " %%zmm0, %%zmm5, %%zmm20\n\t " INSN " %%zmm1, %%zmm5, %%zmm21\n\t"               \
+            INSN " %%zmm2, %%zmm5, %%zmm22\n\t " INSN " %%zmm3, %%zmm5, %%zmm23\n\t"               \
+            "vpbroadcastd (%[x5]), %%zmm5\n\t"                                                     \
+            INSN " %%zmm0, %%zmm4, %%zmm24\n\t " INSN " %%zmm1, %%zmm4, %%zmm25\n\t"               \
+            INSN " %%zmm2, %%zmm4, %%zmm26\n\t " INSN " %%zmm3, %%zmm4, %%zmm27\n\t"               \
+            INSN " %%zmm0, %%zmm5, %%zmm28\n\t " INSN " %%zmm1, %%zmm5, %%zmm29\n\t"               \
+            INSN " %%zmm2, %%zmm5, %%zmm30\n\t " INSN " %%zmm3, %%zmm5, %%zmm31\n\t"               \
+            "add $64, %[w0]\n\t add $64, %[w1]\n\t add $64, %[w2]\n\t add $64, %[w3]\n\t"          \
+            "add $4, %[x0]\n\t add $4, %[x1]\n\t add $4, %[x2]\n\t add $4, %[x3]\n\t"              \
+            "add $4, %[x4]\n\t add $4, %[x5]\n\t"                                                  \
+            "dec %[n]\n\t"                                                                         \
+            "jnz 1b\n\t"                                                                           \
+            "2:\n\t"                                                                               \
+            "vmovdqu64 %%zmm8, 0(%[acc])\n\t vmovdqu64 %%zmm9, 64(%[acc])\n\t"                     \
+            "vmovdqu64 %%zmm10, 128(%[acc])\n\t vmovdqu64 %%zmm11, 192(%[acc])\n\t"                \
+            "vmovdqu64 %%zmm12, 256(%[acc])\n\t vmovdqu64 %%zmm13, 320(%[acc])\n\t"                \
+            "vmovdqu64 %%zmm14, 384(%[acc])\n\t vmovdqu64 %%zmm15, 448(%[acc])\n\t"                \
+            "vmovdqu64 %%zmm16, 512(%[acc])\n\t vmovdqu64 %%zmm17, 576(%[acc])\n\t"                \
+            "vmovdqu64 %%zmm18, 640(%[acc])\n\t vmovdqu64 %%zmm19, 704(%[acc])\n\t"                \
+            "vmovdqu64 %%zmm20, 768(%[acc])\n\t vmovdqu64 %%zmm21, 832(%[acc])\n\t"                \
+            "vmovdqu64 %%zmm22, 896(%[acc])\n\t vmovdqu64 %%zmm23, 960(%[acc])\n\t"                \
+            "vmovdqu64 %%zmm24, 1024(%[acc])\n\t vmovdqu64 %%zmm25, 1088(%[acc])\n\t"              \
+            "vmovdqu64 %%zmm26, 1152(%[acc])\n\t vmovdqu64 %%zmm27, 1216(%[acc])\n\t"              \
+            "vmovdqu64 %%zmm28, 1280(%[acc])\n\t vmovdqu64 %%zmm29, 1344(%[acc])\n\t"              \
+            "vmovdqu64 %%zmm30, 1408(%[acc])\n\t vmovdqu64 %%zmm31, 1472(%[acc])\n\t"              \
+            : [w0] "+r"(w0), [w1] "+r"(w1), [w2] "+r"(w2), [w3] "+r"(w3), [x0] "+r"(x0),           \
+              [x1] "+r"(x1), [x2] "+r"(x2), [x3] "+r"(x3), [x4] "+r"(x4), [x5] "+r"(x5),           \
+              [n] "+r"(steps)                                                                      \
+            : [acc] "r"(acc)                                                                       \
+            : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm8", "xmm9",       \
+              "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18",      \
+              "xmm19", "xmm20", "xmm21", "xmm22", "xmm23", "xmm24", "xmm25", "xmm26", "xmm27",      \
+              "xmm28", "xmm29", "xmm30", "xmm31");                                                 \
+    }
+DOT_4X6(dot_i8_4x6, "vpdpbusd")
+DOT_4X6(dot_bf16_4x6, "vdpbf16ps")
+#undef DOT_4X6
+
+#define TILE_ROWS 6
+#define TILE_PANELS 4
+
+/* a tile's sums: rows m0 .. m0 + mr - 1 of x (rows xs bytes apart) by panels p .. p + np - 1
+ * (pbytes apart), `steps` of 4 bytes a row and 64 a panel */
+static void tile_sums(int bf16, const char *panels, int64_t pbytes, int64_t p, int np,
+                      const char *x, int64_t xs, int mr, int64_t steps, void *acc) {
+    const char *w[TILE_PANELS], *xr[TILE_ROWS];
+    for (int q = 0; q < TILE_PANELS; q++) w[q] = panels + (p + (q < np ? q : 0)) * pbytes;
+    for (int m = 0; m < TILE_ROWS; m++) xr[m] = x + (m < mr ? m : 0) * xs;
+    (bf16 ? dot_bf16_4x6 : dot_i8_4x6)(w[0], w[1], w[2], w[3], xr[0], xr[1], xr[2], xr[3], xr[4],
+                                       xr[5], steps, acc);
+}
+
+/* 16 channels' int32 sums of one row -> bf16 at out (the first `keep` of them): see `finish` */
+static inline void finish16(__m512i acc, __m512i comp, __m512 sc, const float *rs, int has_bias,
+                            __m512 bias, __mmask16 keep, uint16_t *out) {
     __m512 y = rbf16(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, comp)), sc));
     if (rs != NULL) y = rbf16(_mm512_mul_ps(y, _mm512_set1_ps(*rs)));
     if (has_bias) y = rbf16(_mm512_add_ps(y, bias));
@@ -67,138 +158,13 @@ static inline __attribute__((always_inline)) void finish16(__m512i acc, __m512i 
     _mm256_mask_storeu_epi16(out, keep, h);
 }
 
-/* A tile: rows m0 .. m0 + MR - 1 (mr of them) by panels p .. p + np - 1 (np <= 4), the
- * mr x np accumulators named (c<row><panel>) so that they live in registers (as an array gcc
- * kept them on the stack, stored back every step: the GEMM ran at half the VNNI peak). Each
- * step of 4 columns: np panel loads, one broadcast of 4 activation bytes a row, mr x np
- * vpdpbusd. mr and np are constants where it is inlined. */
-#define TILE_ROWS 6
-#define TILE_PANELS 4
-static inline __attribute__((always_inline)) void tile(const i8mat *w, int64_t p, int np,
-                                                       const uint8_t *xu, int64_t xs, int mr,
-                                                       const float *rs, uint16_t *out, int64_t os) {
-    const int64_t k4 = w->k / 4, pstride = k4 * 64;
-    const int8_t *wp = w->panels + p * pstride;
-    const __m512i z = _mm512_setzero_si512();
-    __m512i c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z;
-    __m512i c20 = z, c21 = z, c22 = z, c23 = z, c30 = z, c31 = z, c32 = z, c33 = z;
-    __m512i c40 = z, c41 = z, c42 = z, c43 = z, c50 = z, c51 = z, c52 = z, c53 = z;
-    for (int64_t c = 0; c < k4; c++) {
-        const int8_t *wc = wp + c * 64;
-        const __m512i b0 = _mm512_loadu_si512((const void *)wc);
-        const __m512i b1 = np > 1 ? _mm512_loadu_si512((const void *)(wc + pstride)) : z;
-        const __m512i b2 = np > 2 ? _mm512_loadu_si512((const void *)(wc + 2 * pstride)) : z;
-        const __m512i b3 = np > 3 ? _mm512_loadu_si512((const void *)(wc + 3 * pstride)) : z;
-#define ROW(m)                                                                                      \
-    if (mr > m) {                                                                                   \
-        int32_t four;                                                                               \
-        memcpy(&four, xu + m * xs + 4 * c, sizeof four);                                            \
-        const __m512i a = _mm512_set1_epi32(four);                                                  \
-        c##m##0 = _mm512_dpbusd_epi32(c##m##0, a, b0);                                              \
-        if (np > 1) c##m##1 = _mm512_dpbusd_epi32(c##m##1, a, b1);                                  \
-        if (np > 2) c##m##2 = _mm512_dpbusd_epi32(c##m##2, a, b2);                                  \
-        if (np > 3) c##m##3 = _mm512_dpbusd_epi32(c##m##3, a, b3);                                  \
-    }
-        ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
-#undef ROW
-    }
-#define PANEL_OUT(q)                                                                                \
-    if (np > q) {                                                                                   \
-        const int64_t j0 = (p + q) * PANEL, left = w->n - j0;                                       \
-        const __mmask16 keep = left >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);   \
-        const __m512i comp = _mm512_loadu_si512((const void *)(w->comp + j0));                      \
-        const __m512 sc = _mm512_loadu_ps(w->scales + j0);                                          \
-        __m512 bias = _mm512_setzero_ps();                                                          \
-        if (w->bias != NULL)                                                                        \
-            bias = _mm512_castsi512_ps(_mm512_slli_epi32(                                           \
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, w->bias + j0)), 16));          \
-        const int hb = w->bias != NULL;                                                             \
-        finish16(c0##q, comp, sc, rs, hb, bias, keep, out + j0);                                    \
-        if (mr > 1) finish16(c1##q, comp, sc, rs ? rs + 1 : NULL, hb, bias, keep, out + os + j0);   \
-        if (mr > 2) finish16(c2##q, comp, sc, rs ? rs + 2 : NULL, hb, bias, keep, out + 2 * os + j0); \
-        if (mr > 3) finish16(c3##q, comp, sc, rs ? rs + 3 : NULL, hb, bias, keep, out + 3 * os + j0); \
-        if (mr > 4) finish16(c4##q, comp, sc, rs ? rs + 4 : NULL, hb, bias, keep, out + 4 * os + j0); \
-        if (mr > 5) finish16(c5##q, comp, sc, rs ? rs + 5 : NULL, hb, bias, keep, out + 5 * os + j0); \
-    }
-    PANEL_OUT(0) PANEL_OUT(1) PANEL_OUT(2) PANEL_OUT(3)
-#undef PANEL_OUT
-}
-
-/* The 4 x 6 tile's sums in assembly: 24 accumulators in zmm8-31, 4 panels' 64 bytes in
- * zmm0-3, each row's 4 bytes broadcast into zmm4 / zmm5; per step of 4 columns 4 panel loads,
- * 6 broadcasts, 24 vpdpbusd (AT&T order: weights, activations, accumulator). With intrinsics
- * gcc 12 kept most accumulators on the stack, a store and a load each per step: 149 GMAC/s
- * (2 threads, AMD EPYC) against 232 a core for vpdpbusd alone. acc [6][4]: row-major sums. */
-static void dot_4x6(const int8_t *w, int64_t ps, const uint8_t *x, int64_t xs, int64_t k4,
-                    __m512i *acc) {
-    const int8_t *w3 = w + 3 * ps;
-    const uint8_t *x3 = x + 3 * xs;
-    __asm__ volatile(
-        "vpxord %%zmm8, %%zmm8, %%zmm8\n\t"
-        "vmovdqa64 %%zmm8, %%zmm9\n\t vmovdqa64 %%zmm8, %%zmm10\n\t vmovdqa64 %%zmm8, %%zmm11\n\t"
-        "vmovdqa64 %%zmm8, %%zmm12\n\t vmovdqa64 %%zmm8, %%zmm13\n\t vmovdqa64 %%zmm8, %%zmm14\n\t"
-        "vmovdqa64 %%zmm8, %%zmm15\n\t vmovdqa64 %%zmm8, %%zmm16\n\t vmovdqa64 %%zmm8, %%zmm17\n\t"
-        "vmovdqa64 %%zmm8, %%zmm18\n\t vmovdqa64 %%zmm8, %%zmm19\n\t vmovdqa64 %%zmm8, %%zmm20\n\t"
-        "vmovdqa64 %%zmm8, %%zmm21\n\t vmovdqa64 %%zmm8, %%zmm22\n\t vmovdqa64 %%zmm8, %%zmm23\n\t"
-        "vmovdqa64 %%zmm8, %%zmm24\n\t vmovdqa64 %%zmm8, %%zmm25\n\t vmovdqa64 %%zmm8, %%zmm26\n\t"
-        "vmovdqa64 %%zmm8, %%zmm27\n\t vmovdqa64 %%zmm8, %%zmm28\n\t vmovdqa64 %%zmm8, %%zmm29\n\t"
-        "vmovdqa64 %%zmm8, %%zmm30\n\t vmovdqa64 %%zmm8, %%zmm31\n\t"
-        "test %[k4], %[k4]\n\t"
-        "jle 2f\n\t"
-        "1:\n\t"
-        "vmovdqu64 (%[w]), %%zmm0\n\t"
-        "vmovdqu64 (%[w], %[ps], 1), %%zmm1\n\t"
-        "vmovdqu64 (%[w], %[ps], 2), %%zmm2\n\t"
-        "vmovdqu64 (%[w3]), %%zmm3\n\t"
-        "vpbroadcastd (%[x]), %%zmm4\n\t"
-        "vpbroadcastd (%[x], %[xs], 1), %%zmm5\n\t"
-        "vpdpbusd %%zmm0, %%zmm4, %%zmm8\n\t vpdpbusd %%zmm1, %%zmm4, %%zmm9\n\t"
-        "vpdpbusd %%zmm2, %%zmm4, %%zmm10\n\t vpdpbusd %%zmm3, %%zmm4, %%zmm11\n\t"
-        "vpbroadcastd (%[x], %[xs], 2), %%zmm4\n\t"
-        "vpdpbusd %%zmm0, %%zmm5, %%zmm12\n\t vpdpbusd %%zmm1, %%zmm5, %%zmm13\n\t"
-        "vpdpbusd %%zmm2, %%zmm5, %%zmm14\n\t vpdpbusd %%zmm3, %%zmm5, %%zmm15\n\t"
-        "vpbroadcastd (%[x3]), %%zmm5\n\t"
-        "vpdpbusd %%zmm0, %%zmm4, %%zmm16\n\t vpdpbusd %%zmm1, %%zmm4, %%zmm17\n\t"
-        "vpdpbusd %%zmm2, %%zmm4, %%zmm18\n\t vpdpbusd %%zmm3, %%zmm4, %%zmm19\n\t"
-        "vpbroadcastd (%[x], %[xs], 4), %%zmm4\n\t"
-        "vpdpbusd %%zmm0, %%zmm5, %%zmm20\n\t vpdpbusd %%zmm1, %%zmm5, %%zmm21\n\t"
-        "vpdpbusd %%zmm2, %%zmm5, %%zmm22\n\t vpdpbusd %%zmm3, %%zmm5, %%zmm23\n\t"
-        "vpbroadcastd (%[x3], %[xs], 2), %%zmm5\n\t"
-        "vpdpbusd %%zmm0, %%zmm4, %%zmm24\n\t vpdpbusd %%zmm1, %%zmm4, %%zmm25\n\t"
-        "vpdpbusd %%zmm2, %%zmm4, %%zmm26\n\t vpdpbusd %%zmm3, %%zmm4, %%zmm27\n\t"
-        "vpdpbusd %%zmm0, %%zmm5, %%zmm28\n\t vpdpbusd %%zmm1, %%zmm5, %%zmm29\n\t"
-        "vpdpbusd %%zmm2, %%zmm5, %%zmm30\n\t vpdpbusd %%zmm3, %%zmm5, %%zmm31\n\t"
-        "add $64, %[w]\n\t add $64, %[w3]\n\t add $4, %[x]\n\t add $4, %[x3]\n\t"
-        "dec %[k4]\n\t"
-        "jnz 1b\n\t"
-        "2:\n\t"
-        "vmovdqu64 %%zmm8, 0(%[acc])\n\t vmovdqu64 %%zmm9, 64(%[acc])\n\t"
-        "vmovdqu64 %%zmm10, 128(%[acc])\n\t vmovdqu64 %%zmm11, 192(%[acc])\n\t"
-        "vmovdqu64 %%zmm12, 256(%[acc])\n\t vmovdqu64 %%zmm13, 320(%[acc])\n\t"
-        "vmovdqu64 %%zmm14, 384(%[acc])\n\t vmovdqu64 %%zmm15, 448(%[acc])\n\t"
-        "vmovdqu64 %%zmm16, 512(%[acc])\n\t vmovdqu64 %%zmm17, 576(%[acc])\n\t"
-        "vmovdqu64 %%zmm18, 640(%[acc])\n\t vmovdqu64 %%zmm19, 704(%[acc])\n\t"
-        "vmovdqu64 %%zmm20, 768(%[acc])\n\t vmovdqu64 %%zmm21, 832(%[acc])\n\t"
-        "vmovdqu64 %%zmm22, 896(%[acc])\n\t vmovdqu64 %%zmm23, 960(%[acc])\n\t"
-        "vmovdqu64 %%zmm24, 1024(%[acc])\n\t vmovdqu64 %%zmm25, 1088(%[acc])\n\t"
-        "vmovdqu64 %%zmm26, 1152(%[acc])\n\t vmovdqu64 %%zmm27, 1216(%[acc])\n\t"
-        "vmovdqu64 %%zmm28, 1280(%[acc])\n\t vmovdqu64 %%zmm29, 1344(%[acc])\n\t"
-        "vmovdqu64 %%zmm30, 1408(%[acc])\n\t vmovdqu64 %%zmm31, 1472(%[acc])\n\t"
-        : [w] "+r"(w), [w3] "+r"(w3), [x] "+r"(x), [x3] "+r"(x3), [k4] "+r"(k4)
-        : [ps] "r"(ps), [xs] "r"(xs), [acc] "r"(acc)
-        : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm8", "xmm9", "xmm10",
-          "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20",
-          "xmm21", "xmm22", "xmm23", "xmm24", "xmm25", "xmm26", "xmm27", "xmm28", "xmm29", "xmm30",
-          "xmm31");
-}
-
-/* rows m0 .. m0 + 5 by panels p .. p + 3 through `dot_4x6`, then `finish16` */
-static void tile_4x6(const i8mat *w, int64_t p, const uint8_t *xu, int64_t xs, const float *rs,
-                     uint16_t *out, int64_t os) {
-    const int64_t k4 = w->k / 4, pstride = k4 * 64;
-    __m512i acc[24];
-    dot_4x6(w->panels + p * pstride, pstride, xu, xs, k4, acc);
-    for (int q = 0; q < TILE_PANELS; q++) {
+/* rows m0 .. m0 + mr - 1 by panels p .. p + np - 1 of the int8 GEMM */
+static void tile(const i8mat *w, int64_t p, int np, const uint8_t *xu, int64_t xs, int mr,
+                 const float *rs, uint16_t *out, int64_t os) {
+    const int64_t k4 = w->k / 4;
+    __m512i acc[TILE_ROWS * TILE_PANELS];
+    tile_sums(0, (const char *)w->panels, k4 * 64, p, np, (const char *)xu, xs, mr, k4, acc);
+    for (int q = 0; q < np; q++) {
         const int64_t j0 = (p + q) * PANEL, left = w->n - j0;
         const __mmask16 keep = left >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
         const __m512i comp = _mm512_loadu_si512((const void *)(w->comp + j0));
@@ -207,55 +173,41 @@ static void tile_4x6(const i8mat *w, int64_t p, const uint8_t *xu, int64_t xs, c
         if (w->bias != NULL)
             bias = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, w->bias + j0)), 16));
-        for (int m = 0; m < TILE_ROWS; m++)
+        for (int m = 0; m < mr; m++)
             finish16(acc[m * TILE_PANELS + q], comp, sc, rs != NULL ? rs + m : NULL,
                      w->bias != NULL, bias, keep, out + m * os + j0);
     }
 }
+
+/* the work of a GEMM of `rows` rows by `panels` panels: tiles of 4 panels by 6 rows, group
+ * major, split into equal runs over the threads (a thread's panels stay in its L2; at most
+ * one group shared); `fn(p, np, m0, mr)` each */
+#define RUN_TILES(panels, rows, threads, fn)                                                       \
+    do {                                                                                           \
+        const int64_t groups_ = ((panels) + TILE_PANELS - 1) / TILE_PANELS;                        \
+        const int64_t blocks_ = ((rows) + TILE_ROWS - 1) / TILE_ROWS, items_ = groups_ * blocks_;  \
+        _Pragma("omp parallel num_threads(threads) if (items_ > 1)") {                            \
+            const int64_t nt_ = omp_get_num_threads(), t_ = omp_get_thread_num();                 \
+            for (int64_t it = items_ * t_ / nt_; it < items_ * (t_ + 1) / nt_; it++) {             \
+                const int64_t p_ = (it / blocks_) * TILE_PANELS, m0_ = (it % blocks_) * TILE_ROWS; \
+                const int np_ = (panels) - p_ < TILE_PANELS ? (int)((panels) - p_) : TILE_PANELS;  \
+                const int mr_ = (rows) - m0_ < TILE_ROWS ? (int)((rows) - m0_) : TILE_ROWS;        \
+                fn(p_, np_, m0_, mr_);                                                             \
+            }                                                                                      \
+        }                                                                                          \
+    } while (0)
 #endif
 
 /* out [rows, n] bf16 (os apart) = the u8 codes xu [rows, k] (xs apart) times w^T, scaled: see
- * `finish` (rs: a scale per row, or NULL). The work: groups of 4 panels by blocks of 6 rows,
- * group-major, split into equal runs over the threads (a thread's groups stay in its L2; at
- * most one group shared). */
+ * `finish` (rs: a scale per row, or NULL) */
 static void i8_gemm(const i8mat *w, const uint8_t *xu, int64_t xs, int64_t rows, const float *rs,
                     uint16_t *out, int64_t os, int threads) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(VECTOR_TILES)
     const int64_t panels = (w->n + PANEL - 1) / PANEL;
-    const int64_t groups = (panels + TILE_PANELS - 1) / TILE_PANELS;
-    const int64_t blocks = (rows + TILE_ROWS - 1) / TILE_ROWS, items = groups * blocks;
-#pragma omp parallel num_threads(threads) if (items > 1)
-    {
-        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t lo = items * t / nt, hi = items * (t + 1) / nt;
-        for (int64_t it = lo; it < hi; it++) {
-            const int64_t g = it / blocks, m0 = (it % blocks) * TILE_ROWS, p = g * TILE_PANELS;
-            const int np = panels - p < TILE_PANELS ? (int)(panels - p) : TILE_PANELS;
-            const int mr = rows - m0 < TILE_ROWS ? (int)(rows - m0) : TILE_ROWS;
-            const float *r = rs != NULL ? rs + m0 : NULL;
-            const uint8_t *x = xu + m0 * xs;
-            uint16_t *o = out + m0 * os;
-            if (np == TILE_PANELS) {
-                switch (mr) { /* constant shapes: `tile` inlined for each */
-                case 6: tile_4x6(w, p, x, xs, r, o, os); break;
-                case 5: tile(w, p, 4, x, xs, 5, r, o, os); break;
-                case 4: tile(w, p, 4, x, xs, 4, r, o, os); break;
-                case 3: tile(w, p, 4, x, xs, 3, r, o, os); break;
-                case 2: tile(w, p, 4, x, xs, 2, r, o, os); break;
-                default: tile(w, p, 4, x, xs, 1, r, o, os); break;
-                }
-            } else {
-                for (int m = 0; m < mr; m++) {
-                    const float *rm = r != NULL ? r + m : NULL;
-                    switch (np) {
-                    case 3: tile(w, p, 3, x + m * xs, xs, 1, rm, o + m * os, os); break;
-                    case 2: tile(w, p, 2, x + m * xs, xs, 1, rm, o + m * os, os); break;
-                    default: tile(w, p, 1, x + m * xs, xs, 1, rm, o + m * os, os); break;
-                    }
-                }
-            }
-        }
-    }
+#define I8_TILE(p, np, m0, mr)                                                                     \
+    tile(w, p, np, xu + (m0) * xs, xs, mr, rs != NULL ? rs + (m0) : NULL, out + (m0) * os, os)
+    RUN_TILES(panels, rows, threads, I8_TILE);
+#undef I8_TILE
 #else
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t j = 0; j < w->n; j++) {
@@ -304,33 +256,19 @@ int w8a8_gemm_bf16(const int8_t *xq, int64_t xs, const int8_t *panels, const int
  * bf16(sum * scale). The modules' kernel (`_weight_int8pack_mm`) sums the same products in
  * another order: the logits may differ by a bf16 rounding. Measured on the embedded model at
  * 16 rows (AMD EPYC, 2 threads): ~12 ms a step through the module, the C step's largest piece. */
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-static inline __attribute__((always_inline)) void head_tile(const uint16_t *panels, const float *scales,
-                                                            int64_t n, int64_t k, int64_t p, int np,
-                                                            const uint16_t *x, int64_t xs, int mr,
-                                                            uint16_t *out, int64_t os) {
-    const int64_t k2 = k / 2, pstride = k2 * 32;
-    const uint16_t *w0 = panels + p * pstride, *w1 = w0 + pstride;
-    __m512 acc[2][HEAD_ROWS];
-    for (int q = 0; q < np; q++)
-        for (int m = 0; m < mr; m++) acc[q][m] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < k2; c++) {
-        const __m512bh a = (__m512bh)_mm512_loadu_si512((const void *)(w0 + c * 32));
-        const __m512bh b = np == 2 ? (__m512bh)_mm512_loadu_si512((const void *)(w1 + c * 32)) : a;
-        for (int m = 0; m < mr; m++) {
-            int32_t two;
-            memcpy(&two, x + m * xs + 2 * c, sizeof two);
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32(two);
-            acc[0][m] = _mm512_dpbf16_ps(acc[0][m], xv, a);
-            if (np == 2) acc[1][m] = _mm512_dpbf16_ps(acc[1][m], xv, b);
-        }
-    }
+#if defined(VECTOR_TILES)
+/* rows m0 .. m0 + mr - 1 by panels p .. p + np - 1 of the head: bf16(sum * scale) */
+static void head_tile(const uint16_t *panels, const float *scales, int64_t n, int64_t k, int64_t p,
+                      int np, const uint16_t *x, int64_t xs, int mr, uint16_t *out, int64_t os) {
+    const int64_t k2 = k / 2;
+    __m512 acc[TILE_ROWS * TILE_PANELS];
+    tile_sums(1, (const char *)panels, k2 * 64, p, np, (const char *)x, xs * 2, mr, k2, acc);
     for (int q = 0; q < np; q++) {
         const int64_t j0 = (p + q) * PANEL, left = n - j0;
         const __mmask16 keep = left >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
         const __m512 sc = _mm512_loadu_ps(scales + j0);
         for (int m = 0; m < mr; m++) {
-            const __m512 y = rbf16(_mm512_mul_ps(acc[q][m], sc));
+            const __m512 y = rbf16(_mm512_mul_ps(acc[m * TILE_PANELS + q], sc));
             const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(y), 16));
             _mm256_mask_storeu_epi16(out + m * os + j0, keep, h);
         }
@@ -342,24 +280,12 @@ static inline __attribute__((always_inline)) void head_tile(const uint16_t *pane
 int int8_head_bf16(const uint16_t *x, int64_t xs, const uint16_t *panels, const float *scales,
                    uint16_t *out, int64_t rows, int64_t n, int64_t k, int threads) {
     if (panels == NULL || scales == NULL || rows < 1 || n < 1 || k < 2 || k % 2 || xs < k) return 9;
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(VECTOR_TILES)
     const int64_t np_all = (n + PANEL - 1) / PANEL;
-    const int64_t pairs = (np_all + 1) / 2;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t pp = 0; pp < pairs; pp++) {
-        const int64_t p = 2 * pp;
-        const int np = p + 1 < np_all ? 2 : 1;
-        for (int64_t m0 = 0; m0 < rows; m0 += HEAD_ROWS) {
-            const int mr = rows - m0 < HEAD_ROWS ? (int)(rows - m0) : HEAD_ROWS;
-            const uint16_t *xm = x + m0 * xs;
-            uint16_t *o = out + m0 * n;
-            if (np == 2 && mr == HEAD_ROWS) {
-                head_tile(panels, scales, n, k, p, 2, xm, xs, HEAD_ROWS, o, n);
-            } else {
-                for (int m = 0; m < mr; m++) head_tile(panels, scales, n, k, p, np, xm + m * xs, xs, 1, o + m * n, n);
-            }
-        }
-    }
+#define HEAD_TILE(p, np, m0, mr)                                                                   \
+    head_tile(panels, scales, n, k, p, np, x + (m0) * xs, xs, mr, out + (m0) * n, n)
+    RUN_TILES(np_all, rows, threads, HEAD_TILE);
+#undef HEAD_TILE
 #else
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t j = 0; j < n; j++) {
