@@ -52,7 +52,7 @@ static inline float finish(int32_t acc, float scale, const float *rs, const uint
     return y;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #define VECTOR_TILES 1
 /* A tile's sums in assembly: 4 panels (64 output channels) by 6 rows, 24 accumulators in
  * zmm8-31, the panels' 64 bytes of a step in zmm0-3, each row's 4 bytes broadcast into zmm4 /
@@ -153,9 +153,7 @@ static inline void finish16(__m512i acc, __m512i comp, __m512 sc, const float *r
     __m512 y = rbf16(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, comp)), sc));
     if (rs != NULL) y = rbf16(_mm512_mul_ps(y, _mm512_set1_ps(*rs)));
     if (has_bias) y = rbf16(_mm512_add_ps(y, bias));
-    /* the upper halves of the rounded floats: the bf16 values */
-    const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(y), 16));
-    _mm256_mask_storeu_epi16(out, keep, h);
+    bf16x16_store(out, y, keep);
 }
 
 /* rows m0 .. m0 + mr - 1 by panels p .. p + np - 1 of the int8 GEMM */
@@ -267,11 +265,8 @@ static void head_tile(const uint16_t *panels, const float *scales, int64_t n, in
         const int64_t j0 = (p + q) * PANEL, left = n - j0;
         const __mmask16 keep = left >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
         const __m512 sc = _mm512_loadu_ps(scales + j0);
-        for (int m = 0; m < mr; m++) {
-            const __m512 y = rbf16(_mm512_mul_ps(acc[m * TILE_PANELS + q], sc));
-            const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(y), 16));
-            _mm256_mask_storeu_epi16(out + m * os + j0, keep, h);
-        }
+        for (int m = 0; m < mr; m++)
+            bf16x16_store(out + m * os + j0, rbf16(_mm512_mul_ps(acc[m * TILE_PANELS + q], sc)), keep);
     }
 }
 #endif

@@ -12,19 +12,6 @@
 #include "bf16.h"
 #include "rowops.h"
 
-#if defined(__AVX512F__)
-static inline __m512 load16(const uint16_t *p) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* the bf16 of 16 floats already rounded (rbf16): their upper halves */
-static inline void store16(uint16_t *p, __m512 v) {
-    _mm256_storeu_si256((__m256i *)p,
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-}
-#endif
-
 /* y [rows, n] bf16, rows ys apart, in place; s [rows] fp32 */
 int scale_rows_bf16(uint16_t *y, int64_t ys, const float *s, int64_t rows, int64_t n,
                     int threads) {
@@ -34,9 +21,10 @@ int scale_rows_bf16(uint16_t *y, int64_t ys, const float *s, int64_t rows, int64
         uint16_t *yr = y + r * ys;
         const float sr = s[r];
         int64_t c = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
         const __m512 sv = _mm512_set1_ps(sr);
-        for (; c + 16 <= n; c += 16) store16(yr + c, rbf16(_mm512_mul_ps(load16(yr + c), sv)));
+        for (; c + 16 <= n; c += 16)
+            bf16x16_store(yr + c, rbf16(_mm512_mul_ps(bf16x16_load(yr + c), sv)), 0xFFFF);
 #endif
         for (; c < n; c++) yr[c] = f32_to_bf16(bf16_to_f32(yr[c]) * sr);
     }
@@ -48,13 +36,13 @@ static inline void rope_head(const uint16_t *h, const uint16_t *cos, const uint1
                              uint16_t *out, int64_t d) {
     const int64_t half = d / 2;
     int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
     if (half % 16 == 0) {
         for (; i < d; i += 16) {
             const int64_t j = i < half ? i + half : i - half;
-            const __m512 a = rbf16(_mm512_mul_ps(load16(h + i), load16(cos + i)));
-            const __m512 b = rbf16(_mm512_mul_ps(load16(h + j), load16(sin + i)));
-            store16(out + i, rbf16(_mm512_add_ps(a, b)));
+            const __m512 a = rbf16(_mm512_mul_ps(bf16x16_load(h + i), bf16x16_load(cos + i)));
+            const __m512 b = rbf16(_mm512_mul_ps(bf16x16_load(h + j), bf16x16_load(sin + i)));
+            bf16x16_store(out + i, rbf16(_mm512_add_ps(a, b)), 0xFFFF);
         }
         return;
     }

@@ -26,6 +26,20 @@ static inline __m512 rbf16(__m512 v) {
 }
 #endif
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+/* 16 bf16 at p widened to floats (exact) */
+static inline __m512 bf16x16_load(const uint16_t *p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* the first `keep` of 16 floats already rounded (rbf16) stored as bf16: their upper halves */
+static inline void bf16x16_store(uint16_t *p, __m512 v, __mmask16 keep) {
+    _mm256_mask_storeu_epi16(p, keep,
+                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+#endif
+
 static inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
 /* out = bf16(w * bf16(x / sqrt(mean(x^2) + eps))), x already bf16 values */
