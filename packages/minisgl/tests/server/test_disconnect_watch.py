@@ -13,7 +13,7 @@ from minisgl.server.api_server import Chunk, ClientGone, Job, next_item
 
 
 def new_job() -> Job:
-    return Job([], asyncio.Queue())
+    return Job([])
 
 
 def disconnect_after(seconds: float):
@@ -45,9 +45,9 @@ def test_items_flow_while_the_client_stays():
         job = new_job()
         job.watch(disconnect_after(3600))
         try:
-            job.queue.put_nowait(Chunk(0, "a", None))
+            job.mailbox.put_text(0, "a", None, None)
             assert await next_item(job) == Chunk(0, "a", None)
-            asyncio.get_running_loop().call_later(0.01, job.queue.put_nowait, Chunk(0, "b", "stop"))
+            asyncio.get_running_loop().call_later(0.01, job.mailbox.put_text, 0, "b", "stop", None)
             assert await next_item(job) == Chunk(0, "b", "stop")
         finally:
             job.unwatch()
@@ -60,7 +60,7 @@ def test_items_flow_while_the_client_stays():
 def test_a_disconnect_ends_the_request_with_output_still_queued():
     async def main() -> None:
         job = new_job()
-        job.queue.put_nowait(Chunk(0, "a", None))
+        job.mailbox.put_text(0, "a", None, None)
         job.watch(disconnect_after(0))
         await asyncio.sleep(0.01)  # the watcher saw the disconnect
         with pytest.raises(ClientGone):

@@ -9,6 +9,7 @@ asyncio queue; the handlers validate, admit (bounded), send to the tokenizer tha
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -98,13 +99,87 @@ class Accepted:
 Item = Chunk | Failure | Accepted
 
 
+class _Text:
+    """A choice's unread new text in a mailbox (parts joined when read)."""
+
+    __slots__ = ("finish", "index", "logprobs", "parts")
+
+    def __init__(self, index: int, text: str, finish: str | None, logprobs: list | None) -> None:
+        self.index = index
+        self.parts = [text]
+        self.finish = finish
+        self.logprobs = list(logprobs) if logprobs else None
+
+    def chunk(self) -> Chunk:
+        text = self.parts[0] if len(self.parts) == 1 else "".join(self.parts)
+        return Chunk(self.index, text, self.finish, self.logprobs)
+
+
+class Gone:
+    """Put in a job's mailbox when its client disconnected: wakes the waiting handler."""
+
+
+GONE = Gone()
+
+
+class Mailbox:
+    """A job's outputs in arrival order, for its one handler. A choice's new text merges into
+    the choice's unread chunk when that is the last item (a handler that fell behind sends one
+    SSE event for what accumulated; never past a finish), and the waiting handler is woken once
+    however many rows arrived meanwhile: no object, queue put or wake-up per row."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: collections.deque = collections.deque()
+        self.waiter: asyncio.Future | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def put(self, item: Item | Gone) -> None:
+        self.items.append(item)
+        self._wake()
+
+    def put_text(self, index: int, text: str, finish: str | None, logprobs: list | None) -> None:
+        items = self.items
+        last = items[-1] if items else None
+        if type(last) is _Text and last.index == index and last.finish is None:
+            last.parts.append(text)
+            last.finish = finish
+            if logprobs:
+                if last.logprobs is None:
+                    last.logprobs = []
+                last.logprobs.extend(logprobs)
+            return  # unread: its handler is awake already
+        items.append(_Text(index, text, finish, logprobs))
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None:
+            self.waiter = None
+            if not w.done():  # a cancelled wait
+                w.set_result(None)
+
+    def pop(self) -> Item | Gone:
+        item = self.items.popleft()
+        return item.chunk() if type(item) is _Text else item
+
+    async def wait(self) -> None:
+        """Until an item is there (returns at once if one is)."""
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+
+
 @dataclass(eq=False)
 class ReqState:
     """One choice of a request, as the engine sees it (one uid)."""
 
     uid: int
     index: int
-    queue: asyncio.Queue  # shared by every choice of the request
+    mailbox: Mailbox  # shared by every choice of the request
     t_start: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
     t_last: float | None = None
@@ -114,20 +189,12 @@ class ReqState:
     replica: int | None = None  # the data-parallel replica that admitted it (`Admitted`)
 
 
-class Gone:
-    """Put on a job's queue when its client disconnected: wakes the waiting handler."""
-
-
-GONE = Gone()
-
-
 @dataclass(eq=False)
 class Job:
-    """A request's choices (n of them) and its output queue; `Frontend.job` owns its lifetime."""
+    """A request's choices (n of them) and its outputs; `Frontend.job` owns its lifetime."""
 
     states: list[ReqState]
-    queue: asyncio.Queue
-    held: list = field(default_factory=list)  # an item taken off the queue but not yet used
+    mailbox: Mailbox = field(default_factory=Mailbox)
     gone: bool = False  # the client disconnected
     watcher: asyncio.Task | None = None
 
@@ -140,7 +207,7 @@ class Job:
             while (await receive())["type"] != "http.disconnect":
                 pass
             self.gone = True
-            self.queue.put_nowait(GONE)
+            self.mailbox.put(GONE)
 
         self.watcher = asyncio.get_running_loop().create_task(run())
 
@@ -264,11 +331,11 @@ class Frontend:
                     st.t_last = now
                     st.prompt_tokens = ptoks
                     st.completion_tokens += count
-                    st.queue.put_nowait(Chunk(st.index, text, fin, lp))
+                    st.mailbox.put_text(st.index, text, fin, lp)
             elif isinstance(msg, Reject):
                 st = self.reqs.get(msg.uid)
                 if st is not None:
-                    st.queue.put_nowait(Failure(st.index, reject_to_error(msg)))
+                    st.mailbox.put(Failure(st.index, reject_to_error(msg)))
             elif isinstance(msg, Admitted):
                 uids = msg.uids.tolist()
                 reps = msg.replicas.tolist()
@@ -278,7 +345,7 @@ class Frontend:
                     st = self.reqs.get(uid)
                     if st is not None:
                         st.replica = replica
-                        st.queue.put_nowait(Accepted(st.index))
+                        st.mailbox.put(Accepted(st.index))
 
     def wait_ready(self, names: list[str], timeout: float, alive) -> dict[str, Ready]:
         """Block until every worker in `names` reported Ready; raise if one failed or died."""
@@ -331,7 +398,7 @@ class Frontend:
             if replica is not None and self.replicas.replica_of(uid) != replica:
                 continue
             err = reject_to_error(Reject(uid, reason, status, "service_unavailable"))
-            st.queue.put_nowait(Failure(st.index, err))
+            st.mailbox.put(Failure(st.index, err))
 
     # ------------------------------------------------------------------ requests
     def served(self, job: Job) -> dict[str, int] | None:
@@ -386,8 +453,8 @@ class Frontend:
             ]
         except (ValueError, TypeError, OverflowError) as e:
             raise APIError(400, f"the request cannot be encoded: {e}", None, "invalid_value") from e
-        queue: asyncio.Queue = asyncio.Queue()
-        job = Job([ReqState(uid, i, queue) for i, uid in enumerate(uids)], queue)
+        box = Mailbox()
+        job = Job([ReqState(uid, i, box) for i, uid in enumerate(uids)], box)
         for st in job.states:
             self.reqs[st.uid] = st
         job.watch(receive)
@@ -488,39 +555,17 @@ def completion_logprobs(entries: list, offset: int) -> dict:
 
 
 async def next_item(job: Job) -> Item:
-    """The request's next output; raises ClientGone once the client disconnected (the job's
-    watcher wakes the wait: nothing polls the connection)."""
+    """The request's next output (a choice's text as it accumulated); raises ClientGone once the
+    client disconnected (the job's watcher wakes the wait: nothing polls the connection)."""
     if job.gone:
         raise ClientGone()
-    if job.held:
-        item = job.held.pop()
-    elif not job.queue.empty():  # what came meanwhile: no future, no task switch
-        item = job.queue.get_nowait()
-    else:
-        item = await job.queue.get()
+    box = job.mailbox
+    if not box:
+        await box.wait()
+    item = box.pop()
     if isinstance(item, Gone):
         raise ClientGone()
-    return coalesce(job, item)
-
-
-def coalesce(job: Job, item: Item) -> Item:
-    """`item` merged with the text of the same choice already queued behind it: a consumer
-    that fell behind writes one SSE event for what accumulated, not one per step (the python
-    backend's detokenizer batches the same way when it is behind)."""
-    if not isinstance(item, Chunk) or item.finish is not None:
-        return item
-    texts, lps, finish = [item.text], list(item.logprobs or ()), None
-    while finish is None and not job.queue.empty():
-        nxt = job.queue.get_nowait()
-        if not isinstance(nxt, Chunk) or nxt.index != item.index:
-            job.held.append(nxt)
-            break
-        texts.append(nxt.text)
-        lps.extend(nxt.logprobs or ())
-        finish = nxt.finish
-    if len(texts) == 1:
-        return item
-    return Chunk(item.index, "".join(texts), finish, lps or None)
+    return item
 
 
 @dataclass(frozen=True)
