@@ -1,9 +1,9 @@
 """Tokenizer / detokenizer worker process.
 
-Requests (from the API server) are tokenized in batches: everything queued when the worker
-wakes up goes through one call of the HF fast tokenizer. Tokens (from the scheduler) are
-detokenized incrementally, in batches, with stop strings checked here: a hit tells the
-scheduler to finish the request. Worker i serves the requests with uid % num_tokenizer == i.
+Requests (from the API server) are tokenized in batched waves of 1, 2, 4, ... prompts
+(`Backlog`), the inbox read between waves. Tokens (from the scheduler) are detokenized
+incrementally, in batches, before any tokenization, with stop strings checked here: a hit tells
+the scheduler to finish the request. Worker i serves the requests with uid % num_tokenizer == i.
 """
 
 from __future__ import annotations
@@ -185,6 +185,32 @@ class TokenizerWorker:
                 ]
 
 
+class Backlog:
+    """Prompts waiting to be tokenized, taken in waves of 1, 2, 4, ... (back to 1 once it
+    empties): the first prompt of a burst reaches the engine after one prompt's encoding (its
+    prefill can start while the rest are encoded), a burst of n still takes O(log n) batched
+    calls, and between waves the worker reads its inbox (streams are detokenized meanwhile)."""
+
+    def __init__(self) -> None:
+        self.reqs: list[TokenizeReq] = []
+        self.size = 1
+
+    def __bool__(self) -> bool:
+        return bool(self.reqs)
+
+    def add(self, reqs: list[TokenizeReq]) -> None:
+        self.reqs.extend(reqs)
+
+    def drop(self, uids: set[int]) -> None:
+        if uids and self.reqs:
+            self.reqs = [r for r in self.reqs if r.uid not in uids]
+
+    def take(self) -> list[TokenizeReq]:
+        wave, self.reqs = self.reqs[: self.size], self.reqs[self.size :]
+        self.size = self.size * 2 if self.reqs else 1
+        return wave
+
+
 def run_tokenizer_worker(
     index: int, model_path: str, ipc_dir: str, typed: bool, dp: int = 1
 ) -> None:
@@ -204,33 +230,29 @@ def run_tokenizer_worker(
         raise
     info = {"max_token_chars": max_token_chars(worker.tok), "warmup_ms": worker.warm_up()}
     to_frontend.send(codec.encode(Ready(name, os.getpid(), info=info)))
+    backlog = Backlog()
     try:
         while alive():
-            frames = ipc.drain(inbox, 500)
-            if not frames:
-                continue
+            frames = ipc.drain(inbox, 0 if backlog else 500)
             msgs = [codec.decode(f) for f in frames]
+            if any(isinstance(m, Shutdown) for m in msgs):
+                break
             tok_reqs = [m for m in msgs if isinstance(m, TokenizeReq)]
             if tok_reqs:
                 trace.mark("tok.recv", [r.uid for r in tok_reqs])
             aborts = {m.uid for m in msgs if isinstance(m, AbortReq)}
             outs = [m for m in msgs if isinstance(m, TokenOut)]
-            if any(isinstance(m, Shutdown) for m in msgs):
-                break
-            to_frontend_msgs: list = []
-            if tok_reqs:
-                try:
-                    adds, rejects = worker.tokenize([r for r in tok_reqs if r.uid not in aborts])
-                except Exception as e:  # a tokenizer bug must not kill the worker
-                    adds = []
-                    rejects = [
-                        Reject(r.uid, f"tokenizer error: {e!r}", 500, "internal_error")
-                        for r in tok_reqs
-                    ]
-                to_frontend_msgs.extend(rejects)
-                trace.mark("tok.sent", [a.uid for a in adds])
-                for a in adds:
-                    to_engines[replica_of(a.uid, dp)].send(codec.encode(a))
+            if outs:  # first: running streams do not wait behind new prompts' tokenization
+                uids = [u for o in outs for u in o.uids.tolist()] if trace.enabled() else []
+                trace.mark("tok.out", uids)
+                detok, finishes = worker.detokenize(outs)
+                trace.mark("tok.detok", uids)
+                for f in finishes:
+                    to_engines[replica_of(f.uid, dp)].send(codec.encode(f))
+                if detok is not None:
+                    to_frontend.send(codec.encode(detok))
+            backlog.add(tok_reqs)
+            backlog.drop(aborts)
             for uid in aborts:
                 worker.states.pop(uid, None)
                 worker.pending_lp.pop(uid, None)
@@ -239,18 +261,22 @@ def run_tokenizer_worker(
                 if isinstance(m, Reject):  # from the scheduler: drop state, tell the client
                     worker.states.pop(m.uid, None)
                     worker.pending_lp.pop(m.uid, None)
-                    to_frontend_msgs.append(m)
-            if outs:
-                uids = [u for o in outs for u in o.uids.tolist()] if trace.enabled() else []
-                trace.mark("tok.out", uids)
-                detok, finishes = worker.detokenize(outs)
-                trace.mark("tok.detok", uids)
-                for f in finishes:
-                    to_engines[replica_of(f.uid, dp)].send(codec.encode(f))
-                if detok is not None:
-                    to_frontend_msgs.append(detok)
-            for m in to_frontend_msgs:
-                to_frontend.send(codec.encode(m))
+                    to_frontend.send(codec.encode(m))
+            if backlog:
+                wave = backlog.take()
+                try:
+                    adds, rejects = worker.tokenize(wave)
+                except Exception as e:  # a tokenizer bug must not kill the worker
+                    adds = []
+                    rejects = [
+                        Reject(r.uid, f"tokenizer error: {e!r}", 500, "internal_error")
+                        for r in wave
+                    ]
+                trace.mark("tok.sent", [a.uid for a in adds])
+                for a in adds:
+                    to_engines[replica_of(a.uid, dp)].send(codec.encode(a))
+                for r in rejects:
+                    to_frontend.send(codec.encode(r))
     except ipc.WorkerExit:
         pass
     except Exception:
