@@ -148,22 +148,26 @@ def test_a_step_decodes_through_the_rust_backend_in_one_call_per_flag(tok, monke
 
 def test_a_backlog_is_tokenized_in_waves_of_one_two_four():
     """The first prompt of a burst goes to the engine after one prompt's encoding; a burst of n
-    takes O(log n) calls; the wave size starts over once the backlog empties; aborted prompts
-    leave it."""
+    takes O(log n) calls, also when it trickles in; the wave size starts over after a quiet
+    spell; aborted prompts leave it."""
     from minisgl.message.schema import TokenizeReq
     from minisgl.tokenizer.worker import Backlog
 
     def reqs(uids):
         return [TokenizeReq(u, "text", "x", None) for u in uids]
 
-    box = Backlog()
+    now = [0.0]
+    box = Backlog(quiet_s=0.02, clock=lambda: now[0])
     box.add(reqs(range(10)))
     box.drop({3})
     waves = []
     while box:
         waves.append([r.uid for r in box.take()])
     assert waves == [[0], [1, 2], [4, 5, 6, 7], [8, 9]]
-    box.add(reqs([20, 21]))
-    assert [r.uid for r in box.take()] == [20]  # emptied before: one prompt first again
-    box.add(reqs([22, 23, 24]))
-    assert [r.uid for r in box.take()] == [21, 22]
+    now[0] += 0.001  # the burst goes on: emptied, but no fresh start
+    box.add(reqs(range(20, 40)))
+    assert len(box.take()) == 16
+    now[0] += 0.05  # quiet: the next burst starts with one prompt
+    box.take()
+    box.add(reqs([50, 51]))
+    assert [r.uid for r in box.take()] == [50]

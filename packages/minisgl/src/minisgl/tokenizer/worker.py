@@ -9,9 +9,11 @@ the scheduler to finish the request. Worker i serves the requests with uid % num
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 import traceback
+from collections.abc import Callable
 
 import numpy as np
 import zmq
@@ -52,6 +54,9 @@ def max_token_chars(tok) -> int:
     byte), so a text longer than context x this can be refused before tokenizing it."""
     names = tok.convert_ids_to_tokens(list(range(len(tok))))
     return max((len(t) for t in names if t is not None), default=1)
+
+
+MAX_WAVE = 4096  # prompts in one batched call at most
 
 
 class TokenizerWorker:
@@ -186,19 +191,30 @@ class TokenizerWorker:
 
 
 class Backlog:
-    """Prompts waiting to be tokenized, taken in waves of 1, 2, 4, ... (back to 1 once it
-    empties): the first prompt of a burst reaches the engine after one prompt's encoding (its
-    prefill can start while the rest are encoded), a burst of n still takes O(log n) batched
-    calls, and between waves the worker reads its inbox (streams are detokenized meanwhile)."""
+    """Prompts waiting to be tokenized, taken in waves of 1, 2, 4, ...: the first prompt of a
+    burst reaches the engine after one prompt's encoding (its prefill can start while the rest
+    are encoded), and between waves the worker reads its inbox (streams are detokenized
+    meanwhile). The size keeps doubling while prompts keep coming (a burst that trickles in
+    from the API server is soon taken whole, as it queued, in few batched calls) and starts
+    over at 1 after `quiet_s` without a prompt."""
 
-    def __init__(self) -> None:
+    def __init__(self, quiet_s: float = 0.02, clock: Callable[[], float] = time.monotonic):
         self.reqs: list[TokenizeReq] = []
         self.size = 1
+        self.quiet_s = quiet_s
+        self.clock = clock
+        self.last = -math.inf  # when a prompt last came
 
     def __bool__(self) -> bool:
         return bool(self.reqs)
 
     def add(self, reqs: list[TokenizeReq]) -> None:
+        if not reqs:
+            return
+        now = self.clock()
+        if not self.reqs and now - self.last > self.quiet_s:
+            self.size = 1
+        self.last = now
         self.reqs.extend(reqs)
 
     def drop(self, uids: set[int]) -> None:
@@ -207,7 +223,7 @@ class Backlog:
 
     def take(self) -> list[TokenizeReq]:
         wave, self.reqs = self.reqs[: self.size], self.reqs[self.size :]
-        self.size = self.size * 2 if self.reqs else 1
+        self.size = min(self.size * 2, MAX_WAVE)
         return wave
 
 
