@@ -62,6 +62,7 @@ from minisgl.utils.log import get_logger
 logger = get_logger(__name__)
 
 RETRY_AFTER_S = "1"
+RECV_POLL_MS = 20  # the receiver thread's poll before serving (how long attach_loop may wait)
 # dp > 1: the replica that admitted a request, a server extension strict OpenAI clients ignore
 # (the body's / the stream's last chunks' `minisgl` object, and this header)
 REPLICA_HEADER = "X-Minisgl-Replica"
@@ -272,46 +273,59 @@ class Frontend:
         self._thread = threading.Thread(target=self._recv_loop, name="minisgl-recv", daemon=True)
         self._thread.start()
 
-    # ------------------------------------------------------------------ receiver thread
+    # ------------------------------------------------------------------ inbox
+    # Until the event loop runs (the launcher waits for the workers' Ready) a thread reads the
+    # inbox; then the loop takes the socket over (`attach_loop`) and reads it when it turns
+    # readable: no thread that must take the GIL from a busy loop (each take waited up to the
+    # 5 ms switch interval, with a request's first token in the socket meanwhile).
     def _recv_loop(self) -> None:
-        codec = self.codec
         while not self._stop.is_set():
             try:
-                frames = ipc.drain(self.inbox, 100)
+                frames = ipc.drain(self.inbox, RECV_POLL_MS)
             except zmq.ZMQError:
                 return
-            if not frames:
+            self._pending.extend(self._decode(frames))
+
+    def _decode(self, frames: list[bytes]) -> list:
+        """The frames' messages for `_dispatch` (Ready and Stats are taken here)."""
+        msgs = []
+        for f in frames:
+            try:
+                msg = self.codec.decode(f)
+            except Exception as e:  # a malformed frame is dropped, never fatal
+                logger.warning("rejected a malformed message: %s", e)
                 continue
-            msgs = []
-            for f in frames:
-                try:
-                    msg = codec.decode(f)
-                except Exception as e:  # a malformed frame is dropped, never fatal
-                    logger.warning("rejected a malformed message: %s", e)
-                    continue
-                if isinstance(msg, Ready):
-                    with self.ready_cv:
-                        self.ready[msg.name] = msg
-                        self.ready_cv.notify_all()
-                elif isinstance(msg, Stats):
-                    self.sched_stats = self.replicas.on_stats(msg.data)
-                else:
-                    msgs.append(msg)
-            if msgs:
-                loop = self.loop
-                if loop is None:
-                    self._pending.extend(msgs)
-                else:
-                    try:
-                        loop.call_soon_threadsafe(self._dispatch, msgs)
-                    except RuntimeError:  # loop closed during shutdown
-                        return
+            if isinstance(msg, Ready):
+                with self.ready_cv:
+                    self.ready[msg.name] = msg
+                    self.ready_cv.notify_all()
+            elif isinstance(msg, Stats):
+                self.sched_stats = self.replicas.on_stats(msg.data)
+            else:
+                msgs.append(msg)
+        return msgs
 
     def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the loop: stop the receiver thread, dispatch what it read, read on the loop."""
+        self._stop.set()
+        self._thread.join()
         self.loop = loop
-        if self._pending:
-            msgs, self._pending = self._pending, []
-            loop.call_soon_threadsafe(self._dispatch, msgs)
+        msgs, self._pending = self._pending, []
+        if msgs:
+            self._dispatch(msgs)
+        loop.add_reader(self.inbox.getsockopt(zmq.FD), self._on_readable)
+        self._on_readable()  # the descriptor is edge-triggered: frames may be queued already
+
+    def _on_readable(self) -> None:
+        sock = self.inbox
+        try:
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                msgs = self._decode(ipc.drain(sock, 0))
+                if msgs:
+                    self._dispatch(msgs)
+        except zmq.ZMQError:  # closed during shutdown
+            with contextlib.suppress(Exception):
+                self.loop.remove_reader(sock.getsockopt(zmq.FD))
 
     def _dispatch(self, msgs: list) -> None:
         now = time.perf_counter()
@@ -502,6 +516,9 @@ class Frontend:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+        if self.loop is not None:
+            with contextlib.suppress(Exception):  # the loop may be closed already
+                self.loop.remove_reader(self.inbox.getsockopt(zmq.FD))
         self.ctx.destroy(linger=0)
 
 
