@@ -89,3 +89,32 @@ def test_the_stream_leaves_the_connection_to_the_job_watcher():
     scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "headers": []}
     asyncio.run(resp(scope, receive, send))
     assert [m["type"] for m in sent] == ["http.response.start"] + ["http.response.body"] * 2
+
+
+def test_the_final_chunk_goes_out_with_the_end_of_the_body():
+    """A stream's last bytes ([DONE], with the finish chunk and the usage) and the chunked
+    body's terminator are one write: a `FinalChunk` is sent with `more_body: False`."""
+    from minisgl.server.streaming import FinalChunk
+
+    sent: list[dict] = []
+
+    async def body():
+        yield b"data: a\n\n"
+        yield FinalChunk(b"data: b\n\ndata: [DONE]\n\n")
+
+    async def on_close() -> None:
+        pass
+
+    async def send(message) -> None:
+        sent.append(message)
+
+    async def receive():
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    resp = ClosingStreamingResponse(body(), on_close=on_close, media_type="text/event-stream")
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST", "headers": []}
+    asyncio.run(resp(scope, receive, send))
+    bodies = [(m["body"], m["more_body"]) for m in sent[1:]]
+    assert bodies == [(b"data: a\n\n", True), (b"data: b\n\ndata: [DONE]\n\n", False)]
+    assert type(sent[-1]["body"]) is bytes

@@ -45,7 +45,7 @@ from minisgl.server.metrics import Metrics
 from minisgl.server.openapi import request_bodies
 from minisgl.server.protocol import APIError, Parsed, parse_chat, parse_completion
 from minisgl.server.replicas import Replicas, worker_names
-from minisgl.server.streaming import ClosingStreamingResponse
+from minisgl.server.streaming import ClosingStreamingResponse, FinalChunk
 from minisgl.tools import (
     ArgsDelta,
     CallStart,
@@ -751,12 +751,12 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
     async def events():
         item: Item = first
         left = len(job.states)
+        # only `data:` lines: peer clients json.loads every non-empty line (the headers go out
+        # as the response starts, once the scheduler queued the request). What one output adds
+        # goes out in one write: the role chunks with the first text, a choice's finish chunk
+        # with its last text, the usage, [DONE] and the body's end with the last one.
+        out = [chunk(st.index, "", None, role=True) for st in job.states] if reply.chat else []
         try:
-            # only `data:` lines: peer clients json.loads every non-empty line (the headers go
-            # out as the response starts, once the scheduler queued the request)
-            if reply.chat:
-                for st in job.states:
-                    yield chunk(st.index, "", None, role=True)
             while True:
                 st = job.states[item.index]
                 if isinstance(item, Accepted):
@@ -765,7 +765,7 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
                 if isinstance(item, Failure):
                     fe.settle(st)
                     fe.complete(job, "error")
-                    yield sse(reply.error(item.error).body())
+                    out.append(sse(reply.error(item.error).body()))
                     break
                 parser = parsers[item.index]
                 if parser is not None:  # tool calls: parser events, logprobs on the first
@@ -775,31 +775,35 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
                     lp = item.logprobs
                     for ev in events:
                         called[item.index] |= isinstance(ev, CallStart)
-                        yield chunk(item.index, None, None, lp=lp, tool=event_delta(ev))
+                        out.append(chunk(item.index, None, None, lp=lp, tool=event_delta(ev)))
                         lp = None
                     if lp:
-                        yield chunk(item.index, None, None, lp=lp)
+                        out.append(chunk(item.index, None, None, lp=lp))
                 elif item.text or item.logprobs:
-                    yield chunk(item.index, item.text, None, lp=item.logprobs)
+                    out.append(chunk(item.index, item.text, None, lp=item.logprobs))
                 if item.finish is not None:
                     fe.settle(st)
                     fin = item.finish
                     if called[item.index] and fin == "stop":
                         fin = "tool_calls"
-                    yield chunk(item.index, None if reply.chat else "", fin)
+                    out.append(chunk(item.index, None if reply.chat else "", fin))
                     left -= 1
                     if not left:
                         fe.complete(job, "ok")
                         if include_usage:
-                            out = reply.envelope([], obj)
-                            out["usage"] = usage(job)
+                            usage_out = reply.envelope([], obj)
+                            usage_out["usage"] = usage(job)
                             served = fe.served(job)
                             if served is not None:
-                                out["minisgl"] = served
-                            yield sse(out)
+                                usage_out["minisgl"] = served
+                            out.append(sse(usage_out))
                         break
+                if out:
+                    yield b"".join(out)
+                    out = []
                 item = await next_item(job)
-            yield b"data: [DONE]\n\n"
+            out.append(b"data: [DONE]\n\n")
+            yield FinalChunk(b"".join(out))
         except ClientGone:
             return
         finally:

@@ -7,6 +7,11 @@ from collections.abc import Awaitable, Callable
 from starlette.responses import StreamingResponse
 
 
+class FinalChunk(bytes):
+    """A stream's last bytes: sent with the end of the body, in one write (a chunked body's
+    terminator otherwise costs a write of its own)."""
+
+
 class ClosingStreamingResponse(StreamingResponse):
     """A stream whose cleanup runs however the response ends, even when its body generator
     never starts (the client left before the headers went out): the request it holds is
@@ -28,9 +33,13 @@ class ClosingStreamingResponse(StreamingResponse):
                 {"type": "http.response.start", "status": self.status_code,
                  "headers": self.raw_headers}
             )  # fmt: skip
+            last = b""
             async for chunk in body:
+                if type(chunk) is FinalChunk:
+                    last = chunk
+                    break
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": bytes(last), "more_body": False})
         except OSError:  # the client left while a write was under way: nothing to answer
             pass
         finally:
