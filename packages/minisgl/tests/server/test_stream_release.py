@@ -39,13 +39,10 @@ def test_cleanup_runs_when_the_body_never_starts():
     assert closed == ["closed"]
 
 
-def test_cleanup_runs_once_after_a_full_stream():
+def stream(body) -> tuple[list[dict], list[str]]:
+    """Run a stream response over `body()` to its end: the messages sent, the cleanups run."""
     closed: list[str] = []
     sent: list[dict] = []
-
-    async def body():
-        yield b"data: a\n\n"
-        yield b"data: [DONE]\n\n"
 
     async def on_close() -> None:
         closed.append("closed")
@@ -60,6 +57,15 @@ def test_cleanup_runs_once_after_a_full_stream():
     resp = ClosingStreamingResponse(body(), on_close=on_close, media_type="text/event-stream")
     scope = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST", "headers": []}
     asyncio.run(resp(scope, receive, send))
+    return sent, closed
+
+
+def test_cleanup_runs_once_after_a_full_stream():
+    async def body():
+        yield b"data: a\n\n"
+        yield b"data: [DONE]\n\n"
+
+    sent, closed = stream(body)
     assert sent[0]["type"] == "http.response.start"
     assert b"".join(m.get("body", b"") for m in sent) == b"data: a\n\ndata: [DONE]\n\n"
     assert closed == ["closed"]
@@ -96,25 +102,11 @@ def test_the_final_chunk_goes_out_with_the_end_of_the_body():
     body's terminator are one write: a `FinalChunk` is sent with `more_body: False`."""
     from minisgl.server.streaming import FinalChunk
 
-    sent: list[dict] = []
-
     async def body():
         yield b"data: a\n\n"
         yield FinalChunk(b"data: b\n\ndata: [DONE]\n\n")
 
-    async def on_close() -> None:
-        pass
-
-    async def send(message) -> None:
-        sent.append(message)
-
-    async def receive():
-        await asyncio.sleep(3600)
-        return {"type": "http.disconnect"}
-
-    resp = ClosingStreamingResponse(body(), on_close=on_close, media_type="text/event-stream")
-    scope = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST", "headers": []}
-    asyncio.run(resp(scope, receive, send))
+    sent, closed = stream(body)
     bodies = [(m["body"], m["more_body"]) for m in sent[1:]]
     assert bodies == [(b"data: a\n\n", True), (b"data: b\n\ndata: [DONE]\n\n", False)]
-    assert type(sent[-1]["body"]) is bytes
+    assert type(sent[-1]["body"]) is bytes and closed == ["closed"]
