@@ -1,6 +1,7 @@
 //! The service's text layer: tokenizer, chat templates and incremental detokenization, in pure
 //! Rust, giving what the Python path (`minisgl.tokenizer`) gives.
 
+pub mod bytetable;
 pub mod chat;
 pub mod cli;
 pub mod detok;

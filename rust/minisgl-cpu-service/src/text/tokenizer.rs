@@ -9,6 +9,7 @@ use serde_json::{Map, Value as Json};
 use tokenizers::models::ModelWrapper;
 use tokenizers::AddedToken;
 
+use super::bytetable::ByteTable;
 use super::TextError;
 
 /// The named special tokens transformers exposes to chat templates (`special_tokens_map`).
@@ -32,6 +33,10 @@ pub struct Tokenizer {
     eos_token_ids: Vec<i32>,
     dir: PathBuf,
     config: Map<String, Json>,
+    /// Each token's bytes when the decoder is a lone `ByteLevel` (`decode` without the
+    /// `tokenizers` decode path: the detokenizer's two short decodes a token were mostly its
+    /// strings and vectors).
+    bytes: Option<ByteTable>,
 }
 
 fn read_json(path: &Path) -> Result<Json, TextError> {
@@ -109,6 +114,7 @@ impl Tokenizer {
                     "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
                     false,
                 ));
+        let bytes = ByteTable::build(&inner);
         let mut tok = Self {
             inner,
             special_tokens,
@@ -116,6 +122,7 @@ impl Tokenizer {
             eos_token_ids: Vec::new(),
             dir: dir.to_path_buf(),
             config,
+            bytes,
         };
         tok.eos_token_ids = tok.load_eos_token_ids()?;
         Ok(tok)
@@ -178,10 +185,13 @@ impl Tokenizer {
             .iter()
             .map(|&i| u32::try_from(i).map_err(|_| TextError::new(format!("invalid token id {i}"))))
             .collect::<Result<_, _>>()?;
-        let text = self
-            .inner
-            .decode(&ids, skip_special_tokens)
-            .map_err(|e| TextError::new(format!("cannot decode: {e}")))?;
+        let text = match &self.bytes {
+            Some(table) => table.decode(&ids, skip_special_tokens),
+            None => self
+                .inner
+                .decode(&ids, skip_special_tokens)
+                .map_err(|e| TextError::new(format!("cannot decode: {e}")))?,
+        };
         Ok(if self.clean_up {
             clean_up_tokenization(&text)
         } else {
