@@ -181,15 +181,15 @@ impl Tokenizer {
     /// HF `tok.decode(ids, skip_special_tokens=...)`. Unknown ids are skipped, as in HF; a
     /// negative id is an error.
     pub fn decode(&self, ids: &[i32], skip_special_tokens: bool) -> Result<String, TextError> {
-        let ids: Vec<u32> = ids
-            .iter()
-            .map(|&i| u32::try_from(i).map_err(|_| TextError::new(format!("invalid token id {i}"))))
-            .collect::<Result<_, _>>()?;
+        if let Some(&bad) = ids.iter().find(|&&i| i < 0) {
+            return Err(TextError::new(format!("invalid token id {bad}")));
+        }
+        let unsigned = ids.iter().map(|&i| i.unsigned_abs()); // all >= 0: the same values
         let text = match &self.bytes {
-            Some(table) => table.decode(&ids, skip_special_tokens),
+            Some(table) => table.decode(unsigned, skip_special_tokens),
             None => self
                 .inner
-                .decode(&ids, skip_special_tokens)
+                .decode(&unsigned.collect::<Vec<u32>>(), skip_special_tokens)
                 .map_err(|e| TextError::new(format!("cannot decode: {e}")))?,
         };
         Ok(if self.clean_up {

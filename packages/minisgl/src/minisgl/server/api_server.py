@@ -271,6 +271,7 @@ class Frontend:
         self.created = int(time.time())
         self._stop = threading.Event()
         self._pending: list = []  # messages received before the loop was attached
+        self._fd: int | None = None  # the inbox's descriptor, while the loop reads it
         self._thread = threading.Thread(target=self._recv_loop, name="minisgl-recv", daemon=True)
         self._thread.start()
 
@@ -314,19 +315,25 @@ class Frontend:
         msgs, self._pending = self._pending, []
         if msgs:
             self._dispatch(msgs)
-        loop.add_reader(self.inbox.getsockopt(zmq.FD), self._on_readable)
+        self._fd = self.inbox.getsockopt(zmq.FD)
+        loop.add_reader(self._fd, self._on_readable)
         self._on_readable()  # the descriptor is edge-triggered: frames may be queued already
 
     def _on_readable(self) -> None:
         sock = self.inbox
         try:
             while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                msgs = self._decode(ipc.drain(sock, 0))
+                msgs = self._decode(ipc.take(sock))
                 if msgs:
                     self._dispatch(msgs)
         except zmq.ZMQError:  # closed during shutdown
-            with contextlib.suppress(Exception):
-                self.loop.remove_reader(sock.getsockopt(zmq.FD))
+            self._stop_reading()
+
+    def _stop_reading(self) -> None:
+        if self.loop is not None and self._fd is not None:
+            with contextlib.suppress(Exception):  # the loop may be closed already
+                self.loop.remove_reader(self._fd)
+            self._fd = None
 
     def _dispatch(self, msgs: list) -> None:
         now = time.perf_counter()
@@ -517,9 +524,7 @@ class Frontend:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
-        if self.loop is not None:
-            with contextlib.suppress(Exception):  # the loop may be closed already
-                self.loop.remove_reader(self.inbox.getsockopt(zmq.FD))
+        self._stop_reading()
         self.ctx.destroy(linger=0)
 
 

@@ -60,9 +60,14 @@ def push(ctx: zmq.Context, ipc_dir: str, name: str) -> zmq.Socket:
 
 def drain(sock: zmq.Socket, first_timeout_ms: int, limit: int = 4096) -> list[bytes]:
     """Wait up to `first_timeout_ms` for one frame, then take everything already queued."""
-    out: list[bytes] = []
     if not sock.poll(first_timeout_ms, zmq.POLLIN):
-        return out
+        return []
+    return take(sock, limit)
+
+
+def take(sock: zmq.Socket, limit: int = 4096) -> list[bytes]:
+    """Everything already queued (up to `limit` frames), without waiting."""
+    out: list[bytes] = []
     while len(out) < limit:
         try:
             out.append(sock.recv(zmq.NOBLOCK))

@@ -56,9 +56,6 @@ def max_token_chars(tok) -> int:
     return max((len(t) for t in names if t is not None), default=1)
 
 
-MAX_WAVE = 4096  # prompts in one batched call at most
-
-
 class TokenizerWorker:
     def __init__(self, tokenizer, codec: Codec) -> None:
         self.tok = tokenizer
@@ -188,6 +185,9 @@ class TokenizerWorker:
                     [names[t], lp, [[names[x], v] for x, v in zip(tids, tlps, strict=True)]]
                     for t, lp, tids, tlps in e
                 ]
+
+
+MAX_WAVE = 4096  # prompts in one batched call at most
 
 
 class Backlog:
