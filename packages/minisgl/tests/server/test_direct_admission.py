@@ -77,6 +77,17 @@ class Sockets:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
+@pytest.fixture
+def sockets(tiny_model_dir):
+    """A Frontend (python backend, the tiny Llama) and the PULLs in place of its workers; closed
+    on every way out (an open ZMQ context blocks the interpreter's exit)."""
+    sk = Sockets(str(tiny_model_dir("llama")))
+    try:
+        yield sk
+    finally:
+        sk.close()
+
+
 async def never() -> dict:
     await asyncio.Event().wait()
     return {}
@@ -85,11 +96,11 @@ async def never() -> dict:
 @pytest.mark.card(
     CARD, "the-api-server-tokenizes-and-sends-requests-straight-to-the-engine", RED, GREEN
 )
-def test_the_api_server_sends_tokenized_prompts_straight_to_the_engine(tiny_model_dir, tok):
+def test_the_api_server_sends_tokenized_prompts_straight_to_the_engine(sockets, tok):
     """Text with the tokenizer's BOS, chat rendered without it (the HF calls' ids), n = 2
     choices with one prompt and the leader named, and the aborts of what did not finish: all
     to the engine; the tokenizer worker (now the detokenizer) gets nothing."""
-    sk = Sockets(str(tiny_model_dir("llama")))
+    sk = sockets
     chat = [{"role": "user", "content": "Name three colors: ö ✓"}]
     names = sk.fe.model_names
     text = parse_completion({"model": sk.fe.model_name, "prompt": "héllo wörld"}, names, 256)
@@ -100,31 +111,28 @@ def test_the_api_server_sends_tokenized_prompts_straight_to_the_engine(tiny_mode
         async with sk.fe.job(parsed, never) as job:
             return [st.uid for st in job.states]
 
-    try:
-        uids_text = asyncio.run(admit(text))
-        uids_chat = asyncio.run(admit(talk))
-        msgs = sk.take(sk.engine, 6)
-        adds = [m for m in msgs if isinstance(m, AddReq)]
-        aborts = [m.uid for m in msgs if isinstance(m, AbortReq)]
-        assert [a.uid for a in adds] == uids_text + uids_chat, msgs
-        rendered = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        want_text = tok("héllo wörld", add_special_tokens=True)["input_ids"]
-        want_chat = tok(rendered, add_special_tokens=False)["input_ids"]
-        assert adds[0].input_ids.tolist() == want_text
-        assert adds[1].input_ids.tolist() == adds[2].input_ids.tolist() == want_chat
-        assert adds[1].params.prefix_leader == 0
-        assert adds[2].params.prefix_leader == uids_chat[0]
-        assert sorted(aborts) == sorted(uids_text + uids_chat)  # left unfinished: aborted
-        assert sk.take(sk.tokenizer, 1, timeout_s=0.2) == []
-    finally:
-        sk.close()
+    uids_text = asyncio.run(admit(text))
+    uids_chat = asyncio.run(admit(talk))
+    msgs = sk.take(sk.engine, 6)
+    adds = [m for m in msgs if isinstance(m, AddReq)]
+    aborts = [m.uid for m in msgs if isinstance(m, AbortReq)]
+    assert [a.uid for a in adds] == uids_text + uids_chat, msgs
+    rendered = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    want_text = tok("héllo wörld", add_special_tokens=True)["input_ids"]
+    want_chat = tok(rendered, add_special_tokens=False)["input_ids"]
+    assert adds[0].input_ids.tolist() == want_text
+    assert adds[1].input_ids.tolist() == adds[2].input_ids.tolist() == want_chat
+    assert adds[1].params.prefix_leader == 0
+    assert adds[2].params.prefix_leader == uids_chat[0]
+    assert sorted(aborts) == sorted(uids_text + uids_chat)  # left unfinished: aborted
+    assert sk.take(sk.tokenizer, 1, timeout_s=0.2) == []
 
 
 @pytest.mark.card(
     CARD, "the-api-server-tokenizes-and-sends-requests-straight-to-the-engine", RED, GREEN
 )
-def test_a_prompt_that_cannot_be_rendered_is_a_400_and_nothing_is_sent(tiny_model_dir, monkeypatch):
-    sk = Sockets(str(tiny_model_dir("llama")))
+def test_a_prompt_that_cannot_be_rendered_is_a_400_and_nothing_is_sent(sockets, monkeypatch):
+    sk = sockets
     enc = getattr(sk.fe, "encoder", None)
     assert enc is not None, "the API server has no prompt encoder"
 
@@ -143,24 +151,21 @@ def test_a_prompt_that_cannot_be_rendered_is_a_400_and_nothing_is_sent(tiny_mode
         async with sk.fe.job(talk, never):
             pass
 
-    try:
-        with pytest.raises(APIError) as info:
-            asyncio.run(admit())
-        assert info.value.status == 400 and "render" in str(info.value.message)
-        assert sk.fe.reqs == {}
-        assert sk.take(sk.engine, 1, timeout_s=0.2) == []
-    finally:
-        sk.close()
+    with pytest.raises(APIError) as info:
+        asyncio.run(admit())
+    assert info.value.status == 400 and "render" in str(info.value.message)
+    assert sk.fe.reqs == {}
+    assert sk.take(sk.engine, 1, timeout_s=0.2) == []
 
 
 @pytest.mark.card(
     CARD, "the-api-server-tokenizes-and-sends-requests-straight-to-the-engine", RED, GREEN
 )
-def test_a_long_prompt_is_encoded_off_the_event_loop(tiny_model_dir):
+def test_a_long_prompt_is_encoded_off_the_event_loop(sockets):
     """A prompt past `OFF_LOOP_CHARS` is encoded in a thread (the backend's batched encode
     releases the GIL): the event loop keeps serving the other streams meanwhile."""
     mod = encoder_module()
-    sk = Sockets(str(tiny_model_dir("llama")))
+    sk = sockets
     long = "lorem ipsum dolor sit amet, é✓ " * (3 * mod.OFF_LOOP_CHARS // 30)
     parsed = parse_completion({"model": sk.fe.model_name, "prompt": long}, sk.fe.model_names, 10**6)
 
@@ -184,13 +189,10 @@ def test_a_long_prompt_is_encoded_off_the_event_loop(tiny_model_dir):
         await ticker
         return during, len(long)
 
-    try:
-        during, _ = asyncio.run(admit())
-        (add,) = sk.take(sk.engine, 1)
-        assert isinstance(add, AddReq) and len(add.input_ids) > 1000
-        assert during >= 5, f"the loop ran {during} times while the prompt was encoded"
-    finally:
-        sk.close()
+    during, _ = asyncio.run(admit())
+    (add,) = sk.take(sk.engine, 1)
+    assert isinstance(add, AddReq) and len(add.input_ids) > 1000
+    assert during >= 5, f"the loop ran {during} times while the prompt was encoded"
 
 
 class FakeSocket:
