@@ -149,7 +149,8 @@ class TokenizeReq(Message):
 
 @dataclass(slots=True)
 class AbortReq(Message):
-    """API server -> tokenizer -> scheduler: the client is gone; free everything."""
+    """API server -> scheduler (or the Rust service) -> detokenizer: the client is gone; free
+    everything."""
 
     TAG: ClassVar[int] = 2
     uid: int
@@ -157,13 +158,24 @@ class AbortReq(Message):
 
 @dataclass(slots=True)
 class AddReq(Message):
-    """Tokenizer -> scheduler: a tokenized request."""
+    """API server -> scheduler: a tokenized request."""
 
     TAG: ClassVar[int] = 3
     ARRAYS: ClassVar[dict[str, Any]] = {"input_ids": np.int32}
     uid: int
     input_ids: np.ndarray
     params: WireParams
+
+
+@dataclass(slots=True)
+class DetokOpen(Message):
+    """Scheduler -> detokenizer: a request was admitted; its tokens follow on this socket."""
+
+    TAG: ClassVar[int] = 17
+    uid: int
+    prompt_tokens: int
+    stop: list  # list[str]: cut from the text, held back until they cannot match
+    skip_special_tokens: bool
 
 
 @dataclass(slots=True)
@@ -329,6 +341,7 @@ MESSAGES: dict[int, type[Message]] = {
         TokenizeReq,
         AbortReq,
         AddReq,
+        DetokOpen,
         FinishReq,
         TokenOut,
         Reject,

@@ -1,1 +1,1 @@
-"""Tokenizer / detokenizer worker of the server."""
+"""Prompt encoding (in the API server) and the detokenizer worker of the server."""
