@@ -162,11 +162,11 @@ def test_a_prompt_that_cannot_be_rendered_is_a_400_and_nothing_is_sent(sockets, 
     CARD, "the-api-server-tokenizes-and-sends-requests-straight-to-the-engine", RED, GREEN
 )
 def test_a_long_prompt_is_encoded_off_the_event_loop(sockets):
-    """A prompt past `OFF_LOOP_CHARS` is encoded in a thread (the backend's batched encode
-    releases the GIL): the event loop keeps serving the other streams meanwhile."""
-    mod = encoder_module()
+    """Prompts are encoded in a thread (the backend's batched encode releases the GIL): the
+    event loop keeps serving the other streams meanwhile, also while a long prompt encodes."""
+    encoder_module()
     sk = sockets
-    long = "lorem ipsum dolor sit amet, é✓ " * (3 * mod.OFF_LOOP_CHARS // 30)
+    long = "lorem ipsum dolor sit amet, é✓ " * 1600
     parsed = parse_completion({"model": sk.fe.model_name, "prompt": long}, sk.fe.model_names, 10**6)
 
     async def admit() -> tuple[int, int]:

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import orjson
 import zmq
 from fastapi import FastAPI, Request
@@ -49,13 +50,7 @@ from minisgl.server.openapi import request_bodies
 from minisgl.server.protocol import APIError, Parsed, parse_chat, parse_completion
 from minisgl.server.replicas import Replicas, worker_names
 from minisgl.server.streaming import ClosingStreamingResponse, FinalChunk
-from minisgl.tokenizer.encode import (
-    OFF_LOOP_CHARS,
-    PromptEncoder,
-    PromptError,
-    max_token_chars,
-    prompt_chars,
-)
+from minisgl.tokenizer.encode import EncodeThread, PromptEncoder, PromptError, max_token_chars
 from minisgl.tools import (
     ArgsDelta,
     CallStart,
@@ -259,6 +254,7 @@ class Frontend:
             for name in ipc.ingress_names(args.cpu_backend, args.dp_size)
         ]
         self._encoder: PromptEncoder | None = None  # python backend: loaded beside the workers
+        self.lane: EncodeThread | None = None  # ... and its encoding thread
         self.max_token_chars = 0
         self._loader: threading.Thread | None = None
         if args.cpu_backend != "rust_service":
@@ -297,6 +293,7 @@ class Frontend:
         enc = PromptEncoder(load_tokenizer(self.model_path))
         enc.warm_up()
         self.max_token_chars = max_token_chars(enc.tok)
+        self.lane = EncodeThread(enc.backend) if enc.threadsafe else None
         self._encoder = enc
 
     @property
@@ -506,7 +503,7 @@ class Frontend:
         enc = self.encoder
         if enc is not None:  # python backend: tokenized here, the engine gets the ids
             trace.mark("api.recv", uids)
-            ids = await tokenize(enc, parsed)
+            ids = await tokenize(enc, self.lane, parsed)
         try:  # encode first: nothing is registered for a body that cannot travel
             frames = [
                 self.codec.encode(
@@ -568,18 +565,23 @@ class Frontend:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+        if self.lane is not None:
+            self.lane.close()
         self._stop_reading()
         self.ctx.destroy(linger=0)
 
 
 # ----------------------------------------------------------------------------- responses
-async def tokenize(enc: PromptEncoder, parsed: Parsed) -> Any:
-    """A request's prompt as token ids (one encoding for all n choices): on the event loop, or
-    in a thread past `OFF_LOOP_CHARS` (the loop keeps serving the other streams meanwhile)."""
+async def tokenize(enc: PromptEncoder, lane: EncodeThread | None, parsed: Parsed) -> Any:
+    """A request's prompt as token ids (one encoding for all n choices): a chat rendered on the
+    loop, the text encoded by `lane` (the HF call on the loop where the backend is not plain)."""
     try:
-        if enc.threadsafe and prompt_chars(parsed.kind, parsed.prompt) > OFF_LOOP_CHARS:
-            return await asyncio.to_thread(enc.ids, parsed.kind, parsed.prompt)
-        return enc.ids(parsed.kind, parsed.prompt)
+        if parsed.kind == "ids":
+            return enc.ids("ids", parsed.prompt)
+        text = enc.text(parsed.kind, parsed.prompt)
+        if lane is None:
+            return np.asarray(enc.encode(text, parsed.kind != "chat"), dtype=np.int32)
+        return await lane.encode(text, parsed.kind != "chat")
     except PromptError as e:
         raise APIError(400, str(e), "messages", "invalid_request") from None
     except (ValueError, TypeError, OverflowError) as e:  # a prompt the tokenizer refuses

@@ -2,19 +2,20 @@
 
 `PromptEncoder.ids(kind, prompt)` renders a chat through the model's template (no BOS added,
 the template has it) or encodes a text (with BOS), through the `tokenizers` backend directly
-when it is plain. A prompt longer than `OFF_LOOP_CHARS` is better encoded off the event loop
-(`encode_off_loop`): the backend's batched encode releases the GIL.
+when it is plain. `EncodeThread` encodes beside an event loop: the backend's batched encode
+releases the GIL, so the loop parses the next requests while the last ones are encoded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import queue
+import threading
 import time
 from typing import Any
 
 import numpy as np
-
-OFF_LOOP_CHARS = 16384  # ~4k tokens, ~8 ms of encoding on the 2-core machine
 
 
 class PromptError(ValueError):
@@ -91,10 +92,71 @@ class PromptEncoder:
         return np.asarray(self.encode(text, kind != "chat"), dtype=np.int32)
 
 
-def prompt_chars(kind: str, prompt: Any) -> int:
-    """The characters a prompt's encoding reads (what `OFF_LOOP_CHARS` is compared with)."""
-    if kind == "text":
-        return len(prompt)
-    if kind == "chat":
-        return sum(len(str(m.get("content") or "")) for m in prompt)
-    return 0
+_Item = tuple[str, bool, asyncio.Future, asyncio.AbstractEventLoop]
+
+
+class EncodeThread:
+    """Encodes texts for coroutines, in a thread: each turn takes every text queued so far into
+    one `encode_batch_fast` call per special-token setting (outside the GIL: the loop runs
+    meanwhile) and hands the ids back in one loop callback. A burst of requests is encoded as
+    the loop parses it, on the other core, not after each request on the loop's own."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="minisgl-encode", daemon=True)
+        self._thread.start()
+
+    def encode(self, text: str, add_special_tokens: bool) -> asyncio.Future:
+        """A future of `text`'s ids (int32), on the running loop."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._queue.put((text, add_special_tokens, fut, loop))
+        return fut
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    batch.append(self._queue.get_nowait())
+            items = [b for b in batch if b is not None]
+            if items:
+                self._encode(items)
+            if len(items) < len(batch):
+                return
+
+    def _encode(self, items: list[_Item]) -> None:
+        done: dict[asyncio.AbstractEventLoop, list] = {}
+        for flag in (True, False):
+            part = [it for it in items if it[1] is flag]
+            if not part:
+                continue
+            try:
+                encs = self.backend.encode_batch_fast(
+                    [it[0] for it in part], add_special_tokens=flag
+                )
+                out = [
+                    (it[2], np.asarray(e.ids, dtype=np.int32), None) for it, e in zip(part, encs)
+                ]
+            except Exception as e:  # a tokenizer failure fails these requests, not the thread
+                out = [(it[2], None, e) for it in part]
+            for it, row in zip(part, out, strict=True):
+                done.setdefault(it[3], []).append(row)
+        for loop, rows in done.items():
+            with contextlib.suppress(RuntimeError):  # the loop has closed
+                loop.call_soon_threadsafe(_deliver, rows)
+
+
+def _deliver(rows: list) -> None:
+    for fut, ids, err in rows:
+        if fut.done():  # the request went away meanwhile
+            continue
+        if err is not None:
+            fut.set_exception(err)
+        else:
+            fut.set_result(ids)
