@@ -110,7 +110,7 @@ def test_pathological_json_is_400(http, raw):
 
 def test_text_that_cannot_fit_is_refused_before_tokenizing(http, llm_ref):
     """A huge prompt must not stall the tokenizer (every other request waits behind it)."""
-    from minisgl.tokenizer.encode import max_token_chars
+    from minisgl.tokenizer.worker import max_token_chars
 
     n = 256 * max_token_chars(llm_ref.tokenizer) + 1
     r = http.post("/v1/completions", json={"prompt": "a" * n})

@@ -52,46 +52,54 @@ def test_held_text_is_released_at_finish(tok):
     assert "".join(pieces) == text
 
 
-def test_the_prompt_encoder_warms_its_paths_and_keeps_no_state(tok):
+def test_tokenizer_worker_warms_its_paths_before_ready_and_keeps_no_state(tok):
     """Issue 39: the first request after start must not pay the chat template's compilation
-    and the tokenizer's first calls. `warm_up` runs them (chat render, encode of both
-    special-token settings) outside any request, reports its time and leaves the encoder as it
-    was: the next prompt encodes as with a fresh encoder."""
-    from minisgl.tokenizer.encode import PromptEncoder
+    and the tokenizer's first calls. `warm_up` runs them (chat render, batched encode of both
+    special-token settings, a streamed decode) outside any request, reports its time and
+    leaves the worker as it was: the next request tokenizes as a fresh worker would."""
+    from minisgl.message.schema import Codec, TokenizeReq, WireParams
+    from minisgl.tokenizer.worker import TokenizerWorker
 
-    warm, fresh = PromptEncoder(tok), PromptEncoder(tok)
+    warm, fresh = TokenizerWorker(tok, Codec(True)), TokenizerWorker(tok, Codec(True))
+    assert hasattr(warm, "warm_up"), "TokenizerWorker has no warm_up"
     ms = warm.warm_up()
     assert isinstance(ms, float) and ms > 0
+    assert warm.states == {} and warm.pending_lp == {}
     chat = [{"role": "user", "content": "Name three colors."}]
-    for kind, prompt in (("chat", chat), ("text", "hi")):
-        assert warm.ids(kind, prompt).tolist() == fresh.ids(kind, prompt).tolist()
+    reqs = [TokenizeReq(7, "chat", chat, WireParams()), TokenizeReq(8, "text", "hi", WireParams())]
+    got, want = warm.tokenize(reqs), fresh.tokenize(reqs)
+    assert [a.input_ids.tolist() for a in got[0]] == [a.input_ids.tolist() for a in want[0]]
+    assert got[1] == want[1] == []
 
 
 @pytest.mark.parametrize("truncating", [False, True])
-def test_prompt_encoder_ids_equal_the_hf_tokenizer_call(tok, truncating):
-    """The API server encodes through the Rust backend directly (`encode_batch_fast`, ~25%
-    faster than the HF call on random-token prompts): the ids must be the HF call's, for text
-    (with BOS) and chat (without), non-ASCII included, even when the tokenizer.json carries a
+def test_tokenizer_worker_ids_equal_the_hf_tokenizer_call(tok, truncating):
+    """The worker encodes through the Rust backend directly (`encode_batch_fast`, ~25% faster
+    than the HF call on random-token prompts): the ids must be the HF call's, for text (with
+    BOS) and chat (without), non-ASCII included, even when the tokenizer.json carries a
     truncation setting (the HF call switches it off; the backend alone would apply it)."""
     import copy
 
-    from minisgl.tokenizer.encode import PromptEncoder
+    from minisgl.message.schema import Codec, TokenizeReq, WireParams
+    from minisgl.tokenizer.worker import TokenizerWorker
 
     t = copy.deepcopy(tok)
     if truncating:
         t.backend_tokenizer.enable_truncation(max_length=3)
     texts = ["hello world", "héllo wörld ✓ 日本語", "a " * 200, ""]
     chat = [{"role": "user", "content": "Name three colors: ö ✓"}]
-    enc = PromptEncoder(t)
-    assert (enc.backend is None) is truncating  # a truncating backend: the HF call
-    assert enc.threadsafe is not truncating
-    got = [enc.ids("text", s).tolist() for s in texts] + [enc.ids("chat", chat).tolist()]
+    reqs = [TokenizeReq(i, "text", s, WireParams()) for i, s in enumerate(texts)]
+    reqs.append(TokenizeReq(len(texts), "chat", chat, WireParams()))
+    worker = TokenizerWorker(t, Codec(True))
+    assert (worker.backend is None) is truncating  # a truncating backend: the HF call
+    adds, rejects = worker.tokenize(reqs)
+    assert rejects == []
+    got = {a.uid: a.input_ids.tolist() for a in adds}
     rendered = t.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     want = t(texts, add_special_tokens=True)["input_ids"]
     want.append(t([rendered], add_special_tokens=False)["input_ids"][0])
-    assert got == want
+    assert [got[i] for i in range(len(reqs))] == want
     assert len(got[2]) > 3  # never truncated
-    assert enc.ids("ids", [5, 6]).tolist() == [5, 6]
 
 
 def test_a_step_decodes_through_the_rust_backend_in_one_call_per_flag(tok, monkeypatch):
@@ -136,3 +144,30 @@ def test_a_step_decodes_through_the_rust_backend_in_one_call_per_flag(tok, monke
             got[k] += text
         assert len(calls) == 2, calls  # one call per flag value, both windows of each sequence
     assert got == want
+
+
+def test_a_backlog_is_tokenized_in_waves_of_one_two_four():
+    """The first prompt of a burst goes to the engine after one prompt's encoding; a burst of n
+    takes O(log n) calls, also when it trickles in; the wave size starts over after a quiet
+    spell; aborted prompts leave it."""
+    from minisgl.message.schema import TokenizeReq
+    from minisgl.tokenizer.worker import Backlog
+
+    def reqs(uids):
+        return [TokenizeReq(u, "text", "x", None) for u in uids]
+
+    now = [0.0]
+    box = Backlog(quiet_s=0.02, clock=lambda: now[0])
+    box.add(reqs(range(10)))
+    box.drop({3})
+    waves = []
+    while box:
+        waves.append([r.uid for r in box.take()])
+    assert waves == [[0], [1, 2], [4, 5, 6, 7], [8, 9]]
+    now[0] += 0.001  # the burst goes on: emptied, but no fresh start
+    box.add(reqs(range(20, 40)))
+    assert len(box.take()) == 16
+    now[0] += 0.05  # quiet: the next burst starts with one prompt
+    box.take()
+    box.add(reqs([50, 51]))
+    assert [r.uid for r in box.take()] == [50]

@@ -16,7 +16,6 @@ from minisgl.message.schema import (
     AddReq,
     Admitted,
     Codec,
-    DetokOpen,
     DetokOut,
     FinishReq,
     HelloAck,
@@ -51,7 +50,6 @@ SAMPLES = [
     AbortReq(4),
     AddReq(5, np.array([1, 2, 300000], dtype=np.int32), PARAMS),
     FinishReq(6, "stop"),
-    DetokOpen(8, 120, ["\n\n", "é✓"], False),
     TokenOut(
         np.array([1, 2**40], dtype=np.int64), np.array([9, 10], dtype=np.int32), [None, "length"]
     ),

@@ -61,9 +61,8 @@ AB_KEYS = (
 PAIRED_AB_KEYS = ("output_tok_s", "ttft_ms.p99", "cpu.cp_cpu_s_per_token")
 CPU_COUNTING = (
     "cpu_s.<role>: CPU seconds (user + system, psutil) over the measured window of each server "
-    "process, by role: launcher (the `python -m minisgl` process: launcher + FastAPI API server; "
-    "it tokenizes on the python backend), "
-    "tokenizer (python detokenizer workers), scheduler (python "
+    "process, by role: launcher (the `python -m minisgl` process: launcher + FastAPI API server), "
+    "tokenizer (python tokenizer-detokenizer workers), scheduler (python "
     "scheduler + engine process), service (the Rust minisgl-cpu-service), "
     "gpu_worker (rust_service Python GPU workers), other (any other child, e.g. multiprocessing's "
     "resource tracker). cp_cpu_s = every role but gpu_worker; server_cpu_s = all roles; "

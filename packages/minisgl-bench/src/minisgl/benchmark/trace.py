@@ -4,7 +4,7 @@ A server started with `MINISGL_TRACE_DIR=<dir>` (`minisgl.utils.trace`) has ever
 the stages a request passes. `summarize(dir)` keeps, per request (a run's uid), the first time it passed
 each stage of `STAGES` (the first token's way), drops requests that missed one (aborted, rejected,
 the python backend only: the Rust service marks none) and returns the gaps between successive
-stages; they add up to the server's own time to first token (`api.recv -> api.first`).
+stages; they add up to the server's own time to first token (`api.sent -> api.first`).
 
     python -m minisgl.benchmark.trace DIR [--json OUT]
 """
@@ -21,14 +21,15 @@ from pathlib import Path
 from typing import Any
 
 STAGES = [
-    "api.recv",  # the API server took the request (admitted; before tokenizing it)
-    "api.sent",  # ... tokenized it and sent it to the engine
+    "api.sent",  # the API server sent the request to its tokenizer worker
+    "tok.recv",  # the tokenizer worker read it
+    "tok.sent",  # ... tokenized it and sent it to the engine
     "eng.add",  # the engine worker queued it
     "eng.step",  # the step that produced its first token began
     "eng.out",  # that step ended; the token goes to the detokenizer
     "tok.out",  # the detokenizer read it
     "tok.detok",  # ... and sent the text to the API server
-    "api.first",  # the API server handed the first chunk to the request
+    "api.first",  # the API server's receiver handed the first chunk to the request
 ]
 TOTAL = f"{STAGES[0]}->{STAGES[-1]}"
 

@@ -149,8 +149,7 @@ class TokenizeReq(Message):
 
 @dataclass(slots=True)
 class AbortReq(Message):
-    """API server -> scheduler (or the Rust service) -> detokenizer: the client is gone; free
-    everything."""
+    """API server -> tokenizer -> scheduler: the client is gone; free everything."""
 
     TAG: ClassVar[int] = 2
     uid: int
@@ -158,24 +157,13 @@ class AbortReq(Message):
 
 @dataclass(slots=True)
 class AddReq(Message):
-    """API server -> scheduler: a tokenized request."""
+    """Tokenizer -> scheduler: a tokenized request."""
 
     TAG: ClassVar[int] = 3
     ARRAYS: ClassVar[dict[str, Any]] = {"input_ids": np.int32}
     uid: int
     input_ids: np.ndarray
     params: WireParams
-
-
-@dataclass(slots=True)
-class DetokOpen(Message):
-    """Scheduler -> detokenizer: a request was admitted; its tokens follow on this socket."""
-
-    TAG: ClassVar[int] = 17
-    uid: int
-    prompt_tokens: int
-    stop: list  # list[str]: cut from the text, held back until they cannot match
-    skip_special_tokens: bool
 
 
 @dataclass(slots=True)
@@ -341,7 +329,6 @@ MESSAGES: dict[int, type[Message]] = {
         TokenizeReq,
         AbortReq,
         AddReq,
-        DetokOpen,
         FinishReq,
         TokenOut,
         Reject,

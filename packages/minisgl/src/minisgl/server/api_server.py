@@ -1,10 +1,9 @@
 """The API server process: FastAPI app + the `Frontend` that talks to the workers over ZMQ.
 
-The PULL socket (readiness, detokenized outputs, rejections, scheduler stats) is read by a
-thread until the event loop runs, then on the loop. Each request has a mailbox; the handlers
-validate, admit (bounded), tokenize (python backend: `PromptEncoder`, then straight to the
-engine replica that owns the uid; rust_service: the text goes to the service, which tokenizes)
-and turn mailbox items into OpenAI responses or SSE chunks.
+A receiver thread owns the PULL socket (readiness, detokenized outputs, rejections, scheduler
+stats) and hands each batch of messages to the event loop in one call. Each request has an
+asyncio queue; the handlers validate, admit (bounded), send to the tokenizer that owns the uid
+(uid % num_tokenizer) and turn queue items into OpenAI responses or SSE chunks.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import orjson
 import zmq
 from fastapi import FastAPI, Request
@@ -32,7 +30,6 @@ from starlette.requests import ClientDisconnect
 
 from minisgl.message.schema import (
     AbortReq,
-    AddReq,
     Admitted,
     Codec,
     DetokOut,
@@ -50,7 +47,6 @@ from minisgl.server.openapi import request_bodies
 from minisgl.server.protocol import APIError, Parsed, parse_chat, parse_completion
 from minisgl.server.replicas import Replicas, worker_names
 from minisgl.server.streaming import ClosingStreamingResponse, FinalChunk
-from minisgl.tokenizer.encode import EncodeThread, PromptEncoder, PromptError, max_token_chars
 from minisgl.tools import (
     ArgsDelta,
     CallStart,
@@ -248,18 +244,10 @@ class Frontend:
         self.codec = Codec(args.transport != "generic")
         self.ctx = zmq.Context()
         self.inbox = ipc.pull(self.ctx, ipc_dir, ipc.FRONTEND)
-        # where requests and aborts go: the Rust service, or engine replica uid % dp
-        self.ingress = [
+        self.to_tok = [
             ipc.push(self.ctx, ipc_dir, name)
-            for name in ipc.ingress_names(args.cpu_backend, args.dp_size)
+            for name in ipc.ingress_names(args.cpu_backend, args.num_tokenizer)
         ]
-        self._encoder: PromptEncoder | None = None  # python backend: loaded beside the workers
-        self.lane: EncodeThread | None = None  # ... and its encoding thread
-        self.max_token_chars = 0
-        self._loader: threading.Thread | None = None
-        if args.cpu_backend != "rust_service":
-            self._loader = threading.Thread(target=self._load_encoder, name="minisgl-tokenizer")
-            self._loader.start()
         self.ready: dict[str, Ready] = {}
         self.ready_cv = threading.Condition()
         self.info: dict[str, Any] = {}
@@ -286,25 +274,6 @@ class Frontend:
         self._fd: int | None = None  # the inbox's descriptor, while the loop reads it
         self._thread = threading.Thread(target=self._recv_loop, name="minisgl-recv", daemon=True)
         self._thread.start()
-
-    def _load_encoder(self) -> None:
-        from minisgl.tokenizer.load import load_tokenizer
-
-        enc = PromptEncoder(load_tokenizer(self.model_path))
-        enc.warm_up()
-        self.max_token_chars = max_token_chars(enc.tok)
-        self.lane = EncodeThread(enc.backend) if enc.threadsafe else None
-        self._encoder = enc
-
-    @property
-    def encoder(self) -> PromptEncoder | None:
-        """The python backend's prompt encoder (waits for its loading); None with rust_service."""
-        if self._loader is not None:
-            self._loader.join()
-            self._loader = None
-            if self._encoder is None:
-                raise RuntimeError("the API server's tokenizer failed to load")
-        return self._encoder
 
     # ------------------------------------------------------------------ inbox
     # Until the event loop runs (the launcher waits for the workers' Ready) a thread reads the
@@ -499,18 +468,9 @@ class Frontend:
         if err is not None:
             raise err
         uids = self.replicas.new_uids(parsed.n)
-        ids = None
-        enc = self.encoder
-        if enc is not None:  # python backend: tokenized here, the engine gets the ids
-            trace.mark("api.recv", uids)
-            ids = await tokenize(enc, self.lane, parsed)
         try:  # encode first: nothing is registered for a body that cannot travel
             frames = [
-                self.codec.encode(
-                    TokenizeReq(uid, parsed.kind, parsed.prompt, p)
-                    if ids is None
-                    else AddReq(uid, ids, p)
-                )
+                self.codec.encode(TokenizeReq(uid, parsed.kind, parsed.prompt, p))
                 for uid, p in zip(uids, parsed.choice_params(uids), strict=True)
             ]
         except (ValueError, TypeError, OverflowError) as e:
@@ -523,7 +483,7 @@ class Frontend:
         try:
             trace.mark("api.sent", uids)  # before the send: the next stage may come first
             for st, frame in zip(job.states, frames, strict=True):
-                self.ingress[st.uid % len(self.ingress)].send(frame)
+                self.to_tok[st.uid % len(self.to_tok)].send(frame)
             yield job
         finally:
             job.unwatch()
@@ -536,8 +496,7 @@ class Frontend:
             st.finished = True
             self.metrics.count_request("aborted")
             with contextlib.suppress(zmq.ZMQError):
-                frame = self.codec.encode(AbortReq(st.uid))
-                self.ingress[st.uid % len(self.ingress)].send(frame)
+                self.to_tok[st.uid % len(self.to_tok)].send(self.codec.encode(AbortReq(st.uid)))
 
     def settle(self, st: ReqState) -> None:
         """A choice ended on the engine's side (finished or rejected): nothing to abort."""
@@ -565,29 +524,11 @@ class Frontend:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
-        if self.lane is not None:
-            self.lane.close()
         self._stop_reading()
         self.ctx.destroy(linger=0)
 
 
 # ----------------------------------------------------------------------------- responses
-async def tokenize(enc: PromptEncoder, lane: EncodeThread | None, parsed: Parsed) -> Any:
-    """A request's prompt as token ids (one encoding for all n choices): a chat rendered on the
-    loop, the text encoded by `lane` (the HF call on the loop where the backend is not plain)."""
-    try:
-        if parsed.kind == "ids":
-            return enc.ids("ids", parsed.prompt)
-        text = enc.text(parsed.kind, parsed.prompt)
-        if lane is None:
-            return np.asarray(enc.encode(text, parsed.kind != "chat"), dtype=np.int32)
-        return await lane.encode(text, parsed.kind != "chat")
-    except PromptError as e:
-        raise APIError(400, str(e), "messages", "invalid_request") from None
-    except (ValueError, TypeError, OverflowError) as e:  # a prompt the tokenizer refuses
-        raise APIError(400, f"cannot tokenize the prompt: {e}", "prompt") from None
-
-
 def error_response(e: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
     """`headers`: added to the error's own (the replica of a request that failed on one)."""
     merged = {**(e.headers or {}), **(headers or {})} or None

@@ -1,7 +1,6 @@
 """The scheduler + engine process: owns an `LLM` and steps its `Runtime`.
 
-Each turn: take every queued message (new requests from the API server, aborts, stop-string
-finishes; an admitted request's `DetokOpen` and an abort go on to its detokenizer), run one
+Each turn: take every queued message (new requests, aborts, stop-string finishes), run one
 `Runtime.step()` if there is work (with overlap scheduling: submit the next step, commit the
 oldest; an abort or finish of a request in a step in flight frees its pages at that step's
 commit), send the sampled tokens to the detokenizer that owns each request
@@ -24,7 +23,6 @@ from minisgl.message.schema import (
     AddReq,
     Admitted,
     Codec,
-    DetokOpen,
     FinishReq,
     Ready,
     Reject,
@@ -101,7 +99,6 @@ class EngineLoop:
             self.add(msg)
         elif isinstance(msg, AbortReq):
             self.rt.abort(msg.uid)
-            self.send_tok(msg.uid, msg)  # after its DetokOpen and tokens: the state is dropped
         elif isinstance(msg, FinishReq):
             self.rt.finish(msg.uid, msg.reason)
         elif isinstance(msg, Shutdown):
@@ -135,10 +132,6 @@ class EngineLoop:
             params = msg.params.to_sampling_params()
             self.rt.add(ids, params, rid=msg.uid, leader=msg.params.prefix_leader or None)
             trace.mark("eng.add", msg.uid)
-            p = msg.params  # the detokenizer's state, ahead of the tokens on the same socket
-            self.send_tok(
-                msg.uid, DetokOpen(msg.uid, len(ids), list(p.stop or ()), p.skip_special_tokens)
-            )
             self.admitted.append(msg.uid)
         except ContextLengthError as e:
             self.reject(msg.uid, str(e), 400, "context_length_exceeded", "prompt")

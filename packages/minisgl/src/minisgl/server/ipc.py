@@ -31,12 +31,11 @@ def worker_name(i: int) -> str:
     return f"worker{i}"
 
 
-def ingress_names(cpu_backend: str, dp: int) -> list[str]:
-    """Where the API server sends requests and aborts: the Rust service (it tokenizes), or the
-    engine workers (the API server tokenized; request uid goes to replica uid % dp)."""
+def ingress_names(cpu_backend: str, num_tokenizer: int) -> list[str]:
+    """Where the API server sends requests: the Rust service, or the tokenizer workers."""
     if cpu_backend == "rust_service":
         return [SERVICE]
-    return [scheduler_name(i) for i in range(dp)]
+    return [tokenizer_name(i) for i in range(num_tokenizer)]
 
 
 def addr(ipc_dir: str, name: str) -> str:

@@ -1,6 +1,6 @@
 """`python -m minisgl`: start the workers, wait until every one is ready, serve, clean up.
 
-Processes: this one (launcher + API server: FastAPI/uvicorn; it tokenizes), `--num-tokenizer`
+Processes: this one (launcher + API server: FastAPI/uvicorn), `--num-tokenizer` tokenizer /
 detokenizer workers and one scheduler + engine worker, all started with multiprocessing
 `spawn`. With `MINISGL_CPU_BACKEND=rust_service`: the Rust `minisgl-cpu-service` (tokenizer,
 scheduler, detokenizer) and one Python GPU worker instead (`minisgl.server.service`). They talk
@@ -69,7 +69,7 @@ class Launcher:
         if self.args.cpu_backend == "rust_service":
             return self._start_service(model_path)
         from minisgl.server.engine_worker import run_engine_worker
-        from minisgl.tokenizer.worker import run_detokenizer_worker
+        from minisgl.tokenizer.worker import run_tokenizer_worker
 
         args, ctx = self.args, mp.get_context("spawn")
         typed = args.transport != "generic"
@@ -90,7 +90,7 @@ class Launcher:
             )
         for i in range(args.num_tokenizer):
             self.procs[ipc.tokenizer_name(i)] = ctx.Process(
-                target=run_detokenizer_worker,
+                target=run_tokenizer_worker,
                 args=(i, model_path, self.ipc_dir, typed, args.dp_size),
                 name=f"minisgl-{ipc.tokenizer_name(i)}",
                 daemon=True,
@@ -224,7 +224,11 @@ class Launcher:
                 fe.info = dict(ready[ipc.SERVICE].info)
             else:
                 fe.info = dict(ready[ipc.SCHEDULER].info)
-                fe.info["max_token_chars"] = fe.max_token_chars  # the API server tokenizes
+                fe.info["max_token_chars"] = max(
+                    int(r.info.get("max_token_chars", 0))
+                    for n, r in ready.items()
+                    if n not in self.replica_names
+                )
             fe.warmup = WarmUpReport.from_info(fe.info)
             if fe.warmup is not None:
                 log(f"engine {fe.warmup.summary()} (before /health answers 200)")

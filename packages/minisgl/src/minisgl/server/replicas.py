@@ -3,7 +3,7 @@ replicas are in rotation, and the per-replica counts of /health and /metrics.
 
 Python backend: the API server routes. A request's uids are `k * N + replica` (one replica for
 all its n choices, so they share the prompt's KV), the replica taken round-robin over those in
-rotation; the API server sends each uid to engine worker `uid % N` (`replica_of`).
+rotation; the tokenizer workers send each uid to engine worker `uid % N` (`replica_of`).
 rust_service: the service routes (longest cached prefix, then load) and reports the split in
 its stats (`replicas`); the API server only shows it.
 """

@@ -1,1 +1,1 @@
-"""Prompt encoding (in the API server) and the detokenizer worker of the server."""
+"""Tokenizer / detokenizer worker of the server."""

@@ -76,7 +76,7 @@ class ChatRenderer:
         return detect_format(self.template)
 
     def render_ids(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Tool]) -> list[int]:
-        """The prompt's token ids, as the API server's `PromptEncoder` makes them for a chat."""
+        """The prompt's token ids, as the tokenizer worker makes them for a chat."""
         with self._lock:
             tok = self._tokenizer()
             template = getattr(tok, "chat_template", None)
