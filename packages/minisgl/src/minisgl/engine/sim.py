@@ -22,6 +22,7 @@ the critical path it is on a GPU.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,10 +49,23 @@ _C2 = np.uint64(0x94D049BB133111EB)
 
 
 def _mix(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer on uint64 arrays (wrapping)."""
-    z = (z ^ (z >> np.uint64(30))) * _C1
-    z = (z ^ (z >> np.uint64(27))) * _C2
-    return z ^ (z >> np.uint64(31))
+    """splitmix64's finalizer on a uint64 array (wrapping), in place: `z` must be the caller's
+    own temporary. Returns it."""
+    z ^= z >> np.uint64(30)
+    z *= _C1
+    z ^= z >> np.uint64(27)
+    z *= _C2
+    z ^= z >> np.uint64(31)
+    return z
+
+
+@functools.lru_cache(maxsize=8)
+def _eos_table(eos_ids: frozenset[int], vocab: int) -> np.ndarray:
+    """`table[t]`: whether token `t` of the vocabulary is an EOS id (one gather a step, where
+    `np.isin` sorted the step's tokens against the set)."""
+    table = np.zeros(vocab, dtype=bool)
+    table[[t for t in eos_ids if 0 <= t < vocab]] = True
+    return table
 
 
 def sim_tokens(
@@ -62,22 +76,29 @@ def sim_tokens(
     keys: np.ndarray | None = None,
 ) -> np.ndarray:
     """The simulated device's token for each row: a pure function of (last token, position[,
-    key]), in `[min(100, vocab // 4), vocab)`, never in `eos_ids`."""
+    key]), in `[min(100, vocab // 4), vocab)`, never in `eos_ids`. Its host cost is not the
+    control plane's (on a GPU the device samples): a few array operations a step."""
     lo = min(100, vocab // 4)
     span = vocab - lo
     if span <= len(eos_ids):
         raise ValueError(f"a vocabulary of {vocab} leaves no non-EOS token above {lo}")
     with np.errstate(over="ignore"):
-        h = _mix(last_tokens.astype(np.uint64) * _GOLDEN ^ _mix(positions.astype(np.uint64)))
+        h = last_tokens.astype(np.uint64)
+        h *= _GOLDEN
+        h ^= _mix(positions.astype(np.uint64))
+        h = _mix(h)
         if keys is not None:
-            h = _mix(h ^ keys.astype(np.uint64))
-    tokens = (h % np.uint64(span)).astype(np.int64) + lo
-    hits = np.flatnonzero(np.isin(tokens, list(eos_ids))) if eos_ids else []
-    for i in hits:
-        t = int(tokens[i])
-        while t in eos_ids:
-            t = lo + (t - lo + 1) % span
-        tokens[i] = t
+            h ^= keys.astype(np.uint64)
+            h = _mix(h)
+    h %= np.uint64(span)
+    tokens = h.astype(np.int64)
+    tokens += lo
+    if eos_ids:
+        for i in np.flatnonzero(_eos_table(eos_ids, vocab)[tokens]):
+            t = int(tokens[i])
+            while t in eos_ids:
+                t = lo + (t - lo + 1) % span
+            tokens[i] = t
     return tokens
 
 
@@ -143,8 +164,8 @@ class SimEngine:
         if fill is not None:
             ids = ids.astype(np.int64)
             ids[fill.positions.numpy()] = fill.tokens.numpy()
-        res = self._sample(plan, rows, eos_ids, ids)
-        return HostSample(res, self.clock.launch(self.sim.step_s(plan.num_tokens)))
+        res, tokens = self._sample(plan, rows, eos_ids, ids)
+        return HostSample(res, self.clock.launch(self.sim.step_s(plan.num_tokens)), tokens)
 
     def _sample(
         self,
@@ -152,7 +173,7 @@ class SimEngine:
         rows: Sequence[SampleRow],
         eos_ids: frozenset[int],
         ids: np.ndarray,
-    ) -> SampleResult:
+    ) -> tuple[SampleResult, np.ndarray]:
         idx = plan.logits_indices
         keys = None
         if any(not r.params.is_greedy for r in rows):
@@ -160,13 +181,14 @@ class SimEngine:
                 [0 if r.params.is_greedy else int(r.generator or 0) for r in rows],
                 dtype=np.uint64,
             )
-        tokens = sim_tokens(
+        arr = sim_tokens(
             ids[idx],
             plan.positions[idx] + 1,
             self.model_config.vocab_size,
             eos_ids,
             keys,
-        ).tolist()
+        )
+        tokens = arr.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
         vocab = self.model_config.vocab_size
         for i, r in enumerate(rows):
@@ -175,17 +197,17 @@ class SimEngine:
                 t = tokens[i]
                 top = tuple((t, 0.0) if j == 0 else ((t + j) % vocab, NO_LOGPROB) for j in range(k))
                 logprobs[i] = TokenLogprob(t, 0.0, top)
-        return SampleResult(tokens, [None] * len(rows), logprobs)
+        return SampleResult(tokens, [None] * len(rows), logprobs), arr
 
 
 class HostSample:
     """A simulated step's sample: its tokens are known at launch (`tokens`, on the host: the
     host is the device), `result()` waits for the step's end on the device's timeline."""
 
-    def __init__(self, res: SampleResult, ready_at: float) -> None:
+    def __init__(self, res: SampleResult, ready_at: float, tokens: np.ndarray) -> None:
         self.res = res
         self.ready_at = ready_at
-        self.tokens = torch.tensor(res.tokens, dtype=torch.int64)
+        self.tokens = torch.from_numpy(tokens)  # int64, as the sampler's device tokens
 
     def start_copy(self) -> None:
         pass
