@@ -61,6 +61,19 @@ def test_token_rule_is_a_pure_function_in_range_and_never_eos():
         sim_tokens(last, pos, 8, frozenset(range(8)))
 
 
+def test_token_rule_keeps_its_values():
+    """The token rule is part of every simulated benchmark's output digest: a faster version
+    must give the same tokens (these values are the numpy version's of 2026-11-23)."""
+    last = np.array([5, 7, 300, 0, 49151, 123], dtype=np.int32)
+    pos = np.array([10, 10, 11, 1, 4000, 77], dtype=np.int64)
+    got = sim_tokens(last, pos, 49152, frozenset({0, 2}))
+    assert got.dtype == np.int64
+    assert got.tolist() == [47252, 44879, 48307, 13077, 1891, 17190]
+    keys = np.array([1, 2, 3, 0, 2**63, 9], np.uint64)
+    keyed = sim_tokens(last, pos, 49152, frozenset(), keys)
+    assert keyed.tolist() == [36888, 36851, 46739, 45672, 22281, 21019]
+
+
 class FakeClock:
     """Host time that moves only when the host sleeps or works (`advance`)."""
 
