@@ -63,7 +63,7 @@ def test_token_rule_is_a_pure_function_in_range_and_never_eos():
 
 def test_token_rule_keeps_its_values():
     """The token rule is part of every simulated benchmark's output digest: a faster version
-    must give the same tokens (these values are the numpy version's of 2026-11-23)."""
+    must give the same tokens (these values are those of the version before 2026-11-28's)."""
     last = np.array([5, 7, 300, 0, 49151, 123], dtype=np.int32)
     pos = np.array([10, 10, 11, 1, 4000, 77], dtype=np.int64)
     got = sim_tokens(last, pos, 49152, frozenset({0, 2}))
