@@ -4,6 +4,7 @@ shape (medians, ratios, paired repeats, ABBA order, labels) and usage errors."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -212,3 +213,57 @@ def test_ab_flags_different_outputs(monkeypatch, tmp_path, tiny_model_dir):
 def test_usage_errors(argv, message, capsys):
     assert harness.main(["online", *argv, "--no-progress"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_median_interval_from_order_statistics():
+    """A distribution-free 95% interval for the median: order statistics whose binomial
+    coverage is >= 95% (6 values: the extremes, 1 - 2/64; fewer cannot reach 95%)."""
+    from minisgl.benchmark.pooled import median_interval
+
+    assert median_interval([3.0, 1.0, 2.0, 6.0, 5.0]) is None  # 5 values: at most 93.75%
+    assert median_interval([4.0, 1.0, 6.0, 2.0, 5.0, 3.0]) == (1.0, 6.0)
+    lo, hi = median_interval([float(x) for x in range(100)])
+    assert (lo, hi) == (39.0, 60.0)  # ranks 40 and 61 of 100 (binomial coverage 96.5%)
+    assert median_interval([2.0] * 9, confidence=0.5) == (2.0, 2.0)
+
+
+def test_ab_pools_repeats_and_reads_the_ttft_overhead(monkeypatch, tmp_path, tiny_model_dir):
+    """Issue 39's seed-online goal is a TTFT overhead over the simulated prefill: the record
+    states the prefill it subtracts (every prompt of the one concurrent wave in one step:
+    base + token_ms x prompt tokens), the pooled TTFT of every request of every repeat, and an
+    interval for the median of the repeats' p50s (the repeats are the independent units)."""
+    calls: list[str] = []
+    base = fake_arm(calls)
+
+    def run(args, arm, profile, log_dir, prog):
+        out = base(args, arm, profile, log_dir, prog)
+        rep = sum(1 for c in calls if c == arm)
+        ttfts = [0.010 + 0.001 * rep + 0.0001 * k for k in range(8)]
+        out["items"] = [WorkItem(0, [1, 2], 3) for _ in ttfts]
+        out["token_times"] = [[t, t + 0.001] for t in ttfts]
+        out["metrics"]["ttft_ms"] = {"p50": 1e3 * statistics.median(ttfts), "p99": 20.0}
+        out["metrics"]["input_tokens"] = 1500
+        return out
+
+    monkeypatch.setattr(online_ab, "run_arm", run)
+    monkeypatch.setattr(online_ab, "check_server_backend", lambda name: None)
+    out = tmp_path / "ab.json"
+    rc = harness.main(
+        ["online", "--ab", "python,rust_service", "--sim-device", "0.5,0.002", "--repeats", "6",
+         "--profile", "seed-online", "--model-path", str(tiny_model_dir("llama")), "--out",
+         str(out), "--no-progress"]
+    )  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["sim_device"]["prefill_ms"] == pytest.approx(0.5 + 0.002 * 1500)
+    for arm in ("python", "rust_service"):
+        pooled = data["results"][arm]["pooled"]
+        assert pooled["ttft_ms"]["n"] == 48
+        every = sorted(
+            1e3 * (0.010 + 0.001 * r + 0.0001 * k) for r in range(1, 7) for k in range(8)
+        )
+        assert pooled["ttft_ms"]["p50"] == pytest.approx(statistics.median(every))
+        p50s = [1e3 * (0.010 + 0.001 * r + 0.00035) for r in range(1, 7)]
+        assert pooled["ttft_ms"]["repeat_p50_ci95"] == pytest.approx([min(p50s), max(p50s)])
+        median_p50 = statistics.median(p50s)
+        assert pooled["ttft_overhead_ms_p50"] == pytest.approx(median_p50 - 3.5)
