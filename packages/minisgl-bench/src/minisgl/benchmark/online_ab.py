@@ -43,6 +43,7 @@ from minisgl.benchmark.client import (
     refusal,
 )
 from minisgl.benchmark.observations import Observation, arm_path, write_jsonl
+from minisgl.benchmark.pooled import pooled_ttft
 from minisgl.benchmark.profiles import Profile
 from minisgl.benchmark.record import base_record, finish, median_nested, model_info
 from minisgl.benchmark.roles import server_roles
@@ -87,6 +88,23 @@ def server_flags(profile: Profile, sim_device: str | None, extra: list[str]) -> 
     if sim_device is not None:
         flags += ["--sim-device", sim_device]
     return flags + extra
+
+
+def sim_prefill_ms(sim_device: str | None, profile: Profile, metrics: dict) -> float | None:
+    """The simulated device time before any first token when every prompt arrives at once and
+    fits one prefill step (seed-online): base + token_ms x the prompt tokens the server counted
+    (chat template included); None for other profiles (bursts chunked over several steps)."""
+    if sim_device is None or profile.arrival != "all":
+        return None
+    if profile.concurrency and profile.concurrency < profile.num_requests:
+        return None
+    tokens = metrics.get("input_tokens")
+    if not tokens or tokens > profile.max_extend_tokens:
+        return None
+    from minisgl.config import SimDevice
+
+    sim = SimDevice.parse(sim_device)
+    return sim.base_ms + sim.token_ms * float(tokens)
 
 
 def per_token(metrics: dict[str, Any]) -> None:
@@ -167,6 +185,7 @@ def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
         record["service_binary"] = Path(os.environ[SERVICE_BINARY_ENV]).name
     per_arm: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
     samples: dict[str, Any] = {}
+    ttfts: dict[str, list[list[float]]] = {a: [] for a in arms}  # every repeat's requests
     errors: dict[str, list[str]] = {}
     digests: dict[str, list[str]] = {a: [] for a in arms}
     info: dict[str, Any] = {}
@@ -183,6 +202,7 @@ def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
                 loads[arm].append(mark_client(out["metrics"], label, threshold))
                 per_arm[arm].append(out["metrics"])
                 samples[arm] = latency_samples(out["items"], out["token_times"])
+                ttfts[arm].append(samples[arm]["ttft_ms"])
                 errors[arm] = out["error_samples"]
                 digests[arm].append(output_digest(out["texts"]))
                 info[arm] = {"roles": out["roles"], **out["info"]}
@@ -207,6 +227,14 @@ def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
     }
     for r in results.values():  # the median took the first repeat's flag
         r["metrics"].setdefault("cpu", {})["client_saturated"] = any(r["client_saturated"])
+    prefill_ms = sim_prefill_ms(args.sim_device, profile, results[arms[0]]["metrics"])
+    if prefill_ms is not None:
+        record["sim_device"]["prefill_ms"] = prefill_ms
+    for arm, r in results.items():
+        p50s = [m["ttft_ms"]["p50"] for m in per_arm[arm] if m.get("ttft_ms")]
+        r["pooled"] = {"ttft_ms": pooled_ttft(ttfts[arm], p50s)}
+        if prefill_ms is not None and r["metrics"].get("ttft_ms"):
+            r["pooled"]["ttft_overhead_ms_p50"] = r["metrics"]["ttft_ms"]["p50"] - prefill_ms
     record["results"] = results
     all_loads = [ld for arm in arms for ld in loads[arm]]
     refuse = args.refuse_saturated_client
@@ -245,6 +273,14 @@ def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
     same = "identical" if record["outputs_identical"] else "NOT identical"
     print(f"streamed outputs across arms and repeats: {same} ({digests})")
     print(describe(all_loads, threshold))
+    for arm, r in results.items():
+        t = r["pooled"]["ttft_ms"]
+        over = r["pooled"].get("ttft_overhead_ms_p50")
+        print(
+            f"TTFT {arm}: pooled p50 {t['p50']} ms over {t['n']} requests; median of the "
+            f"repeats' p50s, 95% interval {t['repeat_p50_ci95']}"
+            + ("" if over is None else f"; overhead over the simulated prefill {over:.2f} ms")
+        )
     status = finish(record, args, results)
     failed = {a: m["errors"] for a, m in ((a, r["metrics"]) for a, r in results.items())}
     if any(failed.values()):
