@@ -58,6 +58,7 @@ from minisgl.tools import (
 )
 from minisgl.tools.render import ChatRenderer
 from minisgl.utils import trace
+from minisgl.utils.gcfreeze import freeze_startup_heap
 from minisgl.utils.log import get_logger
 
 logger = get_logger(__name__)
@@ -268,6 +269,7 @@ class Frontend:
         self.serving = False
         self.http_stack: dict[str, str] | None = None  # {"loop", "protocol"}: set by the launcher
         self.http_warmup: HttpWarmUp | None = None
+        self.gc_frozen: int | None = None  # objects of the start-up heap frozen (serving)
         self.created = int(time.time())
         self._stop = threading.Event()
         self._pending: list = []  # messages received before the loop was attached
@@ -857,6 +859,7 @@ def create_app(fe: Frontend) -> CompletionRoutes:
         fe.attach_loop(asyncio.get_running_loop())
         fe.serving = True
         fe.http_warmup = await warm_http(outer, fe.model_name)  # before the first real request
+        fe.gc_frozen = freeze_startup_heap()
         yield
         fe.serving = False
         fe.fail_all("server is shutting down", 503)
@@ -893,6 +896,10 @@ def create_app(fe: Frontend) -> CompletionRoutes:
             "cpu_backend": fe.cpu_backend,
             "replicas": fe.replicas.view(),
             "warmup": None if fe.warmup is None else fe.warmup.info(),
+            "gc_frozen": {
+                "api_server": fe.gc_frozen,
+                **{n: r.info.get("gc_frozen") for n, r in sorted(fe.ready.items())},
+            },
             "http": {
                 **(fe.http_stack or {}),
                 "warmup": None if fe.http_warmup is None else fe.http_warmup.info(),

@@ -35,6 +35,7 @@ from minisgl.message.warmup import INFO_KEY
 from minisgl.server import ipc
 from minisgl.server.replicas import placed
 from minisgl.utils import trace
+from minisgl.utils.gcfreeze import freeze_startup_heap
 
 if TYPE_CHECKING:  # the launcher imports this module: torch loads in the worker only
     from minisgl.runtime import Runtime
@@ -277,6 +278,7 @@ def run_engine_worker(
     }
     loop = EngineLoop(llm.runtime, codec, to_tok, to_frontend)
     loop.replica = replica
+    info["gc_frozen"] = freeze_startup_heap()  # last: the warmed-up process's heap
     to_frontend.send(codec.encode(Ready(name, os.getpid(), info=info)))
     loop.maybe_send_stats(force=True)
     try:

@@ -26,6 +26,7 @@ from minisgl.message.schema import (
 )
 from minisgl.message.warmup import INFO_KEY
 from minisgl.server import ipc
+from minisgl.utils.gcfreeze import freeze_startup_heap
 
 if TYPE_CHECKING:  # the launcher imports this module: torch loads in the worker only
     from minisgl.runtime import Runtime
@@ -62,6 +63,7 @@ def run_gpu_worker(
         time.sleep(0.5)
         ctx.destroy(linger=0)
         raise SystemExit(1) from None
+    freeze_startup_heap()  # the warmed-up heap out of the collector's full passes
     to_service.send(codec.encode(WorkerHello(index, os.getpid(), info)))
     pipe = runtime.service_pipeline()
     poller = zmq.Poller()

@@ -35,6 +35,7 @@ from minisgl.server.replicas import replica_of
 from minisgl.tokenizer.detokenize import DecodeState, Detokenizer
 from minisgl.tokenizer.load import load_tokenizer
 from minisgl.utils import trace
+from minisgl.utils.gcfreeze import freeze_startup_heap
 
 
 def plain_backend(tok):
@@ -245,6 +246,7 @@ def run_tokenizer_worker(
         to_frontend.close(linger=1000)
         raise
     info = {"max_token_chars": max_token_chars(worker.tok), "warmup_ms": worker.warm_up()}
+    info["gc_frozen"] = freeze_startup_heap()
     to_frontend.send(codec.encode(Ready(name, os.getpid(), info=info)))
     backlog = Backlog()
     try:
