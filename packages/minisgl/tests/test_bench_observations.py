@@ -9,6 +9,7 @@ import json
 import pytest
 
 from cardgate.hardware import hardware_key  # the device: cpu:<kind> here
+from cardgate.redact import redact
 from minisgl.benchmark import harness, online_ab, release_gate
 from minisgl.benchmark.observations import read_jsonl, workload_fingerprint
 from minisgl.benchmark.observe import RunLabels, build, kv_peak
@@ -63,7 +64,7 @@ def offline_obs(tiny_model_dir, tmp_path_factory):
 
 def test_offline_run_writes_observations(offline_obs, tiny_model_dir):
     path, record = offline_obs
-    assert record["observations"] == str(path)
+    assert record["observations"] == redact(str(path))  # records hold no local path
     observations = read_jsonl(path)
     assert len(observations) == 6  # 3 requests x 2 repeats
     assert [(o.request_id, o.repeat) for o in observations] == [
@@ -134,8 +135,8 @@ def test_online_ab_writes_one_file_per_arm(monkeypatch, tmp_path, tiny_model_dir
     assert rc == 0
     data = json.loads((tmp_path / "ab.json").read_text())
     assert data["observations"] == {
-        "python": str(tmp_path / "F.python.jsonl"),
-        "rust_service": str(tmp_path / "F.rust_service.jsonl"),
+        "python": redact(str(tmp_path / "F.python.jsonl")),
+        "rust_service": redact(str(tmp_path / "F.rust_service.jsonl")),
     }
     py = read_jsonl(tmp_path / "F.python.jsonl")
     rs = read_jsonl(tmp_path / "F.rust_service.jsonl")

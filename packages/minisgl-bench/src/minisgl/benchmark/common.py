@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 # One definition of the hardware string gate rules match on ("cpu:<kind>" or the GPU name), shared with
 # the card gate: the benchmark package already depends on cardgate for its gates format.
 from cardgate.hardware import cpu_kind, hardware_key
+from cardgate.redact import redact
 from minisgl.utils.cpu import isa_summary
 
 SCHEMA_VERSION = 1
@@ -170,11 +171,20 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, float]:
     return out
 
 
+def checkout_root(start: Path | None = None) -> Path | None:
+    """The git checkout holding `start` (default: the working directory), or None."""
+    here = (start or Path.cwd()).resolve()
+    return next((d for d in (here, *here.parents) if (d / ".git").exists()), None)
+
+
 def write_json(path: str | Path, data: dict[str, Any]) -> None:
+    """`data` as JSON at `path`, its local absolute paths made repo-relative or placeholders
+    (cardgate's redaction: the checkout as `.`, the temporary directory as `<tmp>`, ...)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    text = json.dumps(data, indent=2, sort_keys=False, default=str)
+    tmp.write_text(redact(text, checkout_root()) + "\n")
     tmp.replace(path)
 
 
