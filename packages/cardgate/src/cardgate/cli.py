@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, help="seconds per test phase (default: the card's Timeout:)"
     )
     gate.add_argument(
+        "--run-limit",
+        type=float,
+        help="seconds the whole pytest run may take (default: 3 x Timeout: a test, else 3600)",
+    )
+    gate.add_argument(
         "--allow-changed-tests",
         action="store_true",
         help="accept red records whose bound tests changed since (recorded in the manifest)",
@@ -134,6 +139,7 @@ def _gate(args: argparse.Namespace, extra: list[str]) -> int:
         commit=args.commit,
         workers=args.workers,
         timeout=args.timeout,
+        run_limit=args.run_limit,
         pytest_args=tuple(extra),
         python=sys.executable,
         allow_changed_tests=args.allow_changed_tests,

@@ -294,7 +294,10 @@ def attribute_thresholds(
 def run_checks(run: RunResult) -> list[Check]:
     checks = []
     if run.timed_out:
-        checks.append(Check("pytest", Verdict.FAIL, "pytest killed: the run exceeded its timeout"))
+        limit = f" of {run.limit_s:g} s" if run.limit_s else ""
+        checks.append(
+            Check("pytest", Verdict.FAIL, f"pytest killed: the run exceeded its time limit{limit}")
+        )
     elif run.returncode not in (None, 0, 1, 5):
         checks.append(Check("pytest", Verdict.FAIL, f"pytest exited {run.returncode}"))
     for nodeid, message in run.collection_errors:

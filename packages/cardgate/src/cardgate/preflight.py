@@ -37,6 +37,7 @@ class GateOptions:
     commit: bool = False
     workers: str | None = None
     timeout: float | None = None
+    run_limit: float | None = None  # seconds for the whole pytest run (default: run.run_limit)
     pytest_args: tuple[str, ...] = ()
     python: str = ""
     allow_changed_tests: bool = False
@@ -54,6 +55,7 @@ class Preflight:
     checks: tuple[Check, ...]
     timeout: float | None
     allow_changed_tests: bool = False
+    run_limit: float | None = None
 
 
 def gate_files(root: Path, card: Card) -> list[Path]:
@@ -146,6 +148,7 @@ def preflight(opts: GateOptions) -> Preflight:
         checks=tuple(checks),
         timeout=opts.timeout or card.timeout,
         allow_changed_tests=opts.allow_changed_tests,
+        run_limit=opts.run_limit,
     )
 
 

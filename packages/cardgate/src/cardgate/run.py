@@ -84,6 +84,7 @@ class RunResult:
     static_bindings: tuple[tuple[str, str], ...] = ()  # (file, item key) by a static scan
     inventory: Inventory = field(default_factory=Inventory)
     hardware_source: str = "none"
+    limit_s: float | None = None  # the run's time limit (None: no run)
 
     @property
     def static_files(self) -> tuple[str, ...]:
@@ -92,6 +93,20 @@ class RunResult:
     def sources(self) -> dict[str, str]:
         """nodeid -> sha256 of the bound test's source, as this run collected it."""
         return {p.nodeid: p.source_sha256 for p in self.phases if p.source_sha256}
+
+
+DEFAULT_RUN_LIMIT_S = 3600.0  # a whole pytest run, when neither --run-limit nor Timeout: says
+
+
+def run_limit(asked: float | None, test_timeout: float | None, num_tests: int) -> float:
+    """Seconds the pytest run may take before the gate kills it: `--run-limit`, else three
+    times the card's per-test `Timeout:` for each bound test (10 at least) plus two minutes,
+    else `DEFAULT_RUN_LIMIT_S` (a test process that hangs at its exit must not hang the gate)."""
+    if asked:
+        return asked
+    if test_timeout:
+        return test_timeout * 3 * max(10, num_tests) + 120
+    return DEFAULT_RUN_LIMIT_S
 
 
 def env_overrides(root: Path) -> tuple[tuple[str, str], ...]:
@@ -183,12 +198,11 @@ def run_pytest(
         cmd += [*opts.pytest_args, *paths]
         returncode: int | None = None
         timed_out = False
+        limit: float | None = None
         data: dict[str, Any] = {}
         if paths:
             out(f"cardgate: {' '.join(cmd[1:])}")
-            limit = None
-            if pre.timeout:
-                limit = pre.timeout * 3 * max(10, sum(map(len, bound.values()))) + 120
+            limit = run_limit(pre.run_limit, pre.timeout, sum(map(len, bound.values())))
             try:
                 proc = subprocess.run(cmd, cwd=pre.root, stdout=stream, timeout=limit)
                 returncode = proc.returncode
@@ -206,6 +220,7 @@ def run_pytest(
         env=env_overrides(pre.root),
         returncode=returncode,
         timed_out=timed_out,
+        limit_s=limit,
         phases=phases,
         collection_errors=tuple(dict.fromkeys(errors)),
         bound=bound,
