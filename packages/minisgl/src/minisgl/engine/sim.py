@@ -76,8 +76,9 @@ def sim_tokens(
     keys: np.ndarray | None = None,
 ) -> np.ndarray:
     """The simulated device's token for each row: a pure function of (last token, position[,
-    key]), in `[min(100, vocab // 4), vocab)`, never in `eos_ids`. Its host cost is not the
-    control plane's (on a GPU the device samples): a few array operations a step."""
+    key]), in `[min(100, vocab // 4), vocab)`, never in `eos_ids`. On a GPU this is device work;
+    here the host does it (in the python arm's engine process, counted with its control plane),
+    so it is kept to a few array operations a step."""
     lo = min(100, vocab // 4)
     span = vocab - lo
     if span <= len(eos_ids):
