@@ -47,6 +47,7 @@ from minisgl.benchmark.pooled import pooled_ttft
 from minisgl.benchmark.profiles import Profile
 from minisgl.benchmark.record import base_record, finish, median_nested, model_info
 from minisgl.benchmark.roles import server_roles
+from minisgl.config import SimDevice
 
 AB_KEYS = (
     "output_tok_s",
@@ -90,20 +91,17 @@ def server_flags(profile: Profile, sim_device: str | None, extra: list[str]) -> 
     return flags + extra
 
 
-def sim_prefill_ms(sim_device: str | None, profile: Profile, metrics: dict) -> float | None:
+def sim_prefill_ms(sim: SimDevice | None, profile: Profile, metrics: dict) -> float | None:
     """The simulated device time before any first token when every prompt arrives at once and
     fits one prefill step (seed-online): base + token_ms x the prompt tokens the server counted
     (chat template included); None for other profiles (bursts chunked over several steps)."""
-    if sim_device is None or profile.arrival != "all":
+    if sim is None or profile.arrival != "all":
         return None
     if profile.concurrency and profile.concurrency < profile.num_requests:
         return None
     tokens = metrics.get("input_tokens")
     if not tokens or tokens > profile.max_extend_tokens:
         return None
-    from minisgl.config import SimDevice
-
-    sim = SimDevice.parse(sim_device)
     return sim.base_ms + sim.token_ms * float(tokens)
 
 
@@ -168,13 +166,11 @@ def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
     record["model"] = model_info(args.model_path)
     record["arms"] = arms
     record["simulated_device"] = args.sim_device is not None
-    if args.sim_device is not None:
-        from minisgl.config import SimDevice
-
-        sim = SimDevice.parse(args.sim_device)
+    sim_device = None if args.sim_device is None else SimDevice.parse(args.sim_device)
+    if sim_device is not None:
         record["sim_device"] = {
-            "base_ms": sim.base_ms,
-            "token_ms": sim.token_ms,
+            "base_ms": sim_device.base_ms,
+            "token_ms": sim_device.token_ms,
             "note": "SIMULATED DEVICE: no model runs; each step sleeps base_ms + token_ms per "
             "token and returns deterministic tokens (minisgl/engine/sim.py)",
         }
@@ -227,7 +223,7 @@ def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
     }
     for r in results.values():  # the median took the first repeat's flag
         r["metrics"].setdefault("cpu", {})["client_saturated"] = any(r["client_saturated"])
-    prefill_ms = sim_prefill_ms(args.sim_device, profile, results[arms[0]]["metrics"])
+    prefill_ms = sim_prefill_ms(sim_device, profile, results[arms[0]]["metrics"])
     if prefill_ms is not None:
         record["sim_device"]["prefill_ms"] = prefill_ms
     for arm, r in results.items():
