@@ -5,6 +5,7 @@ pub mod bytetable;
 pub mod chat;
 pub mod cli;
 pub mod detok;
+pub mod fastbpe;
 #[cfg(test)]
 mod fixture;
 pub mod model;
