@@ -27,6 +27,14 @@ impl Hasher for FxHasher {
         }
     }
     #[inline]
+    fn write_u32(&mut self, i: u32) {
+        self.add(u64::from(i));
+    }
+    #[inline]
+    fn write_u64(&mut self, i: u64) {
+        self.add(i);
+    }
+    #[inline]
     fn write_i32(&mut self, i: i32) {
         self.add(i as u32 as u64);
     }

@@ -79,7 +79,7 @@
 //! Written into one caller-provided flat `i32` buffer; see [`plan`] for the layout.
 
 pub mod alloc;
-mod fxhash;
+pub mod fxhash;
 pub mod plan;
 pub mod radix;
 pub mod replay;

@@ -11,7 +11,7 @@ use std::collections::{HashMap, HashSet};
 use tokenizers::decoders::DecoderWrapper;
 
 /// GPT-2's byte -> character map, reversed (the characters byte-level tokens are written in).
-fn char_bytes() -> HashMap<char, u8> {
+pub(crate) fn char_bytes() -> HashMap<char, u8> {
     let mut bs: Vec<u8> = (b'!'..=b'~')
         .chain(0xA1..=0xAC)
         .chain(0xAE..=0xFF)

@@ -43,6 +43,10 @@ mod tests {
         let dir = ModelDir::new("encode");
         let m = TextModel::load(dir.path()).expect("load");
         let tok = &m.tokenizer;
+        assert!(
+            tok.fast_encoding(),
+            "a plain byte-level BPE encodes without tokenizers"
+        );
         let hello = tok.encode("Hello", true).expect("encode");
         assert_eq!(hello.len(), 1, "merged to one token: {hello:?}");
         let text = "héllo 😀 你好\n\t<|im_end|>x";
