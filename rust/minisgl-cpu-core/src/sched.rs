@@ -233,6 +233,8 @@ pub struct SchedCore {
     trace: Option<String>,
     /// steps scheduled so far (the priority aging clock)
     clock: u64,
+    /// steps in flight record the pages they read (`check_integrity` mid-flight)
+    audit_inflight: bool,
 }
 
 impl SchedCore {
@@ -273,6 +275,7 @@ impl SchedCore {
             spare_steps: Vec::new(),
             trace: None,
             clock: 0,
+            audit_inflight: true,
         }
     }
 

@@ -104,7 +104,7 @@ pub struct Engine {
 }
 
 fn new_core(cfg: &EngineConfig) -> SchedCore {
-    SchedCore::new(SchedConfig {
+    let mut core = SchedCore::new(SchedConfig {
         num_pages: cfg.num_pages,
         page_size: cfg.page_size,
         max_seq_len: cfg.max_seq_len,
@@ -114,7 +114,11 @@ fn new_core(cfg: &EngineConfig) -> SchedCore {
         eos_token_ids: cfg.eos_token_ids.clone(),
         priority_aging_steps: None,
         in_batch_prefix_min: IN_BATCH_PREFIX_MIN,
-    })
+    });
+    // the service checks integrity only with nothing in flight: no step needs its read pages
+    // recorded (a copy of the batch's whole KV mapping a step)
+    core.set_inflight_audit(false);
+    core
 }
 
 impl Engine {

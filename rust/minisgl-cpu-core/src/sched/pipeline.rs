@@ -109,9 +109,12 @@ impl SchedCore {
         let ps = self.cfg.page_size;
         for &(idx, n) in &self.batch {
             let r = self.reqs[idx].as_ref().expect("live request");
-            let row = &self.alloc.row(r.slot as usize)[..r.kv_len + n];
-            st.pages
-                .extend(row.iter().step_by(ps).map(|&l| l / ps as i32));
+            if self.audit_inflight {
+                // every page the step reads: O(the batch's KV) a step, hence optional
+                let row = &self.alloc.row(r.slot as usize)[..r.kv_len + n];
+                st.pages
+                    .extend(row.iter().step_by(ps).map(|&l| l / ps as i32));
+            }
             rids.push(r.rid);
         }
         for k in 0..self.batch.len() {
@@ -226,7 +229,9 @@ impl SchedCore {
 
     /// Whether each step in flight records the pages it reads for [`SchedCore::check_integrity`]
     /// (on by default; set before the first step).
-    pub fn set_inflight_audit(&mut self, _on: bool) {}
+    pub fn set_inflight_audit(&mut self, on: bool) {
+        self.audit_inflight = on;
+    }
 
     /// Pages recorded for the audit by the steps in flight.
     pub fn inflight_audited_pages(&self) -> usize {
