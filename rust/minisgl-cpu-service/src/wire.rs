@@ -426,12 +426,37 @@ fn opt(s: Option<&str>) -> Value {
     s.map_or(Value::Nil, Value::from)
 }
 
+/// Little-endian bytes of `xs` appended to `out` (the payload of `i32_bytes` / `i64_bytes`).
+fn put_le<const N: usize, T: Copy>(out: &mut Vec<u8>, xs: &[T], le: impl Fn(T) -> [u8; N]) {
+    out.reserve(xs.len() * N);
+    for &x in xs {
+        out.extend_from_slice(&le(x));
+    }
+}
+
 pub fn i32_bytes(xs: &[i32]) -> Value {
-    Value::Binary(xs.iter().flat_map(|x| x.to_le_bytes()).collect())
+    let mut b = Vec::new();
+    put_le(&mut b, xs, i32::to_le_bytes);
+    Value::Binary(b)
 }
 
 pub fn i64_bytes(xs: &[i64]) -> Value {
-    Value::Binary(xs.iter().flat_map(|x| x.to_le_bytes()).collect())
+    let mut b = Vec::new();
+    put_le(&mut b, xs, i64::to_le_bytes);
+    Value::Binary(b)
+}
+
+/// A msgpack `bin` of `xs`' little-endian bytes written straight into the frame (the same bytes
+/// as `write_value(i32_bytes(xs))` without the intermediate vector).
+fn write_bin_le<const N: usize, T: Copy>(out: &mut Vec<u8>, xs: &[T], le: impl Fn(T) -> [u8; N]) {
+    // sizes past u32 cannot be framed; the plan of one step is far below
+    let len = u32::try_from(xs.len() * N).unwrap_or(u32::MAX);
+    let _ = rmp::encode::write_bin_len(out, len); // writing into a Vec cannot fail
+    put_le(out, xs, le);
+}
+
+fn write(out: &mut Vec<u8>, v: &Value) {
+    let _ = rmpv::encode::write_value(out, v); // writing into a Vec cannot fail
 }
 
 pub fn map(entries: Vec<(&str, Value)>) -> Value {
@@ -518,7 +543,8 @@ pub fn step_req(rid: i64, prompt: &[i32], params: &Value) -> Value {
     Value::Array(vec![rid.into(), i32_bytes(prompt), params.clone()])
 }
 
-/// `Step`: the flat plan of `sizes` = (bs, num_tokens, num_kv, num_sample).
+/// `Step`: the flat plan of `sizes` = (bs, num_tokens, num_kv, num_sample). Written field by
+/// field: the plan (a decode step's whole KV mapping) is copied once, into the frame.
 pub fn step(
     id: i64,
     is_prefill: bool,
@@ -528,18 +554,19 @@ pub fn step(
     new: Vec<Value>,
     release: &[i64],
 ) -> Vec<u8> {
-    frame(
-        tag::STEP,
-        vec![
-            id.into(),
-            is_prefill.into(),
-            Value::Array(sizes.iter().map(|&s| (s as u64).into()).collect()),
-            i32_bytes(plan),
-            i64_bytes(rids),
-            Value::Array(new),
-            i64_bytes(release),
-        ],
-    )
+    let mut out = Vec::with_capacity(64 + 4 * plan.len() + 8 * (rids.len() + release.len()));
+    let _ = rmp::encode::write_array_len(&mut out, 9);
+    write(&mut out, &Value::from(SCHEMA_VERSION));
+    write(&mut out, &Value::from(tag::STEP));
+    write(&mut out, &Value::from(id));
+    write(&mut out, &Value::from(is_prefill));
+    let sizes = sizes.iter().map(|&s| (s as u64).into()).collect();
+    write(&mut out, &Value::Array(sizes));
+    write_bin_le(&mut out, plan, i32::to_le_bytes);
+    write_bin_le(&mut out, rids, i64::to_le_bytes);
+    write(&mut out, &Value::Array(new));
+    write_bin_le(&mut out, release, i64::to_le_bytes);
+    out
 }
 
 #[cfg(test)]
@@ -649,6 +676,40 @@ mod tests {
             .collect();
         assert_eq!(items[2], Value::Binary(uids));
         assert_eq!(i32_payload(&items[3], "replicas").unwrap(), vec![1, 0]);
+    }
+
+    proptest::proptest! {
+        /// The field-by-field `Step` frame is byte for byte the `Value` encoding.
+        #[test]
+        fn step_frame_is_the_value_encoding(
+            id in proptest::num::i64::ANY,
+            prefill in proptest::bool::ANY,
+            sizes in proptest::array::uniform4(0usize..1 << 40),
+            plan in proptest::collection::vec(proptest::num::i32::ANY, 0..300),
+            rids in proptest::collection::vec(proptest::num::i64::ANY, 0..40),
+            release in proptest::collection::vec(proptest::num::i64::ANY, 0..8),
+            n_new in 0usize..3,
+        ) {
+            let new: Vec<Value> = (0..n_new)
+                .map(|i| step_req(i as i64, &plan[..plan.len().min(i * 7)], &params_value()))
+                .collect();
+            let bin32 = |xs: &[i32]| Value::Binary(xs.iter().flat_map(|x| x.to_le_bytes()).collect());
+            let bin64 = |xs: &[i64]| Value::Binary(xs.iter().flat_map(|x| x.to_le_bytes()).collect());
+            let reference = frame(
+                tag::STEP,
+                vec![
+                    id.into(),
+                    prefill.into(),
+                    Value::Array(sizes.iter().map(|&s| (s as u64).into()).collect()),
+                    bin32(&plan),
+                    bin64(&rids),
+                    Value::Array(new.clone()),
+                    bin64(&release),
+                ],
+            );
+            proptest::prop_assert_eq!(i32_bytes(&plan), bin32(&plan));
+            proptest::prop_assert_eq!(step(id, prefill, sizes, &plan, &rids, new, &release), reference);
+        }
     }
 
     #[test]
