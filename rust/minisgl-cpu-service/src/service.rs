@@ -32,6 +32,27 @@ use crate::wire::{self, DetokRow, HelloInfo, Inbound, Prompt, WireError, WirePar
 
 const STATS_BUSY: Duration = Duration::from_millis(100);
 const STATS_IDLE: Duration = Duration::from_secs(1);
+/// The KV integrity check (O(pool)) runs once the service has had no work this long, never at
+/// the idle edge, where the next request would wait behind it (the python engine worker's
+/// `QUIET_CHECK_S`); `MINISGL_CPU_SERVICE_QUIET_CHECK_MS` overrides it.
+const QUIET_CHECK: Duration = Duration::from_millis(200);
+const QUIET_CHECK_ENV: &str = "MINISGL_CPU_SERVICE_QUIET_CHECK_MS";
+
+fn quiet_check() -> Duration {
+    match std::env::var(QUIET_CHECK_ENV) {
+        Ok(v) => v
+            .trim()
+            .parse()
+            .map(Duration::from_millis)
+            .unwrap_or_else(|_| {
+                log(&format!(
+                    "{QUIET_CHECK_ENV}={v:?} is not a number of ms; using {QUIET_CHECK:?}"
+                ));
+                QUIET_CHECK
+            }),
+        Err(_) => QUIET_CHECK,
+    }
+}
 
 /// Command-line configuration of `minisgl-cpu-service serve`.
 #[derive(Debug, Clone)]
@@ -244,6 +265,10 @@ pub struct Service {
     last_stats: Instant,
     was_busy: bool,
     integrity_ok: bool,
+    /// work ran since the last integrity check
+    integrity_pending: bool,
+    idle_since: Instant,
+    quiet_check: Duration,
 }
 
 pub fn run(cfg: Config) -> Exit {
@@ -335,6 +360,9 @@ pub fn run(cfg: Config) -> Exit {
         last_stats: Instant::now(),
         was_busy: false,
         integrity_ok: true,
+        integrity_pending: false,
+        idle_since: Instant::now(),
+        quiet_check: quiet_check(),
     };
     let ready_info = svc.ready_info();
     svc.sock
@@ -879,13 +907,22 @@ impl Service {
     }
 
     // ------------------------------------------------------------------ stats
+    /// Stats every `STATS_BUSY` while busy, at the idle edge, every `STATS_IDLE` idle; the
+    /// integrity check once idle for `quiet_check` after work (its result sent then).
     fn maybe_send_stats(&mut self) {
         let busy = self.replicas.iter().any(|r| r.engine.has_work());
         let idle_edge = self.was_busy && !busy;
+        if busy {
+            self.integrity_pending = true;
+        } else if idle_edge {
+            self.idle_since = Instant::now();
+        }
         self.was_busy = busy;
+        let check =
+            !busy && self.integrity_pending && self.idle_since.elapsed() >= self.quiet_check;
         let period = if busy { STATS_BUSY } else { STATS_IDLE };
-        if idle_edge || self.last_stats.elapsed() >= period {
-            self.send_stats(!busy);
+        if idle_edge || check || self.last_stats.elapsed() >= period {
+            self.send_stats(check);
         }
     }
 
@@ -893,6 +930,7 @@ impl Service {
         self.last_stats = Instant::now();
         let in_flight: usize = self.replicas.iter().map(|r| r.engine.in_flight()).sum();
         if check && in_flight == 0 {
+            self.integrity_pending = false;
             let checks: Vec<Result<(), String>> = self
                 .live()
                 .map(|r| self.replicas[r].engine.check_integrity())
@@ -926,6 +964,10 @@ impl Service {
         let ps = self.replicas[0].info.page_size.max(1);
         let mut entries = snapshot_entries(&total, ps);
         entries.push(("integrity_ok", u64::from(self.integrity_ok).into()));
+        entries.push((
+            "integrity_pending",
+            u64::from(self.integrity_pending).into(),
+        ));
         entries.push(("replicas", Value::Array(per_replica)));
         entries.push(("cpu_backend", self.counters.to_value(in_flight)));
         self.sock.send_frontend(wire::stats(wire::map(entries)));
