@@ -7,11 +7,9 @@ One CLI process per model answers a stream of JSON requests, so the whole file s
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minisgl.server.service import service_binary
+from minisgl.testing.text_cli import TextCli
 from minisgl.tokenizer.detokenize import DecodeState, Detokenizer
 from minisgl.tokenizer.load import load_tokenizer
 from minisgl.tokenizer.worker import max_token_chars
@@ -75,45 +74,6 @@ def service_bin() -> Path:
         return service_binary()
     except FileNotFoundError as e:
         pytest.fail(str(e))
-
-
-class TextCli:
-    """`minisgl-cpu-service text --model DIR`, one JSON line per request."""
-
-    def __init__(self, binary: Path, model: Path) -> None:
-        self.proc = subprocess.Popen(
-            [str(binary), "text", "--model", str(model)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            encoding="utf-8",
-        )
-
-    def ask(self, **req) -> dict:
-        return self.ask_raw(json.dumps(req))
-
-    def ask_raw(self, line: str) -> dict:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        try:
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            pytest.fail(f"the CLI exited (rc={self.proc.wait()})")
-        reply = self.proc.stdout.readline()
-        assert reply, f"the CLI exited (rc={self.proc.wait()})"
-        return json.loads(reply)
-
-    def close(self) -> None:
-        if self.proc.stdin:
-            with contextlib.suppress(BrokenPipeError):  # it exited: a failing request said so
-                self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        if self.proc.stdout:
-            self.proc.stdout.close()
 
 
 class Model:

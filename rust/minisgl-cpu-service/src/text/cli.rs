@@ -4,10 +4,12 @@
 //! Requests (`op`): `encode` {text, add_special_tokens}, `chat` {messages,
 //! add_generation_prompt = true}, `decode` {ids, skip_special_tokens}, `names` {ids},
 //! `detok` {steps: [[ids]], finish (applied with the last step), stops, skip_special_tokens},
-//! `info`. A bad line gets `{"error": ...}`; the loop goes on.
+//! `info`, `encode_bench` {texts, repeats = 1} (seconds of `encode` and of `tokenizers`'
+//! encode, cold and warm). A bad line gets `{"error": ...}`; the loop goes on.
 
 use std::io::{self, BufRead, Write};
 use std::process::ExitCode;
+use std::time::Instant;
 
 use serde::Deserialize;
 use serde_json::{json, Value as Json};
@@ -46,6 +48,17 @@ enum Request {
         skip_special_tokens: bool,
     },
     Info {},
+    /// Time `encode` of `texts` against `tokenizers`' encode, cold (caches cleared) and warm,
+    /// `repeats` times, the two encoders alternating first.
+    EncodeBench {
+        texts: Vec<String>,
+        #[serde(default = "one")]
+        repeats: usize,
+    },
+}
+
+fn one() -> usize {
+    1
 }
 
 fn yes() -> bool {
@@ -99,6 +112,7 @@ fn handle(model: &TextModel, req: Request) -> Result<Json, TextError> {
             json!({"pieces": pieces, "finished": st.finished, "stop_hit": stop_hit,
                        "text": st.text(), "unsent_tokens": tokens})
         }
+        Request::EncodeBench { texts, repeats } => encode_bench(model, &texts, repeats)?,
         Request::Info {} => json!({
             "max_token_chars": tok.max_token_chars(),
             "vocab_size": tok.vocab_size(),
@@ -108,6 +122,51 @@ fn handle(model: &TextModel, req: Request) -> Result<Json, TextError> {
             "chat_template_error": model.chat.load_error(),
         }),
     })
+}
+
+/// Seconds of each encoder over `texts`: cold (both caches cleared) then warm, per repeat.
+fn encode_bench(model: &TextModel, texts: &[String], repeats: usize) -> Result<Json, TextError> {
+    let tok = &model.tokenizer;
+    let pass = |fast: bool| -> Result<(f64, usize), TextError> {
+        let t0 = Instant::now();
+        let mut n = 0;
+        for t in texts {
+            n += if fast {
+                tok.encode(t, false)?
+            } else {
+                tok.encode_reference(t, false)?
+            }
+            .len();
+        }
+        Ok((t0.elapsed().as_secs_f64(), n))
+    };
+    let mut identical = true;
+    for t in texts {
+        identical &= tok.encode(t, false)? == tok.encode_reference(t, false)?;
+    }
+    let (mut cold, mut warm) = ([Vec::new(), Vec::new()], [Vec::new(), Vec::new()]);
+    let mut tokens = 0;
+    for r in 0..repeats.max(1) {
+        let order = if r % 2 == 0 {
+            [false, true]
+        } else {
+            [true, false]
+        };
+        for fast in order {
+            tok.clear_encode_caches();
+            let (c, n) = pass(fast)?;
+            let (w, _) = pass(fast)?;
+            cold[usize::from(fast)].push(c);
+            warm[usize::from(fast)].push(w);
+            tokens = n;
+        }
+    }
+    Ok(json!({
+        "texts": texts.len(), "tokens": tokens, "identical": identical,
+        "fast_encoding": tok.fast_encoding(),
+        "cold_s": {"tokenizers": cold[0], "fast": cold[1]},
+        "warm_s": {"tokenizers": warm[0], "fast": warm[1]},
+    }))
 }
 
 /// One request line to one reply line.

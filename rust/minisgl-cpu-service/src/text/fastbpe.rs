@@ -426,6 +426,15 @@ impl FastBpe {
         Some(fast)
     }
 
+    /// Forget the cached pieces.
+    pub fn clear_cache(&self) {
+        self.merges
+            .cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+
     /// The ids of `text` (`tokenizers`' `encode_fast(text, add_special_tokens).get_ids()`).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Vec<u32> {
         let mut out = Vec::with_capacity(text.len() / 3 + 4);

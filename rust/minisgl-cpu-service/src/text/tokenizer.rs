@@ -59,6 +59,12 @@ fn token_content(v: &Json) -> Option<String> {
     }
 }
 
+fn signed(ids: &[u32]) -> Result<Vec<i32>, TextError> {
+    ids.iter()
+        .map(|&i| i32::try_from(i).map_err(|_| TextError::new(format!("token id {i} overflows"))))
+        .collect()
+}
+
 fn json_bool(m: &Map<String, Json>, key: &str, default: bool) -> bool {
     m.get(key).and_then(Json::as_bool).unwrap_or(default)
 }
@@ -172,25 +178,33 @@ impl Tokenizer {
 
     /// HF `tok(text, add_special_tokens=...)["input_ids"]`.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<i32>, TextError> {
-        if let Some(fast) = &self.fast {
-            return fast
-                .encode(text, add_special_tokens)
-                .into_iter()
-                .map(|i| {
-                    i32::try_from(i).map_err(|_| TextError::new(format!("token id {i} overflows")))
-                })
-                .collect();
+        match &self.fast {
+            Some(fast) => signed(&fast.encode(text, add_special_tokens)),
+            None => self.encode_reference(text, add_special_tokens),
         }
+    }
+
+    /// `encode` through `tokenizers` whatever the tokenizer (the reference [`FastBpe`] gives).
+    pub fn encode_reference(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<i32>, TextError> {
         let enc = self
             .inner
             .encode_fast(text, add_special_tokens) // ids only: no offsets to compute
             .map_err(|e| TextError::new(format!("cannot tokenize: {e}")))?;
-        enc.get_ids()
-            .iter()
-            .map(|&i| {
-                i32::try_from(i).map_err(|_| TextError::new(format!("token id {i} overflows")))
-            })
-            .collect()
+        signed(enc.get_ids())
+    }
+
+    /// Forget the pieces both encoders cached (a cold start, for benchmarks).
+    pub fn clear_encode_caches(&self) {
+        if let ModelWrapper::BPE(bpe) = self.inner.get_model() {
+            bpe.clear_cache();
+        }
+        if let Some(fast) = &self.fast {
+            fast.clear_cache();
+        }
     }
 
     /// Whether `encode` runs on [`FastBpe`] (else through `tokenizers`).
