@@ -50,6 +50,20 @@ fn assert_drained(c: &SchedCore) {
     assert_eq!(c.alloc.num_free_slots(), c.alloc.max_slots);
 }
 
+/// A core (3 running, 12-token prefill chunks) with `reqs` (prompt, max new tokens) queued.
+fn queued(ps: usize, radix: bool, reqs: &[(Vec<i32>, usize)], ignore_eos: bool) -> SchedCore {
+    let mut c = core(ps, radix, 96 / ps, 3, 12);
+    for (rid, (prompt, n)) in reqs.iter().enumerate() {
+        let max_total = (prompt.len() + n).min(64);
+        c.add_request(rid as i64, prompt, max_total, params(*n, ignore_eos, false))
+            .unwrap();
+    }
+    c
+}
+
+/// The token a length-only run samples for a request's `n`-th output.
+const TOK: fn(i64, usize) -> i64 = |rid, n| 1 + (rid * 3 + n as i64) % 5;
+
 /// Pipelined driver: keeps up to `depth` steps in flight; `tok(rid, n)` is the token sampled
 /// for a request's `n`-th in-flight output. Returns each request's committed outputs.
 fn run_pipelined(
@@ -252,16 +266,11 @@ proptest! {
         radix in any::<bool>(),
         reqs in prop::collection::vec((prop::collection::vec(1i32..6, 1..24), 1usize..10), 1..8),
     ) {
-        let mut a = core(ps, radix, 96 / ps, 3, 12);
-        let tok = |rid: i64, n: usize| 1 + (rid * 3 + n as i64) % 5;
-        for (rid, (prompt, n)) in reqs.iter().enumerate() {
-            let max_total = (prompt.len() + n).min(64);
-            a.add_request(rid as i64, prompt, max_total, params(*n, true, false)).unwrap();
-        }
+        let mut a = queued(ps, radix, &reqs, true);
         let mut b = a.clone();
         let all: Vec<i64> = (0..reqs.len() as i64).collect();
-        let serial = run_serial(&mut a, &all, tok);
-        let piped = run_pipelined(&mut b, 2, tok);
+        let serial = run_serial(&mut a, &all, TOK);
+        let piped = run_pipelined(&mut b, 2, TOK);
         prop_assert_eq!(serial.len(), reqs.len());
         prop_assert_eq!(serial, piped);
         assert_drained(&a);
@@ -278,12 +287,7 @@ proptest! {
         radix in any::<bool>(),
         reqs in prop::collection::vec((prop::collection::vec(1i32..6, 1..24), 1usize..10), 1..8),
     ) {
-        let mut a = core(ps, radix, 96 / ps, 3, 12);
-        let tok = |rid: i64, n: usize| 1 + (rid * 3 + n as i64) % 5;
-        for (rid, (prompt, n)) in reqs.iter().enumerate() {
-            let max_total = (prompt.len() + n).min(64);
-            a.add_request(rid as i64, prompt, max_total, params(*n, false, false)).unwrap();
-        }
+        let mut a = queued(ps, radix, &reqs, false);
         let mut b = a.clone();
         b.set_inflight_audit(false);
         let mut buf = PlanBuf::default();
@@ -295,8 +299,8 @@ proptest! {
         prop_assert_eq!(b.inflight_audited_pages(), 0);
         prop_assert_eq!(&buf_b.data, &buf.data);
         prop_assert_eq!(buf_b.is_prefill, buf.is_prefill);
-        let audited = run_pipelined(&mut a, 2, tok);
-        let unaudited = run_pipelined(&mut b, 2, tok);
+        let audited = run_pipelined(&mut a, 2, TOK);
+        let unaudited = run_pipelined(&mut b, 2, TOK);
         prop_assert_eq!(audited, unaudited);
         prop_assert_eq!(a.alloc.page_table(), b.alloc.page_table());
         assert_drained(&b);
