@@ -435,6 +435,11 @@ impl FastBpe {
             .clear();
     }
 
+    /// `encode` where this encoder gives `tokenizers`' ids for `text`, else None.
+    pub fn try_encode(&self, text: &str, add_special_tokens: bool) -> Option<Vec<u32>> {
+        Some(self.encode(text, add_special_tokens))
+    }
+
     /// The ids of `text` (`tokenizers`' `encode_fast(text, add_special_tokens).get_ids()`).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Vec<u32> {
         let mut out = Vec::with_capacity(text.len() / 3 + 4);
@@ -618,6 +623,45 @@ mod tests {
         }
     }
 
+    /// Qwen2's tokenizer: NFC, then its split pattern. NFC leaves ASCII as it is, so an ASCII
+    /// text takes the fast path; any other text is not this encoder's (`None`: the caller
+    /// encodes through `tokenizers`).
+    fn qwen2_like() -> &'static (tokenizers::Tokenizer, FastBpe) {
+        use tokenizers::normalizers::{unicode::NFC, NormalizerWrapper};
+        static PAIR: OnceLock<(tokenizers::Tokenizer, FastBpe)> = OnceLock::new();
+        PAIR.get_or_init(|| {
+            let mut tok = with_split(SPLIT_PATTERNS[1]);
+            let _ = tok.with_normalizer(Some(NormalizerWrapper::NFC(NFC)));
+            let fast = FastBpe::build(&tok).expect("NFC before a plain byte-level BPE");
+            (tok, fast)
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+        #[test]
+        fn nfc_ascii_on_the_fast_path_the_rest_refused(text in texts(), add in any::<bool>()) {
+            let (tok, fast) = qwen2_like();
+            match fast.try_encode(&text, add) {
+                Some(ids) => {
+                    prop_assert!(text.is_ascii(), "only ASCII is left as it is by NFC");
+                    prop_assert_eq!(ids, reference(tok, &text, add));
+                }
+                None => prop_assert!(!text.is_ascii(), "an ASCII text refused"),
+            }
+        }
+    }
+
+    #[test]
+    fn nfc_composes_so_non_ascii_is_refused() {
+        let (tok, fast) = qwen2_like();
+        let decomposed = "cafe\u{301} ok"; // NFC: "café ok"
+        assert_ne!(reference(tok, decomposed, false), reference(&smollm2(), decomposed, false));
+        assert_eq!(fast.try_encode(decomposed, false), None);
+        let plain = "The cafe is open, isn't it?\n\n";
+        assert_eq!(fast.try_encode(plain, false), Some(reference(tok, plain, false)));
+    }
+
     #[test]
     fn long_runs_and_prose_as_tokenizers() {
         let tok = smollm2();
@@ -657,11 +701,11 @@ mod tests {
 
     #[test]
     fn not_built_where_it_would_differ() {
-        use tokenizers::normalizers::{unicode::NFC, NormalizerWrapper};
+        use tokenizers::normalizers::{unicode::NFKC, NormalizerWrapper};
         use tokenizers::pre_tokenizers::{byte_level::ByteLevel, PreTokenizerWrapper};
         let mut tok = fixture("fastbpe-normalized");
-        let _ = tok.with_normalizer(Some(NormalizerWrapper::NFC(NFC)));
-        assert!(FastBpe::build(&tok).is_none(), "a normalizer");
+        let _ = tok.with_normalizer(Some(NormalizerWrapper::NFKC(NFKC)));
+        assert!(FastBpe::build(&tok).is_none(), "a normalizer other than NFC");
         let mut tok = fixture("fastbpe-prefix-space");
         tok.with_pre_tokenizer(Some(PreTokenizerWrapper::ByteLevel(
             ByteLevel::default().add_prefix_space(true),
