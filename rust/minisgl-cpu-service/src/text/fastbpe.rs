@@ -4,8 +4,8 @@
 //! for offsets nobody reads here), the GPT-2 split pattern on `fancy_regex`'s backtracking VM
 //! (its `\s+(?!\S)` look-ahead keeps the whole pattern off the DFA) and a `Word` a piece: ~40%
 //! of the Rust service's CPU under a burst of cold prompts. For the common byte-level BPE (no
-//! normalizer, a byte-level pre-tokenizer, plain BPE merges, added tokens matched as written)
-//! this gives the same ids with the split pattern on the `regex` crate's DFA (the look-ahead
+//! normalizer, or NFC and an ASCII text, a byte-level pre-tokenizer, plain BPE merges, added
+//! tokens matched as written) this gives the same ids with the split pattern on the `regex` crate's DFA (the look-ahead
 //! emulated: see [`Splitter`]) and the merges on byte ids; any other configuration is not
 //! built and `tokenizers` encodes.
 
@@ -299,6 +299,9 @@ impl AddedSplit {
 
 /// A byte-level BPE encoder giving `tokenizers`' `encode_fast(text, add_special_tokens)` ids.
 pub struct FastBpe {
+    /// The tokenizer normalizes to NFC: only ASCII texts (which NFC leaves as they are) are
+    /// this encoder's.
+    nfc: bool,
     added: AddedSplit,
     splitter: Splitter,
     merges: Merges,
@@ -396,14 +399,17 @@ fn build_merges(inner: &tokenizers::Tokenizer) -> Option<Merges> {
 impl FastBpe {
     /// The encoder of a tokenizer it can reproduce exactly; None for any other.
     pub fn build(inner: &tokenizers::Tokenizer) -> Option<Self> {
-        if inner.get_normalizer().is_some()
-            || inner.get_truncation().is_some()
-            || inner.get_padding().is_some()
-        {
+        let nfc = match inner.get_normalizer() {
+            None => false,
+            Some(n) if serde_json::to_value(n).ok()?["type"] == "NFC" => true,
+            Some(_) => return None,
+        };
+        if inner.get_truncation().is_some() || inner.get_padding().is_some() {
             return None;
         }
         let splitter = Splitter::new(&split_pattern(inner)?)?;
         let mut fast = Self {
+            nfc,
             added: AddedSplit::build(inner)?,
             splitter,
             merges: build_merges(inner)?,
@@ -435,13 +441,17 @@ impl FastBpe {
             .clear();
     }
 
-    /// `encode` where this encoder gives `tokenizers`' ids for `text`, else None.
+    /// `tokenizers`' `encode_fast(text, add_special_tokens).get_ids()` where this encoder gives
+    /// them for `text` (a non-ASCII text under NFC is not its: None).
     pub fn try_encode(&self, text: &str, add_special_tokens: bool) -> Option<Vec<u32>> {
+        if self.nfc && !text.is_ascii() {
+            return None;
+        }
         Some(self.encode(text, add_special_tokens))
     }
 
-    /// The ids of `text` (`tokenizers`' `encode_fast(text, add_special_tokens).get_ids()`).
-    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Vec<u32> {
+    /// The ids of `text`, normalization aside (see `try_encode`).
+    fn encode(&self, text: &str, add_special_tokens: bool) -> Vec<u32> {
         let mut out = Vec::with_capacity(text.len() / 3 + 4);
         if add_special_tokens {
             out.extend_from_slice(&self.prefix);
@@ -656,10 +666,16 @@ mod tests {
     fn nfc_composes_so_non_ascii_is_refused() {
         let (tok, fast) = qwen2_like();
         let decomposed = "cafe\u{301} ok"; // NFC: "café ok"
-        assert_ne!(reference(tok, decomposed, false), reference(&smollm2(), decomposed, false));
+        assert_ne!(
+            reference(tok, decomposed, false),
+            reference(&smollm2(), decomposed, false)
+        );
         assert_eq!(fast.try_encode(decomposed, false), None);
         let plain = "The cafe is open, isn't it?\n\n";
-        assert_eq!(fast.try_encode(plain, false), Some(reference(tok, plain, false)));
+        assert_eq!(
+            fast.try_encode(plain, false),
+            Some(reference(tok, plain, false))
+        );
     }
 
     #[test]
@@ -705,7 +721,10 @@ mod tests {
         use tokenizers::pre_tokenizers::{byte_level::ByteLevel, PreTokenizerWrapper};
         let mut tok = fixture("fastbpe-normalized");
         let _ = tok.with_normalizer(Some(NormalizerWrapper::NFKC(NFKC)));
-        assert!(FastBpe::build(&tok).is_none(), "a normalizer other than NFC");
+        assert!(
+            FastBpe::build(&tok).is_none(),
+            "a normalizer other than NFC"
+        );
         let mut tok = fixture("fastbpe-prefix-space");
         tok.with_pre_tokenizer(Some(PreTokenizerWrapper::ByteLevel(
             ByteLevel::default().add_prefix_space(true),

@@ -178,8 +178,12 @@ impl Tokenizer {
 
     /// HF `tok(text, add_special_tokens=...)["input_ids"]`.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<i32>, TextError> {
-        match &self.fast {
-            Some(fast) => signed(&fast.encode(text, add_special_tokens)),
+        match self
+            .fast
+            .as_ref()
+            .and_then(|f| f.try_encode(text, add_special_tokens))
+        {
+            Some(ids) => signed(&ids),
             None => self.encode_reference(text, add_special_tokens),
         }
     }
