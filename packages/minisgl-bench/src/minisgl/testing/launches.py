@@ -67,19 +67,123 @@ class LaunchCounter(TorchDispatchMode):
 def count_launches() -> Iterator[LaunchCounter]:
     """`with count_launches() as c: ...`: the kernel launches of the block in `c`."""
     counter = LaunchCounter()
+
+    def hook(kernel: Any, run: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
+        return counter.triton_launch(_kernel_name(kernel), run)
+
+    with _hooked_launches(hook), counter:
+        yield counter
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One compiled form of a Triton kernel: what Triton keys its JIT cache on at a launch
+    (each argument's type and specialisation, each constexpr's value, the launch options). A
+    variant a process has not met before is compiled at that launch (hundreds of ms on a
+    GPU: every running request waits)."""
+
+    kernel: str
+    key: tuple[tuple[str, str], ...]
+
+
+class VariantRecorder:
+    """`variants`: the distinct `KernelVariant`s launched; `launches`: how many launches."""
+
+    def __init__(self) -> None:
+        self.variants: set[KernelVariant] = set()
+        self.launches = 0
+
+    def describe(self, variants: set[KernelVariant]) -> str:
+        return "\n".join(f"{v.kernel}: {dict(v.key)}" for v in sorted(variants, key=repr))
+
+
+@contextmanager
+def record_variants() -> Iterator[VariantRecorder]:
+    """`with record_variants() as r: ...`: the Triton kernel variants the block launched,
+    keyed as Triton's JIT keys them (`triton._C.libtriton.native_specialize_impl` where this
+    Triton has it: a pointer's 16-byte alignment, an int's divisibility by 16 and its being 1,
+    unless the kernel says `do_not_specialize`), compiled or interpreted alike."""
+    recorder = VariantRecorder()
+
+    def hook(kernel: Any, run: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
+        recorder.launches += 1
+        recorder.variants.add(
+            KernelVariant(_kernel_name(kernel), variant_key(kernel, args, kwargs))
+        )
+        return run()
+
+    with _hooked_launches(hook):
+        yield recorder
+
+
+def variant_key(kernel: Any, args: tuple, kwargs: dict) -> tuple[tuple[str, str], ...]:
+    """The specialisation key of one launch `kernel[grid](*args, **kwargs)`."""
+    import inspect
+
+    params = inspect.signature(kernel.fn).parameters
+    bound = inspect.signature(kernel.fn).bind(
+        *args, **{k: v for k, v in kwargs.items() if k in params}
+    )
+    bound.apply_defaults()
+    fixed = _flagged(kernel, "do_not_specialize", params)
+    unaligned = _flagged(kernel, "do_not_specialize_on_alignment", params)
+    key = []
+    for name, param in params.items():
+        value = bound.arguments[name]
+        if "constexpr" in str(param.annotation):
+            key.append((name, f"constexpr={value!r}"))
+        else:
+            ty, spec = _specialize(value, name not in fixed, name not in unaligned)
+            key.append((name, f"{ty}:{spec}"))
+    options = sorted((k, repr(v)) for k, v in kwargs.items() if k not in params)
+    return tuple(key + [(k, f"option={v}") for k, v in options])
+
+
+def _flagged(kernel: Any, attr: str, params: Any) -> set[str]:
+    """Parameter names in a kernel's `do_not_specialize*` list (given by name or index)."""
+    raw = getattr(kernel, attr, None)
+    if raw is None:  # an interpreted kernel keeps the decorator's arguments
+        raw = (getattr(kernel, "kwargs", None) or {}).get(attr)
+    names = list(params)
+    return {names[x] if isinstance(x, int) else x for x in raw or ()}
+
+
+def _specialize(value: Any, specialize: bool, align: bool) -> tuple[str, Any]:
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:  # a Triton before 3.4: its documented rules
+        if isinstance(value, bool) or value is None or isinstance(value, float):
+            return type(value).__name__, None
+        if isinstance(value, int):
+            if specialize and value == 1:
+                return "constexpr", 1
+            return "int", "D" if specialize and value % 16 == 0 else ""
+        if hasattr(value, "data_ptr"):
+            return f"*{value.dtype}", "D" if align and value.data_ptr() % 16 == 0 else ""
+        return type(value).__name__, repr(value)
+    return native_specialize_impl(BaseBackend, value, False, specialize, align)
+
+
+def _kernel_name(kernel: Any) -> str:
+    return getattr(kernel, "__name__", None) or kernel.fn.__name__
+
+
+@contextmanager
+def _hooked_launches(hook: Callable[[Any, Callable[[], Any], tuple, dict], Any]) -> Iterator[None]:
+    """Every Triton launch in the block goes through `hook(kernel, run, args, kwargs)`."""
     patched = []
     for cls in _launcher_classes():
         original = cls.run
 
         def run(self, *args, _original=original, **kwargs):
-            name = getattr(self, "__name__", None) or self.fn.__name__
-            return counter.triton_launch(name, lambda: _original(self, *args, **kwargs))
+            launch = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+            return hook(self, lambda: _original(self, *args, **kwargs), args, launch)
 
         cls.run = run
         patched.append((cls, original))
     try:
-        with counter:
-            yield counter
+        yield
     finally:
         for cls, original in patched:
             cls.run = original
