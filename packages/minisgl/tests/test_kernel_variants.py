@@ -90,6 +90,32 @@ def test_the_key_follows_tritons_rules():
     assert all(isinstance(v, KernelVariant) and v.kernel == "k" for v in rec.variants)
 
 
+@pytest.mark.card(CARD, "no-triton-kernel-variant-compiles-after-the-warm-up")
+def test_the_fused_ops_compile_one_variant_for_every_row_count():
+    """A step's row count (1, a multiple of 16, any other) is a grid size or an unspecialised
+    argument, never a new variant: the sampler's argmax outside the graphs runs at the step's
+    number of sampled rows."""
+    from minisgl.kernels.triton import add_rms_norm_, argmax_rows, rms_norm, silu_and_mul
+
+    gen = torch.Generator().manual_seed(0)
+    with record_variants() as rec:
+        for rows in (1, 16, 17, 32, 5):
+            x = torch.randn(rows, 64, generator=gen).to(DEVICE)
+            w = torch.randn(64, generator=gen).to(DEVICE)
+            rms_norm(x, w, 1e-6)
+            add_rms_norm_(x, x.clone(), w, 1e-6)
+            silu_and_mul(torch.randn(rows, 128, generator=gen).to(DEVICE))
+            argmax_rows(torch.randn(rows, 1000, generator=gen).to(DEVICE))
+    by_kernel: dict[str, int] = {}
+    for v in rec.variants:
+        by_kernel[v.kernel] = by_kernel.get(v.kernel, 0) + 1
+    assert rec.launches == 5 * 5
+    assert by_kernel == {"_rms_norm_kernel": 2, "_silu_and_mul_kernel": 1,
+                         "_argmax_blocks_kernel": 1, "_argmax_merge_kernel": 1}, rec.describe(
+        rec.variants
+    )  # fmt: skip
+
+
 @pytest.mark.card(CARD, "no-triton-kernel-variant-compiles-after-the-warm-up", RED, GREEN)
 @pytest.mark.parametrize("arch", ["qwen3", "mistral"])
 def test_no_kernel_compiles_after_the_warm_up(arch, tiny_model_dir, monkeypatch):
