@@ -1,11 +1,13 @@
 """Step inputs on the device without syncs: one host memcpy + one non-blocking H2D copy.
 
-`PlanStager.stage(plan)` gathers the plan's segments (the flat int32 layout of
-`step/plan.py`) into a pinned host buffer with one `np.concatenate`, then copies that
-buffer to the device with one non-blocking copy; the segments are views of the device buffer
-(`DevicePlan`). Two host/device buffer pairs alternate: step N+1 fills its host buffer while
-step N's copy may still be reading the other one (before reusing a buffer, the stager waits
-for the copy that read it two steps ago, which has long finished). On the CPU the buffers are
+`PlanStager.stage(plan)` gathers the plan's segments (the int32 fields of `step/plan.py`)
+into a pinned host buffer with one `np.concatenate`, then copies that buffer to the device with
+one non-blocking copy; the segments are views of the device buffer (`DevicePlan`), each
+starting 16-byte aligned: Triton keys a kernel's compiled variant on each pointer's 16-byte
+alignment, so offsets that followed the step's sizes compiled new variants mid-serving. Two
+host/device buffer pairs alternate: step N+1 fills its host buffer while step N's copy may still
+be reading the other one (before reusing a buffer, the stager waits for the copy that read it
+two steps ago, which has long finished). On the CPU the buffers are
 plain memory and the copy a memcpy: the same code path.
 """
 
@@ -16,9 +18,27 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minisgl.step.plan import PLAN_FIELDS, PlanLayout, StepPlan
+from minisgl.step.plan import PLAN_FIELDS, StepPlan
 
 _MIN_CAPACITY = 1 << 14
+ALIGN = 4  # int32 elements: every staged segment starts at a multiple of 16 bytes
+_PADS = tuple(np.zeros(n, dtype=np.int32) for n in range(ALIGN))
+
+
+def aligned_parts(plan: StepPlan) -> tuple[list[np.ndarray], list[tuple[int, int]], int]:
+    """The arrays to concatenate into a staging buffer (each field, then zeros up to the next
+    multiple of `ALIGN`), each field's `(offset, length)` there, and the buffer's length."""
+    parts: list[np.ndarray] = []
+    segments: list[tuple[int, int]] = []
+    off = 0
+    for f in PLAN_FIELDS:
+        a = getattr(plan, f)
+        n = int(a.shape[0])
+        pad = -n % ALIGN
+        parts += (a, _PADS[pad])
+        segments.append((off, n))
+        off += n + pad
+    return parts, segments, off
 
 
 @dataclass(frozen=True)
@@ -95,18 +115,15 @@ class PlanStager:
         self.turns.forget()
 
     def stage(self, plan: StepPlan) -> DevicePlan:
-        layout = PlanLayout.of(plan)
-        segments = layout.segments()[: len(PLAN_FIELDS)]  # not the scheduler's batch_pos
-        n = segments[-1][1] + segments[-1][2]
+        parts, segments, n = aligned_parts(plan)
         if n > self.capacity:
             if self.pinned:
                 torch.cuda.current_stream(self.device).synchronize()  # in-flight copies
             self._alloc(max(n, 2 * self.capacity))
         i = self.turns.next()
-        np.concatenate([getattr(plan, f) for f in PLAN_FIELDS], out=self._host_np[i][:n],
-                       casting="same_kind")  # fmt: skip
+        np.concatenate(parts, out=self._host_np[i][:n], casting="same_kind")
         dev = self._dev[i]
         dev[:n].copy_(self._host[i][:n], non_blocking=True)
         self.copies += 1
         self.turns.copied(i)
-        return DevicePlan(*(dev[off : off + length] for _, off, length in segments))
+        return DevicePlan(*(dev[off : off + length] for off, length in segments))

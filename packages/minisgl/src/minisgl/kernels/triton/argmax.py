@@ -40,7 +40,7 @@ def _argmax_blocks_kernel(X, VALS, IDXS, stride_x, V, NUM_BLOCKS, BLOCK_V: tl.co
     tl.store(IDXS + row * NUM_BLOCKS + blk, tl.where(has_nan, nan_idx, first))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ROWS"])  # the step's sampled rows: one variant for all
 def _argmax_merge_kernel(VALS, IDXS, OUT, ROWS, NUM_BLOCKS, BLOCK_B: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     b = tl.arange(0, BLOCK_B)
