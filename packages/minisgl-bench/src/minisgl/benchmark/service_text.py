@@ -20,8 +20,8 @@ from minisgl.benchmark.profiles import PROFILES, build_workload, get_profile
 from minisgl.testing.text_cli import TextCli
 
 
-def rendered_prompts(model_dir: str, profile_name: str) -> tuple[list[list[dict]], Any]:
-    """The profile's chat messages (as the online client sends them) and the HF tokenizer."""
+def rendered_prompts(model_dir: str, profile_name: str) -> list[list[dict]]:
+    """The profile's chat messages, as the online client sends them."""
     from transformers import AutoTokenizer
 
     from minisgl.benchmark.online import messages_for
@@ -29,7 +29,7 @@ def rendered_prompts(model_dir: str, profile_name: str) -> tuple[list[list[dict]
     profile = get_profile(profile_name)
     tok = AutoTokenizer.from_pretrained(model_dir)
     items = build_workload(profile, len(tok))
-    return [messages_for(it, profile, tok) for it in items], tok
+    return [messages_for(it, profile, tok) for it in items]
 
 
 def answer(reply: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         from minisgl.default_model import default_model_path
 
         model_dir = str(default_model_path())
-    messages, _ = rendered_prompts(model_dir, args.profile)
+    messages = rendered_prompts(model_dir, args.profile)
     cli = TextCli(service_binary(), model_dir)
     try:
         texts = [answer(cli.ask(op="chat", messages=m))["text"] for m in messages]
