@@ -242,3 +242,38 @@ def test_nano_vllm_profile_has_uniform_input_and_output_lengths():
     assert [w.max_tokens for w in build_workload(p, 151936)] == outs  # seeded
     with pytest.raises(ValueError, match="output_len_min"):
         get_profile("nano-vllm", {"output_len_min": "2000"})
+
+
+def test_longest_steps_name_their_index_and_duration():
+    from minisgl.benchmark.offline import longest_steps
+
+    assert longest_steps([0.01, 0.5, 0.02, 0.2, 0.01], top=2) == [
+        {"step": 1, "ms": 500.0},
+        {"step": 3, "ms": 200.0},
+    ]
+    assert longest_steps([], top=3) == []
+
+
+def test_an_offline_run_reports_each_steps_wall_time(tiny_model_dir, monkeypatch):
+    """A stalled step (a kernel compiled mid-run, on a GPU) shows as the run's longest step,
+    with its index, beside the distribution of step wall times."""
+    import time
+
+    from minisgl import LLM
+    from minisgl.benchmark.offline import run_minisgl
+
+    p = get_profile("many-short", {"num_requests": "6", "output_len": "4"})
+    llm = LLM(tiny_model_dir("llama"), sim_device="0.2,0.001", num_pages=512)
+    step, calls = llm.step, []
+
+    def stalled_step():
+        calls.append(1)
+        if len(calls) == 3:
+            time.sleep(0.25)
+        return step()
+
+    monkeypatch.setattr(llm, "step", stalled_step)
+    m = run_minisgl(llm, build_workload(p, 384))["metrics"]
+    assert m["step_wall_ms"]["max"] >= 250 and m["step_wall_ms"]["p50"] < 100
+    assert m["longest_steps"][0]["step"] == 2 and m["longest_steps"][0]["ms"] >= 250
+    assert len(m["longest_steps"]) == 5 and len(calls) >= 5
