@@ -57,6 +57,13 @@ def request_metrics(
     }
 
 
+def longest_steps(step_s: Sequence[float], top: int = 5) -> list[dict[str, float | int]]:
+    """The `top` longest of a run's step wall times (seconds): `{"step": index, "ms": ...}`,
+    longest first. A compile or an allocation mid-run shows here, not in the percentiles."""
+    order = sorted(range(len(step_s)), key=lambda i: step_s[i], reverse=True)[:top]
+    return [{"step": i, "ms": step_s[i] * 1e3} for i in order]
+
+
 def add_cpu_efficiency(metrics: dict[str, Any]) -> None:
     """Output tokens per CPU-second of this process: robust when other jobs share the cores."""
     cpu_s = (metrics.get("cpu") or {}).get("client_cpu_s")
@@ -160,6 +167,7 @@ def run_minisgl(
     token_times: list[list[float]] = [[] for _ in items]
     token_ids: list[list[int]] = [[] for _ in items]
     kv_samples: list[tuple[float, int]] = []  # (time, KV pages used) after every step
+    step_s: list[float] = []  # wall time of every `llm.step()`
     out_tokens = [0] * len(items)
     index: dict[int, int] = {}
     peak_used = peak_running = peak_waiting = 0
@@ -182,8 +190,10 @@ def run_minisgl(
             if not llm.has_work():  # requests, or steps in flight (overlap scheduling)
                 time.sleep(max(0.0, min(items[order[pos]].arrival_s - now, 0.05)))
                 continue
+            t_step = time.perf_counter()
             outs = llm.step()
             t = time.perf_counter() - t0
+            step_s.append(time.perf_counter() - t_step)
             usage = sched.kv_usage() if service is None else service.kv_usage()
             used = usage["total_pages"] - usage["free_pages"]
             kv_samples.append((t, used))
@@ -218,6 +228,8 @@ def run_minisgl(
             "schedule_cpu_ms": percentiles(sched_s, 1e3),
             "commit_cpu_ms": percentiles(commit_s, 1e3),
             "sched_cpu_share_pct": 100.0 * sum(steps) / max(duration, 1e-9),
+            "step_wall_ms": percentiles(step_s, 1e3),
+            "longest_steps": longest_steps(step_s),
             "peak_kv_usage": peak_used / total_pages,
             "peak_kv_pages": peak_used,
             "kv_total_pages": total_pages,
