@@ -45,3 +45,17 @@ def test_without_the_simulated_device_the_cores_are_shared(started, tmp_path):
     assert by_dp["2"][by_dp["2"].index("--threads") + 1] == "1"
     assert "--sim-device" not in by_dp["2"]
     assert json.loads(out.read_text())["sim_device"] is None
+
+
+def test_the_record_names_the_machine_and_the_commit(started, tmp_path):
+    """Issue 35: every benchmark record names the CPU kind and its ISA features (a dp figure on
+    2 shared cores says nothing of another machine), the commit and the command line."""
+    out = tmp_path / "dp.json"
+    argv = ["--dp", "2", "--repeats", "1", "--out", str(out)]
+    dp_ab.main(argv)
+    doc = json.loads(out.read_text())
+    assert doc["schema_version"] >= 1 and doc["created"] and doc["argv"] == argv
+    assert doc["git"]["commit"]
+    machine = doc["machine"]
+    assert machine["cpu_kind"] and machine["isa"]["features"] is not None
+    assert machine["cpu_count_logical"] >= 1
