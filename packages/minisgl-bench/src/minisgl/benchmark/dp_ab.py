@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from minisgl.benchmark import common
 from minisgl.benchmark.online_ab import server_flags
 from minisgl.benchmark.profiles import get_profile
 from minisgl.testing.server import metric, metrics, running_server
@@ -96,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     a, b = names
     doc = {
+        "schema_version": common.SCHEMA_VERSION,
+        "kind": "dp_ab",
+        "created": common.now_iso(),
+        "argv": sys.argv[1:] if argv is None else argv,
+        "git": common.git_commit(),
+        "machine": common.machine_info(),
         "profile": args.profile,
         "sets": sets,
         "backend": args.backend,

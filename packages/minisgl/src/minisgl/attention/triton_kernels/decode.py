@@ -4,7 +4,9 @@ Stage 1 runs one program per (request, KV head, split): the `gqa` query heads sh
 head are one [BLOCK_H, D] tile, so each K/V row is loaded once for the whole group. A request's
 KV range (its sliding window, if any) is cut into `num_splits` pieces of whole BLOCK_N blocks;
 each program writes a partial output and its log-sum-exp (base 2; -inf for an empty piece).
-Stage 2 merges the pieces per (request, head). The grid depends only on the batch size and
+Stage 2 merges the pieces per (request, head). With one split (large batches: the grid fills the
+GPU without splitting) the partial output is the output: stage 1 writes it and stage 2 is not
+launched. The grid depends only on the batch size and
 `num_splits` (never on sequence lengths, which are read on the device), so a decode step can be
 captured in a CUDA graph.
 """
@@ -25,8 +27,8 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K_CACHE, V_CACHE, KV_INDPTR, KV_INDICES, SEQ_LENS, MID_O, MID_LSE,
-    stride_qt, stride_qh, stride_ct, stride_ch,
+    Q, K_CACHE, V_CACHE, KV_INDPTR, KV_INDICES, SEQ_LENS, MID_O, MID_LSE, OUT,
+    stride_qt, stride_qh, stride_ct, stride_ch, stride_ot, stride_oh,
     scale_log2, window,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -67,11 +69,15 @@ def _decode_split_kernel(
 
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    mid_row = (b.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
-    tl.store(MID_O + mid_row[:, None] * HEAD_DIM + offs_d[None, :], out,
-             mask=h_mask[:, None] & d_mask[None, :])  # fmt: skip
-    tl.store(MID_LSE + mid_row, lse, mask=h_mask)
+    if NUM_SPLITS == 1:  # the merge of one split is the identity (its weight exp2(0) = 1)
+        dst = OUT + b.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(dst, out.to(OUT.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+    else:
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        mid_row = (b.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(MID_O + mid_row[:, None] * HEAD_DIM + offs_d[None, :], out,
+                 mask=h_mask[:, None] & d_mask[None, :])  # fmt: skip
+        tl.store(MID_LSE + mid_row, lse, mask=h_mask)
 
 
 @triton.jit
@@ -156,14 +162,17 @@ def decode_attention(
     splits = buffers.num_splits
     block_d = max(16, triton.next_power_of_2(d))
     _decode_split_kernel[(bs, kvh, splits)](
-        q, k_cache, v_cache, kv_indptr, kv_indices, seq_lens, buffers.o, buffers.lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        q, k_cache, v_cache, kv_indptr, kv_indices, seq_lens, buffers.o, buffers.lse, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0),
+        out.stride(1),
         LOG2E / math.sqrt(d), sliding_window or 0,
         GQA=gqa, HEAD_DIM=d, NUM_HEADS=num_heads, NUM_SPLITS=splits,
         HAS_WINDOW=sliding_window is not None,
         BLOCK_H=max(16, triton.next_power_of_2(gqa)), BLOCK_D=block_d, BLOCK_N=block_n,
         num_warps=num_warps, **dot_args(q.dtype),
     )  # fmt: skip
+    if splits == 1:
+        return out
     _decode_reduce_kernel[(bs, num_heads)](
         buffers.o, buffers.lse, out,
         out.stride(0), out.stride(1),
