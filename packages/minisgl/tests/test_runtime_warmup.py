@@ -61,3 +61,25 @@ def test_no_warm_up_unless_asked(tiny_model_dir):
 def test_warm_up_report_from_an_older_worker_is_none():
     assert WarmUpReport.from_info({}) is None
     assert WarmUpReport.from_info({"warmup": "garbage"}) is None
+
+
+def test_the_offline_llm_warms_up_where_kernels_compile_at_first_use(tiny_model_dir):
+    """`LLM(warm_up=None)`: on a CUDA device (Triton kernels compile at the first step of each
+    shape, ~0.2-0.9 s each on the H200) the offline API warms up as a server does; on a CPU it
+    does not unless asked (nothing to compile there but a compiled engine's graphs, which warm
+    up always)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from minisgl import LLM
+    from minisgl.runtime.runtime import warms_up_by_default
+
+    assert warms_up_by_default(SimpleNamespace(device=torch.device("cuda", 0)))
+    assert not warms_up_by_default(SimpleNamespace(device=torch.device("cpu")))
+    path = tiny_model_dir("llama")
+    assert LLM(path, sim_device="0,0", num_pages=2048).runtime.warmup is None
+    llm = LLM(path, sim_device="0,0", num_pages=2048, warm_up=True)
+    assert llm.runtime.warmup is not None and llm.runtime.warmup.leaked_pages == 0
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    assert len(out[0]["token_ids"]) == 2
