@@ -11,7 +11,7 @@ from minisgl.config import EngineConfig
 from minisgl.core import SamplingParams
 from minisgl.engine.sim import make_engine
 from minisgl.engine.stream import DeviceStream
-from minisgl.runtime import Runtime, StepBatch
+from minisgl.runtime import Runtime, StepBatch, warms_up_by_default
 from minisgl.sampler import TokenLogprob, request_key
 from minisgl.scheduler.backend import SchedulerBackend
 from minisgl.scheduler.request import StepOutput
@@ -50,6 +50,7 @@ class LLM:
         threads: int | None = None,
         cpu_backend: str | None = None,
         tp_size: int = 1,
+        warm_up: bool | None = None,
     ) -> None:
         """`overlap`: schedule the next step while the device runs this one (default: on,
         unless `MINISGL_DISABLE_OVERLAP_SCHEDULING=1`; the serial loop for a backend without a
@@ -67,7 +68,9 @@ class LLM:
         rank 0 closes its `LLM` or exits, then ends the process (`SystemExit`, code 0; 3 when
         rank 0 vanished), so the code after `LLM(...)` runs on rank 0 only
         (`distributed/launch.py`). A WORLD_SIZE other than `tp_size` is a ValueError on every
-        rank before anything loads."""
+        rank before anything loads. `warm_up`: run a few prefill and decode shapes before the
+        first request (`Runtime.warm_up`, as a server does; default: on a CUDA device, where
+        each shape's first step compiles Triton kernels)."""
         if model_path is None:
             from minisgl.default_model import default_model_path
 
@@ -102,6 +105,7 @@ class LLM:
             backend=cpu_backend,
             overlap=overlap,
             device_stream=device_stream,
+            warm_up=warms_up_by_default(self.engine) if warm_up is None else warm_up,
         )
         self.eos_token_ids = self.runtime.eos_token_ids
         self.last_run: dict[str, float] = {}

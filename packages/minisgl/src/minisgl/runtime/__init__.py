@@ -2,6 +2,6 @@
 python engine worker and the rust_service GPU worker."""
 
 from minisgl.runtime.loop import StepBatch, StepLoop
-from minisgl.runtime.runtime import Runtime
+from minisgl.runtime.runtime import Runtime, warms_up_by_default
 
-__all__ = ["Runtime", "StepBatch", "StepLoop"]
+__all__ = ["Runtime", "StepBatch", "StepLoop", "warms_up_by_default"]

@@ -40,6 +40,15 @@ logger = get_logger(__name__)
 
 WARM_PREFILLS = (1, 7, 64, 512)  # prompt lengths a "shapes" warm-up prefills (capped)
 WARM_DECODE_BATCHES = (1, 3, 8)  # batch sizes it decodes (capped): the specialised 1, odd, wider
+
+
+def warms_up_by_default(engine: Any) -> bool:
+    """Whether the offline API warms `engine` up before its first request: on a CUDA device,
+    where the first step of each shape compiles Triton kernels (0.2-0.9 s each on an H200,
+    every running request waiting); a server's engine always warms up."""
+    return engine.device.type == "cuda"
+
+
 _ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)  # a prefill alone
 _DECODE = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)  # 2 decodes
 _SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, max_tokens=3, ignore_eos=True)
