@@ -73,15 +73,22 @@ def test_the_key_follows_tritons_rules():
         pass
 
     x = torch.zeros(64, dtype=torch.int32)
-    key = dict(variant_key(k, (x, 1, 32), {"B": 4}))
-    assert key["X"] == "*i32:D" and key["n"] == "constexpr:1" and key["m"] == "i32:D"
-    assert key["B"] == "constexpr=4"
-    assert dict(variant_key(k, (x[1:], 17, 3), {"B": 4}))["X"] == "*i32:"
-    assert variant_key(k, (x[4:], 17, 3), {"B": 4}) == variant_key(k, (x, 5, 7), {"B": 4})
-    assert variant_key(k2, (x, 1, 3), {"B": 4}) == variant_key(k2, (x, 16, 3), {"B": 4})
-    assert variant_key(k, (x, 2, 3), {"B": 4, "num_warps": 4}) != variant_key(
-        k, (x, 2, 3), {"B": 4}
-    )
+
+    def key(kernel, *args, **kw):
+        return variant_key(kernel, args, {"B": 4, **kw})
+
+    # the same class of every argument: one key (an offset of 16 bytes keeps the alignment)
+    assert key(k, x[4:], 17, 3) == key(k, x, 5, 7)
+    assert key(k, x, 32, 16) == key(k, x[8:], 48, 64)
+    # another class of one argument: another key
+    assert key(k, x[1:], 5, 7) != key(k, x, 5, 7)  # a pointer 4 bytes off
+    assert len({key(k, x, n, 7) for n in (1, 16, 17)}) == 3  # 1 / multiple of 16 / other
+    assert key(k, x, 5, 7, B=8) != key(k, x, 5, 7)  # a constexpr's value
+    assert key(k, x, 5, 7, num_warps=8) != key(k, x, 5, 7)  # a launch option
+    assert dict(key(k, x, 5, 7))["B"] == "constexpr=4"
+    # `do_not_specialize`: every value of the int one key, the other arguments as before
+    assert len({key(k2, x, n, 7) for n in (1, 16, 17)}) == 1
+    assert key(k2, x, 1, 16) != key(k2, x, 1, 17)
     with record_variants() as rec:
         k[(1,)](x, 1, 32, B=4)
         k[(1,)](x[4:], 2, 33, B=4)
