@@ -107,8 +107,10 @@ def test_fused_greedy_matches_hf(arch, backend, runner, tiny_model_dir, monkeypa
     prompts = random_prompts(2, lo, hi, seed=3)
     prompts.append(prompts[0][:16] + random_prompts(1, 4, 6, seed=4)[0])
     ref = hf_greedy(load_hf_model(path), prompts, 4)
+    # warm_up=False: the replays counted below are this test's steps (a GPU warms up else)
     llm = LLM(path, device=DEVICE, dtype="float32", attention_backend=backend, num_pages=256,
-              max_extend_tokens=24, graph_runner=runner, cuda_graph_max_bs=4)  # fmt: skip
+              max_extend_tokens=24, graph_runner=runner, cuda_graph_max_bs=4,
+              warm_up=False)  # fmt: skip
     assert llm.engine.model.fused_ops is not None
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     out = llm.generate(prompts[:2], greedy) + llm.generate(prompts[2:], greedy)

@@ -331,9 +331,10 @@ def test_decode_graphs_with_triton_match_hf(arch, page_size, tiny_model_dir):
     prompts = random_prompts(3, lo, hi, seed=5)
     lengths = [2, 6, 4]
     ref = hf_greedy(load_hf_model(path), prompts, max(lengths))
+    # warm_up=False: no warm-up replays in the count below (a GPU warms up else)
     llm = LLM(path, device=DEVICE.type, dtype="float32", attention_backend="triton",
               graph_runner="replay", cuda_graph_max_bs=4, page_size=page_size,
-              num_pages=512 // page_size, max_seq_len_override=64)  # fmt: skip
+              num_pages=512 // page_size, max_seq_len_override=64, warm_up=False)  # fmt: skip
     runner = llm.engine.graphs
     assert isinstance(runner, ReplayGraphRunner) and runner.buckets == (1, 2, 4)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
