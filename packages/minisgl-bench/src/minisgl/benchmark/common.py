@@ -10,6 +10,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -190,6 +191,19 @@ def write_json(path: str | Path, data: dict[str, Any]) -> None:
 
 def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def record_header(kind: str, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """What every benchmark record starts with: schema, kind, time, command line (`argv`, else
+    this process's), the commit and the machine (its CPU kind and ISA, its GPU)."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": kind,
+        "created": now_iso(),
+        "argv": list(sys.argv[1:] if argv is None else argv),
+        "git": git_commit(),
+        "machine": machine_info(),
+    }
 
 
 class CpuMeter:

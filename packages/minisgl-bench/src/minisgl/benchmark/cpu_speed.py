@@ -361,12 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         own = {k.split(".", 1)[1]: v for k, v in sets.items() if k.startswith(name + ".")}
         profiles.append(get_profile(name, own))
     record: dict[str, Any] = {
-        "schema_version": common.SCHEMA_VERSION,
-        "kind": "cpu-speed",
-        "created": common.now_iso(),
-        "argv": sys.argv[1:],
-        "git": common.git_commit(),
-        "machine": common.machine_info(),
+        **common.record_header("cpu-speed"),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         # decode attention of the minisgl arms: the C kernel, or SDPA (MINISGL_CPU_ATTENTION)

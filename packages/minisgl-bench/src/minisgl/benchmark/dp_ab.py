@@ -97,12 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     a, b = names
     doc = {
-        "schema_version": common.SCHEMA_VERSION,
-        "kind": "dp_ab",
-        "created": common.now_iso(),
-        "argv": sys.argv[1:] if argv is None else argv,
-        "git": common.git_commit(),
-        "machine": common.machine_info(),
+        **common.record_header("dp_ab", argv),
         "profile": args.profile,
         "sets": sets,
         "backend": args.backend,

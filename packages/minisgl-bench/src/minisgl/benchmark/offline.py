@@ -192,8 +192,9 @@ def run_minisgl(
                 continue
             t_step = time.perf_counter()
             outs = llm.step()
-            t = time.perf_counter() - t0
-            step_s.append(time.perf_counter() - t_step)
+            t_done = time.perf_counter()
+            t = t_done - t0
+            step_s.append(t_done - t_step)
             usage = sched.kv_usage() if service is None else service.kv_usage()
             used = usage["total_pages"] - usage["free_pages"]
             kv_samples.append((t, used))

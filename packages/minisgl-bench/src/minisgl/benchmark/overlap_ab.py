@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from typing import Any
 
@@ -62,12 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[name].append(run_minisgl(arm, items, honor_arrivals=False)["metrics"])
     med = {name: median_nested(reps) for name, reps in runs.items()}
     record = {
-        "schema_version": common.SCHEMA_VERSION,
-        "kind": "overlap-ab",
-        "created": common.now_iso(),
-        "argv": sys.argv[1:] if argv is None else argv,
-        "git": common.git_commit(),
-        "machine": common.machine_info(),
+        **common.record_header("overlap-ab", argv),
         "loadavg_before_after": [list(load0), list(os.getloadavg())],
         "wall_s": time.perf_counter() - t0,
         "profile": profile.to_dict(),

@@ -89,12 +89,7 @@ def model_info(model_path: str | None) -> dict[str, Any]:
 
 def base_record(kind: str, args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
     return {
-        "schema_version": common.SCHEMA_VERSION,
-        "kind": kind,
-        "created": common.now_iso(),
-        "argv": sys.argv[1:],
-        "git": common.git_commit(),
-        "machine": common.machine_info(),
+        **common.record_header(kind),
         "backend_env": common.backend_env(),
         "profile": profile.to_dict(),
         "repeats": args.repeats,

@@ -278,12 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     result_sets = compare(res_a["outputs"], res_b["outputs"])
     passed = all(s["mismatch_count"] == 0 for s in result_sets.values())
     record = {
-        "schema_version": common.SCHEMA_VERSION,
-        "kind": "token_parity",
-        "created": common.now_iso(),
-        "argv": sys.argv[1:] if argv is None else list(argv),
-        "git": common.git_commit(),
-        "machine": common.machine_info(),
+        **common.record_header("token_parity", argv),
         "backend_env": common.backend_env(),
         "model": Path(resolve_model(args.model_path)).name,
         "parity_passed": passed,

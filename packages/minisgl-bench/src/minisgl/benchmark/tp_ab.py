@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from typing import Any
 
@@ -78,12 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         med = {n: median_nested(reps) for n, reps in runs.items()}
         steps = sum(m["steps"] for m in runs[names[1]])
         record = {
-            "schema_version": common.SCHEMA_VERSION,
-            "kind": "tp-ab",
-            "created": common.now_iso(),
-            "argv": sys.argv[1:] if argv is None else argv,
-            "git": common.git_commit(),
-            "machine": common.machine_info(),
+            **common.record_header("tp-ab", argv),
             "loadavg_before_after": [list(load0), list(os.getloadavg())],
             "wall_s": wall,
             "profile": profile.to_dict(),

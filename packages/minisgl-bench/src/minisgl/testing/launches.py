@@ -120,20 +120,20 @@ def variant_key(kernel: Any, args: tuple, kwargs: dict) -> tuple[tuple[str, str]
     """The specialisation key of one launch `kernel[grid](*args, **kwargs)`."""
     import inspect
 
-    params = inspect.signature(kernel.fn).parameters
-    bound = inspect.signature(kernel.fn).bind(
-        *args, **{k: v for k, v in kwargs.items() if k in params}
-    )
+    signature = inspect.signature(kernel.fn)
+    params = signature.parameters
+    bound = signature.bind(*args, **{k: v for k, v in kwargs.items() if k in params})
     bound.apply_defaults()
     fixed = _flagged(kernel, "do_not_specialize", params)
     unaligned = _flagged(kernel, "do_not_specialize_on_alignment", params)
+    specialize = _specializer()
     key = []
     for name, param in params.items():
         value = bound.arguments[name]
         if "constexpr" in str(param.annotation):
             key.append((name, f"constexpr={value!r}"))
         else:
-            ty, spec = _specialize(value, name not in fixed, name not in unaligned)
+            ty, spec = specialize(value, name not in fixed, name not in unaligned)
             key.append((name, f"{ty}:{spec}"))
     options = sorted((k, repr(v)) for k, v in kwargs.items() if k not in params)
     return tuple(key + [(k, f"option={v}") for k, v in options])
@@ -148,21 +148,28 @@ def _flagged(kernel: Any, attr: str, params: Any) -> set[str]:
     return {names[x] if isinstance(x, int) else x for x in raw or ()}
 
 
-def _specialize(value: Any, specialize: bool, align: bool) -> tuple[str, Any]:
+def _specializer() -> Callable[[Any, bool, bool], tuple[str, Any]]:
+    """`(value, specialize, align) -> (type, specialisation)`: Triton's own where it has one."""
     try:
         from triton._C.libtriton import native_specialize_impl
         from triton.backends.compiler import BaseBackend
     except ImportError:  # a Triton before 3.4: its documented rules
-        if isinstance(value, bool) or value is None or isinstance(value, float):
-            return type(value).__name__, None
-        if isinstance(value, int):
-            if specialize and value == 1:
-                return "constexpr", 1
-            return "int", "D" if specialize and value % 16 == 0 else ""
-        if hasattr(value, "data_ptr"):
-            return f"*{value.dtype}", "D" if align and value.data_ptr() % 16 == 0 else ""
-        return type(value).__name__, repr(value)
-    return native_specialize_impl(BaseBackend, value, False, specialize, align)
+        return _documented_rules
+    return lambda value, specialize, align: native_specialize_impl(
+        BaseBackend, value, False, specialize, align
+    )
+
+
+def _documented_rules(value: Any, specialize: bool, align: bool) -> tuple[str, Any]:
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return type(value).__name__, None
+    if isinstance(value, int):
+        if specialize and value == 1:
+            return "constexpr", 1
+        return "int", "D" if specialize and value % 16 == 0 else ""
+    if hasattr(value, "data_ptr"):
+        return f"*{value.dtype}", "D" if align and value.data_ptr() % 16 == 0 else ""
+    return type(value).__name__, repr(value)
 
 
 def _kernel_name(kernel: Any) -> str:

@@ -7,8 +7,8 @@ starting 16-byte aligned: Triton keys a kernel's compiled variant on each pointe
 alignment, so offsets that followed the step's sizes compiled new variants mid-serving. Two
 host/device buffer pairs alternate: step N+1 fills its host buffer while step N's copy may still
 be reading the other one (before reusing a buffer, the stager waits for the copy that read it
-two steps ago, which has long finished). On the CPU the buffers are
-plain memory and the copy a memcpy: the same code path.
+two steps ago, which has long finished). On the CPU the buffers are plain memory and the copy
+a memcpy: the same code path.
 """
 
 from __future__ import annotations
