@@ -119,6 +119,23 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def package_graph(src: Path) -> dict[str, set[str]]:
+    """The top-level packages and modules of one distribution's `minisgl` (`engine`, `llm`, ...)
+    -> those of them each imports, lazy imports included."""
+    graph: dict[str, set[str]] = {}
+    for f in sorted(src.rglob("*.py")):
+        top = f.relative_to(src).parts[0].removesuffix(".py")
+        graph.setdefault(top, set()).update(minisgl_imports(f))
+    return {top: (found & set(graph)) - {top} for top, found in graph.items()}
+
+
+def test_the_runtimes_packages_import_one_another_in_no_circle():
+    """A circle of packages has no layer order: the runtime loop reaching up into the server
+    (its IPC and the Rust service's process), the tokenizer worker into the server, a tensor-
+    parallel rank's entry point in `distributed` building an `Engine`."""
+    assert cycles(package_graph(SRC)) == []
+
+
 @pytest.mark.parametrize("package", TOOLS)
 def test_the_benchmarks_and_test_helpers_import_in_no_circle(package):
     graph = module_graph(package)
