@@ -42,7 +42,7 @@ def install_runtime(session: nox.Session, *, extension: bool = True) -> None:
 
 SERVICE_INSTALLED = (
     "import sys, sysconfig; from pathlib import Path; "
-    "from minisgl.server.service import service_binary; "
+    "from minisgl.cpu_service import service_binary; "
     "sys.exit(0 if service_binary().parent == Path(sysconfig.get_path('scripts')) "
     "else f'minisgl-cpu-service is not the installed wheel: {service_binary()}')"
 )

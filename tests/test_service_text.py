@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minisgl.server.service import service_binary
+from minisgl.cpu_service import service_binary
 from minisgl.testing.text_cli import TextCli
 from minisgl.tokenizer.detokenize import DecodeState, Detokenizer
 from minisgl.tokenizer.load import load_tokenizer

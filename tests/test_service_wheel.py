@@ -136,7 +136,7 @@ def test_the_installed_runtime_finds_the_binary_in_its_scripts_dir(venv, monkeyp
     monkeypatch.delenv("MINISGL_CPU_SERVICE_BIN", raising=False)
     monkeypatch.delenv("PYTHONPATH", raising=False)
     monkeypatch.setenv("PATH", without_venvs_on_path())
-    code = "import minisgl.server.service as s; print(s.__file__); print(s.service_binary())"
+    code = "import minisgl.cpu_service as s; print(s.__file__); print(s.service_binary())"
     out = run([venv / "bin" / "python", "-c", code], cwd=venv.parent).stdout.split()
     assert Path(out[0]).is_relative_to(venv)  # the runtime from its wheel, not this checkout
     assert out[1] == str(venv / "bin" / BINARY)

@@ -173,7 +173,7 @@ def test_garbage_on_every_socket_is_rejected(shared):
 def test_handshake_version_mismatch_fails_clearly(tmp_path):
     import zmq
 
-    from minisgl.server.service import service_binary
+    from minisgl.cpu_service import service_binary
 
     ipc_dir = tmp_path / "ipc"
     ipc_dir.mkdir()

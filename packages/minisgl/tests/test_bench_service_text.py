@@ -9,7 +9,7 @@ import json
 import pytest
 
 from minisgl.benchmark import service_text
-from minisgl.server.service import service_binary
+from minisgl.cpu_service import service_binary
 
 
 def test_summary_medians_per_token_and_speedup():

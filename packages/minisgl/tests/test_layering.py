@@ -25,11 +25,14 @@ ALLOWED = {
 
 
 def minisgl_imports(path: Path) -> set[str]:
-    """The top-level minisgl packages a file imports (`minisgl.x.y` -> `x`)."""
+    """The top-level minisgl packages and modules a file imports (`minisgl.x.y` -> `x`, `from
+    minisgl import x` -> `x`)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         names = []
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        if isinstance(node, ast.ImportFrom) and node.module == "minisgl" and node.level == 0:
+            names = [f"minisgl.{a.name}" for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -55,9 +58,10 @@ def test_the_reader_sees_lazy_and_plain_imports(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(
         "import minisgl.engine.engine\nfrom minisgl.step.plan import StepPlan\n"
-        "def f():\n    from minisgl.server import ipc\n    import os\n"
+        "def f():\n    from minisgl.server import args\n    import os\n"
+        "from minisgl import ipc, LLM\n"
     )
-    assert minisgl_imports(probe) == {"engine", "step", "server"}
+    assert minisgl_imports(probe) == {"engine", "step", "server", "ipc", "LLM"}
 
 
 def test_the_runtime_imports_no_benchmark_or_test_helper():

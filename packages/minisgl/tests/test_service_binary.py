@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from minisgl.server.service import BINARY, ENV_BINARY, find_service_binary
+from minisgl.cpu_service import BINARY, ENV_BINARY, find_service_binary
 
 
 def executable(directory: Path) -> Path:

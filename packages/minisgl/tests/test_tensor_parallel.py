@@ -291,7 +291,7 @@ def test_server_tp2(backend, tiny_model_dir, tmp_path):
         "tp2", path, "--tp", "2", "--served-model-name", "m", log_dir=tmp_path, backend=backend
     ) as s:
         server = s.get()
-        ranks = [p for p in server.children if "minisgl.distributed" in " ".join(p.cmdline())]
+        ranks = [p for p in server.children if "minisgl.engine.follower" in " ".join(p.cmdline())]
         assert len(ranks) == 1, "one rank process beside the engine"
         for prompt, want in zip(prompts, ref, strict=True):
             r = post(server, {"model": "m", "prompt": prompt, "max_tokens": NEW,

@@ -144,7 +144,7 @@ def test_torchrun_script_tp2_matches_tp1(tiny_model_dir, tmp_path):
     followers = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("FOLLOWERS "))
                            [len("FOLLOWERS ") :])  # fmt: skip
     assert followers == [int((tmp_path / "pid1").read_text())], "rank 1 is torchrun's process"
-    assert "minisgl.distributed.follower" not in out  # no rank was spawned besides torchrun's
+    assert "minisgl.engine.follower" not in out  # no rank was spawned besides torchrun's
 
 
 @pytest.mark.card(CARD, "python-m-minisgl-tp-2-under-torchrun", RED, GREEN)
@@ -157,7 +157,7 @@ def test_torchrun_server_tp2(tiny_model_dir, tmp_path):
                launcher=TORCHRUN) as s:  # fmt: skip
         server = s.get()
         cmds = [" ".join(p.cmdline()) for p in server.children if p.is_running()]
-        assert not [c for c in cmds if "minisgl.distributed.follower" in c], cmds
+        assert not [c for c in cmds if "minisgl.engine.follower" in c], cmds
         assert sum(" -m minisgl " in f" {c} " for c in cmds) == 2, cmds  # torchrun's 2 ranks
         got = [post(server, p) for p in prompts]
         assert [r.status_code for r in got] == [200] * len(prompts), got[0].text
@@ -292,7 +292,7 @@ def test_server_dp2_tp2_on_gloo(tiny_model_dir, tmp_path):
     flags = ("--dp", "2", "--tp", "2", "--threads", "1", "--served-model-name", "m")
     with start("dp2tp2", path, *flags, log_dir=tmp_path, backend="python") as s:
         server = s.get()
-        ranks = [p for p in server.children if "minisgl.distributed.follower" in
+        ranks = [p for p in server.children if "minisgl.engine.follower" in
                  " ".join(p.cmdline())]  # fmt: skip
         assert len(ranks) == 2, "one rank process beside each replica's engine"
         got = [post(server, p) for p in prompts]

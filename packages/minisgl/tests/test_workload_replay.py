@@ -24,8 +24,8 @@ from minisgl.benchmark.workload import (
     synthetic_prompt,
     synthetic_token,
 )
+from minisgl.cpu_service import service_binary
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.server.service import service_binary
 
 FIXTURES = rp.fixtures()
 EXPECTED = rp.expected_fingerprints()

@@ -14,8 +14,8 @@ import threading
 
 import zmq
 
+from minisgl import ipc
 from minisgl.message.schema import Codec, DetokOut, Ready
-from minisgl.server import ipc
 from minisgl.server.api_server import Chunk, Frontend, Job, ReqState
 from minisgl.server.args import parse_args
 

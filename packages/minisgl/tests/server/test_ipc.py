@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from minisgl.server import ipc
+from minisgl import ipc
 
 
 def test_stale_ipc_dirs_of_dead_launchers_are_removed(tmp_path):
@@ -32,7 +32,7 @@ def test_fault_step_cpu_burns_cpu_time_not_wall_time(monkeypatch):
     machine a sleep hides in the wait for a core, a spin does not."""
     import time
 
-    from minisgl.server import ipc
+    from minisgl import ipc
 
     monkeypatch.setattr(ipc, "FAULT_STEP_DELAY_S", 0.0)
     monkeypatch.setattr(ipc, "FAULT_STEP_CPU_S", 0.02, raising=False)

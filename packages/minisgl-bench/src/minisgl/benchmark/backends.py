@@ -51,7 +51,7 @@ def check_server_backend(name: str) -> None:
     if name != SERVICE:
         check_cpu_backend(name)
         return
-    from minisgl.server.service import service_binary
+    from minisgl.cpu_service import service_binary
 
     try:
         binary = service_binary()

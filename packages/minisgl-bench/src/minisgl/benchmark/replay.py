@@ -319,7 +319,7 @@ def comparable(report: dict[str, Any]) -> dict[str, Any]:
 def replay_rust_service(path: str | Path, *, enable_priority: bool = False) -> dict[str, Any]:
     """Run `minisgl-cpu-service replay` on the workload file; its report. A workload the
     binary refuses raises `WorkloadError` with its message."""
-    from minisgl.server.service import service_binary
+    from minisgl.cpu_service import service_binary
 
     with tempfile.TemporaryDirectory(prefix="minisgl-replay-") as tmp:
         out = Path(tmp) / "report.json"

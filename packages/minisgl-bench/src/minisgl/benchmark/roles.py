@@ -11,11 +11,11 @@ from typing import Any
 
 import psutil
 
-from minisgl.server import ipc
+from minisgl import ipc
 
 
 def role_of(name: str) -> str:
-    """The role of a worker named in /health's `workers` (see `server.ipc`)."""
+    """The role of a worker named in /health's `workers` (see `minisgl.ipc`)."""
     if name == ipc.SCHEDULER:
         return "scheduler"
     if name == ipc.SERVICE:

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="result JSON path")
     ap.add_argument("--plot", help="PNG of the medians")
     args = ap.parse_args(argv)
-    from minisgl.server.service import service_binary
+    from minisgl.cpu_service import service_binary
 
     model_dir = args.model_path
     if model_dir is None:

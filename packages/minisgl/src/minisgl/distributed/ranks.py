@@ -2,8 +2,9 @@
 sends every step plan to ranks 1..N-1; each `Follower` runs the same forward, so the collectives
 meet.
 
-Two launches: rank 0 starts ranks 1..N-1 itself (`Leader.start`: `python -m
-minisgl.distributed.follower`, one process each, over a private socket pair), or torchrun
+Two launches: rank 0 starts ranks 1..N-1 itself (`Leader.start`: `python -m MODULE FD`, the
+module its caller names, `minisgl.engine.follower`: one process each, over a private socket
+pair), or torchrun
 started every rank (`Leader.join` / `join_follower`: the processes meet in torchrun's process
 group and the followers connect to rank 0's control socket, authenticated by a key rank 0
 broadcasts over the group; `minisgl.distributed.launch`).
@@ -200,16 +201,17 @@ class Leader:
         self.summaries: dict[int, Summary] = {}  # what each follower ran (once stopped)
 
     @classmethod
-    def start(cls, config: EngineConfig, device_type: str) -> Leader:
-        """Start ranks 1..tp-1 and join the process group with them (an error of a rank's
-        start-up is raised here, naming the rank)."""
+    def start(cls, config: EngineConfig, device_type: str, rank_module: str) -> Leader:
+        """Start ranks 1..tp-1 (`python -m rank_module FD`, FD its end of the control socket)
+        and join the process group with them (an error of a rank's start-up is raised here,
+        naming the rank)."""
         master = _store(0, config.tp_size, is_master=True)
         leader = cls(config, device_type)
         leader.store = master  # kept alive: the group's rendezvous lives in it
         try:
             for rank in range(1, config.tp_size):
                 mine, theirs = socket.socketpair()
-                cmd = [sys.executable, "-m", "minisgl.distributed.follower", str(theirs.fileno())]
+                cmd = [sys.executable, "-m", rank_module, str(theirs.fileno())]
                 proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),))
                 theirs.close()
                 leader.peers.append(_Peer(Connection(mine.detach()), proc))

@@ -15,6 +15,8 @@ from minisgl.engine.engine import Engine
 from minisgl.engine.memory import resolve_device, resolve_quantization
 from minisgl.utils.threads import set_threads
 
+FOLLOWER = "minisgl.engine.follower"  # a rank > 0 that rank 0 starts: `python -m FOLLOWER FD`
+
 
 def launched_by_torchrun(config: EngineConfig) -> TorchrunEnv | None:
     """torchrun's variables, checked against `config.tp_size` (ValueError before anything
@@ -55,7 +57,7 @@ def tensor_parallel_engine(config: EngineConfig, env: TorchrunEnv | None) -> Eng
         raise ValueError(f"torchrun LOCAL_RANK={env.local_rank} needs cuda:{env.local_rank}, "
                          f"{count} CUDA devices visible")  # fmt: skip
     if env is not None and env.rank > 0:
-        from minisgl.distributed.follower import follow_torchrun
+        from minisgl.engine.follower import follow_torchrun
 
         raise SystemExit(follow_torchrun(env, device.type))
     if env is not None and device.type == "cuda":
@@ -64,7 +66,9 @@ def tensor_parallel_engine(config: EngineConfig, env: TorchrunEnv | None) -> Eng
     if config.threads is not None:
         set_threads(config.threads)
     leader = (
-        Leader.start(config, device.type) if env is None else Leader.join(config, device.type, env)
+        Leader.start(config, device.type, FOLLOWER)
+        if env is None
+        else Leader.join(config, device.type, env)
     )
     try:
         return Engine(config, tp=leader)

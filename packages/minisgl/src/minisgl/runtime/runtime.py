@@ -138,8 +138,8 @@ class Runtime:
 
     def use_service(self, config: EngineConfig, depth: int) -> None:
         """Hand scheduling to a Rust service started now, this process its worker."""
+        from minisgl.cpu_service import ServiceLimits
         from minisgl.runtime.service_plane import ServicePlane
-        from minisgl.server.service import ServiceLimits
 
         limits = ServiceLimits(
             config.page_size, config.max_running_requests, config.max_extend_tokens,

@@ -25,7 +25,9 @@ from typing import Any
 import numpy as np
 import zmq
 
+from minisgl import ipc
 from minisgl.core import SamplingParams
+from minisgl.cpu_service import ServiceLimits, ServiceProcess, service_command
 from minisgl.message.schema import (
     AbortReq,
     Codec,
@@ -45,10 +47,6 @@ from minisgl.runtime.loop import EMPTY, StepBatch
 from minisgl.runtime.service_steps import ServiceSteps
 from minisgl.sampler import TokenLogprob
 from minisgl.scheduler.request import StepOutput, validate_request
-
-# the server's plumbing, reused as is (leaf modules: no server state comes with them)
-from minisgl.server import ipc
-from minisgl.server.service import ServiceLimits, ServiceProcess, service_command
 
 READY_TIMEOUT_S = 120.0
 POLL_MS = 50

@@ -2,7 +2,7 @@
 
 Environment (read by `minisgl.scheduler.factory.make_scheduler`):
 - `MINISGL_CPU_BACKEND=python|<registered name>` (default `python`); the server also takes
-  `rust_service` (`minisgl.server.service`: no scheduler in this process at all). Tests and
+  `rust_service` (`minisgl.cpu_service`: no scheduler in this process at all). Tests and
   benchmarks register the in-process Rust core as `rust_hotpath`
   (`minisgl.testing.rust_hotpath`); the runtime never loads that extension.
 - `MINISGL_CPU_BACKEND_SHADOW=1`: run another registered backend beside the primary on every

@@ -4,7 +4,7 @@
 
 The name is `backend=` or `MINISGL_CPU_BACKEND` (default `python`). The runtime registers
 only `python`: the Rust CPU control plane runs out of process (`rust_service`, a server
-backend: `minisgl.server.service`), and the in-process PyO3 scheduler is a test and benchmark
+backend: `minisgl.cpu_service`), and the in-process PyO3 scheduler is a test and benchmark
 tool that registers itself (`minisgl.testing.rust_hotpath.register()`). Under
 `MINISGL_CPU_BACKEND_SHADOW=1` the result is a `ShadowScheduler` over the selected backend and
 its partner, when one is registered (see `cpu_backend` for the environment, the fallback rules

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from minisgl import ipc
 from minisgl.message.schema import (
     AbortReq,
     Admitted,
@@ -39,7 +40,6 @@ from minisgl.message.schema import (
     TokenizeReq,
 )
 from minisgl.message.warmup import WarmUpReport
-from minisgl.server import ipc
 from minisgl.server.args import ServerArgs
 from minisgl.server.http_warmup import HttpWarmUp, warm_http
 from minisgl.server.metrics import Metrics

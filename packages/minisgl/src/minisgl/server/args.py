@@ -6,6 +6,8 @@ import argparse
 import importlib.util
 from dataclasses import asdict, dataclass
 
+from minisgl.cpu_service import ServiceLimits
+
 
 @dataclass
 class ServerArgs:
@@ -69,6 +71,11 @@ class ServerArgs:
             threads=self.threads,
             tp_size=self.tp_size,
         )
+
+    def service_limits(self) -> ServiceLimits:
+        """The scheduler limits the Rust service is started with (rust_service)."""
+        return ServiceLimits(self.page_size, self.max_running_requests, self.max_prefill_length,
+                             self.cache_type, self.dp_routing)  # fmt: skip
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zmq
 
+from minisgl import ipc
 from minisgl.distributed.errors import RankFailed
 from minisgl.message.schema import (
     AbortReq,
@@ -32,7 +33,6 @@ from minisgl.message.schema import (
     wire_logprob,
 )
 from minisgl.message.warmup import INFO_KEY
-from minisgl.server import ipc
 from minisgl.server.replicas import placed
 from minisgl.utils import trace
 from minisgl.utils.gcfreeze import freeze_startup_heap

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from minisgl import ipc
 from minisgl.message.schema import (
     Codec,
     HelloAck,
@@ -25,7 +26,6 @@ from minisgl.message.schema import (
     WorkerHello,
 )
 from minisgl.message.warmup import INFO_KEY
-from minisgl.server import ipc
 from minisgl.utils.gcfreeze import freeze_startup_heap
 
 if TYPE_CHECKING:  # the launcher imports this module: torch loads in the worker only

@@ -3,7 +3,7 @@
 Processes: this one (launcher + API server: FastAPI/uvicorn), `--num-tokenizer` tokenizer /
 detokenizer workers and one scheduler + engine worker, all started with multiprocessing
 `spawn`. With `MINISGL_CPU_BACKEND=rust_service`: the Rust `minisgl-cpu-service` (tokenizer,
-scheduler, detokenizer) and one Python GPU worker instead (`minisgl.server.service`). They talk
+scheduler, detokenizer) and one Python GPU worker instead (`minisgl.cpu_service`). They talk
 over ZMQ ipc sockets in a private temp dir that is removed on exit.
 
 A supervisor thread watches the workers: if one dies, `/health` turns 503 and every in-flight
@@ -29,8 +29,8 @@ import sys
 import threading
 import time
 
+from minisgl import ipc
 from minisgl.message.warmup import WarmUpReport
-from minisgl.server import ipc
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.replicas import replica_threads, worker_names
 from minisgl.utils import trace
@@ -108,8 +108,8 @@ class Launcher:
 
     def _start_service(self, model_path: str) -> list[str]:
         """rust_service: the Rust service binary and one Python GPU worker per replica."""
+        from minisgl.cpu_service import ServiceProcess, service_command
         from minisgl.server.gpu_worker import run_gpu_worker
-        from minisgl.server.service import ServiceLimits, ServiceProcess, service_command
 
         args, ctx = self.args, mp.get_context("spawn")
         typed = args.transport != "generic"
@@ -117,7 +117,7 @@ class Launcher:
             raise RuntimeError("MINISGL_CPU_BACKEND=rust_service speaks the typed transport only")
         self.procs[ipc.SERVICE] = ServiceProcess(
             service_command(
-                ServiceLimits.of(args), model_path, self.ipc_dir, num_workers=args.dp_size
+                args.service_limits(), model_path, self.ipc_dir, num_workers=args.dp_size
             )
         )
         for i, name in enumerate(self.replica_names):

@@ -15,17 +15,14 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from minisgl.server import ipc
+from minisgl import ipc
+from minisgl.ipc import replica_of
 
 SUMMED = (
     "running", "waiting", "total_pages", "free_pages", "cached_tokens", "used_pages",
     "cached_pages", "steps", "generated_tokens", "prompt_tokens", "cached_prompt_tokens",
 )  # fmt: skip
 GAUGES = ("running", "waiting", "used_pages", "cached_tokens", "cached_pages")  # 0 once down
-
-
-def replica_of(uid: int, dp: int) -> int:
-    return uid % dp
 
 
 def worker_names(cpu_backend: str, dp: int) -> list[str]:

@@ -18,6 +18,8 @@ from collections.abc import Callable
 import numpy as np
 import zmq
 
+from minisgl import ipc
+from minisgl.ipc import replica_of
 from minisgl.message.schema import (
     AbortReq,
     AddReq,
@@ -30,8 +32,6 @@ from minisgl.message.schema import (
     TokenizeReq,
     TokenOut,
 )
-from minisgl.server import ipc
-from minisgl.server.replicas import replica_of
 from minisgl.tokenizer.detokenize import DecodeState, Detokenizer
 from minisgl.tokenizer.load import load_tokenizer
 from minisgl.utils import trace

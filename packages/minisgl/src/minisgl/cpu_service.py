@@ -19,8 +19,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from minisgl.server.args import ServerArgs
-
 BINARY = "minisgl-cpu-service"
 ENV_BINARY = "MINISGL_CPU_SERVICE_BIN"
 INSTALL = 'pip install "minisgl[rust]"'
@@ -70,11 +68,6 @@ class ServiceLimits:
     max_prefill_length: int
     cache_type: str
     dp_routing: str | None = None  # data-parallel replicas: prefix | round_robin (the default)
-
-    @classmethod
-    def of(cls, args: ServerArgs) -> ServiceLimits:
-        return cls(args.page_size, args.max_running_requests, args.max_prefill_length,
-                   args.cache_type, args.dp_routing)  # fmt: skip
 
 
 def service_command(

@@ -26,6 +26,12 @@ def scheduler_name(replica: int) -> str:
     return SCHEDULER if replica == 0 else f"{SCHEDULER}{replica}"
 
 
+def replica_of(uid: int, dp: int) -> int:
+    """The engine replica (of `dp`) that serves request `uid`: its messages go to that
+    replica's socket (`scheduler_name`)."""
+    return uid % dp
+
+
 def worker_name(i: int) -> str:
     """rust_service: GPU worker i's PULL (steps from the service)."""
     return f"worker{i}"

@@ -1,4 +1,4 @@
-"""A tensor-parallel rank > 0: `python -m minisgl.distributed.follower FD`, started by rank 0
+"""A tensor-parallel rank > 0: `python -m minisgl.engine.follower FD`, started by rank 0
 (`ranks.Leader.start`) with FD the rank's end of its control socket; `follow_torchrun` runs a
 rank that torchrun started (`minisgl.distributed.launch`)."""
 
