@@ -240,3 +240,11 @@ def test_cardgate_verification_is_shown_when_cardgate_reports_it(small_repo, mon
     assert "evidence commit is not an ancestor of HEAD" in gen.files["cards/T-001.md"]
     assert '!!! success "Verified"' in gen.files["cards/T-002.md"]
     assert "1 bound · 0 unbound · 1 manual" in gen.files["board.md"]
+
+
+def test_the_site_generators_modules_import_in_no_circle():
+    from minisgl.testing.imports import cycles, module_graph
+
+    graph = module_graph([ROOT / "tools" / "site" / "sitegen"], "sitegen")
+    assert {"data", "history", "pages"} <= set(graph) and "data" in graph["pages"]
+    assert cycles(graph) == []

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from minisgl.testing.imports import cycles, module_graph
+
 SRC = Path(__file__).resolve().parents[1] / "src" / "minisgl"
 # every distribution's sources: the runtime's, and the benchmarks' and test helpers' (issue 41)
 SOURCES = sorted(Path(__file__).resolve().parents[2].glob("*/src/minisgl"))
@@ -70,59 +72,6 @@ def test_the_runtime_imports_no_benchmark_or_test_helper():
     assert {f: w for f, w in wrong.items() if w and not f.startswith(TOOLS)} == {}
 
 
-def module_graph(package: str) -> dict[str, set[str]]:
-    """The modules of `minisgl.<package>`, from every distribution's sources -> the modules of
-    that package each imports (`from minisgl.p import m` names module `m` when it is one)."""
-    files = {f.stem: f for src in SOURCES for f in sorted((src / package).glob("*.py"))}
-    graph: dict[str, set[str]] = {}
-    for stem, path in files.items():
-        found: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            for name in names:
-                parts = name.split(".")
-                if parts[:2] == ["minisgl", package] and len(parts) > 2 and parts[2] in files:
-                    found.add(parts[2])
-        graph[stem] = found - {stem, "__init__"}
-    return graph
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
-
-
 def package_graph(src: Path) -> dict[str, set[str]]:
     """The top-level packages and modules of one distribution's `minisgl` (`engine`, `llm`, ...)
     -> those of them each imports, lazy imports included."""
@@ -142,13 +91,13 @@ def test_the_runtimes_packages_import_one_another_in_no_circle():
 
 @pytest.mark.parametrize("package", TOOLS)
 def test_the_benchmarks_and_test_helpers_import_in_no_circle(package):
-    graph = module_graph(package)
+    graph = module_graph([src / package for src in SOURCES], f"minisgl.{package}")
     assert graph, package
     assert cycles(graph) == []
 
 
 def test_the_harness_runs_the_online_benchmarks_that_no_longer_import_it():
-    graph = module_graph("benchmark")
+    graph = module_graph([src / "benchmark" for src in SOURCES], "minisgl.benchmark")
     assert {"online", "online_ab"} <= graph["harness"]  # lazy imports are read too
     assert "harness" not in graph["online"] | graph["online_ab"]
 
