@@ -431,21 +431,3 @@ def baseline_versions(root: Path, baseline: Baseline) -> list[tuple[str, str, di
 def load_research(root: Path) -> list[Path]:
     base = root / RESEARCH_DIR
     return sorted(base.glob("*.md")) if base.is_dir() else []
-
-
-def load_site(root: Path | str) -> Site:
-    from sitegen.history import collect_history
-
-    root = Path(root).resolve()
-    cards, errors = load_cards(root)
-    baselines = load_baselines(root)
-    site = Site(
-        root=root,
-        cards=cards,
-        errors=errors,
-        baselines=baselines,
-        history=[],
-        research=load_research(root),
-    )
-    site.history = collect_history(site)
-    return site

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from sitegen import charts
-from sitegen.data import Baseline, CardView, Run, Site, load_site
+from sitegen.data import Baseline, CardView, Run, Site
 from sitegen.history import chart_groups, workload
+from sitegen.site import load_site
 
 BOARD_LANES = ("backlog", "todo", "in-progress", "done")  # left to right
 LANE_TITLES = {"backlog": "Backlog", "todo": "To do", "in-progress": "In progress", "done": "Done"}

@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tools" / "site"))
 
-from sitegen.data import load_site  # noqa: E402
+from sitegen.site import load_site  # noqa: E402
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
