@@ -207,11 +207,12 @@ def read_gguf_weights(path: Path, method: str, num_heads: int, num_kv_heads: int
     """
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
-    arch_field = reader.fields["general.architecture"]
-    permuted = bytes(arch_field.parts[arch_field.data[0]]).decode() == "llama"
+    from minisgl.quantization.gguf_index import read_index
+
+    index = read_index(path)  # the tensors alone: no parse of the metadata's values
+    permuted = index.architecture == "llama"
     out: dict[str, Int4Weight | Int8Weight] = {}
-    for t in reader.tensors:
+    for t in index.tensors:
         name = hf_name(t.name)
         if name is None:
             continue
