@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -185,3 +186,58 @@ def test_real_model_knows_paris():
     assert "Paris" in out[0]["text"]
     assert out[0]["finish_reason"] == "stop"
     assert_kv_clean(llm)
+
+
+def _record_builds(monkeypatch) -> list[tuple[str, float]]:
+    """(thread name, start time) of every `kernels.cpu.build` call (the real build runs)."""
+    import threading
+    import time
+
+    from minisgl.kernels import cpu as cpu_native
+
+    calls: list[tuple[str, float]] = []
+    real = cpu_native.build
+
+    def build():
+        calls.append((threading.current_thread().name, time.perf_counter()))
+        return real()
+
+    monkeypatch.setattr(cpu_native, "build", build)
+    monkeypatch.setattr(cpu_native, "_library", functools.cache(cpu_native._library.__wrapped__))
+    return calls
+
+
+def test_a_cpu_llm_builds_the_c_kernels_beside_the_model_load(tiny_model_dir, monkeypatch):
+    """On a CPU the C kernels' build starts in the background before the model is found (the
+    embedded model's conversion on a cold cache) and loaded: ~3 s of compiles beside ~13 s of
+    conversion instead of after it (issue 35 item 3)."""
+    import time
+
+    import minisgl.default_model
+    import minisgl.llm
+
+    path = tiny_model_dir("llama")
+    calls = _record_builds(monkeypatch)
+    marks: dict[str, float] = {}
+    make_engine = minisgl.llm.make_engine
+
+    def found() -> str:
+        marks["model"] = time.perf_counter()
+        return path
+
+    def engine(config):
+        marks.setdefault("engine", time.perf_counter())
+        return make_engine(config)
+
+    monkeypatch.setattr(minisgl.default_model, "default_model_path", found)
+    monkeypatch.setattr(minisgl.llm, "make_engine", engine)
+    llm = LLM(None, dtype="bfloat16", quantization="int4", device="cpu")
+    assert calls and calls[0][0] == "minisgl-kernel-build", calls
+    assert calls[0][1] < marks["model"] < marks["engine"]
+    assert llm.engine.cpu_decode is not None  # the kernels it built serve the decode steps
+
+
+def test_a_simulated_device_builds_no_kernels(tiny_model_dir, monkeypatch):
+    calls = _record_builds(monkeypatch)
+    LLM(tiny_model_dir("llama"), sim_device="0.2,0.001", num_pages=64)
+    assert calls == []
