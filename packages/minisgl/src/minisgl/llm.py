@@ -9,8 +9,10 @@ from typing import Any
 
 from minisgl.config import EngineConfig
 from minisgl.core import SamplingParams
+from minisgl.engine.memory import resolve_device
 from minisgl.engine.sim import make_engine
 from minisgl.engine.stream import DeviceStream
+from minisgl.kernels import cpu as cpu_native
 from minisgl.runtime import Runtime, StepBatch, warms_up_by_default
 from minisgl.sampler import TokenLogprob, request_key
 from minisgl.scheduler.backend import SchedulerBackend
@@ -71,6 +73,8 @@ class LLM:
         rank before anything loads. `warm_up`: run a few prefill and decode shapes before the
         first request (`Runtime.warm_up`, as a server does; default: on a CUDA device, where
         each shape's first step compiles Triton kernels)."""
+        if sim_device is None and resolve_device(device).type == "cpu":
+            cpu_native.prebuild()  # beside the model's conversion and load
         if model_path is None:
             from minisgl.default_model import default_model_path
 

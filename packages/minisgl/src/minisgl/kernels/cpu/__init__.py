@@ -18,6 +18,7 @@ does `MINISGL_CPU_ATTENTION=sdpa`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -26,6 +27,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -123,6 +125,21 @@ def build() -> Path:
                 _compile([cc, *LINK_FLAGS, "-o", str(lib), *objs, "-lm"], check=True)
                 os.replace(lib, target)
     return target
+
+
+def prebuild() -> None:
+    """Start `build` in a background thread, so that a cold start compiles the kernels (~3 s on
+    2 cores) beside the model's conversion and load instead of after them; the first use
+    (`_library`) waits for it on the build's file lock, and reports its errors. Nothing when
+    the kernels are off or there is no compiler."""
+    if os.environ.get("MINISGL_CPU_ATTENTION", "native") == "sdpa" or _compiler() is None:
+        return
+
+    def run() -> None:
+        with contextlib.suppress(Exception):  # the first use builds again: raises or warns
+            build()
+
+    threading.Thread(target=run, name="minisgl-kernel-build", daemon=True).start()
 
 
 def _compile(cmd: list[str], check: bool = False) -> bool:
