@@ -62,6 +62,10 @@ def install_service(session: nox.Session) -> None:
     shutil.rmtree(out, ignore_errors=True)
     session.run("maturin", "build", "--release", "--quiet", "--out", out,
                 "-m", "rust/minisgl-cpu-service/Cargo.toml")  # fmt: skip
+    if not os.path.isdir(out):  # nox skipped the build (`--install-only`): nothing to install
+        session.log("the service wheel is built and installed when the session runs, not under "
+                    "--install-only")  # fmt: skip
+        return
     (wheel,) = (os.path.join(out, name) for name in os.listdir(out) if name.endswith(".whl"))
     session.install("--no-deps", "--force-reinstall", wheel)  # same version, new build: replace it
     session.run("python", "-c", SERVICE_INSTALLED)
