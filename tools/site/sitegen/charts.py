@@ -150,6 +150,18 @@ def baseline_chart(baseline: Baseline) -> bytes | None:
                 {"speedup": [float(results[k]["speedup"]) for k in labels]},
                 "x",
             )
+    runs = startup_runs(data)
+    if runs:  # benchmark.startup (and an A/B of it): a fresh process, cold and warm
+        labels = list(runs)
+        return _bars(
+            f"{baseline.name}: LLM() start-up",
+            labels,
+            {
+                "process s": [float(runs[k].get("process_s") or 0.0) for k in labels],
+                "LLM() s": [float(runs[k].get("llm_s") or 0.0) for k in labels],
+            },
+            "s",
+        )
     sets = parity_sets(data)
     if sets is not None:
         labels = list(sets)
@@ -164,6 +176,25 @@ def baseline_chart(baseline: Baseline) -> bytes | None:
             "prompts",
         )
     return None
+
+
+def startup_runs(data: dict) -> dict[str, dict]:
+    """A start-up record's medians by run kind ("cold", "warm"; an A/B's "before cold", ...),
+    or {} for another record."""
+    summary = data.get("summary")
+    if not isinstance(summary, dict):
+        return {}
+    if data.get("kind") == "startup":
+        return {k: v for k, v in summary.items() if isinstance(v, dict)}
+    if data.get("kind") == "startup_ab":
+        return {
+            f"{arm} {k}": v
+            for arm, kinds in summary.items()
+            if isinstance(kinds, dict)
+            for k, v in kinds.items()
+            if isinstance(v, dict)
+        }
+    return {}
 
 
 def parity_sets(data: dict) -> dict[str, dict] | None:
