@@ -241,3 +241,25 @@ def test_a_simulated_device_builds_no_kernels(tiny_model_dir, monkeypatch):
     calls = _record_builds(monkeypatch)
     LLM(tiny_model_dir("llama"), sim_device="0.2,0.001", num_pages=64)
     assert calls == []
+
+
+@pytest.mark.slow
+def test_a_process_whose_llm_fails_at_once_still_completes_the_kernel_build(tmp_path):
+    """The background build outlives an early failure of `LLM()` (a model path that does not
+    exist): the process ends after it, with the kernels in the cache and no half-written
+    temp folder of the compilers left there."""
+    import os
+    import subprocess
+    import sys
+
+    cache = tmp_path / "kernels"
+    code = "from minisgl import LLM\nLLM('/no/such/model', device='cpu')\n"
+    env = dict(os.environ, MINISGL_KERNEL_CACHE=str(cache))
+    env.pop("MINISGL_CPU_ATTENTION", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode != 0 and "/no/such/model" in done.stderr
+    folder = cache / "kernels"
+    built = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    assert [n for n in built if n.endswith(".so")], built
+    assert not [n for n in built if n.startswith("tmp")], built
