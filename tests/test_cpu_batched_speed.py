@@ -277,3 +277,16 @@ def test_batched_speed_vs_hf(metric, tmp_path):
     metric("seed_offline_tok_s_minisgl", mini, unit="tok/s")
     metric("seed_offline_tok_s_hf_fp32", hf32, unit="tok/s")
     metric("seed_offline_tok_s_hf_bf16", hf16, unit="tok/s")
+
+
+def test_a_compile_error_raises_with_the_compilers_message_and_leaves_no_build(
+    tmp_path, monkeypatch
+):
+    """Every source compiles as its own process; one that fails is compiled again to raise its
+    messages, after all of them ended (no compiler left writing into the removed temp folder)."""
+    monkeypatch.setenv("MINISGL_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_native, "COMPILE_FLAGS", (*cpu_native.COMPILE_FLAGS, "-fno-such-flag"))
+    with pytest.raises(RuntimeError, match="failed:(.|\\n)*no-such-flag"):
+        cpu_native.build()
+    left = sorted(p.name for p in (tmp_path / "cache" / "kernels").iterdir())
+    assert not [n for n in left if not n.endswith(".lock")], left

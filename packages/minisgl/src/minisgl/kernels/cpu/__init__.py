@@ -28,7 +28,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -116,11 +115,14 @@ def build() -> Path:
             with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
                 objs = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
                 lib = Path(tmp) / "k.so"
-                # the sources compile side by side (a cold start waited ~9 s for them in a row)
+                # the sources compile side by side (a cold start waited ~9 s for them in a row),
+                # as processes of their own: no executor, which refuses work once the
+                # interpreter shuts down (`prebuild`'s thread may still be building then)
                 compiles = [[cc, *flags, "-o", obj, str(src)] for obj, src in zip(objs, SOURCES)]
-                with ThreadPoolExecutor(max(1, min(len(compiles), os.cpu_count() or 1))) as pool:
-                    done = list(pool.map(_compile, compiles))
-                for cmd in (c for c, ok in zip(compiles, done) if not ok):
+                quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+                procs = [subprocess.Popen(cmd, **quiet) for cmd in compiles]
+                codes = [proc.wait() for proc in procs]  # all done before any error is raised
+                for cmd in (c for c, code in zip(compiles, codes) if code != 0):
                     _compile(cmd, check=True)  # raises with the compiler's messages
                 _compile([cc, *LINK_FLAGS, "-o", str(lib), *objs, "-lm"], check=True)
                 os.replace(lib, target)
@@ -139,7 +141,9 @@ def prebuild() -> None:
         with contextlib.suppress(Exception):  # the first use builds again: raises or warns
             build()
 
-    threading.Thread(target=run, name="minisgl-kernel-build", daemon=True).start()
+    # not a daemon: a process that ends early (a bad model path) waits the build out instead of
+    # leaving the compilers' half-written temp folder in the cache
+    threading.Thread(target=run, name="minisgl-kernel-build", daemon=False).start()
 
 
 def _compile(cmd: list[str], check: bool = False) -> bool:
