@@ -4,12 +4,11 @@ from the source (every import, lazy ones inside functions included), nothing is 
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 
-from minisgl.testing.imports import cycles, module_graph
+from minisgl.testing.imports import cycles, imported_names, module_graph
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "minisgl"
 # every distribution's sources: the runtime's, and the benchmarks' and test helpers' (issue 41)
@@ -29,20 +28,11 @@ ALLOWED = {
 def minisgl_imports(path: Path) -> set[str]:
     """The top-level minisgl packages and modules a file imports (`minisgl.x.y` -> `x`, `from
     minisgl import x` -> `x`)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        names = []
-        if isinstance(node, ast.ImportFrom) and node.module == "minisgl" and node.level == 0:
-            names = [f"minisgl.{a.name}" for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "minisgl" and len(parts) > 1:
-                found.add(parts[1])
-    return found
+    return {
+        parts[1]
+        for parts in (name.split(".") for name in imported_names(path))
+        if parts[0] == "minisgl" and len(parts) > 1
+    }
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
