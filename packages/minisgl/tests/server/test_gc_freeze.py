@@ -25,9 +25,13 @@ def test_freezing_moves_the_heap_out_of_the_collector_s_reach():
         Cycle()  # garbage in a cycle: collected by the freeze's collection, not frozen
         keep = [Cycle() for _ in range(1000)]
         n = freeze_startup_heap()
-        assert n == gc.get_freeze_count() and n > 1000
+        # Other threads of this process (xdist's channel, a background kernel build) may free
+        # frozen objects at any time: the permanent generation only shrinks after the freeze.
+        assert 1000 < gc.get_freeze_count() <= n
         assert all(gc.is_tracked(c) for c in keep)
-        assert len(gc.get_objects(generation=2)) < n  # the frozen objects are in none
+        in_reach = {id(o) for o in gc.get_objects()}  # every generation the collector scans
+        assert not any(id(c) in in_reach for c in keep)
+        assert len(in_reach) < n
     finally:
         gc.unfreeze()
 
