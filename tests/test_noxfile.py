@@ -5,6 +5,7 @@ did not run (`nox -s tests --install-only` is how a benchmark machine gets the t
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 import types
 from pathlib import Path
@@ -73,3 +74,19 @@ def test_the_service_install_installs_the_wheel_maturin_built(tmp_path, monkeypa
     noxfile.install_service(session)
     wheels = [a for a in session.installs if any(str(x).endswith(".whl") for x in a)]
     assert len(wheels) == 1 and "--force-reinstall" in wheels[0]
+
+
+def test_every_file_with_isa_paths_tests_runs_again_at_every_level(monkeypatch):
+    """A file whose tests are marked `isa_paths` is in each MINISGL_CPU_ISA level's list, so its
+    lower paths (the C kernels' plain loops, no VNNI) run wherever CI lands: a file left out ran
+    its plain loops only on a machine without AVX-512 (the SiLU quantization's scalar loop of
+    `kernels/cpu/quant.c` coded gates of -90 and below as -127 there, unseen on the others)."""
+    nf = _noxfile(monkeypatch)
+    marked = {
+        str(p.relative_to(ROOT))
+        for p in sorted((ROOT / "tests").glob("test_*.py"))
+        if re.search(r"^(@|pytestmark = )pytest\.mark\.isa_paths", p.read_text("utf-8"), re.M)
+    }
+    assert marked, "no file marks isa_paths tests"
+    for level, paths in nf.ISA_PASS_TESTS.items():
+        assert set(paths) == marked, (level, sorted(marked - set(paths)))

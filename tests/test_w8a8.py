@@ -290,6 +290,39 @@ def test_a_cpu_without_int8_matrix_instructions_refuses_w8a8(tiny_llama, monkeyp
         EngineConfig(model_path="x", quantization="w4a4")
 
 
+@pytest.mark.card(CARD, REFUSE)
+def test_the_int8_gemm_refuses_a_cpu_without_int8_matrix_instructions(monkeypatch):
+    """Without an int8 matrix unit oneDNN's int8 GEMM runs its AVX2 kernel, whose u8 x s8 pair
+    sums saturate at int16 (`gemm:jit` on an AMD EPYC without VNNI: 20-25% of the output range
+    off for codes in [-127, 127], s8 or u8 activations alike): the GEMM and a W8A8 layer raise
+    rather than return those numbers."""
+    w8 = _w8a8()
+    from minisgl.quantization.packed import quantize_int8
+
+    monkeypatch.setattr(w8, "w8a8_supported", lambda: False)
+    wq = torch.randint(-127, 128, (16, 64), dtype=torch.int8)
+    xq = torch.randint(-127, 128, (3, 64), dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="int8 matrix instructions.*AMX-INT8.*AVX512-VNNI"):
+        w8.int8_gemm(xq, wq, torch.ones(16), torch.float32)
+    layer = w8.W8A8Linear(quantize_int8(torch.randn(16, 64)), None, torch.float32)
+    with pytest.raises(RuntimeError, match="int8 matrix instructions"):
+        layer(torch.randn(1, 3, 64))
+
+
+@pytest.mark.card(CARD, REFUSE)
+def test_tests_that_need_an_int8_matrix_unit_say_why_they_skip(monkeypatch):
+    """The `int8_matrix_unit` marker (root conftest): where W8A8 refuses, its tests skip as
+    missing evidence naming the ISA level and the CPU's features; where it runs, they run."""
+    capability = require_module("minisgl.testing.capability")
+    w8 = _w8a8()
+    monkeypatch.setattr(w8, "w8a8_supported", lambda: True)
+    assert capability.int8_matrix_unit_missing() is None
+    monkeypatch.setattr(w8, "w8a8_supported", lambda: False)
+    why = capability.int8_matrix_unit_missing()
+    assert why is not None and why.startswith("int8_matrix_unit")
+    assert "(missing evidence)" in why and "MINISGL_CPU_ISA=" in why and "features" in why
+
+
 @pytest.mark.gate_only
 @pytest.mark.bench
 @pytest.mark.card(
