@@ -1,10 +1,13 @@
-"""Repository-wide pytest hooks: the `rust_ext` and `suite_check` markers.
+"""Repository-wide pytest hooks: the `rust_ext`, `int8_matrix_unit` and `suite_check` markers.
 
 - `rust_ext`: the test needs the `minisgl_cpu` PyO3 extension (the bindings are for tests and
   benchmarks only; the runtime never loads them). With the extension, `rust_hotpath` is
   registered as a scheduler backend of the test process before the test sets up; without it
   the test fails, loudly, with how to build it or deselect it (`-m "not rust_ext"`); it is
   never skipped.
+- `int8_matrix_unit`: the test needs W8A8's int8 GEMM (AMX-INT8 or AVX512-VNNI under the
+  `MINISGL_CPU_ISA` level in force); elsewhere it skips, saying why, as missing evidence
+  (`minisgl.testing.capability`): the x86-avx2 kind (an AMD EPYC without AVX-512) has neither.
 - `suite_check`: a test that runs the whole suite in a child (minutes); deselected unless
   `--run-suite-check` (the P1-012 gate passes it).
 
@@ -75,6 +78,12 @@ def _extension_missing() -> bool:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("int8_matrix_unit") is not None:
+        from minisgl.testing.capability import int8_matrix_unit_missing
+
+        why = int8_matrix_unit_missing()
+        if why is not None:
+            pytest.skip(why)
     if item.get_closest_marker("rust_ext") is not None and not _extension_missing():
         from minisgl.testing import rust_hotpath
 

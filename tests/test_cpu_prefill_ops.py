@@ -137,6 +137,7 @@ def test_u8_codes_are_the_int8_codes_plus_128(kind: str) -> None:
     assert torch.equal(u8_scales, scales)
 
 
+@pytest.mark.int8_matrix_unit
 @pytest.mark.card(CARD, ITEM)
 @pytest.mark.card(CARD, RED)
 def test_the_int8_gemm_takes_u8_codes() -> None:
@@ -144,7 +145,6 @@ def test_the_int8_gemm_takes_u8_codes() -> None:
     (oneDNN's VNNI kernels take u8 as they are; AMX takes the codes back as s8)."""
     from minisgl.quantization import w8a8
 
-    assert w8a8.w8a8_supported(), "this CPU lacks int8 matrix instructions"
     g = torch.Generator().manual_seed(5)
     xq = torch.randint(-127, 128, (19, 160), generator=g, dtype=torch.int8)
     wq = torch.randint(-127, 128, (48, 160), generator=g, dtype=torch.int8)
@@ -170,6 +170,7 @@ def _prefill_logits(llm: Any, prompts: list[list[int]]) -> tuple[torch.Tensor, l
     return logits, [e.name for e in prof.events()]
 
 
+@pytest.mark.int8_matrix_unit
 @pytest.mark.card(CARD, GREEN)
 @pytest.mark.card(CARD, RED)
 def test_the_w8a8_prefill_runs_the_c_ops_with_the_same_logits(tiny: Path, monkeypatch) -> None:
@@ -177,9 +178,7 @@ def test_the_w8a8_prefill_runs_the_c_ops_with_the_same_logits(tiny: Path, monkey
     pass, no flip of q / k and no fp32 copy for a row scale; its logits equal those of the
     torch expressions' (`kernels.cpu.elementwise` off) to the bit."""
     from minisgl.kernels import cpu as cpu_native
-    from minisgl.quantization import w8a8
 
-    assert w8a8.w8a8_supported(), "this CPU lacks int8 matrix instructions"
     assert hasattr(cpu_native, "elementwise"), "kernels.cpu.elementwise is missing"
     llm = LLM(str(tiny), dtype="bfloat16", quantization="w8a8", num_pages=512)
     prompts = [[(7 * i + 5 * j) % 300 + 3 for j in range(13)] for i in range(6)]

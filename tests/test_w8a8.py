@@ -50,10 +50,6 @@ def _smooth() -> ModuleType:
     return require_module("minisgl.quantization.smooth")
 
 
-def _supported() -> bool:
-    return bool(_w8a8().w8a8_supported())
-
-
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> Any:
     return write_tiny_model("llama", tmp_path_factory.mktemp("w8a8") / "llama", seed=3)
@@ -64,14 +60,13 @@ def _float_model(path: Any, dtype: torch.dtype = torch.float32) -> torch.nn.Modu
     return load_model(path, cfg, dtype, torch.device("cpu"), max_positions=256)
 
 
+@pytest.mark.int8_matrix_unit
 @pytest.mark.card(CARD, RED)
 @pytest.mark.card(CARD, GEMM)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k", [(1, 64, 64), (37, 96, 160), (300, 3072, 576)])
 def test_int8_gemm_matches_the_integer_reference(m, n, k, out_dtype):
     w8 = _w8a8()
-    if not _supported():
-        pytest.fail("this CPU lacks int8 matrix instructions: the refusal test covers it")
     g = torch.Generator().manual_seed(m * 7 + n)
     xq = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
     wq = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
@@ -85,6 +80,7 @@ def test_int8_gemm_matches_the_integer_reference(m, n, k, out_dtype):
     assert w8.W8A8Linear is not None
 
 
+@pytest.mark.int8_matrix_unit
 @pytest.mark.card(CARD, GEMM)
 @pytest.mark.card(CARD, GREEN)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
@@ -93,8 +89,6 @@ def test_int8_gemm_runs_on_an_optimized_onednn_kernel(out_dtype, capfd):
     loop. On a CPU with AVX512-VNNI and no AMX (AMD EPYC, 2 threads) int8 activations took
     oneDNN's `ref_int8` at 0.9 s for one 256 x 576 x 576 GEMM; u8 ones with a zero point of 128
     take `brg_matmul:avx512_core_vnni` at 0.24 ms."""
-    if not _supported():
-        pytest.fail("this CPU lacks int8 matrix instructions: the refusal test covers it")
     g = torch.Generator().manual_seed(5)
     xq = torch.randint(-127, 128, (64, 256), generator=g, dtype=torch.int8)
     wq = torch.randint(-127, 128, (128, 256), generator=g, dtype=torch.int8)
@@ -110,6 +104,7 @@ def test_int8_gemm_runs_on_an_optimized_onednn_kernel(out_dtype, capfd):
     assert float((got.double() - ref).abs().max()) <= 2.0**-7 * float(ref.abs().max())
 
 
+@pytest.mark.int8_matrix_unit
 @pytest.mark.card(CARD, GEMM)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_w8a8_layer_is_the_integer_computation_of_its_rows(dtype):
@@ -210,13 +205,12 @@ def _count_gemms(monkeypatch) -> list[int]:
     return rows
 
 
+@pytest.mark.int8_matrix_unit
 @pytest.mark.card(CARD, RED)
 @pytest.mark.card(CARD, ENGINE)
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_w8a8_model_runs_its_linears_on_int8_activations(tiny_llama, monkeypatch, compiled):
     w8 = _w8a8()
-    if not _supported():
-        pytest.fail("this CPU lacks int8 matrix instructions: the refusal test covers it")
     llm = LLM(
         str(tiny_llama), quantization="w8a8", dtype="bfloat16", num_pages=2048,
         enable_torch_compile=compiled, max_running_requests=16,
@@ -251,6 +245,7 @@ def test_a_w8a8_model_runs_its_linears_on_int8_activations(tiny_llama, monkeypat
     assert same >= 9, same
 
 
+@pytest.mark.int8_matrix_unit
 @pytest.mark.slow
 @pytest.mark.card(CARD, RED)
 @pytest.mark.card(CARD, EMBEDDED)
@@ -263,8 +258,6 @@ def test_the_embedded_model_in_w8a8_answers_paris_within_2pc_perplexity():
     from minisgl.benchmark.cpu_speed import geometric_mean, perplexity_texts
 
     _w8a8()
-    if not _supported():
-        pytest.fail("this CPU lacks int8 matrix instructions: the refusal test covers it")
     llm = LLM(quantization="w8a8", dtype="bfloat16", max_seq_len_override=512)
     ppl = geometric_mean(perplexity_texts(llm))  # first: a fresh pool
     msgs = [[{"role": "user", "content": "What is the capital of France?"}]]
@@ -340,6 +333,7 @@ def test_w8a8_many_short_vs_hf_bf16(metric, tmp_path):
     metric("many_short_tok_s_hf_bf16", hf16, unit="tok/s")
 
 
+@pytest.mark.int8_matrix_unit
 @pytest.mark.card(CARD, GEMM)
 def test_a_freed_layer_takes_its_packed_weights_with_it():
     """The prepacked copies are found by the weight's storage; a freed model must not leave its
@@ -447,6 +441,7 @@ def test_a_fused_input_quantization_refuses_bad_operands():
     assert codes.eq(0).all() and torch.isfinite(scales).all()
 
 
+@pytest.mark.int8_matrix_unit
 @pytest.mark.card(CARD, RED_FUSED)
 @pytest.mark.card(CARD, FUSED_MODEL)
 @pytest.mark.card(CARD, REFACTOR)
@@ -459,8 +454,6 @@ def test_a_w8a8_model_quantizes_norms_and_silu_mul_in_the_fused_pass(
     and no other per-row quantization there; the model's next tokens are those of the same
     weights through the unfused ops."""
     w8 = _w8a8()
-    if not _supported():
-        pytest.fail("this CPU lacks int8 matrix instructions: the refusal test covers it")
     _quant_op()
     opts = dict(quantization="w8a8", dtype="bfloat16", num_pages=2048, max_running_requests=16)
     llm = LLM(str(tiny_llama), enable_torch_compile=compiled, **opts)

@@ -36,16 +36,6 @@ def _step() -> ModuleType:
     return require_module("minisgl.kernels.cpu.w8a8_step")
 
 
-def _w8a8_ready() -> None:
-    """The modules' reference needs oneDNN's int8 GEMM (an int8 matrix unit): without one
-    w8a8 models refuse to load (test_w8a8's refusal test), so only the GEMM's own tests run at
-    the avx2 ISA level (`isa_paths`)."""
-    from minisgl.quantization import w8a8
-
-    if not w8a8.w8a8_supported():
-        pytest.fail("this CPU lacks int8 matrix instructions: w8a8 models refuse to load")
-
-
 def _int8_reference(xq: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """bf16(float(xq @ wq^T) * scales): the int32 sums exact, one fp32 product, one rounding."""
     acc = (xq.double() @ wq.double().t()).float()
@@ -71,10 +61,10 @@ def test_the_panel_gemm_is_the_integer_product(rows: int, n: int, k: int) -> Non
     assert torch.equal(got, _int8_reference(xq, wq, scales))
 
 
+@pytest.mark.int8_matrix_unit
 @pytest.mark.card(CARD, "the-int8-panel-gemm-is-the-integer-product-exactly")
 def test_the_panel_gemm_is_onednns_to_the_bit() -> None:
     """Where oneDNN's int8 GEMM runs (the modules' `w8a8.int8_gemm`), the same bf16 outputs."""
-    _w8a8_ready()
     from minisgl.quantization import w8a8
 
     step = _step()
@@ -152,6 +142,7 @@ def _llm(path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, **kw: Any) -> A
     return LLM(str(path), dtype="bfloat16", quantization="w8a8", **{"num_pages": 512, **kw})
 
 
+@pytest.mark.int8_matrix_unit
 @pytest.mark.card(CARD, "the-w8a8-c-decode-step-gives-the-modules-logits-on-every-architecture")
 @pytest.mark.card(CARD, RED)
 @pytest.mark.card(CARD, GREEN)
@@ -164,7 +155,6 @@ def test_the_w8a8_c_step_gives_the_modules_logits(tiny: Path, batch: int, monkey
     the C loop in its own, and a rare bf16 rounding of q or k flips (measured: one row of 64 from
     its second step, logits off by at most 0.17 of 6.8); there the rows stay within that
     rounding (cosine > 0.999) and choose the modules' token wherever the margin is clear."""
-    _w8a8_ready()
     prompts = random_prompts(batch, 14, 14, vocab=300, seed=batch)
     kw = {"num_pages": batch * 14 + 64, "max_running_requests": batch}
     c = _llm(tiny, monkeypatch, "c", **kw)
@@ -192,6 +182,7 @@ def test_the_w8a8_c_step_gives_the_modules_logits(tiny: Path, batch: int, monkey
     assert torch.equal(got.argmax(1)[clear], ref.argmax(1)[clear])
 
 
+@pytest.mark.int8_matrix_unit
 @pytest.mark.card(CARD, "the-w8a8-c-decode-step-gives-the-modules-logits-on-every-architecture")
 def test_the_w8a8_c_step_gives_the_modules_logits_past_64_rows(tiny: Path, monkeypatch) -> None:
     """The same at 130 rows (w8a8 steps run here up to 256: the int4 step's cap is 64)."""
@@ -221,11 +212,11 @@ def test_the_row_ops_of_both_c_steps_live_in_one_header() -> None:
                                  re.M), (src, name)  # fmt: skip
 
 
+@pytest.mark.int8_matrix_unit
 @pytest.mark.card(CARD, "the-w8a8-c-decode-step-serves-batches-and-prefix-hits-with-kv-returned")
 def test_the_w8a8_c_step_serves_batches_and_prefix_hits(tiny: Path, monkeypatch) -> None:
     """Batches of 1 to 24 decode rows, shared prefixes (radix hits), stop tokens and n > 1:
     every request finishes as asked, with the tokens the modules give; every KV page returns."""
-    _w8a8_ready()
     shared = random_prompts(1, 24, 24, seed=11)[0]
     prompts = [shared + p for p in random_prompts(20, 1, 9, seed=12)] + random_prompts(4, 3, 30)
     lens = [4 + i % 13 for i in range(len(prompts))]
@@ -252,6 +243,7 @@ def test_the_w8a8_c_step_serves_batches_and_prefix_hits(tiny: Path, monkeypatch)
     assert outs["c"] == outs["modules"]
 
 
+@pytest.mark.int8_matrix_unit
 @pytest.mark.card(CARD, "the-w8a8-c-step-runs-by-default-only-where-amx-int8-is-absent")
 @pytest.mark.card(CARD, RED)
 def test_the_w8a8_c_step_runs_by_default_only_without_amx_int8(tmp_path, monkeypatch) -> None:
@@ -259,7 +251,6 @@ def test_the_w8a8_c_step_runs_by_default_only_without_amx_int8(tmp_path, monkeyp
     (oneDNN's AMX kernels) with it, and without AVX512-BF16 / VNNI (the step's kernels would be
     plain loops); `c` runs it anywhere, `modules` nowhere; int4 models take the C step on both
     kinds."""
-    _w8a8_ready()
     _step()
     from minisgl.engine import cpu_decode
 
@@ -310,6 +301,7 @@ def test_w8a8_batched_vs_hf_bf16(metric, tmp_path) -> None:
         metric(f"{key}_tok_s_hf_bf16", hf16, unit="tok/s")
 
 
+@pytest.mark.int8_matrix_unit
 @pytest.mark.slow
 @pytest.mark.card(CARD, "the-embedded-model-decodes-as-well-through-the-w8a8-c-step")
 def test_the_embedded_model_decodes_as_well_through_the_w8a8_c_step(monkeypatch) -> None:
@@ -317,8 +309,6 @@ def test_the_embedded_model_decodes_as_well_through_the_w8a8_c_step(monkeypatch)
     0.5% of the modules' (the residual stream is theirs to the bit; only the lm_head sums its
     products in another order), and the capital of France is Paris."""
     from minisgl.benchmark.cpu_speed import PPL_TEXTS, decode_perplexity, geometric_mean
-
-    _w8a8_ready()
 
     def quality(mode: str) -> tuple[float, str]:
         monkeypatch.setenv("MINISGL_CPU_DECODE", mode)

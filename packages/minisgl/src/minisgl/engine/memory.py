@@ -41,10 +41,7 @@ def resolve_quantization(quantization: str, model_path: str, device: torch.devic
         from minisgl.quantization import w8a8
 
         if not w8a8.w8a8_supported():
-            raise ValueError(
-                "quantization='w8a8' needs a CPU with int8 matrix instructions (AMX-INT8 or "
-                "AVX512-VNNI) and a torch with oneDNN's int8 linear; use 'int8' here"
-            )
+            raise ValueError(f"quantization='w8a8' {w8a8.UNSUPPORTED}; use 'int8' here")
     return quantization
 
 

@@ -50,6 +50,15 @@ def w8a8_supported() -> bool:
     return not cpu_flags().isdisjoint({"amx_int8", "avx512_vnni"})
 
 
+# why W8A8 refuses a CPU without them: oneDNN's AVX2 int8 kernel (`gemm:jit`) sums pairs of
+# u8 x s8 products in saturating int16 (`vpmaddubsw`); on an AMD EPYC without VNNI its outputs
+# for codes in [-127, 127] were 20-25% of their range off, with s8 or u8 activations alike
+UNSUPPORTED = (
+    "needs a CPU with int8 matrix instructions (AMX-INT8 or AVX512-VNNI) and a torch with "
+    "oneDNN's int8 linear: without them oneDNN's int8 GEMM sums products in saturating int16"
+)
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> int8 [M, K] and fp32 scales [M, 1]: scale = max |row| / 127, each value
     rounded to nearest (ties to even) of x / scale. A zero row gets a tiny scale and zeros."""
@@ -150,6 +159,8 @@ def int8_gemm(
     """(xq [M, K] int8 @ qweight [N, K] int8 ^ T) * scales [N] (fp32), in `out_dtype`: the
     products summed exactly in int32, scaled and rounded once. xq uint8: the codes + 128
     (`quantize_input(..., u8=True)`), what the VNNI kernels take without a pass of their own."""
+    if not w8a8_supported():
+        raise RuntimeError(f"int8_gemm {UNSUPPORTED}")
     packed, zeros = _packed(qweight)
     x, zero_point = xq.contiguous(), 0
     shifted = x.dtype == torch.uint8

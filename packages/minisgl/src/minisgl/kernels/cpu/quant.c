@@ -144,7 +144,9 @@ int quant_rows_bf16(const uint16_t *x, int64_t stride, const uint16_t *w, const 
                 for (; c < n; c++) {
                     float g = bf16_to_f32(xr[c]), u = bf16_to_f32(ur[c]);
                     g = round_bf16(g * s), u = round_bf16(u * s);
-                    h[c] = round_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
+                    /* e^-g clamped as in silu_mul16: -ffast-math assumes no infinity, and
+                     * g / (1 + inf) for a gate of -90 or below came out as NaN (code -127) */
+                    h[c] = round_bf16(round_bf16(g / (1.0f + expf(fminf(-g, 80.0f)))) * u);
                     amax = fmaxf(amax, fabsf(h[c]));
                 }
             }
