@@ -42,3 +42,16 @@ def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
         "unknown step 'bogus'" in done.stderr and "suite start single batched gates" in done.stderr
     )
     assert not out.exists()
+
+
+def test_the_batched_step_leaves_w8a8_out_where_the_cpu_refuses_it():
+    """W8A8 refuses a CPU without an int8 matrix unit (the x86-avx2 kind): the batched step asks
+    `int8_matrix_unit_missing` and measures the default config alone there, saying why."""
+    body = re.search(r"^run_batched\(\) \{\n(.*?)^\}", SCRIPT.read_text(), re.M | re.S)
+    assert body, "run_batched"
+    text = body.group(1)
+    assert "int8_matrix_unit_missing" in text and "configs=default,w8a8" in text
+    assert re.search(
+        r'\[ -n "\$why" \] && \{ configs=default; echo "w8a8 left out: \$why"; \}', text
+    )
+    assert '--configs "$configs"' in text
