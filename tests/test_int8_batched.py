@@ -22,6 +22,7 @@ from minisgl.testing.hf_reference import hf_greedy, load_hf_model
 from minisgl.testing.quantized import count_dequantizations, int8_layer, linear_weights
 from minisgl.testing.scenarios import assert_kv_clean, random_prompts
 from minisgl.testing.tiny_models import write_tiny_model
+from minisgl.utils.cpu import native_bf16
 
 ITEM = "an-int8-layer-of-32-rows-or-more-runs-one-gemm-on-its-de-quantized-weights"
 RED = "failing-tests-int8-layers-at-batch"
@@ -32,6 +33,14 @@ def _threshold(name: str) -> int:
     rows = getattr(linear, name, None)
     assert rows is not None, f"quantization.linear.{name} is missing"
     return rows
+
+
+def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The de-quantized GEMM as `quantization.linear` runs it: bf16 without native bf16 (the
+    x86-avx2 kind) widened to one fp32 GEMM and rounded once, else `F.linear` as it is."""
+    if x.dtype != torch.bfloat16 or native_bf16():
+        return F.linear(x, w, bias)
+    return F.linear(x.float(), w.float(), None if bias is None else bias.float()).bfloat16()
 
 
 def min_rows() -> int:
@@ -60,14 +69,14 @@ def test_int8_layer_from_min_rows_is_one_gemm_on_dequantized_weights(dtype):
         x = torch.randn(m, 192, generator=g).to(dtype)
         out = layer(x)
         assert out.dtype == dtype and out.shape == (m, 160)
-        assert torch.equal(out, F.linear(x, deq, bias))
+        assert torch.equal(out, _gemm(x, deq, bias))
         # and the same product as the fp32 reference, within the activation dtype's rounding
         ref = x.float() @ deq.float().t() + bias.float()
         tol = 1e-4 if dtype == torch.float32 else 0.02
         torch.testing.assert_close(out.float(), ref, atol=tol * float(ref.abs().max()), rtol=0)
     # a 3-D input (batch, seq, hidden) takes its row count
     x3 = torch.randn(2, rows, 192, generator=g).to(dtype)
-    assert torch.equal(layer(x3), F.linear(x3, deq, bias))
+    assert torch.equal(layer(x3), _gemm(x3, deq, bias))
     # one row fewer: the packed weight-only kernel, as before
     x = torch.randn(rows - 1, 192, generator=g).to(dtype)
     packed = torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales) + bias
@@ -132,7 +141,7 @@ def test_int4_layer_from_min_rows_is_one_gemm_on_dequantized_weights(dtype):
         x = torch.randn(m, 192, generator=g).to(dtype)
         out = layer(x)
         assert out.dtype == dtype and out.shape == (m, 160)
-        assert torch.equal(out, F.linear(x, deq, bias))
+        assert torch.equal(out, _gemm(x, deq, bias))
     x = torch.randn(rows - 1, 192, generator=g).to(dtype)  # one row fewer: the packed kernel
     packed = torch.ops.aten._weight_int4pack_mm_for_cpu(
         x, layer.qweight, INT4_GROUP, layer.scales_zeros
@@ -249,7 +258,7 @@ def test_compiled_int8_layer_runs_the_dequantized_gemm_from_min_rows():
     assert _graphs(lambda: out.extend(_compiled_sizes(layer, x, rows))) == 2
     assert torch.equal(out[0], packed)
     for m, y in zip((rows, rows + 40), out[1:], strict=True):
-        assert torch.equal(y, F.linear(x[:m], deq, bias))
+        assert torch.equal(y, _gemm(x[:m], deq, bias))
 
 
 @pytest.mark.card("P2-003", COMPILED_RED)
@@ -265,7 +274,7 @@ def test_compiled_int4_layer_runs_the_dequantized_gemm_from_min_rows():
     assert _graphs(lambda: out.extend(_compiled_sizes(layer, x, rows))) == 2
     assert torch.equal(out[0], packed + bias)
     for m, y in zip((rows, rows + 40), out[1:], strict=True):
-        assert torch.equal(y, F.linear(x[:m], deq, bias))
+        assert torch.equal(y, _gemm(x[:m], deq, bias))
 
 
 @pytest.mark.card("P2-003", COMPILED_RED)
@@ -363,7 +372,7 @@ def test_bf16_int8_layer_dequantizes_through_c(monkeypatch):
     monkeypatch.setattr(cpu_native, "dequant_int8", lambda *a: calls.append(1) or dequant(*a))
     layer, deq, bias = int8_layer(torch.bfloat16)
     x = torch.randn(layer.dequant_min_rows, 192).bfloat16()
-    assert torch.equal(layer(x), F.linear(x, deq, bias))
+    assert torch.equal(layer(x), _gemm(x, deq, bias))
     assert calls == [1]
 
 
@@ -382,4 +391,4 @@ def test_a_large_layer_multiplies_a_block_of_rows_at_a_time(kind, monkeypatch):
     x = torch.randn(40, 192)
     out = layer(x)
     assert blocks == [slice(0, 64), slice(64, 128), slice(128, 160)]
-    torch.testing.assert_close(out, F.linear(x, deq, bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, _gemm(x, deq, bias), atol=1e-5, rtol=1e-5)

@@ -6,7 +6,7 @@ import torch
 
 from minisgl.config import EngineConfig, ModelConfig
 from minisgl.kvcache.pool import KVPool
-from minisgl.utils.cpu import cpu_flags
+from minisgl.utils.cpu import native_bf16
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # On CPU the KV pool is host memory shared with everything else: a memory ratio applies to the
@@ -23,7 +23,7 @@ def resolve_device(device: str) -> torch.device:
 
 def cpu_has_fast_bf16() -> bool:
     """AVX512-BF16 or AMX: bf16 matmuls run natively (not emulated through fp32)."""
-    return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
+    return native_bf16()
 
 
 def resolve_quantization(quantization: str, model_path: str, device: torch.device) -> str:
@@ -49,13 +49,20 @@ def resolve_dtype(
     dtype: str, cfg: ModelConfig, device: torch.device, quantization: str = "none"
 ) -> torch.dtype:
     """`auto` on CPU: bfloat16 for quantized weights where the CPU has native bf16 (the packed
-    kernels are fast with bf16 activations only), else float32 (exact: HF parity); the
-    checkpoint's dtype on a GPU."""
+    kernels are fast with bf16 activations only), and for int4 weights wherever the C kernels
+    build (their decode step is bf16 only; without native bf16 the de-quantized GEMMs run in
+    fp32: `quantization.linear`); else float32 (exact: HF parity). The checkpoint's dtype on a
+    GPU."""
     if dtype != "auto":
         return _DTYPES[dtype]
     if device.type == "cpu":
         if quantization != "none" and cpu_has_fast_bf16():
             return torch.bfloat16
+        if quantization == "int4":
+            from minisgl.kernels import cpu as cpu_native
+
+            if cpu_native.available(torch.bfloat16):
+                return torch.bfloat16
         return torch.float32
     return _DTYPES.get(str(cfg.torch_dtype).replace("torch.", ""), torch.bfloat16)
 

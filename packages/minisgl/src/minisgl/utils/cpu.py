@@ -64,6 +64,13 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(f for f in native_flags() if not f.startswith(masked))
 
 
+def native_bf16() -> bool:
+    """Whether bf16 GEMMs run natively (AVX512-BF16 or AMX-BF16 under the level); without,
+    oneDNN emulates them: 46 ms for a [500, 576] x [576, 3072] linear on an AMD EPYC with AVX2
+    only, 2 threads, where the same GEMM in fp32 is a few ms."""
+    return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
+
+
 def amx_tiles() -> bool:
     """Whether AMX tiles may be used: the CPU has them, the level allows them, and Linux
     grants the tile state (torch's check)."""
