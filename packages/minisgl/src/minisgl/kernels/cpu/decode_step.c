@@ -26,7 +26,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -325,6 +325,62 @@ static void gemm(const q4mat *w, const qrow *a, int64_t rows, float *y, int thre
 #define HAVE_DOTS4 0
 #endif
 
+#if !HAVE_DOTS4 && defined(__AVX2__) && defined(__FMA__)
+/* AVX2 without AVX512-VNNI (the x86-avx2 kind): dots4's arithmetic 8 lanes (2 groups) at a
+ * time. `vpmaddubsw` multiplies the unsigned codes (0..15) by the signed activations and adds
+ * pairs into int16 (at most 2 * 15 * 127: exact, no saturation), `vpmaddwd` by ones sums 4
+ * products into each int32 lane, the layout `vpdpbusd` gives; each lane then meets its group's
+ * d, s, z and a quarter of its sums as in dots4. The plain loops ran the embedded model's
+ * single stream at 38 tok/s on an AMD EPYC without AVX-512 (2 threads). */
+#define HAVE_DOTS4_AVX2 1
+
+/* out[0..4) = rows n .. n + 3 of w . one quantized input row */
+static void dots4_avx2(const q4mat *w, int64_t n, const qrow *a, float *out) {
+    const int64_t groups = w->k / GROUP, half = w->k / 2, sstride = w->gp * 2;
+    const uint8_t *c = w->codes + n * half;
+    const uint16_t *sz = w->sz + n * sstride;
+    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i s_at = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
+    const __m256i z_at = _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3);
+    __m256 acc[4];
+    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 2) {
+        /* an odd last group: its 16 code bytes alone (the next 16 are another row's, or past
+         * the matrix); the activations, d and sums past `groups` are zero (`quantize_row`) */
+        const int last = groups - g < 2;
+        const __m256i xe = _mm256_load_si256((const __m256i *)(a->xe + g * 16));
+        const __m256i xo = _mm256_load_si256((const __m256i *)(a->xo + g * 16));
+        const __m256 d4 = _mm256_load_ps(a->d4 + g * 4);
+        const __m256 q8 = _mm256_load_ps(a->q8sum4 + g * 4);
+        const __m256 sum4 = _mm256_load_ps(a->sum4 + g * 4);
+        const uint8_t *next = c + 4 * half + g * 64; /* the next block of rows, as dots4 */
+        _mm_prefetch((const char *)next, _MM_HINT_T0);
+        _mm_prefetch((const char *)(next + 64), _MM_HINT_T0);
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *cr = c + r * half + g * 16;
+            const __m256i v = last ? _mm256_inserti128_si256(_mm256_setzero_si256(),
+                                                             _mm_loadu_si128((const __m128i *)cr), 0)
+                                   : _mm256_loadu_si256((const __m256i *)cr);
+            const __m256i lo = _mm256_and_si256(v, nib);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+            const __m256i isum = _mm256_madd_epi16(pairs, ones);
+            /* s, z of groups g and g + 1 (zero padded past the groups: gp >= groups + 1 here) */
+            const __m128i raw = _mm_loadl_epi64((const __m128i *)(sz + r * sstride + 2 * g));
+            const __m256 f = _mm256_castps128_ps256(_mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(raw), 16)));
+            const __m256 sv = _mm256_permutevar8x32_ps(f, s_at), zv = _mm256_permutevar8x32_ps(f, z_at);
+            acc[r] = _mm256_fmadd_ps(sv, _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum), d4, q8), acc[r]);
+            acc[r] = _mm256_fmadd_ps(zv, sum4, acc[r]);
+        }
+    }
+    /* four horizontal sums at once: pairs of rows, then lanes, then halves */
+    const __m256 h4 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h4), _mm256_extractf128_ps(h4, 1)));
+}
+#else
+#define HAVE_DOTS4_AVX2 0
+#endif
+
 /* y [rows, n] (floats rounded to bf16) = the quantized rows times w^T (+ bias) */
 static void gemv(const q4mat *w, const qrow *a, int64_t rows, float *y, int threads) {
     const int64_t n = w->n;
@@ -341,6 +397,19 @@ static void gemv(const q4mat *w, const qrow *a, int64_t rows, float *y, int thre
         gemm(w, a, rows, y, threads);
     }
 #else
+#if HAVE_DOTS4_AVX2
+    if (n % 4 == 0) { /* each block of 4 weight rows stays in L1 while every input passes */
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t r = 0; r < n; r += 4)
+            for (int64_t m = 0; m < rows; m++) {
+                float o[4];
+                dots4_avx2(w, r, &a[m], o);
+                for (int j = 0; j < 4; j++)
+                    y[m * n + r + j] = rbf(o[j] + (w->bias != NULL ? bf16_to_f32(w->bias[r + j]) : 0.0f));
+            }
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < n; r++) {
         const float b = w->bias != NULL ? bf16_to_f32(w->bias[r]) : 0.0f;
