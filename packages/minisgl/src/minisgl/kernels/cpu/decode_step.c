@@ -16,7 +16,8 @@
  * the weights, bandwidth-bound). Several: `tile`, a block of up to 4 weight rows by 4 input
  * rows, each weight vector unpacked once for the 4 inputs and each input vector loaded once for
  * the 4 weight rows, its 16 accumulators in registers: the step's cost grows far slower than
- * its rows. Without AVX512-VNNI the same arithmetic runs as plain loops.
+ * its rows. With AVX2 alone (no AVX512-VNNI) `dots4_avx2` runs the same arithmetic 2 groups a
+ * vector; without AVX2, plain loops.
  *
  * Roundings follow the model's eager bf16 ops (models/layers.py): RMSNorm normalised in fp32,
  * rounded, times the weight, rounded; a linear's output rounded once (bias added before);
