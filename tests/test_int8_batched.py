@@ -35,10 +35,13 @@ def _threshold(name: str) -> int:
     return rows
 
 
-def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The de-quantized GEMM as `quantization.linear` runs it: bf16 without native bf16 (the
-    x86-avx2 kind) widened to one fp32 GEMM and rounded once, else `F.linear` as it is."""
-    if x.dtype != torch.bfloat16 or native_bf16():
+def _gemm(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, int4: bool = False
+) -> torch.Tensor:
+    """The de-quantized GEMM as `quantization.linear` runs it: an int4 layer's bf16 without
+    native bf16 (the x86-avx2 kind) widened to one fp32 GEMM and rounded once, else `F.linear`
+    as it is."""
+    if not int4 or x.dtype != torch.bfloat16 or native_bf16():
         return F.linear(x, w, bias)
     return F.linear(x.float(), w.float(), None if bias is None else bias.float()).bfloat16()
 
@@ -134,14 +137,20 @@ def test_int4_layer_from_min_rows_is_one_gemm_on_dequantized_weights(dtype):
     assert 64 <= int4_min_rows() <= 512  # torch ops de-quantize: in a decode step from ~256
     layer, deq, bias = _int4_layer(dtype)
     rows = layer.dequant_min_rows  # 64 for bf16 with the C pass
+    g = torch.Generator().manual_seed(4)
+    if layer.fp32_gemm:  # bf16 without native bf16: de-quantized in fp32 at every row count
+        assert rows == 1
+        for m in (1, 5, 64, 101):
+            x = torch.randn(m, 192, generator=g).to(dtype)
+            assert torch.equal(layer(x), _gemm(x, deq, bias, int4=True))
+        return
     c = dtype == torch.bfloat16 and cpu_native.available(dtype)
     assert rows == (linear.INT4_C_DEQUANT_MIN_ROWS if c else int4_min_rows())
-    g = torch.Generator().manual_seed(4)
     for m in (rows, rows + 37):
         x = torch.randn(m, 192, generator=g).to(dtype)
         out = layer(x)
         assert out.dtype == dtype and out.shape == (m, 160)
-        assert torch.equal(out, _gemm(x, deq, bias))
+        assert torch.equal(out, _gemm(x, deq, bias, int4=True))
     x = torch.randn(rows - 1, 192, generator=g).to(dtype)  # one row fewer: the packed kernel
     packed = torch.ops.aten._weight_int4pack_mm_for_cpu(
         x, layer.qweight, INT4_GROUP, layer.scales_zeros
@@ -266,6 +275,12 @@ def test_compiled_int8_layer_runs_the_dequantized_gemm_from_min_rows():
 def test_compiled_int4_layer_runs_the_dequantized_gemm_from_min_rows():
     layer, deq, bias = _int4_layer(torch.bfloat16)
     rows = layer.dequant_min_rows
+    if layer.fp32_gemm:  # without native bf16: no packed side (its own test: rows == 1)
+        x = torch.randn(41, 192).bfloat16()
+        compiled = torch.compile(layer, dynamic=True)
+        for m in (1, 41):
+            assert torch.equal(compiled(x[:m]), _gemm(x[:m], deq, bias, int4=True))
+        return
     x = torch.randn(rows + 40, 192).bfloat16()
     packed = torch.ops.aten._weight_int4pack_mm_for_cpu(
         x[:4], layer.qweight, INT4_GROUP, layer.scales_zeros
@@ -274,7 +289,7 @@ def test_compiled_int4_layer_runs_the_dequantized_gemm_from_min_rows():
     assert _graphs(lambda: out.extend(_compiled_sizes(layer, x, rows))) == 2
     assert torch.equal(out[0], packed + bias)
     for m, y in zip((rows, rows + 40), out[1:], strict=True):
-        assert torch.equal(y, _gemm(x[:m], deq, bias))
+        assert torch.equal(y, _gemm(x[:m], deq, bias, int4=True))
 
 
 @pytest.mark.card("P2-003", COMPILED_RED)

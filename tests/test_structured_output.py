@@ -97,7 +97,9 @@ def test_json_object_mode_gives_an_object(llm):
     llguidance_hf = require_module("llguidance.hf")
     from transformers import AutoTokenizer
 
-    outs = llm.generate(PROMPTS[:4], params(max_tokens=64, response_format={"type": "json_object"}))
+    # all ten prompts: which of them close their object within 64 tokens depends on the kernels'
+    # roundings (on the x86-avx2 kind none of the first four did, three of the ten)
+    outs = llm.generate(PROMPTS, params(max_tokens=64, response_format={"type": "json_object"}))
     tok = llguidance_hf.from_tokenizer(AutoTokenizer.from_pretrained(llm.config.model_path))
     grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}')
     for out in outs:

@@ -24,8 +24,9 @@ step of the embedded model lost with them, 222 -> 315 ms). They keep their codes
 copy, whose layout is the kernel's own: a second copy of the 4-bit codes. A large layer (the
 lm_head) de-quantizes and multiplies a block of rows at a time (`DEQUANT_BLOCK_BYTES`).
 
-On a CPU without native bf16 (no AVX512-BF16 or AMX: the x86-avx2 kind) a bf16 layer's
-de-quantized GEMM widens its operands and runs in fp32, rounding the sums once (`fp32_gemm`):
+On a CPU without native bf16 (no AVX512-BF16 or AMX: the x86-avx2 kind) a bf16 int4 layer
+de-quantizes at every row count and widens its operands to one fp32 GEMM, rounding the sums
+once (`fp32_gemm`):
 oneDNN emulated the bf16 GEMM there, 46 ms a prefill linear of the embedded model, and a
 500-token prefill took 5.6 s against 0.97 s widened (AMD EPYC, AVX2 only, 2 threads).
 
@@ -102,7 +103,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", w.scale.to(dtype))
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         self.dequant_min_rows = DEQUANT_MIN_ROWS
-        self.fp32_gemm = dtype == torch.bfloat16 and not native_bf16()  # `_dequantized_linear`
+        self.fp32_gemm = False  # `_dequantized_linear`: int4 layers only
         # in frozen graphs: inductor's AMX template reads the int8 weights at any row count
         self.packed_when_frozen = dtype == torch.bfloat16 and amx_tiles()
 
@@ -144,7 +145,12 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         c_pass = dtype == torch.bfloat16 and cpu_native.available(dtype)  # `dequantize_int4`
         self.dequant_min_rows = INT4_C_DEQUANT_MIN_ROWS if c_pass else INT4_DEQUANT_MIN_ROWS
-        self.fp32_gemm = dtype == torch.bfloat16 and not native_bf16()  # `_dequantized_linear`
+        # bf16 without native bf16: every row count de-quantizes and multiplies in fp32 (the
+        # packed kernel with bf16 activations was slow there, and its prefill of the embedded
+        # model lost "Paris" from the answer to the capital of France)
+        self.fp32_gemm = dtype == torch.bfloat16 and not native_bf16()
+        if self.fp32_gemm:
+            self.dequant_min_rows = 1
 
     @property
     def row_thresholds(self) -> tuple[int, ...]:
