@@ -178,9 +178,9 @@ def _dequantized_linear(layer: Int8Linear | Int4Linear, x: torch.Tensor) -> torc
     the bf16 values widened and one fp32 GEMM, its sums rounded once to bf16 (oneDNN emulated
     the bf16 GEMM there: 46 ms a prefill linear)."""
     n, bias = layer.out_features, layer.bias
-    block = max(64, DEQUANT_BLOCK_BYTES // (layer.in_features * x.element_size()) // 64 * 64)
-    if layer.fp32_gemm:
+    if layer.fp32_gemm:  # widened first: the blocks are sized by the fp32 weights they make
         x, bias = x.float(), None if bias is None else bias.float()
+    block = max(64, DEQUANT_BLOCK_BYTES // (layer.in_features * x.element_size()) // 64 * 64)
     if n <= block:
         out = F.linear(x, _fp32_if(layer, layer.dequantize()), bias)
     else:
