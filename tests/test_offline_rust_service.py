@@ -158,3 +158,25 @@ def test_the_service_process_ends_with_its_process(tiny_llama: Path, how: str) -
     assert proc.returncode == want_rc, proc.stderr[-4000:]
     pid = json.loads(proc.stdout.strip().splitlines()[-1])["service_pid"]
     assert gone(pid), f"the service (pid {pid}) outlived its LLM's process ({how})"
+
+
+@pytest.mark.parametrize("backend", ["python", "rust_service"])
+def test_n_choices_are_seeded_seed_plus_i(tiny_llama: Path, backend: str) -> None:
+    """Issue 60 item 1: choice i of a seeded n > 1 request samples with `seed + i` (as the
+    server does, docs/server.md), on either backend: n=3 gives the three n=1 draws."""
+    require_module("minisgl.runtime")
+    prompt = [[5, 6, 7, 8, 9]]
+    kw = dict(max_tokens=8, temperature=0.9, ignore_eos=True)
+    llm = LLM(tiny_llama, cpu_backend=backend, **KW)
+    try:
+        got = [
+            s["token_ids"]
+            for s in llm.generate(prompt, SamplingParams(n=3, seed=1, **kw))[0]["outputs"]
+        ]
+        one = [
+            llm.generate(prompt, SamplingParams(seed=s, **kw))[0]["token_ids"] for s in (1, 2, 3)
+        ]
+    finally:
+        llm.close()
+    assert len({tuple(t) for t in got}) == 3, got
+    assert got == one
