@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's threshold)
+SEED_RANGE = 2**63  # seeds are in [0, 2**63)
+
+
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """The seed of choice i of an n > 1 request: `seed + i` modulo 2**63 (as vLLM does), None
+    for an unseeded one. The server's `n` and `LLM.generate` both draw their choices so."""
+    return None if seed is None else (seed + i) % SEED_RANGE
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,12 @@ class SamplingParams:
         plain = not (self.logit_bias or self.has_penalties or self.logprobs is not None)
         argmax_only = self.is_greedy and plain and self.response_format is None
         object.__setattr__(self, "argmax_only", argmax_only)
+
+    def for_choice(self, i: int) -> SamplingParams:
+        """These parameters for choice i of the `n` (`choice_seed`: seed + i)."""
+        if i == 0 or self.seed is None:
+            return self
+        return replace(self, seed=choice_seed(self.seed, i))
 
     @property
     def is_greedy(self) -> bool:

@@ -14,7 +14,7 @@ from minisgl.engine.sim import make_engine
 from minisgl.engine.stream import DeviceStream
 from minisgl.kernels import cpu as cpu_native
 from minisgl.runtime import Runtime, StepBatch, warms_up_by_default
-from minisgl.sampler import TokenLogprob, request_key
+from minisgl.sampler import TokenLogprob
 from minisgl.scheduler.backend import SchedulerBackend
 from minisgl.scheduler.request import StepOutput
 from minisgl.tokenizer.load import load_tokenizer
@@ -175,9 +175,9 @@ class LLM:
         leaders: dict[int, int] = {}  # prompt -> the rid of its choice 0
         try:
             for c, (i, j) in enumerate(choices):
-                p = params[i]
-                seed = None if p.seed is None else (p.seed + j) % 2**63
-                rid = rt.add(encoded[i], p, leader=leaders.get(i), generator=request_key(seed))
+                # choice j samples with seed + j: its own params, so every backend sees that
+                # seed (the Rust service takes the params' seed, never a sampling key)
+                rid = rt.add(encoded[i], params[i].for_choice(j), leader=leaders.get(i))
                 leaders.setdefault(i, rid)
                 index[rid] = c
         except Exception:

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from minisgl.core import choice_seed
 from minisgl.message.schema import WireParams
 from minisgl.tools.spec import ToolChoice, ToolError, ToolUse, parse_tool_choice, parse_tools
 
@@ -106,14 +107,14 @@ class Parsed:
 
     def choice_params(self, uids: list[int]) -> list[WireParams]:
         """The parameters of each of the n choices: a seeded request gives choice i the seed
-        `seed + i` (as vLLM does)."""
+        `seed + i` (`core.choice_seed`, as vLLM does and `LLM.generate` does)."""
         p = self.params
         if self.n == 1:
             return [p]
         return [
             dataclasses.replace(
                 p,
-                seed=None if p.seed is None else (p.seed + i) % INT64,
+                seed=choice_seed(p.seed, i),
                 prefix_leader=uids[0] if i else 0,
             )
             for i in range(len(uids))
