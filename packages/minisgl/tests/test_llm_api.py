@@ -131,6 +131,27 @@ def test_bad_prompts(llm):
     assert_kv_clean(llm)
 
 
+@pytest.mark.card("P0-010", "offline-api-rejects-bad-input-with-clear-errors")
+def test_max_tokens_beyond_the_context_is_the_servers_error(llm):
+    """Issue 60 item 2: `max_tokens` over the context is a RequestError with the message the
+    server answers 400 with, never silently clamped (and nothing is queued)."""
+    from minisgl.server.protocol import APIError, parse_completion
+
+    with pytest.raises(APIError) as served:
+        parse_completion({"prompt": "hi", "max_tokens": 10**6}, {"m"}, 256)
+    assert served.value.status == 400
+    with pytest.raises(RequestError) as offline:
+        llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=10**6))
+    assert str(offline.value) == served.value.message
+    assert (
+        str(offline.value) == "'max_tokens' must be in [1, 256] (the context length), got 1000000"
+    )
+    assert not llm.has_work()
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=256, ignore_eos=True))[0]
+    assert len(out["token_ids"]) == 256 - 3  # the whole context is allowed; the prompt shares it
+    assert_kv_clean(llm)
+
+
 @pytest.mark.card("P0-010", "missing-weights-and-unknown-architectures-are-clear-errors")
 def test_bad_model_directories(tmp_path, tiny_model_dir):
     with pytest.raises(ModelLoadError, match="not a directory"):
