@@ -16,7 +16,7 @@ from minisgl.kernels import cpu as cpu_native
 from minisgl.runtime import Runtime, StepBatch, warms_up_by_default
 from minisgl.sampler import TokenLogprob
 from minisgl.scheduler.backend import SchedulerBackend
-from minisgl.scheduler.request import StepOutput
+from minisgl.scheduler.request import StepOutput, check_max_tokens
 from minisgl.tokenizer.load import load_tokenizer
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
@@ -166,6 +166,8 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        for p in params:  # the server's 400 for the same request, before anything is queued
+            check_max_tokens(p.max_tokens, self.engine.max_seq_len)
         encoded = [self.encode(p) for p in prompts]
         # one choice per sample; choice j > 0 of a prompt waits for choice 0's prefill, so the
         # prefix cache hands it the prompt's KV instead of recomputing it

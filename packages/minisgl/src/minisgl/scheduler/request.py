@@ -33,6 +33,16 @@ def pages(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+def check_max_tokens(max_tokens: int, max_seq_len: int, key: str = "max_tokens") -> None:
+    """A RequestError unless `max_tokens` is in [1, the context length]: the server's 400 (its
+    request parser calls this) and `LLM.generate`'s error. Below it the prompt shares the
+    context: prompt plus output is capped there (`validate_request`)."""
+    if not 1 <= max_tokens <= max_seq_len:
+        raise RequestError(
+            f"'{key}' must be in [1, {max_seq_len}] (the context length), got {max_tokens}"
+        )
+
+
 def validate_request(
     input_ids: Sequence[int] | np.ndarray,
     params: SamplingParams,

@@ -10,6 +10,7 @@ from typing import Any
 
 from minisgl.core import choice_seed
 from minisgl.message.schema import WireParams
+from minisgl.scheduler.request import RequestError, check_max_tokens
 from minisgl.tools.spec import ToolChoice, ToolError, ToolUse, parse_tool_choice, parse_tools
 
 ERROR_TYPES = {
@@ -215,10 +216,11 @@ def parse_common(
         raise _bad(
             f"'{key}' must be an integer, got {type(max_tokens).__name__}", key, "invalid_type"
         )
-    elif not 1 <= max_tokens <= max_seq_len:
-        raise _bad(
-            f"'{key}' must be in [1, {max_seq_len}] (the context length), got {max_tokens}", key
-        )
+    else:
+        try:
+            check_max_tokens(max_tokens, max_seq_len, key)  # LLM.generate's check as well
+        except RequestError as e:
+            raise _bad(str(e), key) from None
     temperature = _num(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = body.get("top_k")
