@@ -116,6 +116,62 @@ def test_bad_sampling_params(kwargs, message):
 
 
 @pytest.mark.card("P0-010", "offline-api-rejects-bad-input-with-clear-errors")
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(stop=5), "stop must be a string or a list of strings, got int"),
+        (
+            dict(stop=["ok", 5]),
+            "stop must be a string or a list of strings, got a list holding int",
+        ),
+        (dict(stop_token_ids=5), "stop_token_ids must be a list of token ids, got int"),
+        (
+            dict(stop_token_ids=["x"]),
+            "stop_token_ids must be a list of token ids, got a list holding str",
+        ),
+        (dict(logit_bias=5), "logit_bias must be a mapping of token ids to biases, got int"),
+        (dict(max_tokens="8"), "max_tokens must be an int, got str"),
+        (dict(n=2.0), "n must be an int, got float"),
+        (dict(top_k=None), "top_k must be an int, got NoneType"),
+        (dict(seed="1"), "seed must be None or an int, got str"),
+    ],
+)
+def test_bad_sampling_param_types_are_value_errors(kwargs, message):
+    """Issue 60 item 3: a sampling parameter of the wrong type is the documented ValueError
+    naming it, never a TypeError from deep inside."""
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert str(e.value) == message
+
+
+@pytest.mark.card("P0-010", "offline-api-rejects-bad-input-with-clear-errors")
+def test_bad_generate_arguments_are_value_errors(llm):
+    """Issue 60 item 3: prompts and sampling params of the wrong type are ValueErrors naming
+    the argument (a dict is not taken for SamplingParams), and nothing is left queued."""
+    what = "a string, a list of token ids or a list of chat messages"
+    with pytest.raises(ValueError) as e:
+        llm.generate([5])  # a list of one prompt that is an int
+    assert str(e.value) == f"prompts[0] must be {what}, got int"
+    with pytest.raises(ValueError) as e:
+        llm.generate([[1, 2], [3, 2.5]])
+    assert str(e.value) == f"prompts[1] must be {what}, got a list holding float"
+    with pytest.raises(ValueError) as e:
+        llm.generate(7)
+    assert str(e.value) == f"prompts must be a prompt ({what}) or a list of prompts, got int"
+    with pytest.raises(ValueError) as e:
+        llm.generate([[5, 6]], {"max_tokens": 4})
+    assert str(e.value) == (
+        "sampling_params must be a SamplingParams or a list of them (one per prompt), got dict"
+        " (a dict of its fields: SamplingParams(**d))"
+    )
+    with pytest.raises(ValueError) as e:
+        llm.generate([[5, 6], [7]], [SamplingParams(), None])
+    assert str(e.value) == "sampling_params[1] must be a SamplingParams, got NoneType"
+    assert not llm.has_work()
+    assert_kv_clean(llm)
+
+
+@pytest.mark.card("P0-010", "offline-api-rejects-bad-input-with-clear-errors")
 def test_bad_prompts(llm):
     with pytest.raises(RequestError, match="prompt is empty"):
         llm.generate([[]])
