@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from numbers import Integral
 from typing import Any
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's threshold)
@@ -15,6 +16,31 @@ def choice_seed(seed: int | None, i: int) -> int | None:
     """The seed of choice i of an n > 1 request: `seed + i` modulo 2**63 (as vLLM does), None
     for an unseeded one. The server's `n` and `LLM.generate` both draw their choices so."""
     return None if seed is None else (seed + i) % SEED_RANGE
+
+
+def _is_int(v: Any, kind: type = int) -> bool:
+    return isinstance(v, kind) and not isinstance(v, bool)
+
+
+def as_items(v: Any) -> tuple | None:
+    """A list's or tuple's items (numpy arrays and other sequences too); None for anything
+    else (a string, a number, a mapping)."""
+    if isinstance(v, str | bytes | Mapping) or not hasattr(v, "__len__"):
+        return None
+    try:
+        return tuple(v)
+    except TypeError:
+        return None
+
+
+def type_name(v: Any, want: Any) -> str:
+    """What `v` is, for an error: its type, or for a list the type of its first item that is
+    not `want`."""
+    items = as_items(v)
+    if items is None:
+        return type(v).__name__
+    bad = next((x for x in items if not isinstance(x, want) or isinstance(x, bool)), None)
+    return f"a list holding {type(bad).__name__}"
 
 
 @dataclass(frozen=True)
@@ -56,8 +82,13 @@ class SamplingParams:
     argmax_only: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            raise TypeError(f"max_tokens must be an int, got {type(self.max_tokens).__name__}")
+        # every bad value is a ValueError naming its field, a wrong type included
+        for name in ("max_tokens", "top_k", "min_tokens", "n"):
+            v = getattr(self, name)
+            if not _is_int(v):
+                raise ValueError(f"{name} must be an int, got {type(v).__name__}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be None or an int, got {type(self.seed).__name__}")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -76,10 +107,6 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        for name in ("top_k", "min_tokens", "n"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.n < 1:
@@ -90,7 +117,12 @@ class SamplingParams:
         ):
             raise ValueError(f"logprobs must be None or an int in [0, 20], got {lp!r}")
         bias = self.logit_bias or ()
-        items = tuple(bias.items()) if isinstance(bias, Mapping) else tuple(bias)
+        items = tuple(bias.items()) if isinstance(bias, Mapping) else as_items(bias)
+        if items is None or any(not isinstance(i, tuple | list) or len(i) != 2 for i in items):
+            raise ValueError(
+                "logit_bias must be a mapping of token ids to biases, got "
+                f"{type_name(bias, tuple | list)}"
+            )
         pairs = []
         for t, v in items:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
@@ -100,17 +132,20 @@ class SamplingParams:
             pairs.append((t, float(v)))
         object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))
         stop = self.stop
-        if stop is None:
-            strings: tuple[str, ...] = ()
-        elif isinstance(stop, str):
-            strings = (stop,)
-        else:
-            strings = tuple(stop)
-        if any(not isinstance(s, str) or s == "" for s in strings):
+        strings = (stop,) if isinstance(stop, str) else () if stop is None else as_items(stop)
+        if strings is None or any(not isinstance(s, str) for s in strings):
+            raise ValueError(
+                f"stop must be a string or a list of strings, got {type_name(stop, str)}"
+            )
+        if any(s == "" for s in strings):
             raise ValueError("stop strings must be non-empty strings")
         object.__setattr__(self, "stop_strings", strings)
         if self.stop_token_ids is not None:
-            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+            ids = as_items(self.stop_token_ids)
+            if ids is None or not all(_is_int(t, Integral) for t in ids):  # numpy ints too
+                kind = type_name(self.stop_token_ids, Integral)
+                raise ValueError(f"stop_token_ids must be a list of token ids, got {kind}")
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         if self.response_format is not None:
             from minisgl.structured import ResponseFormat
 

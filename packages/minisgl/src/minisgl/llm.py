@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from minisgl.config import EngineConfig
-from minisgl.core import SamplingParams
+from minisgl.core import SamplingParams, as_items, type_name
 from minisgl.engine.memory import resolve_device
 from minisgl.engine.sim import make_engine
 from minisgl.engine.stream import DeviceStream
@@ -20,6 +20,7 @@ from minisgl.scheduler.request import StepOutput, check_max_tokens
 from minisgl.tokenizer.load import load_tokenizer
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
+PROMPT_KINDS = "a string, a list of token ids or a list of chat messages"
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -131,17 +132,22 @@ class LLM:
         self.close()
 
     # ------------------------------------------------------------------ input
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: Prompt, name: str = "prompt") -> list[int]:
+        """The prompt's token ids; a ValueError naming it (`name`) when it is none of the
+        three kinds of prompt, or holds a token id outside the vocabulary."""
         if isinstance(prompt, str):
             return self.tokenizer(prompt)["input_ids"]
-        items = list(prompt)
+        items = as_items(prompt)
+        if items is None:
+            raise ValueError(f"{name} must be {PROMPT_KINDS}, got {type(prompt).__name__}")
+        items = list(items)
         if items and isinstance(items[0], dict):  # chat messages
             ids = self.tokenizer.apply_chat_template(
                 items, add_generation_prompt=True, tokenize=True
             )
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-            raise TypeError("a prompt is a string, a list of token ids or a list of chat messages")
+            raise ValueError(f"{name} must be {PROMPT_KINDS}, got {type_name(items, int)}")
         vocab = self.engine.model_config.vocab_size
         bad = [t for t in items if not 0 <= t < vocab]
         if bad:
@@ -154,21 +160,19 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[dict[str, Any]]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
-            prompts = [prompts]  # one prompt
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = (
-            [sampling_params] * len(prompts)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
-        )
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        items = None if isinstance(prompts, str) else as_items(prompts)
+        if isinstance(prompts, str) or (items and isinstance(items[0], dict)):
+            items = (prompts,)  # one prompt
+        if items is None:
+            raise ValueError(
+                f"prompts must be a prompt ({PROMPT_KINDS}) or a list of prompts, "
+                f"got {type(prompts).__name__}"
+            )
+        prompts = list(items)
+        params = self._params(sampling_params, len(prompts))
         for p in params:  # the server's 400 for the same request, before anything is queued
             check_max_tokens(p.max_tokens, self.engine.max_seq_len)
-        encoded = [self.encode(p) for p in prompts]
+        encoded = [self.encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         # one choice per sample; choice j > 0 of a prompt waits for choice 0's prefill, so the
         # prefix cache hands it the prompt's KV instead of recomputing it
         choices = [(i, j) for i, p in enumerate(params) for j in range(p.n)]
@@ -245,6 +249,32 @@ class LLM:
             first += p.n
             results.append({**outs[0], "prompt_tokens": len(encoded[i]), "outputs": outs})
         return results
+
+    @staticmethod
+    def _params(sampling_params: Any, count: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt, or a ValueError naming what is wrong (a dict of
+        fields is refused, as vLLM does: `SamplingParams(**d)` makes one)."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        items = as_items(sampling_params)
+        if items is None:
+            hint = ""
+            if isinstance(sampling_params, Mapping):
+                hint = " (a dict of its fields: SamplingParams(**d))"
+            raise ValueError(
+                "sampling_params must be a SamplingParams or a list of them (one per prompt), "
+                f"got {type(sampling_params).__name__}{hint}"
+            )
+        for k, p in enumerate(items):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(
+                    f"sampling_params[{k}] must be a SamplingParams, got {type(p).__name__}"
+                )
+        if len(items) != count:
+            raise ValueError(f"{count} prompts but {len(items)} sampling params")
+        return list(items)
 
     def has_work(self) -> bool:
         """Requests waiting or running, or steps in flight (overlap scheduling)."""
