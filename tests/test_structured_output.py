@@ -10,6 +10,7 @@ import pytest
 
 from minisgl import SamplingParams
 from minisgl.testing.modules import require_module
+from minisgl.testing.schemas import UNSORTED, UNSORTED_ORDER, UNSORTED_TOOL
 
 CARD = "P3-001"
 RED = "constrained-decoding-tests-fail-before-the-grammar-exists"
@@ -136,6 +137,32 @@ def test_penalties_logprobs_and_n_combine_with_a_grammar(llm):
     for out in outs:
         jsonschema.validate(json.loads(out["text"]), schema)
         assert len(out["logprobs"]) == len(out["token_ids"])
+
+
+def test_the_compiled_schema_keeps_the_property_order():
+    """Issue 60: the schema (and a tool's parameters) compile with their properties in the
+    order given (a "reasoning" field first on purpose), never sorted."""
+    from minisgl.structured import ResponseFormat
+    from minisgl.tools import parse_tools
+
+    fmt = ResponseFormat.parse(_schema_format(UNSORTED))
+    assert list(json.loads(fmt.schema)["properties"]) == UNSORTED_ORDER
+    assert fmt == ResponseFormat.parse(_schema_format(json.loads(json.dumps(UNSORTED))))
+    (tool,) = parse_tools([UNSORTED_TOOL])
+    assert list(json.loads(tool.parameters)["properties"]) == UNSORTED_ORDER
+    assert list(tool.to_openai()["function"]["parameters"]["properties"]) == UNSORTED_ORDER
+
+
+@pytest.mark.slow
+def test_properties_come_out_in_the_schema_s_order(llm):
+    """Issue 60: `{"zebra", "apple", "mango"}` came out as `{"apple":1,"mango":false,
+    "zebra":8}` (the schema was sorted before it was compiled)."""
+    out = llm.generate(
+        [[{"role": "user", "content": "Give three values as JSON."}]],
+        params(temperature=0.0, max_tokens=48, response_format=_schema_format(UNSORTED)),
+    )[0]
+    assert out["finish_reason"] == "stop", out["text"]
+    assert list(json.loads(out["text"])) == UNSORTED_ORDER, out["text"]
 
 
 @pytest.mark.card(

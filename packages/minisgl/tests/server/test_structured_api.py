@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from minisgl.testing.modules import require_module
+from minisgl.testing.schemas import UNSORTED, UNSORTED_ORDER
 
 SCHEMA = {
     "type": "object",
@@ -58,6 +59,24 @@ def test_streamed_constrained_output_parses(server, model):
                 for c in json.loads(line[6:])["choices"]:
                     text += c["delta"].get("content") or ""
     assert set(json.loads(text)) == {"ok", "pick"}
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_properties_come_out_in_the_schema_s_order(server, model, endpoint):
+    """Issue 60: properties `zebra, apple, mango` came out sorted (`{"apple":..,"mango":..,
+    "zebra":..}`): the schema was serialised with sorted keys before it was compiled."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "out", "schema": UNSORTED}}
+    body = {"model": model, "max_tokens": 48, "temperature": 0.0, "response_format": fmt}
+    if endpoint == "completions":
+        body["prompt"] = "Answer:"
+    else:
+        body["messages"] = [{"role": "user", "content": "Answer in JSON."}]
+    r = post(server, endpoint, body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    text = choice["text"] if endpoint == "completions" else choice["message"]["content"]
+    assert choice["finish_reason"] == "stop", text
+    assert list(json.loads(text)) == UNSORTED_ORDER, text
 
 
 @pytest.mark.parametrize(

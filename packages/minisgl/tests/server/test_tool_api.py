@@ -14,7 +14,7 @@ import pydantic
 import pytest
 
 from minisgl.testing.modules import require_module
-from minisgl.testing.schemas import PARAMS, TOOLS, WEATHER
+from minisgl.testing.schemas import PARAMS, TOOLS, UNSORTED_ORDER, UNSORTED_TOOL, WEATHER
 from minisgl.testing.server import running_server, start
 from minisgl.testing.tiny_models import write_tiny_model
 
@@ -164,6 +164,22 @@ def test_a_conversation_with_tool_results_continues(server, model):
     ]
     r = create(server, model=model, messages=history, tools=TOOLS, max_tokens=8)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_tool_call_arguments_keep_the_parameters_order(server, model, stream):
+    """Issue 60: a function's parameters `zebra, apple, mango` gave arguments in sorted order
+    (the schema was sorted before the grammar was built)."""
+    kw = dict(model=model, messages=MESSAGES, tools=[UNSORTED_TOOL], tool_choice="required",
+              temperature=0.0, max_tokens=120, parallel_tool_calls=False)  # fmt: skip
+    if stream:
+        _, calls, finish = joined_stream(server, **kw)
+        args = [c["arguments"] for c in calls]
+    else:
+        ch = create(server, **kw).choices[0]
+        finish, args = ch.finish_reason, [c.function.arguments for c in ch.message.tool_calls]
+    assert finish == "tool_calls" and len(args) == 1, args
+    assert list(json.loads(args[0])) == UNSORTED_ORDER, args
 
 
 class Pick(pydantic.BaseModel):

@@ -158,3 +158,10 @@ ADD = {"type": "function", "function": {
         "required": ["a", "b"], "additionalProperties": False}}}  # fmt: skip
 TOOLS = [WEATHER, ADD]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+# properties in an order that is not alphabetical (issue 60): the output must keep it
+UNSORTED_ORDER = ["zebra", "apple", "mango"]
+UNSORTED = _obj({"zebra": {"type": "integer", "minimum": 0, "maximum": 9},
+                 "apple": {"type": "integer", "minimum": 0, "maximum": 9}, "mango": BOOL})  # fmt: skip
+UNSORTED_TOOL = {"type": "function", "function": {
+    "name": "pick", "description": "Pick three values.", "parameters": UNSORTED}}  # fmt: skip
