@@ -13,7 +13,11 @@ same minutes.
 
 `--llamacpp` adds llama-cpp-python on the GGUF file the embedded model ships (same threads,
 greedy, one request at a time: its Python API has no batching); an opt-in extra
-(`benchmark/llamacpp.py`).
+(`benchmark/llamacpp.py`). Such a peer runs in a process of its own (`benchmark/peers.py`), on
+the first of its paths that works (llama.cpp: its default, then `use_extra_bufts = False`):
+the record names the path measured (`llamacpp_path`) and every attempt (`llamacpp.attempts`:
+a crash's signal and exit code, the path and the phase); a peer that no path runs leaves the
+other arms' numbers in the record and the run's exit status `PEER_FAILED` (3).
 
 Quality (against HF fp32 on the GGUF's de-quantized weights, the float form of the shipped
 file): greedy agreement over 32 tokens on the parity prompts with the first divergence per
@@ -32,11 +36,12 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from minisgl.benchmark import common
 from minisgl.benchmark.offline import load_hf, make_llm, run_hf, run_minisgl
+from minisgl.benchmark.peers import PEERS, PeerFailed, PeerProcess, PeerSpec, describe, open_first
 from minisgl.benchmark.profiles import (
     Profile,
     WorkItem,
@@ -330,7 +335,13 @@ def hf_greedy_tokens(model, prompts: list[list[int]]) -> list[list[int]]:
     return hf_greedy(model, prompts, AGREE_TOKENS)
 
 
-def main(argv: list[str] | None = None) -> int:
+PEER_FAILED = 3  # exit status: a requested peer has no numbers (the record has the others')
+PROBE_TOKENS = 8  # a peer decodes this many tokens of the first parity prompt before it counts
+
+
+def main(argv: list[str] | None = None, peers: Mapping[str, PeerSpec] | None = None) -> int:
+    """The run; `peers` replaces the registry of peers (`peers.PEERS`) the flags name."""
+    registry = PEERS if peers is None else peers
     p = argparse.ArgumentParser(prog="python -m minisgl.benchmark.cpu_speed")
     p.add_argument("--out", required=True)
     p.add_argument("--plot", default=None)
@@ -343,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-quality", action="store_true")
     p.add_argument("--llamacpp", action="store_true", help="add the llama.cpp arm (opt-in extra)")
     args = p.parse_args(argv)
+    wanted = [registry["llamacpp"]] if args.llamacpp else []
+    for spec in wanted:  # before anything runs
+        if not spec.available():
+            p.error(spec.install_hint or f"{spec.name}: {spec.requires} is not installed")
     if args.threads:
         set_threads(args.threads)
     import torch
@@ -412,8 +427,14 @@ def main(argv: list[str] | None = None) -> int:
                 }
         arms.append(Arm(f"hf-{dtype}", functools.partial(_run_hf, hf)))
 
-    if args.llamacpp:
-        arms.append(llamacpp_arm(record, args, prompts, ref_tokens, ppl_ids))
+    record["peers"] = [spec.name for spec in wanted]
+    opened: dict[str, PeerProcess] = {}
+    for spec in wanted:
+        quality_inputs = None if args.no_quality else (ref_tokens, ppl_ids)
+        peer = start_peer(spec, record, prompts, quality_inputs)
+        if peer is not None:
+            opened[spec.name] = peer
+            arms.append(peer_arm(spec.name, peer))
 
     for name in configs:
         t0 = time.perf_counter()
@@ -432,6 +453,14 @@ def main(argv: list[str] | None = None) -> int:
         }
         for arm, reps in passes.timed.items():
             add(prof.name, arm, reps)
+        for name, attempt in passes.failed.items():  # a peer that died: no more of it
+            record[name]["attempts"].append(attempt)
+            record[name]["status"] = "failed"
+            print(f"{name}: {describe(attempt)}; the other arms go on", file=sys.stderr)
+            opened.pop(name).close()
+            arms = [arm for arm in arms if arm.name != name]
+    for peer in opened.values():
+        peer.close()
     del arms
     gc.collect()
 
@@ -443,15 +472,20 @@ def main(argv: list[str] | None = None) -> int:
         record["plot"] = args.plot
     common.write_json(args.out, record)
     print(f"wrote {args.out}")
-    return 0
+    failed = [spec.name for spec in wanted if record[spec.name]["status"] != "ok"]
+    for name in failed:
+        tried = "; ".join(describe(a) for a in record[name]["attempts"] if a["outcome"] != "ok")
+        print(f"cpu_speed: peer {name} failed ({tried}); {args.out} has the other arms' numbers",
+              file=sys.stderr)  # fmt: skip
+    return PEER_FAILED if failed else 0
 
 
 def malloc_of_arms() -> dict[str, str]:
     """Set the allocator every arm runs with, once, before any arm loads, and say which: the
     arms are interleaved in one process, and a CPU engine keeps freed heap pages
-    (`minisgl.utils.malloc`), so the HF / llama.cpp arms get the same (measured here: HF bf16
-    many-short 486-488 tok/s with it, 407-479 with glibc's defaults, whose freed pages come back
-    zero-filled every step)."""
+    (`minisgl.utils.malloc`), so the HF arms get the same (measured here: HF bf16 many-short
+    486-488 tok/s with it, 407-479 with glibc's defaults, whose freed pages come back
+    zero-filled every step); a peer sets the same in its own process (`<peer>.malloc_tuned`)."""
     from minisgl.utils.malloc import keep_freed_memory
 
     tunables = os.environ.get("GLIBC_TUNABLES")
@@ -479,10 +513,12 @@ def _run_minisgl(llm: Any, prof: Profile, items: list[WorkItem]) -> dict[str, An
 @dataclasses.dataclass(frozen=True)
 class Passes:
     """An interleaved measurement's metrics by arm name: the untimed first pass, the timed
-    passes in the order they ran."""
+    passes in the order they ran; the arms that failed (a peer whose process died or raised:
+    `PeerFailed.attempt`), with none of their passes."""
 
     untimed: dict[str, dict[str, Any]]
     timed: dict[str, list[dict[str, Any]]]
+    failed: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 def measure_interleaved(arms: Sequence[Arm], prof: Profile, repeats: int) -> Passes:
@@ -496,40 +532,80 @@ def measure_interleaved(arms: Sequence[Arm], prof: Profile, repeats: int) -> Pas
     where run back to back the arm's earlier profile had warmed it."""
     items = [dataclasses.replace(i, arrival_s=0.0) for i in build_workload(prof, 49152)]
     warm = warmup_workload(prof, 49152)
+    failed: dict[str, dict[str, Any]] = {}
+
+    def run(arm: Arm, work: list[WorkItem]) -> dict[str, Any] | None:
+        if arm.name in failed:
+            return None
+        try:
+            return arm.run(prof, work)
+        except PeerFailed as died:  # the other arms go on
+            failed[arm.name] = died.attempt
+            return None
+
     for arm in arms:
-        arm.run(prof, warm)
-    untimed = {arm.name: arm.run(prof, items) for arm in arms}
+        run(arm, warm)
+    untimed = {arm.name: run(arm, items) for arm in arms}
     timed: dict[str, list[dict[str, Any]]] = {arm.name: [] for arm in arms}
     for r in range(repeats):
         for arm in common.abba_order(arms, r + 1):  # round 0 was the untimed one
-            timed[arm.name].append(arm.run(prof, items))
-    return Passes(untimed, timed)
+            timed[arm.name].append(run(arm, items))
+    return Passes(
+        {k: v for k, v in untimed.items() if k not in failed},
+        {k: v for k, v in timed.items() if k not in failed},
+        failed,
+    )
 
 
-def llamacpp_arm(record, args, prompts, ref_tokens, ppl_ids) -> Arm:
-    """The `llamacpp` arm on the GGUF file, with its agreement with HF fp32 and perplexity."""
+def peer_setup(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The options a peer opens with and what the record says of its inputs: llama.cpp, the
+    GGUF file the embedded model ships and this run's threads."""
     import torch
 
-    from minisgl.benchmark import llamacpp
+    threads = torch.get_num_threads()
+    if name != "llamacpp":
+        return {"threads": threads}, {"threads": threads}
     from minisgl.default_model import gguf_path
 
     gguf = gguf_path()
-    threads = torch.get_num_threads()
-    model = llamacpp.load_llamacpp(gguf, threads, n_ctx=2048)
-    record["llamacpp"] = {
-        "gguf": gguf.name,
-        "file_mb": gguf.stat().st_size / 1e6,
-        "threads": threads,
-        **llamacpp.llamacpp_info(),
-    }
-    if not args.no_quality and ref_tokens is not None:
-        got = [llamacpp.generate(model, p, AGREE_TOKENS) for p in prompts]
-        q = agreement(got, ref_tokens)
-        scorer = llamacpp.load_llamacpp(gguf, threads, n_ctx=512, logits_all=True)
-        q["perplexity"] = llamacpp.perplexity(scorer, ppl_ids)
-        del scorer
-        record["quality"]["llamacpp"] = q
-    return Arm("llamacpp", lambda prof, items: llamacpp.run_llamacpp(model, items)["metrics"])
+    about = {"gguf": gguf.name, "file_mb": gguf.stat().st_size / 1e6, "threads": threads}
+    return {"gguf": str(gguf), "threads": threads, "n_ctx": 2048}, about
+
+
+def start_peer(
+    spec: PeerSpec, record: dict[str, Any], prompts: list[list[int]], quality_inputs=None
+) -> PeerProcess | None:
+    """`spec` in a process of its own, on the first of its paths where it loads, decodes
+    PROBE_TOKENS tokens and (with `quality_inputs`, (HF fp32's greedy tokens, perplexity ids))
+    gives its quality; the record gets `<name>` (inputs, the peer's info, `status`, `path`,
+    every attempt) and `<name>_path`. None when no path works."""
+    options, about = peer_setup(spec.name)
+    quality_of: dict[str, dict[str, Any]] = {}
+
+    def check(peer: PeerProcess) -> None:
+        peer.call("probe", "generate", prompts[:1], PROBE_TOKENS)
+        if quality_inputs is not None and quality_inputs[0] is not None:
+            ref_tokens, ppl_ids = quality_inputs
+            q = agreement(peer.call("quality", "generate", prompts, AGREE_TOKENS), ref_tokens)
+            q["perplexity"] = peer.call("quality", "perplexity", ppl_ids)
+            quality_of[peer.path] = q
+
+    peer, attempts = open_first(spec, options, check)
+    path = peer.path if peer is not None else None
+    record[spec.name] = {**about, **(peer.info if peer else {}), "status": "ok" if peer else
+                         "failed", "path": path, "attempts": attempts}  # fmt: skip
+    record[f"{spec.name}_path"] = path
+    for attempt in attempts:
+        if attempt["outcome"] != "ok":
+            print(f"{spec.name}: {describe(attempt)}", file=sys.stderr)
+    if path in quality_of:
+        record["quality"][spec.name] = quality_of[path]
+    return peer
+
+
+def peer_arm(name: str, peer: PeerProcess) -> Arm:
+    """An arm whose passes run in the peer's process; a death raises `PeerFailed`."""
+    return Arm(name, lambda prof, items: peer.call(f"measure {prof.name}", "run", items))
 
 
 def summarize(record: dict[str, Any]) -> None:
@@ -540,7 +616,7 @@ def summarize(record: dict[str, Any]) -> None:
         for arm, m in arms.items():
             if not arm.startswith("minisgl-"):
                 continue
-            for hf in ("hf-fp32", "hf-bf16", "llamacpp"):
+            for hf in ("hf-fp32", "hf-bf16", *record.get("peers", ("llamacpp",))):
                 if hf in arms and arms[hf]["output_tok_s"]:
                     ratios[f"{prof}.{arm}/{hf}"] = m["output_tok_s"] / arms[hf]["output_tok_s"]
     record["ratios"] = ratios
@@ -561,7 +637,7 @@ def summarize(record: dict[str, Any]) -> None:
     for prof, arms in res.items():
         for arm, m in arms.items():
             n_in, n_out = m.get("input_tokens"), m.get("output_tokens")
-            if not n_out or arm == "llamacpp":
+            if not n_out or not arm.startswith(("minisgl-", "hf-")):  # peers: no known dtype
                 continue
             flops = 2 * (lp["layers"] * (n_in + n_out) / n_out + lp["lm_head"])
             fp32 = arm.removesuffix(COMPILED).endswith("fp32")

@@ -8,10 +8,17 @@ llama.cpp's Python API runs one sequence at a time: a workload's requests run ba
 arrival order (all offline, like the HF arm), each greedy (temperature 0, no penalties) for
 exactly its `max_tokens` (EOS ignored, as in the minisgl arm). The prompt goes in as token ids,
 so the three engines see the same tokens.
+
+`cpu_speed` runs the arm in a process of its own (`peers.PEERS["llamacpp"]`, entry `open_peer`),
+on the first of its `PATHS` that works: `default`, then `no_extra_bufts` (the model parameter
+`use_extra_bufts = False`: no "extra buffer types", the repacked weights llama.cpp's AMX path
+uses; built with native flags on an Intel AMX Xeon, 0.3.36's default segfaults in `decode` on
+the embedded Q4_1 GGUF).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -31,30 +38,70 @@ INSTALL_HINT = (
 GREEDY = {"temp": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0}
 
 
+# the ways to open the model, in the order `cpu_speed` tries them
+PATHS = ("default", "no_extra_bufts")
+
+
 class LlamaCppUnavailable(RuntimeError):
     """llama-cpp-python is not installed in this interpreter."""
 
 
+class ExtraBuftsUnsupported(RuntimeError):
+    """The installed llama-cpp-python's `llama_model_params` has no `use_extra_bufts` field."""
+
+
 def load_llamacpp(
-    gguf: str | Path, threads: int, n_ctx: int = 2048, logits_all: bool = False
+    gguf: str | Path,
+    threads: int,
+    n_ctx: int = 2048,
+    logits_all: bool = False,
+    extra_bufts: bool = True,
 ) -> Any:
-    """A `llama_cpp.Llama` on `gguf` with `threads` threads for decode and prefill."""
+    """A `llama_cpp.Llama` on `gguf` with `threads` threads for decode and prefill;
+    `extra_bufts=False` loads it with the model parameter `use_extra_bufts = False`."""
     try:
         import llama_cpp
     except ImportError:
         raise LlamaCppUnavailable(
             f"the llama.cpp arm needs llama-cpp-python: {INSTALL_HINT}"
         ) from None
-    return llama_cpp.Llama(
-        model_path=str(gguf),
-        n_ctx=n_ctx,
-        n_batch=512,
-        n_threads=threads,
-        n_threads_batch=threads,
-        logits_all=logits_all,
-        seed=0,
-        verbose=False,
-    )
+    with contextlib.nullcontext() if extra_bufts else without_extra_bufts(llama_cpp):
+        return llama_cpp.Llama(
+            model_path=str(gguf),
+            n_ctx=n_ctx,
+            n_batch=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            logits_all=logits_all,
+            seed=0,
+            verbose=False,
+        )
+
+
+@contextlib.contextmanager
+def without_extra_bufts(llama_cpp: Any) -> Iterator[None]:
+    """Models loaded inside get `use_extra_bufts = False`: `Llama.__init__` starts from the
+    ctypes bindings' `llama_model_default_params()` (module `llama_cpp.llama_cpp`) and has no
+    argument for the field, so the function is wrapped for the while."""
+    bindings = getattr(llama_cpp, "llama_cpp", None)
+    fields = {f[0] for f in getattr(getattr(bindings, "llama_model_params", None), "_fields_", ())}
+    if "use_extra_bufts" not in fields:
+        version = getattr(llama_cpp, "__version__", "?")
+        raise ExtraBuftsUnsupported(
+            f"llama-cpp-python {version}: llama_model_params has no use_extra_bufts field"
+        )
+    defaults = bindings.llama_model_default_params
+
+    def without() -> Any:
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    bindings.llama_model_default_params = without
+    try:
+        yield
+    finally:
+        bindings.llama_model_default_params = defaults
 
 
 def llamacpp_info() -> dict[str, Any]:
@@ -125,3 +172,34 @@ def perplexity(model: Any, ids: Sequence[int]) -> float:
     logz = np.log(np.exp(logits - top).sum(axis=-1)) + top[:, 0]
     target = logits[np.arange(len(ids) - 1), np.asarray(ids[1:])]
     return math.exp(float((logz - target).mean()))
+
+
+class LlamaCppPeer:
+    """The arm as a peer of `cpu_speed` (`peers.PeerSpec`'s entry protocol), in its own
+    process: the model loaded on `path`, a scorer for perplexity loaded when first asked."""
+
+    def __init__(self, path: str, gguf: str, threads: int, n_ctx: int = 2048) -> None:
+        if path not in PATHS:
+            raise ValueError(f"unknown llama.cpp path {path!r}; expected one of {PATHS}")
+        self.gguf, self.threads, self.extra_bufts = gguf, threads, path == "default"
+        self.model = load_llamacpp(gguf, threads, n_ctx=n_ctx, extra_bufts=self.extra_bufts)
+
+    def info(self) -> dict[str, Any]:
+        return {**llamacpp_info(), "use_extra_bufts": self.extra_bufts}
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+        return [generate(self.model, p, max_tokens) for p in prompts]
+
+    def perplexity(self, ids: Sequence[int]) -> float:
+        scorer = load_llamacpp(
+            self.gguf, self.threads, n_ctx=512, logits_all=True, extra_bufts=self.extra_bufts
+        )
+        return perplexity(scorer, ids)
+
+    def run(self, items: Sequence[WorkItem]) -> dict[str, Any]:
+        return run_llamacpp(self.model, items)["metrics"]
+
+
+def open_peer(path: str, **options: Any) -> LlamaCppPeer:
+    """`peers.PEERS["llamacpp"]`'s entry: options `gguf`, `threads`, `n_ctx`."""
+    return LlamaCppPeer(path, **options)
