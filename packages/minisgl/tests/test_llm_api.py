@@ -265,6 +265,51 @@ def test_real_model_knows_paris():
     assert_kv_clean(llm)
 
 
+@pytest.mark.slow
+def test_dtype_auto_on_cpu_is_as_documented(tiny_model_dir):
+    """Issue 60 item 4 (README "Offline API", docs/runtime.md): on a CPU `dtype="auto"` is
+    float32 for an HF folder (its weights unquantized) and bfloat16 for the embedded model,
+    served int4 (its Q4_1 file's class), wherever the C kernels build or the CPU has native
+    bf16 (else float32)."""
+    import torch
+
+    from minisgl.kernels import cpu as cpu_native
+    from minisgl.utils.cpu import native_bf16
+
+    kw = dict(device="cpu", num_pages=64, max_seq_len_override=64)
+    with LLM(tiny_model_dir("llama"), **kw) as folder:
+        assert (folder.engine.quantization, folder.engine.dtype) == ("none", torch.float32)
+    with LLM(**kw) as embedded:
+        bf16 = cpu_native.available(torch.bfloat16) or native_bf16()
+        want = torch.bfloat16 if bf16 else torch.float32
+        assert (embedded.engine.quantization, embedded.engine.dtype) == ("int4", want)
+
+
+def test_the_embedded_model_is_served_under_its_own_name(tiny_model_dir):
+    """Issue 60 item 4: the embedded model's id is its name, not its cache folder's, whose
+    `-f32` says how the de-quantized weights are stored, not how they are served (int4 and
+    bfloat16 by default); the folder's name stays an alias. Other models: their folder's."""
+    import shutil
+
+    from minisgl import ipc
+    from minisgl.default_model import default_model_path
+    from minisgl.server.api_server import Frontend
+    from minisgl.server.args import parse_args
+
+    for path, name in [
+        (str(default_model_path()), "SmolLM2-135M-Instruct"),
+        (str(tiny_model_dir("llama")), tiny_model_dir("llama").name),
+    ]:
+        ipc_dir = ipc.make_ipc_dir("/tmp")
+        fe = Frontend(parse_args([]), path, ipc_dir)
+        try:
+            assert fe.model_name == name
+            assert {name, path, path.rstrip("/").rsplit("/", 1)[-1]} <= fe.model_names
+        finally:
+            fe.close()
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
 def _record_builds(monkeypatch) -> list[tuple[str, float]]:
     """(thread name, start time) of every `kernels.cpu.build` call (the real build runs)."""
     import threading
