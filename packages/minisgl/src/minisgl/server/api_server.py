@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from minisgl import ipc
+from minisgl.default_model import served_name
 from minisgl.message.schema import (
     AbortReq,
     Admitted,
@@ -238,9 +239,14 @@ class Frontend:
     def __init__(self, args: ServerArgs, model_path: str, ipc_dir: str) -> None:
         self.args = args
         self.model_path = model_path
-        # the name clients see: --served-model-name, else the model folder's name (never a path)
-        self.model_name = args.served_model_name or os.path.basename(model_path.rstrip("/"))
-        self.model_names = {self.model_name, model_path, model_path.rstrip("/")}
+        # the name clients see: --served-model-name, else the model folder's name (never a
+        # path; the embedded model's own name, `default_model.served_name`); the folder's name
+        # and its path are accepted as well
+        folder = model_path.rstrip("/")
+        self.model_name = args.served_model_name or served_name(model_path)
+        self.model_names = {self.model_name, model_path, folder}
+        if not args.served_model_name:
+            self.model_names.add(os.path.basename(folder))
         self.ipc_dir = ipc_dir
         self.codec = Codec(args.transport != "generic")
         self.ctx = zmq.Context()
