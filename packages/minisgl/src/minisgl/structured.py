@@ -42,10 +42,12 @@ IDLE_CALLS = 4096  # `allowed` calls after which a matcher nobody asked for is d
 @dataclass(frozen=True)
 class ResponseFormat:
     """A validated `response_format`: its kind and what it constrains to (the JSON schema's
-    canonical text, or a llguidance lark grammar)."""
+    text, or a llguidance lark grammar)."""
 
     kind: Literal["json_object", "json_schema", "grammar"]
-    schema: str  # canonical JSON text; the lark grammar for kind "grammar"
+    # the schema's JSON text, keys in the order given (the grammar emits properties in that
+    # order: never sorted); the lark grammar for kind "grammar"
+    schema: str
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | ResponseFormat) -> ResponseFormat | None:
@@ -71,7 +73,7 @@ class ResponseFormat:
         schema = spec.get("schema")
         if not isinstance(schema, Mapping | bool):
             raise ValueError("response_format.json_schema.schema must be a JSON schema object")
-        text = json.dumps(schema, sort_keys=True)
+        text = json.dumps(schema)  # the same schema, the same text: the bank's cache key
         fmt = cls("json_schema", text)
         fmt.check()
         return fmt

@@ -391,7 +391,7 @@ def _response_format(v: Any, ignore_eos: Any) -> str | None:
             "once the grammar is complete",
             "response_format",
         )
-    return json.dumps(v, sort_keys=True)
+    return json.dumps(v)  # keys in the client's order: a schema's properties keep theirs
 
 
 def _logit_bias(v: Any) -> list[list] | None:

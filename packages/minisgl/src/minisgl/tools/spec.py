@@ -23,7 +23,8 @@ class ToolError(ValueError):
 
 @dataclass(frozen=True)
 class Tool:
-    """One function the model may call; `parameters` is its JSON schema's canonical text."""
+    """One function the model may call; `parameters` is its JSON schema's text (properties in
+    the order given: the arguments come out in that order)."""
 
     name: str
     description: str | None
@@ -94,7 +95,7 @@ def _tool(item: Any, where: str) -> Tool:
         raise ToolError(
             f"{where}.function.parameters must be a JSON schema of type 'object'", "tools"
         )
-    text = json.dumps(params, sort_keys=True)
+    text = json.dumps(params)
     from minisgl.structured import ResponseFormat
 
     try:
