@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import shutil
+
 import httpx
 import openai
 import pytest
 
+from minisgl import ipc
+from minisgl.message.schema import Reject
+from minisgl.server.api_server import Failure, Frontend, Job, ReqState
+from minisgl.server.args import parse_args
+from minisgl.server.protocol import APIError, parse_chat, parse_completion
 from minisgl.testing.bad_requests import CASES, CHAT, LONG_IDS, POISON
 from minisgl.testing.server import metric
 
@@ -60,6 +67,46 @@ def test_openai_client_sees_typed_errors(server):
     assert "n" in str(e.value)
     with pytest.raises(openai.NotFoundError):
         c.completions.create(model="nope", prompt="hi")
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_unknown_model_names_the_served_model_never_a_path(http, server, endpoint):
+    """Issue 60: the 404 said `this server serves '<the model folder's path>'`."""
+    served = http.get("/v1/models").json()["data"][0]["id"]
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    body = {"model": "gpt-4", "max_tokens": 2}
+    body.update({"messages": CHAT} if endpoint == "chat" else {"prompt": "hi"})
+    err = assert_error(http.post(path, json=body), 404, "model", "model_not_found")
+    assert err["message"] == f"the model 'gpt-4' does not exist; this server serves '{served}'"
+    assert str(server.model_dir) not in err["message"]
+
+
+def test_served_model_name_is_the_only_name_errors_show(tiny_model_dir):
+    """Issue 60: with --served-model-name smol an unknown model's 404 named the model path;
+    an error a worker sends that holds the path shows the served name instead."""
+    model = str(tiny_model_dir("llama"))
+    ipc_dir = ipc.make_ipc_dir("/tmp")
+    fe = Frontend(
+        parse_args(["--model-path", model, "--served-model-name", "smol"]), model, ipc_dir
+    )
+    try:
+        for parse, body in ((parse_chat, {"messages": CHAT}), (parse_completion, {"prompt": "x"})):
+            with pytest.raises(APIError) as e:
+                parse({"model": "gpt-4", **body}, fe.model_names, 256)
+            assert e.value.message == "the model 'gpt-4' does not exist; this server serves 'smol'"
+            for name in ("smol", model):  # the model path is still accepted, never shown
+                assert parse({"model": name, **body}, fe.model_names, 256).model == name
+        job = Job([])
+        job.states.append(st := ReqState(7, 0, job.mailbox))
+        fe.reqs[7] = st
+        fe._dispatch([Reject(7, f"cannot load the tokenizer of {model}", 500, "internal_error")])
+        item = job.mailbox.pop()
+        assert isinstance(item, Failure) and item.error.message == (
+            "cannot load the tokenizer of smol"
+        )
+    finally:
+        fe.close()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
 def test_server_keeps_serving_after_bad_input(http):
