@@ -157,3 +157,44 @@ def test_requests_running_past_shutdown_timeout_get_503_or_sse_error(tiny_model_
         assert res["finish"] is None and res["error"], res
         assert res["error"]["code"] == "service_unavailable", res
         assert res["done"] - t0 < 10, res
+
+
+def start_up(model_path: str, *flags: str) -> subprocess.CompletedProcess:
+    """`python -m minisgl --model-path PATH` that fails before serving."""
+    env = {k: v for k, v in os.environ.items() if k != "MINISGL_LOG_LEVEL"}
+    return subprocess.run(
+        [sys.executable, "-m", "minisgl", "--model-path", model_path, "--port", "0", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize("what", ["missing", "gguf", "junk-weights"])
+def test_start_up_errors_are_one_line_and_exit_2(tmp_path, tiny_model_dir, what):
+    """Issue 60 item 5: a model path that cannot be served (none there, a GGUF file, weights
+    that are no safetensors) is one line naming it and saying what to do, exit code 2, no
+    traceback; `--log-level debug` shows the traceback."""
+    if what == "missing":
+        path = tmp_path / "nonexistent"
+    elif what == "gguf":
+        path = tmp_path / "model.Q4_0.gguf"
+        path.write_bytes(b"GGUF" + bytes(60))
+    else:
+        path = tmp_path / "junk"
+        path.mkdir()
+        for f in tiny_model_dir("llama").iterdir():
+            if f.is_file():
+                (path / f.name).write_bytes(f.read_bytes())
+        (path / "model.safetensors").write_bytes(b"not a safetensors file")
+    done = start_up(str(path))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert 1 <= len(lines) <= 3, done.stderr[-3000:]
+    assert str(path) in done.stderr and "Traceback" not in done.stderr
+    assert "folder" in done.stderr  # what to do: an HF model folder
+    if what == "gguf":
+        assert "GGUF" in done.stderr
+    debug = start_up(str(path), "--log-level", "debug")
+    assert debug.returncode == 2 and "Traceback (most recent call last)" in debug.stderr
