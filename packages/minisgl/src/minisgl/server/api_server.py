@@ -45,7 +45,7 @@ from minisgl.server.args import ServerArgs
 from minisgl.server.http_warmup import HttpWarmUp, warm_http
 from minisgl.server.metrics import Metrics
 from minisgl.server.openapi import request_bodies
-from minisgl.server.protocol import APIError, Parsed, parse_chat, parse_completion
+from minisgl.server.protocol import APIError, ModelNames, Parsed, parse_chat, parse_completion
 from minisgl.server.replicas import Replicas, worker_names
 from minisgl.server.streaming import ClosingStreamingResponse, FinalChunk
 from minisgl.tools import (
@@ -244,9 +244,11 @@ class Frontend:
         # and its path are accepted as well
         folder = model_path.rstrip("/")
         self.model_name = args.served_model_name or served_name(model_path)
-        self.model_names = {self.model_name, model_path, folder}
+        aliases = {model_path, folder}
         if not args.served_model_name:
-            self.model_names.add(os.path.basename(folder))
+            aliases.add(os.path.basename(folder))
+        # only the served name is ever shown (an unknown model's 404 included; `redact`)
+        self.model_names = ModelNames((self.model_name,), aliases)
         self.ipc_dir = ipc_dir
         self.codec = Codec(args.transport != "generic")
         self.ctx = zmq.Context()
@@ -365,7 +367,9 @@ class Frontend:
             elif isinstance(msg, Reject):
                 st = self.reqs.get(msg.uid)
                 if st is not None:
-                    st.mailbox.put(Failure(st.index, reject_to_error(msg)))
+                    err = reject_to_error(msg)
+                    err.message = self.redact(err.message)
+                    st.mailbox.put(Failure(st.index, err))
             elif isinstance(msg, Admitted):
                 uids = msg.uids.tolist()
                 reps = msg.replicas.tolist()
@@ -376,6 +380,13 @@ class Frontend:
                     if st is not None:
                         st.replica = replica
                         st.mailbox.put(Accepted(st.index))
+
+    def redact(self, text: str) -> str:
+        """`text` with the model path replaced by the served name: a response never shows a
+        local path (a worker's error may name the model folder or a file in it)."""
+        for path in sorted({self.model_path, self.model_path.rstrip("/")} - {""}, key=len)[::-1]:
+            text = text.replace(path, self.model_name)
+        return text
 
     def wait_ready(self, names: list[str], timeout: float, alive) -> dict[str, Ready]:
         """Block until every worker in `names` reported Ready; raise if one failed or died."""
@@ -975,7 +986,11 @@ def create_app(fe: Frontend) -> CompletionRoutes:
         )
         fmt = None
         if parsed.tools is not None:
-            parsed, fmt = await asyncio.to_thread(with_tools, fe.renderer, parsed)
+            try:
+                parsed, fmt = await asyncio.to_thread(with_tools, fe.renderer, parsed)
+            except APIError as e:  # the template's or the tokenizer's error: never the path
+                e.message = fe.redact(e.message)
+                raise
         return await serve(request, parsed, chat=True, tools=fmt)
 
     @app.post("/v1/completions", openapi_extra=bodies["completions"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +93,18 @@ MAX_LOGIT_BIAS = 1024
 
 
 INT64 = 2**63
+
+
+class ModelNames(frozenset):
+    """The names a request's `model` may give (a set of them): the served name(s), the only
+    ones a response shows (`served`), and aliases accepted but never shown (the model path)."""
+
+    served: tuple[str, ...]
+
+    def __new__(cls, served: Collection[str], aliases: Collection[str] = ()) -> ModelNames:
+        self = super().__new__(cls, (*served, *aliases))
+        self.served = tuple(served)
+        return self
 
 
 @dataclass
@@ -183,8 +196,13 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
 
 
 def parse_common(
-    body: Any, allowed: set[str], model_names: set[str], max_seq_len: int, default_max_tokens: int
+    body: Any,
+    allowed: set[str],
+    model_names: ModelNames | Collection[str],
+    max_seq_len: int,
+    default_max_tokens: int,
 ) -> Common:
+    """`model_names`: a `ModelNames`, or names that are all served (and all shown)."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None, "invalid_type")
     check_transportable(body)
@@ -193,9 +211,11 @@ def parse_common(
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model", "invalid_type")
     if model is not None and model not in model_names:
+        served = getattr(model_names, "served", None) or sorted(model_names)
         raise APIError(
             404,
-            f"the model '{model}' does not exist; this server serves '{sorted(model_names)[0]}'",
+            f"the model '{model}' does not exist; this server serves "
+            + ", ".join(f"'{name}'" for name in served),
             "model",
             "model_not_found",
         )
@@ -431,7 +451,7 @@ def check_text_length(chars: int, max_seq_len: int, max_token_chars: int, param:
 
 
 def parse_chat(
-    body: Any, model_names: set[str], max_seq_len: int, max_token_chars: int = 0
+    body: Any, model_names: ModelNames | Collection[str], max_seq_len: int, max_token_chars: int = 0
 ) -> Parsed:
     common = parse_common(body, CHAT, model_names, max_seq_len, max_seq_len)
     msgs = body.get("messages")
@@ -541,7 +561,7 @@ def _tool_calls(v: Any, i: int) -> list[dict] | None:
 
 
 def parse_completion(
-    body: Any, model_names: set[str], max_seq_len: int, max_token_chars: int = 0
+    body: Any, model_names: ModelNames | Collection[str], max_seq_len: int, max_token_chars: int = 0
 ) -> Parsed:
     common = parse_common(body, COMPLETION, model_names, max_seq_len, 16)
     prompt = body.get("prompt")
