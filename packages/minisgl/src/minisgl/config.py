@@ -24,6 +24,76 @@ class ModelLoadError(RuntimeError):
     """The model directory cannot be served (missing files, unknown architecture...)."""
 
 
+# what to do instead, said by every error about a model path that is no model folder
+MODEL_PATH_HINT = (
+    "give an HF model folder (config.json, the tokenizer's files and *.safetensors weights), "
+    "or no model path for the embedded SmolLM2-135M-Instruct"
+)
+
+
+def _not_a_folder(path: Path) -> str:
+    if not path.exists():
+        what = "it does not exist"
+    elif path.suffix.lower() == ".gguf":
+        what = (
+            "it is a GGUF file; GGUF files are not loaded (the embedded model's alone, "
+            "converted once into an HF folder)"
+        )
+    else:
+        what = "it is a file"
+    return f"model path {str(path)!r} is not a directory: {what}; {MODEL_PATH_HINT}"
+
+
+def weight_files(model_path: Path) -> list[Path]:
+    """The folder's safetensors files (those its index lists, else every one), each one's
+    header read: a ModelLoadError names a missing or unreadable file before any loads."""
+    index = model_path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"cannot read the weight index {str(index)!r}: {e}") from e
+        files = [model_path / n for n in names]
+        missing = [str(f.name) for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"weight shards listed in {index.name} are missing: {missing}")
+    else:
+        files = sorted(model_path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in model directory {str(model_path)!r}")
+    for f in files:
+        _check_safetensors(f)
+    return files
+
+
+def _check_safetensors(file: Path) -> None:
+    """Its header (8 bytes of length, then a JSON object) is readable: a file that is no
+    safetensors file is a ModelLoadError naming it, not the loader's error deep inside."""
+    try:
+        with open(file, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(0)
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n > size - 8:
+                raise ValueError(f"its header says {n} bytes, the file has {size}")
+            if not isinstance(json.loads(f.read(n)), dict):
+                raise ValueError("its header is no JSON object")
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(
+            f"weights file {str(file)!r} is not a readable safetensors file ({e}); "
+            f"{MODEL_PATH_HINT}"
+        ) from e
+
+
+def check_model_dir(model_path: str | Path, weights: bool = True) -> ModelConfig:
+    """What an engine reads first, checked before anything loads (the server's start-up):
+    the folder, its config.json, and with `weights` its safetensors files' headers."""
+    cfg = ModelConfig.from_dir(model_path)
+    if weights:
+        weight_files(Path(model_path))
+    return cfg
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -54,10 +124,17 @@ class ModelConfig:
         path = Path(model_path)
         cfg_file = path / "config.json"
         if not path.is_dir():
-            raise ModelLoadError(f"model path {str(path)!r} is not a directory")
+            raise ModelLoadError(_not_a_folder(path))
         if not cfg_file.is_file():
-            raise ModelLoadError(f"no config.json in model directory {str(path)!r}")
-        raw = json.loads(cfg_file.read_text())
+            raise ModelLoadError(
+                f"no config.json in model directory {str(path)!r}; {MODEL_PATH_HINT}"
+            )
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot read {str(cfg_file)!r}: {e}") from e
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{str(cfg_file)!r} is not a JSON object")
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:

@@ -5,7 +5,6 @@ tensor-parallel rank: one slice of each), or with deterministic random weights
 from __future__ import annotations
 
 import contextlib
-import json
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,28 +13,13 @@ from typing import Any
 
 import torch
 
-from minisgl.config import ModelConfig, ModelLoadError
+from minisgl.config import ModelConfig, ModelLoadError, weight_files
 from minisgl.distributed.layout import TPInfo
 from minisgl.models import MODEL_REGISTRY
 from minisgl.models.llama import STACKED_PARAMS, shard_sizes
 from minisgl.utils.log import get_logger
 
 logger = get_logger(__name__)
-
-
-def weight_files(model_path: Path) -> list[Path]:
-    index = model_path / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [model_path / n for n in names]
-        missing = [str(f.name) for f in files if not f.is_file()]
-        if missing:
-            raise ModelLoadError(f"weight shards listed in {index.name} are missing: {missing}")
-        return files
-    files = sorted(model_path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no *.safetensors weights in model directory {str(model_path)!r}")
-    return files
 
 
 @contextmanager

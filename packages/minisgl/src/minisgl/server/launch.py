@@ -28,8 +28,10 @@ import socket
 import sys
 import threading
 import time
+import traceback
 
 from minisgl import ipc
+from minisgl.config import ModelLoadError, check_model_dir
 from minisgl.message.warmup import WarmUpReport
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.replicas import replica_threads, worker_names
@@ -246,6 +248,8 @@ class Launcher:
         except KeyboardInterrupt:
             log("interrupted during startup")
             return 130
+        except ModelLoadError as e:  # the embedded model missing, say
+            return startup_error(args, e)
         except Exception as e:
             log(f"failed: {type(e).__name__}: {e}")
             return 1
@@ -320,8 +324,32 @@ def uvicorn_stack(args: ServerArgs) -> tuple[str, str]:
     return pick(args.loop, "uvloop", "asyncio"), pick(args.http, "httptools", "h11")
 
 
+def startup_error(args: ServerArgs, e: Exception) -> int:
+    """A start-up error its user fixes (a model path that is no model folder): one line saying
+    what is wrong and what to do, exit code 2 (as argparse's usage errors); the traceback only
+    at `--log-level debug`."""
+    if args.log_level.lower() == "debug":
+        traceback.print_exception(e)
+    print(f"minisgl: error: {e}", file=sys.stderr, flush=True)
+    return 2
+
+
+def check_model(args: ServerArgs) -> None:
+    """The model folder as the engine reads it first (config.json; the safetensors headers
+    unless no weights load), before any worker starts: a ModelLoadError saying what is wrong,
+    not each worker's traceback. The embedded model (no --model-path) is checked by its
+    loader."""
+    if args.model_path is not None:
+        no_weights = args.dummy_weights or args.sim_device is not None
+        check_model_dir(args.model_path, weights=not no_weights)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)  # under torchrun: WORLD_SIZE checked against --tp x --dp
+    try:
+        check_model(args)
+    except ModelLoadError as e:
+        return startup_error(args, e)
     from minisgl.distributed.launch import torchrun_env
 
     env = torchrun_env()
