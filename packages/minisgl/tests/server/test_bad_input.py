@@ -44,7 +44,11 @@ def test_bad_request(http, endpoint, body, status, param, code):
 
 
 def test_empty_prompt(http):
-    assert_error(http.post("/v1/completions", json={"prompt": ""}), 400)
+    """Issue 60: the empty prompt's 400 had `param: null`."""
+    err = assert_error(http.post("/v1/completions", json={"prompt": ""}), 400, "prompt")
+    assert "empty" in err["message"]
+    err = assert_error(http.post("/v1/completions", json={"prompt": "", "stream": True}), 400)
+    assert err["param"] == "prompt"
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"str"', b"null"])
