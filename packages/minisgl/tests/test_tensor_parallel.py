@@ -319,3 +319,48 @@ def llm_text(path, ids: list[int]) -> str:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path)).decode(ids, skip_special_tokens=True)
+
+
+DROPPED = """
+import json, sys, time
+import psutil
+from minisgl import LLM, SamplingParams
+
+def alive(pids):
+    deadline = time.monotonic() + 20
+    while True:
+        up = [p for p in pids if psutil.pid_exists(p)
+              and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not up or time.monotonic() > deadline:
+            return up
+        time.sleep(0.1)
+
+kw = dict(tp_size=2, num_pages=256, max_seq_len_override=64)
+greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+llm = LLM(sys.argv[1], **kw)
+first = llm.generate([[5, 6, 7, 8]], greedy)[0]["token_ids"]
+pids = llm.engine.tp.follower_pids()
+del llm  # dropped without close()
+llm = LLM(sys.argv[1], **kw)
+second = llm.generate([[5, 6, 7, 8]], greedy)[0]["token_ids"]
+left = alive(pids)
+llm.close()
+print(json.dumps({"first": first, "second": second, "left": left}))
+"""
+
+
+def test_a_dropped_tp_llm_leaves_the_process_usable(tiny_model_dir):
+    """Issue 60 item 6: an `LLM(tp_size=2)` dropped without `close()` no longer holds the
+    process's torch.distributed group: a second one starts (its ranks are stopped), and
+    generates the same tokens. In a child process: a group left behind there harms no test."""
+    import json
+    import subprocess
+    import sys
+
+    path = tiny_model_dir("llama")
+    done = subprocess.run([sys.executable, "-c", DROPPED, str(path)], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(got["first"]) == 6 and got["second"] == got["first"]
+    assert got["left"] == [], "the dropped LLM's rank processes outlived it"
