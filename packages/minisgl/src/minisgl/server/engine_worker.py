@@ -136,8 +136,8 @@ class EngineLoop:
             self.admitted.append(msg.uid)
         except ContextLengthError as e:
             self.reject(msg.uid, str(e), 400, "context_length_exceeded", "prompt")
-        except (RequestError, TypeError, ValueError) as e:
-            self.reject(msg.uid, str(e), 400, "invalid_request")
+        except (RequestError, TypeError, ValueError) as e:  # an empty prompt names it
+            self.reject(msg.uid, str(e), 400, "invalid_request", None if len(ids) else "prompt")
 
     def flush_admitted(self) -> None:
         if self.admitted:

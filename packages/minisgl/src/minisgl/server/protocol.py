@@ -567,6 +567,8 @@ def parse_completion(
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
+    if prompt == "":  # no token to start from (refused here: the same answer on every backend)
+        raise _bad("prompt is empty: at least one token is required", "prompt")
     if isinstance(prompt, str):
         check_text_length(len(prompt), max_seq_len, max_token_chars, "prompt")
         return common.parsed("text", prompt)
