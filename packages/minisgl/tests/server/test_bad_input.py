@@ -58,8 +58,10 @@ def test_malformed_body(http, raw):
 
 
 def test_unknown_route_and_method(http):
-    assert_error(http.get("/v1/nothing"), 404)
-    assert_error(http.get("/v1/chat/completions"), 405)
+    assert_error(http.get("/v1/nothing"), 404, None, "not_found")
+    # issue 60: the 405 body had `code: null`
+    assert_error(http.get("/v1/chat/completions"), 405, None, "method_not_allowed")
+    assert_error(http.delete("/health"), 405, None, "method_not_allowed")
 
 
 def test_openai_client_sees_typed_errors(server):
