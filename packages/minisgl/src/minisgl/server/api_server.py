@@ -870,6 +870,10 @@ class CompletionRoutes:
         await response(scope, receive, send)
 
 
+# the `code` of an error FastAPI / Starlette answers (an unknown route, a wrong method)
+HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
 def create_app(fe: Frontend) -> CompletionRoutes:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -892,7 +896,7 @@ def create_app(fe: Frontend) -> CompletionRoutes:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        code = "not_found" if exc.status_code == 404 else None
+        code = HTTP_ERROR_CODES.get(exc.status_code)
         return error_response(APIError(exc.status_code, str(exc.detail), None, code))
 
     @app.exception_handler(APIError)
