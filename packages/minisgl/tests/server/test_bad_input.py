@@ -51,6 +51,15 @@ def test_empty_prompt(http):
     assert err["param"] == "prompt"
 
 
+def test_role_error_lists_every_accepted_role(http):
+    """Issue 60: the message omitted `developer`, which is accepted."""
+    body = {"messages": [{"role": "wizard", "content": "x"}]}
+    err = assert_error(http.post("/v1/chat/completions", json=body), 400, "messages[0].role")
+    assert err["message"] == (
+        "messages[0].role must be system, developer, user, assistant or tool, got 'wizard'"
+    )
+
+
 @pytest.mark.parametrize("raw", [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"str"', b"null"])
 def test_malformed_body(http, raw):
     r = http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
