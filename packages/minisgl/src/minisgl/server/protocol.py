@@ -89,6 +89,7 @@ DEFAULT_ONLY: dict[str, tuple] = {
 # parallel_tool_calls: validated on chat (with tools), ignored on completions as before
 IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 MAX_N = 128
+ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: rendered as system
 MAX_LOGIT_BIAS = 1024
 
 
@@ -466,9 +467,9 @@ def parse_chat(
         if not isinstance(m, dict):
             raise _bad(f"messages[{i}] must be an object", f"messages[{i}]", "invalid_type")
         role = m.get("role")
-        if role not in ("system", "developer", "user", "assistant", "tool"):
+        if role not in ROLES:
             raise _bad(
-                f"messages[{i}].role must be system, user, assistant or tool, got {role!r}",
+                f"messages[{i}].role must be {', '.join(ROLES[:-1])} or {ROLES[-1]}, got {role!r}",
                 f"messages[{i}].role",
             )
         calls = _tool_calls(m.get("tool_calls"), i) if role == "assistant" else None
