@@ -60,6 +60,19 @@ def test_role_error_lists_every_accepted_role(http):
     )
 
 
+@pytest.mark.parametrize("value", [True, False])
+def test_completions_logprobs_is_a_count_not_a_boolean(http, value):
+    """Issue 60: `logprobs: true` on /v1/completions (the legacy API's integer, as OpenAI and
+    vLLM define it) is a 400 naming the parameter and saying what it takes."""
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": value})
+    err = assert_error(r, 400, "logprobs", "invalid_type")
+    assert err["message"] == (
+        f"'logprobs' on /v1/completions is the number of top logprobs per token, an integer "
+        f"in [0, 20]; got {str(value).lower()} (a boolean 'logprobs' with 'top_logprobs' is "
+        "/v1/chat/completions' form)"
+    )
+
+
 @pytest.mark.parametrize("raw", [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"str"', b"null"])
 def test_malformed_body(http, raw):
     r = http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
