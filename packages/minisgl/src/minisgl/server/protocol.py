@@ -385,6 +385,14 @@ def _logprobs(body: dict, key: str) -> int | None:
         top = body.get("logprobs")
         if top is None:
             return None
+        if isinstance(top, bool):  # the chat form: true could mean 0 or 1 more; not guessed
+            raise _bad(
+                "'logprobs' on /v1/completions is the number of top logprobs per token, an "
+                f"integer in [0, {MAX_LOGPROBS}]; got {str(top).lower()} (a boolean 'logprobs' "
+                "with 'top_logprobs' is /v1/chat/completions' form)",
+                "logprobs",
+                "invalid_type",
+            )
     if top is None:
         return 0
     if not _is_int(top):
