@@ -98,6 +98,23 @@ def test_continuous_usage_stats(server, model):
     assert seen == sorted(seen) and seen[-1] == 6 and len(seen) >= 2
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_continuous_usage_stats_count_the_prompt_from_the_first_chunk(server, model, endpoint):
+    """Issue 60: the chat stream's first chunk (the role) said `prompt_tokens: 0`."""
+    body = {"model": model, "max_tokens": 4, "temperature": 0, "stream": True, "n": 2,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    body.update({"prompt": "count"} if endpoint == "completions" else {"messages": CHAT})
+    usages = []
+    with httpx.stream("POST", f"{server.base_url}/v1/{endpoint}", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                usages.append(json.loads(line[6:])["usage"])
+    prompt = usages[-1]["prompt_tokens"]
+    assert prompt > 0 and len(usages) >= 3
+    assert [u["prompt_tokens"] for u in usages] == [prompt] * len(usages)
+    assert all(u["total_tokens"] == prompt + u["completion_tokens"] for u in usages)
+
+
 def test_logprobs_both_endpoints_match_offline(client, model, llm_ref):
     want = llm_ref.generate(["the fox"], SamplingParams(max_tokens=6, logprobs=3))[0]
     r = client.completions.create(
