@@ -221,7 +221,8 @@ class Job:
 
     @property
     def prompt_tokens(self) -> int:
-        return self.states[0].prompt_tokens
+        """The prompt's tokens (its choices share it): 0 until a choice's first output."""
+        return next((st.prompt_tokens for st in self.states if st.prompt_tokens), 0)
 
     @property
     def completion_tokens(self) -> int:
@@ -779,14 +780,20 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
         # only `data:` lines: peer clients json.loads every non-empty line (the headers go out
         # as the response starts, once the scheduler queued the request). What one output adds
         # goes out in one write: the role chunks with the first text, a choice's finish chunk
-        # with its last text, the usage, [DONE] and the body's end with the last one.
-        out = [chunk(st.index, "", None, role=True) for st in job.states] if reply.chat else []
+        # with its last text, the usage, [DONE] and the body's end with the last one. The role
+        # chunks are made with the first output, which says the prompt's length (their usage,
+        # stream_options.continuous_usage_stats, counts it).
+        roles = reply.chat
+        out: list[bytes] = []
         try:
             while True:
                 st = job.states[item.index]
                 if isinstance(item, Accepted):
                     item = await next_item(job)
                     continue
+                if roles:
+                    out = [chunk(s.index, "", None, role=True) for s in job.states]
+                    roles = False
                 if isinstance(item, Failure):
                     fe.settle(st)
                     fe.complete(job, "error")
