@@ -188,6 +188,18 @@ def test_tool_choice_none_and_no_tools_need_no_grammar():
     assert tools.parse_tool_choice(None, ()).mode == "none"
 
 
+def test_a_named_tool_choice_is_one_call_whatever_parallel_tool_calls_says():
+    """Issue 60: a named choice's grammar allowed the call repeated (`call ("\\n" call)*`)."""
+    tools = tools_api()
+    specs = tools.parse_tools(TOOLS)
+    named = {"type": "function", "function": {"name": "add"}}
+    for parallel in (None, True, False):
+        choice = tools.parse_tool_choice(named, specs, parallel)
+        assert (choice.mode, choice.name, choice.parallel) == ("named", "add", False)
+        assert ")*" not in tools.FORMATS["hermes"].lark(specs, choice)
+    assert tools.parse_tool_choice("required", specs).parallel  # the others keep the default
+
+
 @pytest.mark.card(CARD, "fifty-varied-json-schemas-constrain-and-validate", RED, GREEN)
 def test_fifty_schemas_validate_in_one_batch(tiny_llm):
     """One `generate` call: every completion of the 50 schemas (sampled, tiny random llama)

@@ -119,6 +119,24 @@ def test_required_and_named_tool_calls(server, model, choice):
         check_calls(ch.message.tool_calls, {"add"} if choice == "named" else set(PARAMS))
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_named_tool_choice_gives_one_call(server, model, stream):
+    """Issue 60: a named `tool_choice` (parallel_tool_calls left to its default) returned the
+    same call twice: its grammar allowed any number of calls of the function. Forcing one
+    function is one call (as OpenAI and vLLM answer it)."""
+    for seed in range(3):
+        kw = dict(model=model, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED,
+                  temperature=1.0, seed=seed, max_tokens=160)  # fmt: skip
+        if stream:
+            _, calls, finish = joined_stream(server, **kw)
+            got = [(c["name"], c["arguments"]) for c in calls]
+        else:
+            ch = create(server, **kw).choices[0]
+            finish, got = ch.finish_reason, check_calls(ch.message.tool_calls, {"add"})
+        assert finish == "tool_calls" and len(got) == 1, (seed, got)
+        assert got[0][0] == "add"
+
+
 @pytest.mark.card(CARD, API, RED, GREEN)
 def test_auto_gives_text_or_valid_calls_and_none_gives_text(server, model):
     for seed in range(3):
