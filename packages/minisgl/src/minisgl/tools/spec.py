@@ -41,7 +41,8 @@ class Tool:
 
 @dataclass(frozen=True)
 class ToolChoice:
-    """`mode` "named" forces the function `name`; `parallel`: more than one call allowed."""
+    """`mode` "named" forces one call of the function `name`; `parallel`: more than one call
+    allowed (never for "named")."""
 
     mode: Literal["none", "auto", "required", "named"]
     name: str | None = None
@@ -133,7 +134,9 @@ def parse_tool_choice(raw: Any, tools: Sequence[Tool], parallel: Any = None) -> 
         raise ToolError("a named 'tool_choice' needs 'tools'", "tool_choice")
     if name not in {t.name for t in tools}:
         raise ToolError(f"tool_choice names {name!r}, which is not in 'tools'", "tool_choice")
-    return ToolChoice("named", name, par)
+    # one call of the function, as OpenAI and vLLM answer a named choice: a grammar that let it
+    # repeat gave the same call two or three times (parallel_tool_calls is no reason to)
+    return ToolChoice("named", name, False)
 
 
 @dataclass(frozen=True)
