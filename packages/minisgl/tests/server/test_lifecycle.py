@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -122,6 +123,21 @@ def test_shell_chat_over_stdin(server):
     out = p.stdout
     assert out.count("assistant> ") == 3
     assert "(history cleared)" in out and out.rstrip().endswith("bye")
+
+
+def test_help_shows_the_defaults():
+    """Issue 60: `python -m minisgl --help` showed no option's default."""
+    p = subprocess.run([sys.executable, "-m", "minisgl", "--help"], capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    options = {}  # first flag -> its help text, on one line
+    for entry in re.split(r"\n  (?=-)", p.stdout.split("\noptions:\n", 1)[1]):
+        options[entry.split()[0].rstrip(",")] = " ".join(entry.split())
+    for flag, default in [("--port", "1919"), ("--host", "127.0.0.1"), ("--page-size", "1"),
+                          ("--max-running-requests", "256"), ("--cache-type", "radix"),
+                          ("--max-prefill-length", "4096"), ("--shutdown-timeout", "5"),
+                          ("--log-level", "warning"), ("--dtype", "auto")]:  # fmt: skip
+        assert re.search(rf"\(default:? {re.escape(default)}\b", options[flag]), options[flag]
 
 
 def test_requests_running_past_shutdown_timeout_get_503_or_sse_error(tiny_model_dir, tmp_path):
