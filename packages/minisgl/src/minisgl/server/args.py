@@ -81,9 +81,22 @@ class ServerArgs:
         return asdict(self)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` names each option's default, unless its help says it already or there is none
+    to show (None: decided at start-up, as the help says; a flag: off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False):
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m minisgl", description="minisgl OpenAI-compatible server"
+        prog="python -m minisgl",
+        description="minisgl OpenAI-compatible server",
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--model-path",
@@ -92,22 +105,47 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="HF model directory (default: the embedded SmolLM2-135M-Instruct)",
     )
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=1919)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--page-size", type=int, default=1)
-    p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--memory-ratio", type=float, default=None)
-    p.add_argument("--cache-type", default="radix", choices=["radix", "naive"])
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's id in /v1/models and every response (default: the model folder's "
+        "name, the embedded model's own name; never a path)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address the HTTP server listens on")
+    p.add_argument("--port", type=int, default=1919, help="port the HTTP server listens on")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="compute dtype; auto: picked by device and model",
+    )
+    p.add_argument(
+        "--device", default="auto", help="auto (CUDA when available, else cpu), cpu, cuda"
+    )
+    p.add_argument("--page-size", type=int, default=1, help="KV cache page size in tokens")
+    p.add_argument(
+        "--num-pages",
+        type=int,
+        default=None,
+        help="KV cache pages (default: sized by --memory-ratio)",
+    )
+    p.add_argument(
+        "--memory-ratio",
+        type=float,
+        default=None,
+        help="share of free GPU memory (default 0.8) or available RAM (default 0.25, at most "
+        "4 GiB) the KV cache takes",
+    )
+    p.add_argument("--cache-type", default="radix", choices=["radix", "naive"], help="prefix cache")
     p.add_argument(
         "--attention-backend",
         default="auto",
         help="auto (default): triton on CUDA when triton imports, else torch_native; "
         "torch_native; triton (CUDA)",
     )
-    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument(
+        "--max-running-requests", type=int, default=256, help="requests decoded together"
+    )
     p.add_argument(
         "--max-queued-requests",
         type=int,
@@ -120,8 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
         dest="max_prefill_length",
         type=int,
         default=4096,
+        help="prefill tokens per step (longer prompts are chunked)",
     )
-    p.add_argument("--max-seq-len-override", type=int, default=None)
+    p.add_argument(
+        "--max-seq-len-override",
+        type=int,
+        default=None,
+        help="cap on the context length (default: the model's)",
+    )
     p.add_argument(
         "--cuda-graph-max-bs",
         type=int,
@@ -162,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="data-parallel replicas: N engines (each of --tp ranks) behind one control plane; "
-        "--threads is per replica (default: an equal share of the cores); on CUDA replica r "
+        "--threads is per replica (unless given: an equal share of the cores); on CUDA replica r "
         "runs on cuda:{r*tp}..cuda:{r*tp + tp - 1}, and dp x tp above the visible GPUs is "
         "refused before any weight loads",
     )
@@ -173,14 +217,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="rust_service: the replica of a request: longest cached prefix, then load "
         "(prefix, the default) or round_robin; the python backend routes round-robin",
     )
-    p.add_argument("--num-tokenizer", type=int, default=1)
+    p.add_argument(
+        "--num-tokenizer", type=int, default=1, help="tokenizer / detokenizer worker processes"
+    )
     p.add_argument(
         "--transport",
         default="typed",
         choices=["typed", "generic"],
         help="inter-process message encoding (generic = dataclass->dict, for comparison)",
     )
-    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=300.0,
+        help="seconds the workers get to load the model and warm up",
+    )
     p.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -193,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=4 * 1024 * 1024,
         help="largest accepted request body (default 4 MiB); larger ones get 413",
     )
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level (debug: tracebacks)")
     p.add_argument(
         "--http",
         default="auto",
