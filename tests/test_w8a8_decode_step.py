@@ -77,6 +77,45 @@ def test_the_panel_gemm_is_onednns_to_the_bit() -> None:
         assert torch.equal(step.int8_gemm(xq, w), w8a8.int8_gemm(xq, wq, scales, torch.bfloat16))
 
 
+def _exact_int8_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The modules' int8 GEMM (`w8a8.int8_gemm`, which their operator looks up at each call) as
+    the exact integer product, u8 codes (code + 128) read back as int8: what the C step's panels
+    compute on every ISA, so a comparison of the two paths tests their orchestration only."""
+    from minisgl.quantization import w8a8
+
+    def exact(xq: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype):
+        codes = (xq ^ 0x80).view(torch.int8) if xq.dtype == torch.uint8 else xq
+        return ((codes.double() @ wq.double().t()).float() * scales).to(out_dtype)
+
+    monkeypatch.setattr(w8a8, "int8_gemm", exact)
+
+
+@pytest.mark.int8_matrix_unit
+@pytest.mark.card(CARD, "the-int8-panel-gemm-is-the-integer-product-exactly")
+@pytest.mark.parametrize("rows", [1, 7, 16, 64, 130])
+@pytest.mark.parametrize(("n", "k"), [(192, 64), (256, 64), (64, 128), (576, 1536), (1536, 576)])
+@pytest.mark.parametrize("u8", [False, True])
+def test_onednns_int8_gemm_is_within_a_rounding_of_the_exact_product(
+    rows: int, n: int, k: int, u8: bool
+) -> None:
+    """oneDNN's int8 GEMM (the modules' `w8a8.int8_gemm`, AMX-INT8 or VNNI kernels by CPU) at
+    the tiny models' and the embedded model's shapes, s8 or u8 codes: every output within one
+    bf16 rounding (2^-8 relative) of the exact product. Its kernels choose their blocking by
+    shape and ISA, and where one sums partial products in fp32 a last bit may differ from the
+    exact int32 sum: the bound holds whatever the kernel, where bit-equality held on the kinds
+    measured at some shapes only."""
+    from minisgl.quantization import w8a8
+
+    g = torch.Generator().manual_seed(rows * 31 + n + k)
+    wq = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    xq = torch.randint(-127, 128, (rows, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, generator=g) * 1e-3 + 1e-5
+    exact = ((xq.double() @ wq.double().t()) * scales.double()).float()
+    codes = xq.view(torch.uint8) ^ 0x80 if u8 else xq
+    got = w8a8.int8_gemm(codes, wq, scales, torch.bfloat16).float()
+    assert bool(((got - exact).abs() <= exact.abs() * 2.0**-8 + 1e-30).all())
+
+
 @pytest.mark.isa_paths
 @pytest.mark.card(CARD, "the-int8-panel-gemm-refuses-bad-input")
 def test_the_panel_gemm_refuses_bad_input() -> None:
@@ -150,11 +189,17 @@ def _llm(path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, **kw: Any) -> A
 def test_the_w8a8_c_step_gives_the_modules_logits(tiny: Path, batch: int, monkeypatch) -> None:
     """Teacher-forced decode steps of `batch` requests, every one through the C step: each
     step's logits equal the modules' (the same int8 codes, exact int32 sums, the same roundings,
-    the same lm_head kernel).
+    the same lm_head kernel). Both multiply by the exact integer product (`_exact_int8_gemm`):
+    the C step's panel GEMM is that on every ISA (its test above), oneDNN's kernels are within a
+    bf16 rounding of it (`test_onednns_int8_gemm_is_within_a_rounding_of_the_exact_product`),
+    their kernel chosen by the CPU: with them in the modules, an AMX Xeon's logits of llama /
+    mistral at batch 16 differed by up to 0.195 (every other part of the two paths is the same
+    code on every kind, or the C step's own, tested against the exact product at every ISA).
     Except after a q / k RMSNorm (Qwen3): torch sums a head's squares in its reduction's order,
     the C loop in its own, and a rare bf16 rounding of q or k flips (measured: one row of 64 from
     its second step, logits off by at most 0.17 of 6.8); there the rows stay within that
     rounding (cosine > 0.999) and choose the modules' token wherever the margin is clear."""
+    _exact_int8_gemm(monkeypatch)
     prompts = random_prompts(batch, 14, 14, vocab=300, seed=batch)
     kw = {"num_pages": batch * 14 + 64, "max_running_requests": batch}
     c = _llm(tiny, monkeypatch, "c", **kw)
@@ -305,23 +350,32 @@ def test_w8a8_batched_vs_hf_bf16(metric, tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.card(CARD, "the-embedded-model-decodes-as-well-through-the-w8a8-c-step")
 def test_the_embedded_model_decodes_as_well_through_the_w8a8_c_step(monkeypatch) -> None:
-    """The embedded model in w8a8: decode perplexity of the ten texts through the C step within
-    0.5% of the modules' (the residual stream is theirs to the bit; only the lm_head sums its
-    products in another order), and the capital of France is Paris."""
-    from minisgl.benchmark.cpu_speed import PPL_TEXTS, decode_perplexity, geometric_mean
+    """The embedded model in w8a8, the ten texts' first 80 tokens decoded one step a token
+    (teacher-forced, 640 positions) through the C step and through the modules: perplexity
+    within 0.5% and the same next token at >= 97% of the positions (measured: 15.910 both and
+    1.000 on an AMD EPYC; an AMX Xeon's modules multiply on oneDNN's AMX kernels, 15.713 against
+    15.731). Not a greedy answer: a 135M model's answer to one question flips with a rounding
+    on some kinds, through either path alike."""
+    from minisgl.benchmark.cpu_speed import (
+        PPL_TEXTS,
+        decode_logits,
+        geometric_mean,
+        perplexity_of,
+        top1_agreement,
+    )
 
-    def quality(mode: str) -> tuple[float, str]:
+    def logits(mode: str) -> tuple[list[torch.Tensor], list[list[int]]]:
         monkeypatch.setenv("MINISGL_CPU_DECODE", mode)
         llm = LLM(quantization="w8a8", dtype="bfloat16", max_seq_len_override=512)
         assert (llm.engine.cpu_decode is not None) == (mode == "c")
-        ppl = [decode_perplexity(llm, llm.tokenizer.encode(t)[:80], prefix=16) for t in PPL_TEXTS]
-        msgs = [[{"role": "user", "content": "What is the capital of France?"}]]
-        out = llm.generate(msgs, SamplingParams(temperature=0.0, max_tokens=12))
-        return geometric_mean(ppl), out[0]["text"]
+        ids = [llm.tokenizer.encode(t)[:80] for t in PPL_TEXTS]
+        return [decode_logits(llm, i, prefix=16) for i in ids], [i[16:] for i in ids]
 
-    ppl_c, text_c = quality("c")
-    ppl_m, text_m = quality("modules")
+    (c, targets), (m, _) = logits("c"), logits("modules")
+    ppl_c = geometric_mean(perplexity_of(lg, t) for lg, t in zip(c, targets, strict=True))
+    ppl_m = geometric_mean(perplexity_of(lg, t) for lg, t in zip(m, targets, strict=True))
+    agree = top1_agreement(c, m)
     print(f"w8a8 decode perplexity over {len(PPL_TEXTS)} texts: C step {ppl_c:.3f}, modules "
-          f"{ppl_m:.3f}; the capital of France: {text_c!r} / {text_m!r}")  # fmt: skip
-    assert "Paris" in text_c
+          f"{ppl_m:.3f}; the same next token at {agree:.3f} of the positions")  # fmt: skip
     assert abs(ppl_c / ppl_m - 1) <= 0.005, (ppl_c, ppl_m)
+    assert agree >= 0.97, agree

@@ -240,11 +240,10 @@ def weight_bytes_per_token(model) -> int:
     return total
 
 
-def perplexity_minisgl(llm, ids: list[int]) -> float:
-    """Perplexity of `ids` from one prefill over all positions (a fresh engine: the KV pool
-    locations 0..T-1 are free)."""
+def prompt_logits(llm, ids: list[int]):
+    """fp32 logits [len(ids) - 1, vocab] predicting ids[1:], from one prefill over all
+    positions (a fresh engine: the KV pool locations 0..T-1 are free)."""
     import numpy as np
-    import torch
 
     from minisgl.step.plan import build_step_plan
 
@@ -262,9 +261,33 @@ def perplexity_minisgl(llm, ids: list[int]) -> float:
     plan = dataclasses.replace(
         plan, logits_indices=np.arange(n, dtype=np.int32), sample_rows=np.zeros(n, np.int32)
     )
-    logits = llm.engine.forward(plan)[:-1].float()
-    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
-    return math.exp(float(nll))
+    return llm.engine.forward(plan)[:-1].float()
+
+
+def perplexity_of(logits, targets: list[int]) -> float:
+    """exp of the mean cross-entropy of fp32 logits [T, vocab] against T target tokens."""
+    import torch
+
+    return math.exp(float(torch.nn.functional.cross_entropy(logits, torch.tensor(targets))))
+
+
+def perplexity_minisgl(llm, ids: list[int]) -> float:
+    """Perplexity of `ids` from one prefill over all positions (`prompt_logits`)."""
+    return perplexity_of(prompt_logits(llm, ids), ids[1:])
+
+
+def top1_agreement(logits, ref) -> float:
+    """The fraction of positions where two logits [T, vocab] (or lists of them, concatenated)
+    pick the same next token: a quantized model's greedy agreement with its reference, each
+    position teacher-forced, so one early divergence does not decide the rest."""
+    import torch
+
+    if isinstance(logits, list | tuple):
+        logits, ref = torch.cat(list(logits)), torch.cat(list(ref))
+    if logits.shape != ref.shape or logits.dim() != 2 or logits.shape[0] == 0:
+        raise ValueError(f"top1_agreement: two [T, vocab] logits, got {tuple(logits.shape)} "
+                         f"and {tuple(ref.shape)}")  # fmt: skip
+    return float((logits.argmax(1) == ref.argmax(1)).float().mean())
 
 
 def decode_logits(llm, ids: list[int], prefix: int):
