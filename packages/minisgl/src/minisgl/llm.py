@@ -65,7 +65,8 @@ class LLM:
         `cpu_backend`: the control plane (default `MINISGL_CPU_BACKEND`, else python);
         `rust_service` starts the server's Rust service for this `LLM` (`close()` stops it).
         `tp_size`: tensor-parallel ranks, this process rank 0 and one process each for the
-        others (`minisgl.distributed`); `close()` stops them. Under `torchrun
+        others (`minisgl.distributed`); `close()` stops them (as does the `LLM` being garbage-
+        collected: then a later one can form its own group). Under `torchrun
         --nproc-per-node tp_size` the ranks are torchrun's processes instead: on rank 0 this
         is the `LLM` that generates; on a rank > 0 the constructor runs rank 0's steps until
         rank 0 closes its `LLM` or exits, then ends the process (`SystemExit`, code 0; 3 when

@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
 import os
 import pickle
 import socket
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
@@ -140,6 +142,66 @@ def join_torchrun(env: TorchrunEnv, device_type: str) -> bool:
     return True
 
 
+# the token of the `Leader.start` whose group is this process's default group, while it is: a
+# leader dropped without `close()` leaves the group only if it is still its own
+_group_token: object | None = None
+
+
+def _leave_group(token: object | None) -> None:
+    """Destroy the default group: the one `token`'s leader formed, if it still is (None: the
+    group this process joined under torchrun)."""
+    global _group_token
+    if token is not None:
+        if _group_token is not token:
+            return
+        _group_token = None
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _stop_peers(peers: list[_Peer]) -> list[Summary | None]:
+    """Tell every follower to stop and wait for each (a spawned one killed after `STOP_S`):
+    what each ran, by rank - 1. They leave the group before rank 0 does (a gloo peer whose
+    group went first aborts as it exits)."""
+    for peer in peers:
+        with contextlib.suppress(OSError):
+            peer.conn.send_bytes(pickle.dumps(None))
+    deadline = time.monotonic() + STOP_S
+    summaries = []
+    for peer in peers:
+        summaries.append(peer.summary(deadline))
+        peer.stop(deadline)
+    for peer in peers:
+        peer.conn.close()
+    return summaries
+
+
+def _drop(peers: list[_Peer], token: object) -> None:
+    """A spawning `Leader` collected without `close()` (its `LLM` dropped): as `close`, its
+    ranks stop (each exits 0) and its group is left, so a later tensor-parallel `LLM` of this
+    process forms its own."""
+    _stop_peers(peers)
+    peers.clear()
+    _leave_group(token)
+
+
+def _free_default_group() -> None:
+    """Before `Leader.start` forms the process's default group: a dropped leader that only a
+    reference cycle still holds is collected (its finalizer leaves its group); a group still
+    held is a clear error, not torch's 'initialize the default process group twice'."""
+    if not dist.is_initialized():
+        return
+    if _group_token is not None:
+        gc.collect()
+    if dist.is_initialized():
+        held = ("another tensor-parallel LLM of this process: close() it first"
+                if _group_token is not None
+                else "this process (torch.distributed initialised outside torchrun)")  # fmt: skip
+        raise RankFailed(f"cannot start tensor-parallel ranks: the default process group is "
+                         f"held by {held}")  # fmt: skip
+
+
 def _share(value: object) -> object:
     """Rank 0's `value` on every rank of torchrun's group (over gloo: a CPU object)."""
     group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
@@ -199,15 +261,23 @@ class Leader:
         self.owns_group = True  # False: the torchrun script's own group, left to it
         self.sent = 0  # steps sent to the followers
         self.summaries: dict[int, Summary] = {}  # what each follower ran (once stopped)
+        self._token = object()  # its group's, once `start` forms one (`_group_token`)
+        self._dropped: weakref.finalize | None = None  # `start`'s: `_drop` on collection
 
     @classmethod
     def start(cls, config: EngineConfig, device_type: str, rank_module: str) -> Leader:
         """Start ranks 1..tp-1 (`python -m rank_module FD`, FD its end of the control socket)
         and join the process group with them (an error of a rank's start-up is raised here,
-        naming the rank)."""
+        naming the rank). A leader dropped without `close()` stops its ranks and leaves its
+        group as it is collected (`_drop`; not at interpreter exit: the ranks see rank 0 go)."""
+        global _group_token
+        _free_default_group()
         master = _store(0, config.tp_size, is_master=True)
         leader = cls(config, device_type)
         leader.store = master  # kept alive: the group's rendezvous lives in it
+        leader._dropped = weakref.finalize(leader, _drop, leader.peers, leader._token)
+        leader._dropped.atexit = False
+        _group_token = leader._token  # the group it forms below is its own
         try:
             for rank in range(1, config.tp_size):
                 mine, theirs = socket.socketpair()
@@ -387,19 +457,13 @@ class Leader:
         """Stop the followers (a clean stop; a spawned one is killed after `STOP_S`) and leave
         the group (unless it is the torchrun script's own)."""
         atexit.unregister(self.close)
-        for peer in self.peers:
-            with contextlib.suppress(OSError):
-                peer.conn.send_bytes(pickle.dumps(None))
-        deadline = time.monotonic() + STOP_S
-        for rank, peer in enumerate(self.peers, start=1):
-            self._summary(rank, peer.summary(deadline))
-            peer.stop(deadline)
-        for peer in self.peers:
-            peer.conn.close()
+        if self._dropped is not None:
+            self._dropped.detach()
+        for rank, summary in enumerate(_stop_peers(self.peers), start=1):
+            self._summary(rank, summary)
         self.peers = []
-        if self.owns_group and dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+        if self.owns_group:  # a spawned group: only while it is this leader's own
+            _leave_group(self._token if self._dropped is not None else None)
 
 
 class Follower:
