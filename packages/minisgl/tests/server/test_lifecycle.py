@@ -79,6 +79,9 @@ def test_options_then_sigint_with_request_in_flight(tiny_model_dir, tmp_path, ll
         assert code == 0, s.log()
         # the in-flight request finished or was ended, within the grace period (+ margin)
         assert res["finish"] == "length" or res["error"], res
+        log = s.log()  # issue 60: nothing was logged on the signal or while draining
+        assert re.search(r"SIGINT received: stopping; draining [01] in-flight requests? ", log), log
+        assert re.search(r"drained in \d+\.\ds: ", log), log
         assert res["done"] - t0 < 15
         with pytest.raises(httpx.ConnectError):
             httpx.get(s.base_url + "/health", timeout=2)
@@ -173,6 +176,12 @@ def test_requests_running_past_shutdown_timeout_get_503_or_sse_error(tiny_model_
         assert res["finish"] is None and res["error"], res
         assert res["error"]["code"] == "service_unavailable", res
         assert res["done"] - t0 < 10, res
+        # issue 60: nothing was logged on SIGTERM or while draining
+        log = s.log()
+        start = log.find("SIGTERM received: stopping; draining 2 in-flight requests "
+                         "(--shutdown-timeout 1s)")  # fmt: skip
+        end = re.search(r"drained in \d+\.\ds: 2 requests ended by --shutdown-timeout 1s", log)
+        assert start >= 0 and end and start < end.start(), log
 
 
 def start_up(model_path: str, *flags: str) -> subprocess.CompletedProcess:
