@@ -266,6 +266,7 @@ class Frontend:
         self.cpu_backend = args.cpu_backend
         self.sched_stats: dict[str, Any] = {}
         self.reqs: dict[int, ReqState] = {}
+        self.timed_out = 0  # requests `fail_after` ended (at shutdown: past --shutdown-timeout)
         self.replicas = Replicas(
             args.dp_size,
             routes=args.cpu_backend != "rust_service",
@@ -429,18 +430,27 @@ class Frontend:
                 loop.call_soon_threadsafe(self.fail_all, gone, 503, replica)
 
     def fail_after(self, delay_s: float, reason: str) -> None:
-        """Thread-safe: in `delay_s` seconds, end every request still in flight with a 503."""
+        """Thread-safe: in `delay_s` seconds, end every request still in flight with a 503
+        (`timed_out`: how many that ended)."""
+
+        def cut() -> None:
+            self.timed_out = self.fail_all(reason, 503)
+
         loop = self.loop
         if loop is not None:
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(loop.call_later, delay_s, self.fail_all, reason, 503)
+                loop.call_soon_threadsafe(loop.call_later, delay_s, cut)
 
-    def fail_all(self, reason: str, status: int = 503, replica: int | None = None) -> None:
+    def fail_all(self, reason: str, status: int = 503, replica: int | None = None) -> int:
+        """End the requests in flight (on `replica`) with `status`; returns how many."""
+        ended = 0
         for uid, st in list(self.reqs.items()):
             if replica is not None and self.replicas.replica_of(uid) != replica:
                 continue
             err = reject_to_error(Reject(uid, reason, status, "service_unavailable"))
             st.mailbox.put(Failure(st.index, err))
+            ended += 1
+        return ended
 
     # ------------------------------------------------------------------ requests
     def served(self, job: Job) -> dict[str, int] | None:

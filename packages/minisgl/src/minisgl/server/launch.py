@@ -288,13 +288,30 @@ class Launcher:
         loop, http = uvicorn_stack(self.args)
         fe.http_stack = {"loop": loop, "protocol": http}
 
+        drain_start: list[float] = []  # when a signal started the drain
+
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame) -> None:  # stop accepting at once
                 if fe.serving:
                     fe.serving = False
+                    drain_start.append(time.monotonic())
+                    log(f"{signal.Signals(sig).name} received: stopping; draining "
+                        f"{plural(len(fe.reqs), 'in-flight request')} "
+                        f"(--shutdown-timeout {grace:g}s)")  # fmt: skip
                     fe.fail_after(grace, "server is shutting down: the request was still "
                                   f"running after --shutdown-timeout {grace:g}s")  # fmt: skip
                 super().handle_exit(sig, frame)
+
+            async def shutdown(self, sockets=None) -> None:
+                await super().shutdown(sockets)
+                if drain_start:  # the connections closed (or were cancelled) and lifespan ended
+                    cut = fe.timed_out
+                    how = (
+                        f"{plural(cut, 'request')} ended by --shutdown-timeout {grace:g}s"
+                        if cut
+                        else "every request finished"
+                    )
+                    log(f"drained in {time.monotonic() - drain_start[0]:.1f}s: {how}")
 
         config = uvicorn.Config(
             app,
@@ -310,6 +327,10 @@ class Launcher:
         server = self.server = Server(config)
         log(f"serving on http://{self.args.host}:{self.args.port}")
         server.run(sockets=[self.sock])
+
+
+def plural(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
 
 
 def uvicorn_stack(args: ServerArgs) -> tuple[str, str]:
