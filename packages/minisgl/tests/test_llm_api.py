@@ -187,6 +187,38 @@ def test_bad_prompts(llm):
     assert_kv_clean(llm)
 
 
+BAD_CHATS = [
+    [{"role": "wizard", "content": "x"}],
+    [{"role": "user", "content": 5}],
+    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+    [{"role": "user", "content": "hi"}, "oops"],
+    [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}],
+]
+
+
+@pytest.mark.card("P0-010", "offline-api-rejects-bad-input-with-clear-errors")
+def test_chat_messages_are_validated_as_the_server_validates_them(llm):
+    """Issue 60 defect 4: role "wizard" was rendered offline and refused (400) by the server.
+    Offline, bad messages are the server's error (one validation function) as a ValueError
+    naming the prompt, and messages are rendered as the server renders them."""
+    from minisgl.server.protocol import APIError, parse_chat
+
+    for msgs in BAD_CHATS:
+        with pytest.raises(APIError) as served:
+            parse_chat({"messages": msgs}, {"m"}, 256)
+        with pytest.raises(ValueError) as offline:
+            llm.generate([[5, 6], msgs], SamplingParams(max_tokens=2))
+        assert str(offline.value) == f"prompts[1]: {served.value.message}", msgs
+    assert not llm.has_work()
+    parts = [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]
+    assert llm.encode(
+        [{"role": "developer", "content": parts}, {"role": "user", "content": "hi"}]
+    ) == (
+        llm.encode([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    )
+    assert_kv_clean(llm)
+
+
 @pytest.mark.card("P0-010", "offline-api-rejects-bad-input-with-clear-errors")
 def test_max_tokens_beyond_the_context_is_the_servers_error(llm):
     """Issue 60 item 2: `max_tokens` over the context is a RequestError with the message the
