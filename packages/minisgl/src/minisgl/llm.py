@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from minisgl.chat import ChatError, parse_messages
 from minisgl.config import EngineConfig
 from minisgl.core import SamplingParams, as_items, type_name
 from minisgl.engine.memory import resolve_device
@@ -142,9 +143,13 @@ class LLM:
         if items is None:
             raise ValueError(f"{name} must be {PROMPT_KINDS}, got {type(prompt).__name__}")
         items = list(items)
-        if items and isinstance(items[0], dict):  # chat messages
+        if items and isinstance(items[0], dict):  # chat messages, as the server takes them
+            try:
+                messages = parse_messages(items)
+            except ChatError as exc:
+                raise ChatError(f"{name}: {exc}", exc.param, exc.code) from None
             ids = self.tokenizer.apply_chat_template(
-                items, add_generation_prompt=True, tokenize=True
+                messages, add_generation_prompt=True, tokenize=True
             )
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):

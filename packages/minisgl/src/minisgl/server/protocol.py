@@ -9,6 +9,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+from minisgl.chat import ChatError, parse_messages
 from minisgl.core import choice_seed
 from minisgl.message.schema import WireParams
 from minisgl.scheduler.request import RequestError, check_max_tokens
@@ -89,7 +90,6 @@ DEFAULT_ONLY: dict[str, tuple] = {
 # parallel_tool_calls: validated on chat (with tools), ignored on completions as before
 IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 MAX_N = 128
-ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: rendered as system
 MAX_LOGIT_BIAS = 1024
 
 
@@ -463,57 +463,10 @@ def parse_chat(
     body: Any, model_names: ModelNames | Collection[str], max_seq_len: int, max_token_chars: int = 0
 ) -> Parsed:
     common = parse_common(body, CHAT, model_names, max_seq_len, max_seq_len)
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise _bad(
-            "'messages' must be a non-empty list",
-            "messages",
-            "invalid_type" if not isinstance(msgs, list) else "invalid_value",
-        )
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise _bad(f"messages[{i}] must be an object", f"messages[{i}]", "invalid_type")
-        role = m.get("role")
-        if role not in ROLES:
-            raise _bad(
-                f"messages[{i}].role must be {', '.join(ROLES[:-1])} or {ROLES[-1]}, got {role!r}",
-                f"messages[{i}].role",
-            )
-        calls = _tool_calls(m.get("tool_calls"), i) if role == "assistant" else None
-        content = m.get("content")
-        if content is None:
-            content = ""
-        elif isinstance(content, list):
-            parts = []
-            for p in content:
-                if not (
-                    isinstance(p, dict)
-                    and p.get("type") == "text"
-                    and isinstance(p.get("text"), str)
-                ):
-                    raise _bad(
-                        f"messages[{i}].content: only text parts are supported",
-                        f"messages[{i}].content",
-                        "unsupported_parameter",
-                    )
-                parts.append(p["text"])
-            content = "".join(parts)
-        elif not isinstance(content, str):
-            raise _bad(
-                f"messages[{i}].content must be a string or a list of text parts",
-                f"messages[{i}].content",
-                "invalid_type",
-            )
-        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                               "content": content}  # fmt: skip
-        if calls:
-            msg["tool_calls"] = calls
-        if role == "tool":
-            for key in ("tool_call_id", "name"):
-                if isinstance(m.get(key), str):
-                    msg[key] = m[key]
-        out.append(msg)
+    try:
+        out = parse_messages(body.get("messages"))
+    except ChatError as exc:
+        raise _bad(str(exc), exc.param, exc.code) from None
     chars = sum(len(m["content"]) for m in out)
     check_text_length(chars, max_seq_len, max_token_chars, "messages")
     tools = _tool_use(body, common, any("tool_calls" in m for m in out))
@@ -539,34 +492,6 @@ def _tool_use(body: dict, common: Common, history_calls: bool) -> ToolUse | None
         if common.params.ignore_eos:
             raise _bad("ignore_eos cannot combine with tools: a tool call ends with EOS", "tools")
     return ToolUse(tools, choice if tools else ToolChoice("none"))
-
-
-def _tool_calls(v: Any, i: int) -> list[dict] | None:
-    """An assistant message's earlier `tool_calls`, arguments parsed (as templates read them)."""
-    if v is None or v == []:
-        return None
-    where = f"messages[{i}].tool_calls"
-    if not isinstance(v, list):
-        raise _bad(f"{where} must be a list", where, "invalid_type")
-    out = []
-    for call in v:
-        fn = call.get("function") if isinstance(call, dict) else None
-        name = fn.get("name") if isinstance(fn, dict) else None
-        args = fn.get("arguments", "{}") if isinstance(fn, dict) else None
-        if not isinstance(name, str) or not isinstance(args, str | dict):
-            raise _bad(
-                f"{where}: each call needs function.name and function.arguments (a JSON string)",
-                where,
-            )
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                raise _bad(f"{where}: function.arguments is not valid JSON", where) from None
-        cid = call.get("id")
-        out.append({"id": cid if isinstance(cid, str) else "", "type": "function",
-                    "function": {"name": name, "arguments": args}})  # fmt: skip
-    return out
 
 
 def parse_completion(
