@@ -58,9 +58,12 @@ HEADERS = (_HERE / "bf16.h", _HERE / "rowops.h", _HERE / "spans.h", _HERE / "vex
 # -ffast-math at compile time only: linked with it, the object would set flush-to-zero for
 # the whole process when loaded (crtfastmath), changing every fp32 op in torch
 # 512-bit vectors where the CPU has them (gcc prefers 256 on most AVX-512 parts): the softmax's
-# expf loop 16 wide; a tuning flag, without effect elsewhere
-COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp",
-                 "-fPIC", "-c")  # fmt: skip
+# expf loop 16 wide; a tuning flag, without effect elsewhere.
+# -fno-reciprocal-math -mno-recip: no rcpps / rsqrtss for divisions and 1 / sqrtf, whose bits
+# each vendor defines (Intel and AMD differ): the same numbers on every x86 kind, the inverse
+# root a correctly rounded square root and division as torch's rsqrt (issue 59)
+COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math",
+                 "-fno-reciprocal-math", "-mno-recip", "-fopenmp", "-fPIC", "-c")  # fmt: skip
 LINK_FLAGS = ("-shared", "-fopenmp")
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _ERRORS = {1: "head_dim > 256 or more than 16 query heads per KV head", 2: "a length outside 1..L",
@@ -331,13 +334,16 @@ def prefill_attention(
     kv_lens: torch.Tensor,
     window: int,
     out: torch.Tensor | None = None,
+    amx: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of a prefill step's requests, read in place from a KV pool: q, out
     [T, KVH, gqa, D]; request r's new tokens are q rows [q_starts[r], q_starts[r] + q_lens[r]),
     its keys pool rows indices[kv_starts[r] + l] for l < kv_lens[r] (prefix first), its token i
     sees positions < kv_lens[r] - q_lens[r] + i + 1 (and the last `window` of them when
     window > 0). Rows of `out` outside the requests keep their values (out None: a new,
-    uninitialised tensor). Eager only: no operator for compiled graphs."""
+    uninitialised tensor). `amx`: through the AMX kernel (None: where `prefill_amx` says it
+    runs; False: the vector kernel, whose every query row is computed on its own in one fixed
+    order). Eager only: no operator for compiled graphs."""
     q = q.contiguous()
     nq, kvh, gqa, d = q.shape
     k, v = k_pool, v_pool
@@ -350,7 +356,9 @@ def prefill_attention(
         raise ValueError("cpu_prefill_attention: out must be a contiguous tensor like q")
     indices, q_starts, q_lens = _i64(indices), _i64(q_starts), _i64(q_lens)
     kv_starts, kv_lens = _i64(kv_starts), _i64(kv_lens)
-    kernel = "prefill_attention_{}_amx" if prefill_amx(q.dtype, d) else "prefill_attention_{}"
+    if amx is None:
+        amx = prefill_amx(q.dtype, d)
+    kernel = "prefill_attention_{}_amx" if amx else "prefill_attention_{}"
     return _run(
         "cpu_prefill_attention", kernel, q, k, v, indices.data_ptr(),
         indices.numel(), q_starts.data_ptr(), q_lens.data_ptr(), kv_starts.data_ptr(),
