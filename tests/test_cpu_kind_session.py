@@ -29,8 +29,25 @@ def test_it_gates_every_card_keyed_by_cpu_kind():
 def test_every_step_has_its_function():
     text = SCRIPT.read_text()
     steps = _assigned("STEPS")
-    assert steps == ["suite", "start", "single", "batched", "gates"]
+    assert steps == ["suite", "start", "single", "batched", "gates", "matrix"]
     assert all(re.search(rf"^run_{s}\(\) {{", text, re.MULTILINE) for s in steps)
+
+
+def test_the_matrix_step_runs_last_and_records_what_the_steps_left():
+    """Issue 59 item 3: the kind's record in worklog/kinds/ is written after the other steps,
+    even when some failed (each step's exit code goes into it), with the suite's log only where
+    the suite ran in this session and the day's baseline records of this kind."""
+    text = SCRIPT.read_text()
+    assert _assigned("STEPS")[-1] == "matrix"
+    body = re.search(r"^run_matrix\(\) \{\n(.*?)^\}", text, re.M | re.S)
+    assert body, "run_matrix"
+    call = body.group(1)
+    assert "-m minisgl.benchmark.kind_matrix record" in call
+    assert '--kind "$KIND"' in call and "worklog/kinds" in call
+    assert '"$BASE"/*-"$KIND"-"$DAY".json' in call and "--steps" in call
+    assert '"$OUT/suite.log"' in call
+    # the steps' exit codes are kept for it; a failed step does not stop the loop
+    assert re.search(r'rcs\+=\("\$name=\$rc"\)', text)
 
 
 def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
@@ -39,7 +56,8 @@ def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
                           text=True, timeout=60, env={"OUT": str(out), "PATH": "/usr/bin:/bin"})  # fmt: skip
     assert done.returncode == 2
     assert (
-        "unknown step 'bogus'" in done.stderr and "suite start single batched gates" in done.stderr
+        "unknown step 'bogus'" in done.stderr
+        and "suite start single batched gates matrix" in done.stderr
     )
     assert not out.exists()
 

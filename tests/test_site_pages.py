@@ -248,3 +248,74 @@ def test_the_site_generators_modules_import_in_no_circle():
     graph = module_graph([ROOT / "tools" / "site" / "sitegen"], "sitegen")
     assert {"data", "history", "pages"} <= set(graph) and "data" in graph["pages"]
     assert cycles(graph) == []
+
+
+# --- the CPU kind matrix (issue 59 item 3) -----------------------------------------------------
+
+
+def _kind_entry(commit: str, utc: str, suite: dict | None = None, **kw) -> dict:
+    return {"commit": commit, "utc": utc, "source": "test", "suite": suite, **kw}
+
+
+def _suite(failed: int = 0, passed: int = 10) -> dict:
+    return {"outcome": "failed" if failed else "passed", "passed": passed, "failed": failed,
+            "skipped": 0, "errors": 0, "duration_s": 1.0,
+            "failed_ids": [f"tests/t.py::t{i}" for i in range(failed)]}  # fmt: skip
+
+
+def _kind_record(kind: str, *entries: dict) -> dict:
+    return {"schema_version": 1, "kind": kind, "entries": list(entries)}
+
+
+def test_a_kind_is_stale_when_its_last_suite_failed_or_its_green_commit_is_far_behind(tmp_path):
+    from sitegen.kinds import MAX_BEHIND, kind_row, load_kinds
+
+    kinds = tmp_path / "worklog" / "kinds"
+    kinds.mkdir(parents=True)
+    records = {
+        "green": _kind_record("green", _kind_entry("a" * 40, "2026-12-01", _suite())),
+        "failed": _kind_record(
+            "failed",
+            _kind_entry("a" * 40, "2026-12-01", _suite()),
+            _kind_entry("b" * 40, "2026-12-02", _suite(failed=2)),
+            _kind_entry("c" * 40, "2026-12-03", None, ratios={"single.minisgl-default/llamacpp": 1.5}),
+        ),
+        "never": _kind_record("never", _kind_entry("a" * 40, "2026-12-01", None)),
+    }  # fmt: skip
+    for name, record in records.items():
+        (kinds / f"{name}.json").write_text(json.dumps(record))
+    loaded = {r.kind: r for r in load_kinds(tmp_path)}
+    assert sorted(loaded) == ["failed", "green", "never"]
+
+    near = kind_row(loaded["green"], lambda commit: 3)
+    assert near.last_green is not None and near.behind == 3 and near.stale_reasons == ()
+    far = kind_row(loaded["green"], lambda commit: MAX_BEHIND + 1)
+    assert far.stale_reasons == (f"last green commit {MAX_BEHIND + 1} commits behind HEAD",)
+    failed = kind_row(loaded["failed"], lambda commit: 1)
+    # the last suite run is the one at bbbbbbb (the newest entry ran no suite); green is older
+    assert failed.last_suite is not None and failed.last_suite.commit == "b" * 40
+    assert failed.last_green is not None and failed.last_green.commit == "a" * 40
+    assert failed.stale_reasons == ("last suite run failed (2 failed)",)
+    never = kind_row(loaded["never"], lambda commit: None)
+    assert never.stale_reasons == ("no suite run recorded",)
+
+
+def test_the_kind_matrix_has_a_row_per_kind_with_its_last_green_commit(generated):
+    page = generated.files["worklog/kinds.md"]
+    kinds = sorted(p.stem for p in ROOT.glob("worklog/kinds/*.json"))
+    assert {"intel-amx", "amd-epyc", "x86-avx2"} <= set(kinds)
+    rows = {ln.split("|")[1].strip(): ln for ln in page.splitlines() if ln.startswith("| ")}
+    for kind in kinds:
+        assert f"`{kind}`" in rows, kind
+        assert f"worklog/kinds/{kind}.json" in generated.files
+    amx = rows["`intel-amx`"]
+    assert "09dcd2f" in amx and "5 failed" in amx and "stale" in amx
+    avx2 = rows["`x86-avx2`"]
+    assert "1.23x" in avx2  # single stream against llama.cpp at 734ec2e
+    epyc = rows["`amd-epyc`"]
+    assert "1.53x" in epyc and "3.13x" in epyc and "3.44x" in epyc  # llama.cpp, HF bf16 (w8a8)
+
+
+def test_the_kind_matrix_of_a_repository_without_records_says_so(small_repo):
+    page = generate_site(small_repo).files["worklog/kinds.md"]
+    assert "No CPU kind has a record" in page
