@@ -274,6 +274,9 @@ class EngineConfig:
     quantization: str = "auto"
     sim_device: str | None = None  # "BASE_MS,TOKEN_MS": no model, see engine/sim.py
     enable_torch_compile: bool = False  # decode steps through torch.compile (engine/compiled.py)
+    # batch-invariant kernels: a request's logits do not depend on the other rows of its steps
+    # (CPU, bfloat16 only: `engine/deterministic.py`)
+    deterministic: bool = False
     threads: int | None = None  # torch + tokenizer threads, set by make_engine (None: as is)
     tp_size: int = 1  # tensor-parallel ranks, one process each (`minisgl.distributed`)
 

@@ -51,6 +51,7 @@ class LLM:
         overlap: bool | None = None,
         device_stream: str | DeviceStream | None = None,
         enable_torch_compile: bool = False,
+        deterministic: bool = False,
         threads: int | None = None,
         cpu_backend: str | None = None,
         tp_size: int = 1,
@@ -63,6 +64,9 @@ class LLM:
         compiled here, before the first request: a minute or more on a CPU). `threads`: the
         process's thread budget for torch and the tokenizer (`utils/threads.py`; each
         tensor-parallel rank's, by default the cores split between the ranks).
+        `deterministic`: batch-invariant kernels (CPU, bfloat16: `engine/deterministic.py`):
+        a request's tokens, for its seed, do not depend on what else is batched, chunked or
+        cached beside it; a ValueError where that cannot be had (fp32, CUDA, compile, TP).
         `cpu_backend`: the control plane (default `MINISGL_CPU_BACKEND`, else python);
         `rust_service` starts the server's Rust service for this `LLM` (`close()` stops it).
         `tp_size`: tensor-parallel ranks, this process rank 0 and one process each for the
@@ -100,6 +104,7 @@ class LLM:
             quantization=quantization,
             sim_device=sim_device,
             enable_torch_compile=enable_torch_compile,
+            deterministic=deterministic,
             threads=threads,
             tp_size=tp_size,
         )

@@ -51,6 +51,7 @@ class _PrefillKernel:
     kv_starts: torch.Tensor
     kv_lens: torch.Tensor
     kv_index: torch.Tensor  # the step's KV locations
+    amx: bool = False  # through the AMX kernel (`cpu_native.prefill_amx`), else the vector one
 
 
 @dataclass
@@ -128,6 +129,9 @@ class TorchNativeBackend(AttentionBackend):
         self.prefill_amx = self.native and cpu_native.prefill_amx(dtype, self.head_dim)
         self.workspace = DecodeWorkspace(len(pool.k), self.num_kv_heads, self.head_dim, dtype,
                                          self.device)  # fmt: skip
+        # deterministic mode (`engine/deterministic.py`): every step, decode included, through
+        # the vector C prefill kernel (a query's result its own row's, in one fixed order)
+        self.deterministic = False
         self.prefill_alone_rows = 0  # prefill tokens attended one request at a time
         self.prefill_kernel_rows = 0  # prefill tokens attended by the C kernel
 
@@ -138,11 +142,13 @@ class TorchNativeBackend(AttentionBackend):
         out_loc = staged.out_loc.long()
         kv_indices = staged.kv_indices.long()
         ext = plan.extend_lens
-        if plan.is_prefill:
+        if plan.is_prefill or self.deterministic:
             self.workspace.invalidate()
             alone = np.zeros(len(ext), dtype=bool)
             kernel = np.zeros(len(ext), dtype=bool)
-            if self.prefill_amx:
+            if self.deterministic:
+                kernel[:] = True
+            elif self.prefill_amx:
                 kernel = plan.seq_lens <= PREFILL_AMX_MAX_KV
                 alone = ~kernel & (ext >= PREFILL_ALONE_MIN_TOKENS)
             elif self.device.type == "cpu":
@@ -172,6 +178,7 @@ class TorchNativeBackend(AttentionBackend):
                     *(torch.from_numpy(np.ascontiguousarray(a[short], dtype=np.int64))
                       for a in (q_starts, ext, plan.kv_indptr[:-1], plan.seq_lens)),
                     kv_index=kv_indices,
+                    amx=self.prefill_amx and not self.deterministic,
                 )  # fmt: skip
             return _Meta(out_loc, True, groups, requests, kernel=kern)
         lens = staged.seq_lens.long()
@@ -311,7 +318,7 @@ class TorchNativeBackend(AttentionBackend):
                 cpu_native.prefill_attention(
                     q.reshape(n, kvh, gqa, d), k_cache, v_cache, kn.kv_index, kn.q_starts,
                     kn.q_lens, kn.kv_starts, kn.kv_lens, self.sliding_window or 0,
-                    out=out.view(n, kvh, gqa, d),
+                    out=out.view(n, kvh, gqa, d), amx=kn.amx,
                 )  # fmt: skip
             for r in meta.requests:
                 rows = slice(r.q_start, r.q_start + r.n_q)

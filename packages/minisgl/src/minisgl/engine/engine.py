@@ -18,6 +18,7 @@ import torch
 from minisgl.attention import create_backend, resolve_backend
 from minisgl.config import EngineConfig, ModelConfig
 from minisgl.distributed.layout import TPInfo
+from minisgl.engine import deterministic
 from minisgl.engine.compiled import CompiledDecode, CompiledPrefill
 from minisgl.engine.cpu_decode import MAX_ROWS as CPU_DECODE_ROWS
 from minisgl.engine.cpu_decode import CpuDecode, unsupported
@@ -48,6 +49,7 @@ from minisgl.sampler import (
 from minisgl.step.plan import StepPlan
 from minisgl.step.staging import DevicePlan, InputFill, PlanStager
 from minisgl.structured import GrammarBank
+from minisgl.utils import cpu_share
 from minisgl.utils.log import get_logger
 from minisgl.utils.malloc import keep_freed_memory
 
@@ -74,11 +76,15 @@ class Engine:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()  # activations reuse the heap's pages step after step
+        # each CPU step's threads: what the other processes leave of the cores (utils/cpu_share)
+        self.cpu_share = cpu_share.for_engine(self.device.type)
         quantization = config.quantization
         if config.dummy_weights and quantization == "auto":
             quantization = "none"  # random float weights: nothing to take a precision from
         self.quantization = resolve_quantization(quantization, config.model_path, self.device)
         self.dtype = resolve_dtype(config.dtype, cfg, self.device, self.quantization)
+        if config.deterministic:  # refused before anything loads
+            deterministic.check(config, self.device, self.dtype, self.quantization)
         self.max_seq_len = cfg.max_position_embeddings
         if config.max_seq_len_override is not None:
             self.max_seq_len = min(self.max_seq_len, config.max_seq_len_override)
@@ -94,6 +100,10 @@ class Engine:
         )
         if tp is not None:
             self.model.set_comm(tp.attach(cfg.vocab_size))
+        if config.deterministic:
+            n = deterministic.make_batch_invariant(self.model)
+            logger.info("deterministic mode: %d batch-invariant linear layers, every attention "
+                        "through the vector C kernel, no C decode step", n)  # fmt: skip
         self.num_pages = plan_num_pages(config, local, self.dtype, self.device, self.max_seq_len)
         if tp is not None:  # every rank's pool holds the pages rank 0's scheduler hands out
             self.num_pages = tp.agree_min(self.num_pages, "sizing the KV pool")
@@ -119,12 +129,16 @@ class Engine:
             sliding_window=cfg.sliding_window,
             device=self.device,
         )
+        if config.deterministic:  # every step, decode too, through the vector prefill kernel
+            self.backend.deterministic = True
 
         # decode steps of an int4 / w8a8 bf16 model on a CPU: one C call (engine/cpu_decode.py)
         # (with enable_torch_compile the compiled graphs run every decode step, as asked)
         why_not = (
             "enable_torch_compile"
             if config.enable_torch_compile
+            else "deterministic"
+            if config.deterministic
             else "tensor parallel"
             if self.tp_info.size > 1
             else unsupported(self.model, self.pool, self.device)
@@ -179,6 +193,8 @@ class Engine:
 
     def _graph_kind(self, config: EngineConfig) -> tuple[str, int]:
         """(`cuda` / `replay` / `none`, max batch size) for this engine."""
+        if config.deterministic:  # a graph pads the batch to its bucket and runs other kernels
+            return "none", 0
         kind, max_bs = resolve_runner(config.graph_runner, self.device, config.cuda_graph_max_bs)
         max_bs = min(max_bs, config.max_running_requests)
         if (
@@ -247,6 +263,8 @@ class Engine:
         return staged
 
     def _forward(self, plan: StepPlan, staged: DevicePlan) -> torch.Tensor:
+        if self.cpu_share is not None:
+            self.cpu_share.apply()
         meta = self.backend.prepare(plan, staged)
         args = (staged.input_ids, staged.positions, staged.logits_indices, self.backend, meta)
         if plan.is_prefill:

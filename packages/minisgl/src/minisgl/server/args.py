@@ -37,6 +37,7 @@ class ServerArgs:
     sim_device: str | None = None  # "BASE_MS,TOKEN_MS": no model, see engine/sim.py
     cpu_backend: str = "python"  # MINISGL_CPU_BACKEND (not a flag): python | rust_service
     enable_torch_compile: bool = False
+    deterministic: bool = False  # batch-invariant CPU kernels (EngineConfig.deterministic)
     threads: int | None = None
     tp_size: int = 1
     dp_size: int = 1
@@ -68,6 +69,7 @@ class ServerArgs:
             dummy_weights=self.dummy_weights,
             sim_device=self.sim_device,
             enable_torch_compile=self.enable_torch_compile,
+            deterministic=self.deterministic,
             threads=self.threads,
             tp_size=self.tp_size,
         )
@@ -182,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="decode steps through torch.compile (the first steps compile: a minute or more "
         "on a CPU)",
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant kernels (CPU, bfloat16): a request gives the same tokens for "
+        "the same seed whatever else is batched, chunked or cached beside it (docs/server.md)",
     )
     p.add_argument(
         "--threads",

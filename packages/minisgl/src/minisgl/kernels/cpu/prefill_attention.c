@@ -8,7 +8,8 @@
  * + i + 1 (window <= 0: all). Rows of out that no request names are not written.
  *
  * One task per (request, KV head, block of up to ROWS / gqa tokens): the block's query rows
- * share every K / V row, widened to fp32 once a task into tiles of KB keys (K transposed); the
+ * share every K / V row, widened to fp32 once a task into tiles of KB keys (K transposed; tiles
+ * start at multiples of KB, so a query's tiles do not depend on the block it is in); the
  * scores of RB rows x 2 * LW keys are RB * 2 vector accumulators over d (no horizontal sums),
  * an online softmax runs over the tiles as in flash attention, and the weighted sum takes RB
  * rows x LW lanes at a time. As in the decode kernel and SDPA's flash kernel, unnormalised
@@ -201,7 +202,7 @@ DEFINE_ROW_SOFTMAX(row_softmax_bf16, bf16_to_f32, f32_to_bf16)
         }                                                                                       \
         memset(w->q + nr * dp, 0, sizeof(float) * (size_t)((nrb - nr) * dp));                   \
         const int64_t ks = TOKEN_START(i0), ke = TOKEN_END(i1 - 1);                             \
-        for (int64_t t0 = ks; t0 < ke; t0 += KB) {                                              \
+        for (int64_t t0 = ks / KB * KB; t0 < ke; t0 += KB) { /* tiles at multiples of KB */   \
             const int64_t n = ke - t0 < KB ? ke - t0 : KB, nk = (n + 2 * LW - 1) / (2 * LW) * 2 * LW; \
             for (int64_t l = 0; l < n; l++) {                                                   \
                 const T *kr = k + idx[t0 + l] * k_sl + h * k_sh;                                \

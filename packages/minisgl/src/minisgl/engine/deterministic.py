@@ -1,0 +1,91 @@
+"""Deterministic mode (`EngineConfig.deterministic`, `LLM(deterministic=True)`, the server's
+`--deterministic`): batch-invariant kernels on a CPU, so a request's logits, hence its tokens
+for its seed (the sampler's noise is keyed per request already), do not depend on what else
+runs in its steps: other requests batched beside it, how its prompt was chunked, whether its
+prefix came from the cache.
+
+What varies with the batch outside this mode, and what the mode does instead:
+- bf16 `F.linear` (oneDNN) gives a row the same bits for every row count M >= 2 and every row
+  offset, but M = 1 differs from M >= 2 (e.g. the lm_head's 49152 features): a one-row linear
+  runs as two rows (the row twice), its first row kept.
+- Quantized layers switch kernels by row count (the packed int4 / int8 kernel below
+  `dequant_min_rows`, the de-quantized GEMM above): every row count takes the de-quantized
+  bf16 GEMM (`dequant_min_rows = 1`), padded as above. W8A8 (per-row int8 activations,
+  another kernel) is refused.
+- Decode steps of int4 / w8a8 bf16 models run as one C call (`engine/cpu_decode.py`) whose
+  numbers differ from the modules': off. So are the decode graphs (`replay`) and compiled
+  graphs (refused: inductor picks its own kernels per shape).
+- Attention: a prefill step picks SDPA, the vector C kernel or the AMX kernel by request
+  length, and decode its own split kernel. Here every step, prefill and decode, attends through
+  the vector C kernel (`prefill_attention.c`): a query's scores, softmax tiles (anchored at
+  absolute key positions) and weighted sum are its own row's, in one fixed order, whatever the
+  other query rows of the call, however the KV was split between the cache and the step.
+- fp32 `F.linear` (MKL) is batch-variant at every row count (M = 1, 2, 3, 7... differ for the
+  same row): fp32 is refused, as are CUDA (out of scope: its kernels are not made invariant),
+  tensor parallelism and a CPU without native bf16 (its int4 layers widen to an fp32 GEMM).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minisgl.kernels import cpu as cpu_native
+from minisgl.quantization.linear import Int4Linear, Int8Linear
+from minisgl.utils.cpu import native_bf16
+
+HOW = "deterministic mode"
+
+
+def check(config, device: torch.device, dtype: torch.dtype, quantization: str) -> None:
+    """A ValueError naming why the engine cannot run batch-invariant as configured."""
+    why = None
+    if device.type != "cpu":
+        why = (f"it runs on a CPU only (device {device.type!r}: the GPU kernels are not "
+               "batch-invariant)")  # fmt: skip
+    elif dtype != torch.bfloat16:
+        why = (f"it needs bfloat16 (got {str(dtype).replace('torch.', '')}: fp32 GEMMs give a "
+               "row different bits at different batch sizes); pass dtype='bfloat16'")  # fmt: skip
+    elif not native_bf16():
+        why = "it needs a CPU with native bf16 (AVX512-BF16 or AMX)"
+    elif not cpu_native.available(dtype):
+        why = "it needs the C kernels (kernels/cpu: a C compiler)"
+    elif quantization == "w8a8":
+        why = "w8a8 quantization is not supported (its int8 GEMM is batch-variant)"
+    elif config.enable_torch_compile:
+        why = "enable_torch_compile is not supported"
+    elif config.tp_size > 1:
+        why = "tensor parallelism is not supported"
+    elif config.attention_backend not in ("auto", "torch_native"):
+        why = f"attention_backend {config.attention_backend!r} is not supported"
+    elif config.graph_runner not in ("auto", "none"):
+        why = f"graph_runner {config.graph_runner!r} is not supported"
+    if why is not None:
+        raise ValueError(f"{HOW}: {why}")
+
+
+def make_batch_invariant(model: nn.Module) -> int:
+    """Make every linear layer of `model` batch-invariant (one kernel path for every row count,
+    one row padded to two); returns how many layers."""
+    count = 0
+    for m in model.modules():
+        if isinstance(m, (Int4Linear, Int8Linear)):
+            m.dequant_min_rows = 1
+        elif not isinstance(m, nn.Linear):
+            continue
+        m.forward = _TwoRows(m.forward)
+        count += 1
+    return count
+
+
+class _TwoRows:
+    """A linear's forward run on two rows where it is given one (oneDNN's one-row bf16 GEMM
+    differs from its M >= 2 kernels, which agree with each other row by row)."""
+
+    def __init__(self, forward) -> None:
+        self.forward = forward
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] == 1:
+            return self.forward(x.expand(2, -1).contiguous())[:1]
+        return self.forward(x)
