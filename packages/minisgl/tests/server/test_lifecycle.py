@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -85,6 +86,48 @@ def test_options_then_sigint_with_request_in_flight(tiny_model_dir, tmp_path, ll
         assert res["done"] - t0 < 15
         with pytest.raises(httpx.ConnectError):
             httpx.get(s.base_url + "/health", timeout=2)
+
+
+def group_processes(pgid: int) -> list[psutil.Process]:
+    """The live (not zombie) processes of process group `pgid`."""
+    found = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_signal_to_the_process_group_drains_like_one_to_the_launcher(tiny_model_dir, tmp_path, sig):
+    """systemd (KillMode=control-group), `docker stop` on a shell entrypoint and Ctrl+C signal
+    every process of the server, not the launcher alone: the workers must leave the drain to
+    the launcher (which stops them after it), not exit at once (the launcher then saw
+    'worker tokenizer0 exited with code 0', dropped the in-flight request and exited 1). A
+    slowed engine: the 100-token stream is still running when the signal lands."""
+    env = {"MINISGL_FAULT_STEP_DELAY_MS": "20"}
+    flags = ["--shutdown-timeout", "20"]
+    with running_server(tiny_model_dir("llama"), *flags, log_dir=tmp_path, env=env) as s:
+        pgid = os.getpgid(s.proc.pid)
+        assert pgid == s.proc.pid  # its own group (start_new_session)
+        workers = set(s.worker_pids().values())
+        assert workers <= {p.pid for p in group_processes(pgid)}
+        t, res = start_stream(s.base_url, max_tokens=100)
+        assert res["started"].wait(60)
+        os.killpg(pgid, sig)
+        t.join(60)
+        code = s.proc.wait(60)
+        log = s.log()
+        assert "exited with code" not in log, log
+        assert res["finish"] == "length" and not res["error"], (res, log)
+        name = signal.Signals(sig).name
+        assert re.search(rf"{name} received: stopping; draining 1 in-flight request ", log), log
+        assert re.search(r"drained in \d+\.\ds: every request finished", log), log
+        assert code == 0, log
+        deadline = time.monotonic() + 10
+        while group_processes(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not group_processes(pgid), group_processes(pgid)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
