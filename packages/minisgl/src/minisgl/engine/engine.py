@@ -76,8 +76,9 @@ class Engine:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()  # activations reuse the heap's pages step after step
-        # each CPU step's threads: what the other processes leave of the cores (utils/cpu_share)
-        self.cpu_share = cpu_share.for_engine(self.device.type)
+        # each CPU step's threads: what the other processes leave of the cores (utils/cpu_share);
+        # fixed in deterministic mode (a reduction split over other threads rounds otherwise)
+        self.cpu_share = None if config.deterministic else cpu_share.for_engine(self.device.type)
         quantization = config.quantization
         if config.dummy_weights and quantization == "auto":
             quantization = "none"  # random float weights: nothing to take a precision from
