@@ -14,11 +14,16 @@
 #            CPU has an int8 matrix unit) against HF generate in bf16, interleaved, medians of 3
 #   gates    the card gates keyed by CPU kind (P2-002 .. P2-006: `nox -s card -- ID`), which
 #            record this machine's evidence (a card already done stays done on a pass)
+#   matrix   always after the others (issue 59 item 3): this commit's entry in
+#            worklog/kinds/<kind>.json (`python -m minisgl.benchmark.kind_matrix record`): each
+#            step's exit code, the suite's counts and failing tests where it ran, the ratios of
+#            the day's records of this kind; the site's CPU kinds page shows it
 # Records go to worklog/baselines/<what>-cpu-smollm2-<kind>-<UTC day>.json, the kind as the
-# records and gates name it (amd-epyc, intel-amx, ...); nothing is committed.
+# records and gates name it (amd-epyc, intel-amx, ...), the kind's record to worklog/kinds/;
+# nothing is committed.
 set -u
 cd "$(dirname "$0")/../.."
-STEPS="suite start single batched gates"
+STEPS="suite start single batched gates matrix"
 CARDS="P2-002 P2-003 P2-004 P2-005 P2-006"  # every card with a gate keyed by cpu:<kind>
 steps=("$@")
 [ ${#steps[@]} = 0 ] && read -r -a steps <<<"$STEPS"
@@ -39,6 +44,7 @@ DAY=$(date -u +%Y%m%d)
 BASE=worklog/baselines
 echo "CPU kind: $KIND ($(nproc) cores); logs in $OUT, records in $BASE/*-$KIND-$DAY.json"
 status=0
+rcs=()  # NAME=EXIT_CODE of each step run, for the matrix step
 
 step() {  # step NAME CMD...: output to $OUT/NAME.log, the exit code reported
     local name=$1 t0=$SECONDS
@@ -49,6 +55,7 @@ step() {  # step NAME CMD...: output to $OUT/NAME.log, the exit code reported
     echo "=== $name rc=$rc in $((SECONDS - t0)) s"
     tail -n 8 "$OUT/$name.log"
     [ "$rc" = 0 ] || status=1
+    rcs+=("$name=$rc")
 }
 
 run_suite() { python3 -m nox -s tests; }
@@ -77,8 +84,16 @@ run_gates() {
     done
     return $rc
 }
+run_matrix() {
+    local suite=() ran
+    ran=$(IFS=,; echo "${rcs[*]-}")
+    case ",$ran," in *,suite=*) suite=(--suite-log "$OUT/suite.log") ;; esac
+    "$PY" -m minisgl.benchmark.kind_matrix record --kind "$KIND" --dir worklog/kinds \
+        ${suite[@]+"${suite[@]}"} --steps "$ran" "$BASE"/*-"$KIND"-"$DAY".json
+}
 
-for s in "${steps[@]}"; do
-    step "$s" "run_$s"
+for s in "${steps[@]}"; do  # the matrix last, whatever the order named
+    [ "$s" = matrix ] || step "$s" "run_$s"
 done
+case " ${steps[*]} " in *" matrix "*) step matrix run_matrix ;; esac
 exit $status
