@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sitegen import charts
+from sitegen import charts, kinds
 from sitegen.data import Baseline, CardView, Run, Site
 from sitegen.history import chart_groups, workload
 from sitegen.site import load_site
@@ -628,7 +628,8 @@ def generate(site: Site) -> Generated:
         "# Benchmark baselines\n\n"
         f"Every recorded baseline of `worklog/baselines/` ({len(site.baselines)} files), each "
         "with its table and plot (the recorded PNG, or one drawn at build time). History across "
-        f"commits: [History]({Path(HISTORY_PAGE).name}).\n\n"
+        f"commits: [History]({Path(HISTORY_PAGE).name}); per CPU kind, its last green commit and "
+        f"ratios: [CPU kinds]({Path(kinds.KINDS_PAGE).name}).\n\n"
         + contents
         + "\n\n"
         + (
@@ -641,6 +642,7 @@ def generate(site: Site) -> Generated:
         + "\n".join(sections)
     )
     files[HISTORY_PAGE] = history_markdown(site, groups)
+    files.update(kinds.kinds_pages(site.root))
     research, entries = research_pages(site)
     files.update(research)
     gen.sections[CARDS_INDEX] = [(f"{v.id} {v.card.title}", card_page(v.id)) for v in site.cards]
