@@ -16,8 +16,8 @@ and OpenMP budget (`OMP_NUM_THREADS`, inherited by the servers and ranks a test 
 `$MINISGL_TEST_THREADS`. With every worker on all the cores, the OpenMP pools of two workers
 spun against each other: `tests/test_cpu_decode_step.py` + `tests/test_w8a8.py` took 248 s at
 -n 2 on 2 cores, 108 s with one thread a worker (3x less CPU time). Tests that need a thread
-count set it themselves. Engines keep their threads under load (`MINISGL_CPU_THREADS_ADAPT=0`
-unless set), so two runs a test compares ran alike.
+count set it themselves. Engines keep their threads under load (`MINISGL_CPU_THREADS_ADAPT=0`),
+so two runs a test compares ran alike.
 """
 
 from __future__ import annotations
@@ -44,10 +44,11 @@ def worker_threads() -> int | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # engines keep the threads they are given (inherited by the servers a test starts): a test
-    # comparing two runs to the bit must not see one of them adapt to the other workers' load;
-    # the adaptation's own tests and benchmark turn it on (`utils/cpu_share.py`)
-    os.environ.setdefault("MINISGL_CPU_THREADS_ADAPT", "0")
+    # engines keep the threads they are given (inherited by the servers a test starts), even
+    # where a caller's environment turns the adaptation on: a test comparing two runs to the
+    # bit must not see one adapt to the other workers' load (`utils/cpu_share.py`; its own tests
+    # and benchmark turn it on)
+    os.environ["MINISGL_CPU_THREADS_ADAPT"] = "0"
     threads = worker_threads()
     if threads is None:
         return

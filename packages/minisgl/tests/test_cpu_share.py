@@ -91,6 +91,8 @@ def test_the_switch_reads_0_or_1(monkeypatch) -> None:
     monkeypatch.setenv(cpu_share.ENV, "0")
     assert not cpu_share.enabled()
     monkeypatch.delenv(cpu_share.ENV)
+    assert not cpu_share.enabled()  # off by default (the module's docstring: measured)
+    monkeypatch.setenv(cpu_share.ENV, "1")
     assert cpu_share.enabled()
     monkeypatch.setenv(cpu_share.ENV, "maybe")
     with pytest.raises(ValueError, match=cpu_share.ENV):

@@ -3,9 +3,9 @@
     python -m minisgl.benchmark.contention [--model-path DIR] [--threads 2] [--load N] \
         [--repeats 3] [--max-tokens 14] --out F.json
 
-Two `LLM`s in this process, the same model and threads: `adapt` (the default: each step's
-threads from what the other processes leave, `utils/cpu_share.py`) and `fixed`
-(`MINISGL_CPU_THREADS_ADAPT=0`: the configured threads every step). Each repeat times one greedy
+Two `LLM`s in this process, the same model and threads: `adapt` (`MINISGL_CPU_THREADS_ADAPT=1`:
+each step's threads from what the other processes leave, `utils/cpu_share.py`) and `fixed` (the
+default: the configured threads every step). Each repeat times one greedy
 chat request of `--max-tokens` tokens through each arm on the quiet machine, then with `--load`
 spinning processes beside it (default: twice the cores), arms interleaved. The record gives the
 medians and each arm's loaded / quiet ratio beside the fair share, (load + threads) / cores: the

@@ -10,8 +10,12 @@ last interval (`/proc/stat`'s busy time on those cores less this process's own C
 rounded, between 1 and the configured threads, judged again every `interval` seconds. A quiet
 machine keeps every thread.
 
-`MINISGL_CPU_THREADS_ADAPT=0` turns it off (the A/B switch of `python -m
-minisgl.benchmark.contention`).
+Off by default: `MINISGL_CPU_THREADS_ADAPT=1` turns it on (the A/B switch of `python -m
+minisgl.benchmark.contention`). Measured on the amd-epyc kind (2 cores, one 14-token request
+beside four spinning processes, other work on the machine too, medians of 3): fixed 2 threads
+0.60 s (4.3x its 0.14 s alone), adapted (1 thread) 0.75 s (5.9x): there 2 threads lose less at
+the barriers than one thread's half of the cores costs, unlike the intel-amx report (8-40x with
+2 threads, ~6x with 1). A kind where the benchmark shows the adaptation faster may turn it on.
 """
 
 from __future__ import annotations
@@ -61,8 +65,8 @@ def read_busy(cores: frozenset[int], path: str = "/proc/stat") -> float | None:
 
 
 def enabled() -> bool:
-    """Whether `MINISGL_CPU_THREADS_ADAPT` leaves the adaptation on (default: on)."""
-    got = os.environ.get(ENV, "1").strip().lower()
+    """Whether `MINISGL_CPU_THREADS_ADAPT` turns the adaptation on (default: off)."""
+    got = os.environ.get(ENV, "0").strip().lower()
     if got not in ("0", "1", "false", "true", "off", "on"):
         raise ValueError(f"{ENV} must be 0 or 1, got {got!r}")
     return got in ("1", "true", "on")
@@ -127,7 +131,7 @@ class CpuShare:
 
 def for_engine(device_type: str) -> CpuShare | None:
     """The share a CPU engine adapts its threads by: None on another device, with one thread,
-    or where `MINISGL_CPU_THREADS_ADAPT=0`."""
+    or unless `MINISGL_CPU_THREADS_ADAPT=1`."""
     import torch
 
     threads = torch.get_num_threads()
