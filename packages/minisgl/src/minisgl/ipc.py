@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -151,22 +152,52 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def setup_worker_process() -> callable:
-    """In a worker: Ctrl+C is the launcher's business; SIGTERM asks for a clean exit.
+# The launcher's state, as marker files in its ipc dir, for a worker that got SIGTERM: whether
+# the signal went to the whole process group (systemd's KillMode=control-group, `docker stop` on
+# a shell entrypoint: the launcher got it too and drains) or to this worker alone.
+DRAINING = "launcher.draining"  # the launcher got SIGTERM / SIGINT: it drains, then stops us
+STOPPING = "launcher.stopping"  # the launcher stops the workers now
+GROUP_SIGNAL_WAIT_S = 1.0  # a worker's SIGTERM: how long it waits for the launcher's DRAINING
+
+
+def mark_launcher(ipc_dir: str | None, state: str) -> None:
+    """In the launcher (a signal handler too): tell the workers `state` (DRAINING / STOPPING)."""
+    if ipc_dir is not None:
+        with contextlib.suppress(OSError):
+            open(os.path.join(ipc_dir, state), "a").close()
+
+
+def setup_worker_process(ipc_dir: str | None = None) -> callable:
+    """In a worker: Ctrl+C is the launcher's business; SIGTERM asks for a clean exit, unless
+    the launcher got it too (a signal to the process group): then the launcher drains the
+    in-flight requests and stops the workers itself once done (`ipc_dir`'s DRAINING, then
+    STOPPING), so the worker ignores it. SIGTERM to the worker alone (no DRAINING within
+    GROUP_SIGNAL_WAIT_S), or once the launcher is gone, ends it as before.
 
     Returns `alive()`: False once the launcher is gone (so a worker never outlives it).
     """
     parent = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    def on_term(signum, frame):
-        raise WorkerExit()
-
-    signal.signal(signal.SIGTERM, on_term)
-
     def alive() -> bool:
         return os.getppid() == parent
 
+    def marked(state: str) -> bool:
+        return os.path.exists(os.path.join(ipc_dir, state))
+
+    def on_term(signum, frame):
+        if ipc_dir is None:
+            raise WorkerExit()
+        deadline = time.monotonic() + GROUP_SIGNAL_WAIT_S
+        while alive() and not marked(STOPPING):
+            if marked(DRAINING):
+                return  # the launcher's signal too: it stops this worker after the drain
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        raise WorkerExit()
+
+    signal.signal(signal.SIGTERM, on_term)
     return alive
 
 

@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from minisgl import SamplingParams
+from minisgl import SamplingParams, ipc
 from minisgl.testing.server import running_server
 
 
@@ -128,6 +128,31 @@ def test_signal_to_the_process_group_drains_like_one_to_the_launcher(tiny_model_
         while group_processes(pgid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not group_processes(pgid), group_processes(pgid)
+
+
+def test_launcher_killed_mid_drain_leaves_no_worker(tiny_model_dir, tmp_path):
+    """The workers ignore a SIGTERM to the group while the launcher drains: `kill -9` of the
+    launcher then must still end them (they watch their parent), leaving no orphan."""
+    env = {"MINISGL_FAULT_STEP_DELAY_MS": "20"}
+    flags = ["--shutdown-timeout", "20"]
+    with running_server(tiny_model_dir("llama"), *flags, log_dir=tmp_path, env=env) as s:
+        pgid = s.proc.pid
+        t, res = start_stream(s.base_url, max_tokens=250)
+        assert res["started"].wait(60)
+        os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while "received: stopping" not in s.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "received: stopping" in s.log(), s.log()
+        s.proc.kill()
+        assert s.proc.wait(10) == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while group_processes(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not group_processes(pgid), group_processes(pgid)
+        t.join(30)
+        assert res["error"], res  # the connection dropped with the launcher
+        assert len(ipc.remove_stale_dirs(s.ipc_root)) == 1  # as the next start does
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])

@@ -245,7 +245,7 @@ def run_engine_worker(
     dp: int = 1,
 ) -> None:
     name = ipc.scheduler_name(replica)
-    alive = ipc.setup_worker_process()
+    alive = ipc.setup_worker_process(ipc_dir)
     ctx = zmq.Context()
     codec = Codec(typed)
     to_frontend = ipc.push(ctx, ipc_dir, ipc.FRONTEND)

@@ -36,7 +36,7 @@ def run_gpu_worker(
     index: int, model_path: str, llm_kwargs: dict, ipc_dir: str, typed: bool, dp: int = 1
 ) -> None:
     name = ipc.worker_name(index)
-    alive = ipc.setup_worker_process()
+    alive = ipc.setup_worker_process(ipc_dir)
     ctx = zmq.Context()
     codec = Codec(typed)
     to_service = ipc.push(ctx, ipc_dir, ipc.STEPS)

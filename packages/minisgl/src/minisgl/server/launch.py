@@ -12,7 +12,9 @@ Rust service) a replica whose worker dies leaves the rotation instead: its reque
 503 and the server keeps serving on the others, until the last one dies. SIGINT / SIGTERM: stop accepting, give in-flight requests
 `--shutdown-timeout` seconds, then end the rest with a 503 (non-stream) or an SSE error event
 (stream), stop the workers (SIGTERM, then SIGKILL) and
-remove the ipc dir.
+remove the ipc dir. The same signal to the whole process group (systemd's KillMode=control-group,
+Ctrl+C) drains the same way: a worker ignores SIGINT, and SIGTERM while the launcher drains
+(`ipc.setup_worker_process`); a worker that gets SIGTERM alone still exits.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class Launcher:
 
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum, frame) -> None:
+        ipc.mark_launcher(self.ipc_dir, ipc.DRAINING)  # workers that got it too ignore it
         self.stopping.set()
         if self.phase == "startup":
             raise KeyboardInterrupt(f"signal {signum} during startup")
@@ -188,6 +191,7 @@ class Launcher:
             return
 
     def _stop_workers(self) -> None:
+        ipc.mark_launcher(self.ipc_dir, ipc.STOPPING)  # this SIGTERM is not to be ignored
         for p in self.procs.values():
             if p.is_alive():
                 with contextlib.suppress(ProcessLookupError):
@@ -283,6 +287,7 @@ class Launcher:
         import uvicorn
 
         fe = self.frontend
+        ipc_dir = self.ipc_dir
 
         grace = self.args.shutdown_timeout
         loop, http = uvicorn_stack(self.args)
@@ -292,6 +297,8 @@ class Launcher:
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame) -> None:  # stop accepting at once
+                # a signal to the process group reached the workers too: they leave it to us
+                ipc.mark_launcher(ipc_dir, ipc.DRAINING)
                 if fe.serving:
                     fe.serving = False
                     drain_start.append(time.monotonic())

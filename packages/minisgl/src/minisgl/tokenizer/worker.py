@@ -233,7 +233,7 @@ def run_tokenizer_worker(
 ) -> None:
     """`dp` engine replicas: a request's messages go to engine worker `replica_of(uid)`."""
     name = ipc.tokenizer_name(index)
-    alive = ipc.setup_worker_process()
+    alive = ipc.setup_worker_process(ipc_dir)
     ctx = zmq.Context()
     codec = Codec(typed)
     to_frontend = ipc.push(ctx, ipc_dir, ipc.FRONTEND)
