@@ -152,3 +152,35 @@ def test_server_flag_reaches_the_engine_config() -> None:
 
     assert parse_args(["--deterministic"]).llm_kwargs()["deterministic"] is True
     assert parse_args([]).llm_kwargs()["deterministic"] is False
+
+
+@pytest.mark.parametrize("window", [0, 48, 200])
+def test_prefill_kernel_query_rows_do_not_depend_on_the_chunking(window: int) -> None:
+    """The vector C prefill kernel (every attention of deterministic mode): a query's output is
+    the same bits whether its prompt is one request of 300 tokens, chunks after a cached prefix,
+    or one query at a time (decode), with a sliding window too (tiles anchored at multiples
+    of the tile size, not at the block's first key)."""
+    import torch
+
+    from minisgl.kernels import cpu as cpu_native
+
+    if not cpu_native.available(torch.bfloat16):
+        pytest.skip("no C kernels")
+    g = torch.Generator().manual_seed(0)
+    n, kvh, gqa, d = 300, 2, 4, 64
+    k_pool = torch.randn(n + 3, kvh, d, generator=g).bfloat16()
+    v_pool = torch.randn(n + 3, kvh, d, generator=g).bfloat16()
+    idx = torch.randperm(n + 3, generator=g)[:n]
+    q = torch.randn(n, kvh, gqa, d, generator=g).bfloat16()
+
+    def attend(chunks: list[tuple[int, int]]) -> torch.Tensor:
+        """Chunks (start, end) of the prompt as requests of one call, each after its prefix."""
+        t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+        return cpu_native.prefill_attention(
+            q, k_pool, v_pool, idx, t([a for a, _ in chunks]), t([b - a for a, b in chunks]),
+            t([0] * len(chunks)), t([b for _, b in chunks]), window, amx=False,
+        )  # fmt: skip
+
+    whole = attend([(0, n)])
+    assert torch.equal(attend([(0, 37), (37, 170), (170, 300)]), whole)
+    assert torch.equal(attend([(0, 5), (5, 290), *((i, i + 1) for i in range(290, 300))]), whole)
