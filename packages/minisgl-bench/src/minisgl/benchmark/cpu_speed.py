@@ -62,16 +62,22 @@ CONFIGS = {  # name -> LLM(dtype=..., quantization=...)
     "default": ("auto", "auto"),  # `LLM()` as a user gets it (the embedded model: int4, bf16)
 }
 COMPILED = "-compiled"  # `int4-compiled`: the same, decode steps through torch.compile
+DETERMINISTIC = "-deterministic"  # `default-deterministic`: LLM(deterministic=True)
 
 
 def llm_options(name: str) -> dict[str, Any]:
-    """LLM kwargs of a config name (`CONFIGS`, optionally with the `-compiled` suffix)."""
-    base = name.removesuffix(COMPILED)
+    """LLM kwargs of a config name (`CONFIGS`, optionally with the `-compiled` or the
+    `-deterministic` suffix)."""
+    det = name.endswith(DETERMINISTIC)
+    base = name.removesuffix(DETERMINISTIC)
+    compiled = base.endswith(COMPILED)
+    base = base.removesuffix(COMPILED)
     if base not in CONFIGS:
-        known = ", ".join(f"{c}[{COMPILED}]" for c in CONFIGS)
+        known = ", ".join(f"{c}[{COMPILED}|{DETERMINISTIC}]" for c in CONFIGS)
         raise SystemExit(f"unknown config {name!r}; expected one of {known}")
     dtype, quant = CONFIGS[base]
-    return {"dtype": dtype, "quantization": quant, "enable_torch_compile": name != base}
+    opts = {"dtype": dtype, "quantization": quant, "enable_torch_compile": compiled}
+    return {**opts, "deterministic": True} if det else opts
 
 
 AGREE_TOKENS = 32
