@@ -231,8 +231,11 @@ class LLM:
                     stops = params[choices[c][0]].stop_strings
                     if stops:
                         text, hit = self._check_stop(outputs[c], stops)
-                        if hit and out.finish_reason in (None, "stop"):
-                            rt.finish(out.rid, "stop")
+                        # a stop string completed by the max_tokens-th token is still a
+                        # stop: the text is cut and the reason is "stop" (as the server does)
+                        if hit and out.finish_reason in (None, "stop", "length"):
+                            if out.finish_reason != "length":
+                                rt.finish(out.rid, "stop")
                             reasons[c], texts[c] = "stop", text
             rt.drain()  # steps after the last finish: their tokens are dropped
         except BaseException:
