@@ -120,9 +120,13 @@ class Launcher:
         typed = args.transport != "generic"
         if not typed:
             raise RuntimeError("MINISGL_CPU_BACKEND=rust_service speaks the typed transport only")
+        # MINISGL_DISABLE_OVERLAP_SCHEDULING=1 (`runtime.loop.overlap_disabled`, not imported
+        # here: it loads torch): the service's serial loop, depth 1, as it does offline
+        serial = os.environ.get("MINISGL_DISABLE_OVERLAP_SCHEDULING", "").strip().lower()
+        depth = 1 if serial in ("1", "true", "yes", "on") else 2
         self.procs[ipc.SERVICE] = ServiceProcess(
             service_command(
-                args.service_limits(), model_path, self.ipc_dir, num_workers=args.dp_size
+                args.service_limits(), model_path, self.ipc_dir, args.dp_size, depth=depth
             )
         )
         for i, name in enumerate(self.replica_names):
