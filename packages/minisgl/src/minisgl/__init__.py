@@ -26,7 +26,20 @@ def _cap_onednn() -> None:
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", ONEDNN_ISA[level])
 
 
+def _sleeping_openmp() -> None:
+    """Idle OpenMP threads sleep between parallel regions (`OMP_WAIT_POLICY=PASSIVE`) unless the
+    caller chose: libgomp, which torch loads, reads the policy once, and its default (spinning
+    ~300k iterations) took the cores other work and the team's own threads needed on a shared
+    machine: one 64-token request 4.8 s against 1.0 beside other work on 2 cores, 68 s against
+    2.6 with four spinning processes more (`python -m minisgl.benchmark.contention`, amd-epyc).
+    A dedicated machine may set ACTIVE; a process that imported torch first keeps its policy."""
+    import os
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 _cap_onednn()
+_sleeping_openmp()
 
 if TYPE_CHECKING:
     from minisgl.core import SamplingParams
