@@ -98,14 +98,18 @@ def group_processes(pgid: int) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.parametrize("backend", ["python", "rust_service"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
-def test_signal_to_the_process_group_drains_like_one_to_the_launcher(tiny_model_dir, tmp_path, sig):
+def test_signal_to_the_process_group_drains_like_one_to_the_launcher(
+    tiny_model_dir, tmp_path, sig, backend
+):
     """systemd (KillMode=control-group), `docker stop` on a shell entrypoint and Ctrl+C signal
     every process of the server, not the launcher alone: the workers must leave the drain to
     the launcher (which stops them after it), not exit at once (the launcher then saw
     'worker tokenizer0 exited with code 0', dropped the in-flight request and exited 1). A
-    slowed engine: the 100-token stream is still running when the signal lands."""
-    env = {"MINISGL_FAULT_STEP_DELAY_MS": "20"}
+    slowed engine: the 100-token stream is still running when the signal lands. rust_service:
+    the Rust service (the control plane) follows the same rule as the Python workers."""
+    env = {"MINISGL_FAULT_STEP_DELAY_MS": "20", "MINISGL_CPU_BACKEND": backend}
     flags = ["--shutdown-timeout", "20"]
     with running_server(tiny_model_dir("llama"), *flags, log_dir=tmp_path, env=env) as s:
         pgid = os.getpgid(s.proc.pid)
