@@ -10,6 +10,11 @@ from typing import Any
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's threshold)
 SEED_RANGE = 2**63  # seeds are in [0, 2**63)
+# the server's bounds, which `SamplingParams` holds offline too (one request, one verdict)
+MAX_TEMPERATURE = 2.0
+MAX_N = 128
+MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 1024
 
 
 def choice_seed(seed: int | None, i: int) -> int | None:
@@ -96,8 +101,14 @@ class SamplingParams:
             v = getattr(self, name)
             if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
                 raise ValueError(f"{name} must be a finite number, got {v!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be >= 0 and <= {MAX_TEMPERATURE}, got {self.temperature}"
+            )
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off), 0 (off) or >= 1, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < SEED_RANGE:
+            raise ValueError(f"seed must be None or in [0, 2**63), got {self.seed}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
@@ -109,8 +120,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         lp = self.logprobs
         if lp is not None and (
             not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= 20
@@ -123,6 +134,8 @@ class SamplingParams:
                 "logit_bias must be a mapping of token ids to biases, got "
                 f"{type_name(bias, tuple | list)}"
             )
+        if len(items) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS} entries, got {len(items)}")
         pairs = []
         for t, v in items:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
@@ -139,6 +152,8 @@ class SamplingParams:
             )
         if any(s == "" for s in strings):
             raise ValueError("stop strings must be non-empty strings")
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop holds at most {MAX_STOP_STRINGS} strings, got {len(strings)}")
         object.__setattr__(self, "stop_strings", strings)
         if self.stop_token_ids is not None:
             ids = as_items(self.stop_token_ids)

@@ -10,7 +10,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from minisgl.chat import ChatError, parse_messages
-from minisgl.core import choice_seed
+from minisgl.core import (
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    SEED_RANGE,
+    choice_seed,
+)
 from minisgl.message.schema import WireParams
 from minisgl.scheduler.request import RequestError, check_max_tokens
 from minisgl.tools.spec import ToolChoice, ToolError, ToolUse, parse_tool_choice, parse_tools
@@ -89,8 +96,6 @@ DEFAULT_ONLY: dict[str, tuple] = {
 }
 # parallel_tool_calls: validated on chat (with tools), ignored on completions as before
 IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
-MAX_N = 128
-MAX_LOGIT_BIAS = 1024
 
 
 INT64 = 2**63
@@ -242,7 +247,7 @@ def parse_common(
             check_max_tokens(max_tokens, max_seq_len, key)  # LLM.generate's check as well
         except RequestError as e:
             raise _bad(str(e), key) from None
-    temperature = _num(body, "temperature", 1.0, 0.0, 2.0)
+    temperature = _num(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
     top_p = _num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = body.get("top_k")
     if top_k is None:
@@ -269,7 +274,7 @@ def parse_common(
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise _bad("'seed' must be an integer", "seed", "invalid_type")
-    if seed is not None and not 0 <= seed < 2**63:
+    if seed is not None and not 0 <= seed < SEED_RANGE:
         raise _bad("'seed' must be in [0, 2**63)", "seed")
     stop = body.get("stop")
     if stop is None:
@@ -282,8 +287,8 @@ def parse_common(
         raise _bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
     if any(s == "" for s in stops):
         raise _bad("'stop' strings must not be empty", "stop")
-    if len(stops) > 16:
-        raise _bad("at most 16 'stop' strings are supported", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise _bad(f"at most {MAX_STOP_STRINGS} 'stop' strings are supported", "stop")
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None and not (
         isinstance(stop_ids, list) and all(_is_int(t) for t in stop_ids)
