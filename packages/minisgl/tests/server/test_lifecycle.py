@@ -295,3 +295,22 @@ def test_start_up_errors_are_one_line_and_exit_2(tmp_path, tiny_model_dir, what)
         assert "GGUF" in done.stderr
     debug = start_up(str(path), "--log-level", "debug")
     assert debug.returncode == 2 and "Traceback (most recent call last)" in debug.stderr
+
+
+def test_a_worker_that_fails_to_start_is_one_error_line_and_exit_2(tmp_path, tiny_model_dir):
+    """Issue 60 item 8: a failure only a worker sees (here a model folder without its tokenizer's
+    files: the tokenizer worker cannot load it) ends the start with one `minisgl: error:` line
+    naming the worker and the error, exit code 2, and no worker's traceback (nor one from a
+    worker stopped while it exits) unless `--log-level debug`."""
+    path = tmp_path / "no-tokenizer"
+    path.mkdir()
+    for f in tiny_model_dir("llama").iterdir():
+        if f.is_file() and not f.name.startswith("tokenizer"):
+            (path / f.name).write_bytes(f.read_bytes())
+    done = start_up(str(path))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("minisgl: error:")]
+    assert len(errors) == 1 and "tokenizer0 failed to start" in errors[0], done.stderr[-3000:]
+    debug = start_up(str(path), "--log-level", "debug")
+    assert debug.returncode == 2 and "Traceback (most recent call last)" in debug.stderr
