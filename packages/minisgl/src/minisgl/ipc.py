@@ -9,6 +9,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 
 import zmq
 
@@ -101,6 +102,25 @@ def fault_step_delay() -> None:
         end = time.thread_time() + FAULT_STEP_CPU_S
         while time.thread_time() < end:
             pass
+
+
+# "1": a worker prints the traceback of its failed start (the launcher's --log-level debug)
+TRACEBACKS = "MINISGL_WORKER_TRACEBACKS"
+
+
+class WorkerStartError(RuntimeError):
+    """A worker reported that it failed to start (its one-line error in the message)."""
+
+
+def startup_failure(e: BaseException) -> str:
+    """In a worker whose start failed: the one line it reports to the launcher, which prints it
+    (`WorkerStartError`); the traceback only where the launcher runs at --log-level debug. It is
+    exiting from here on: a SIGTERM (the launcher stopping every worker) ends it at once, not as
+    a WorkerExit raised inside its exit handlers."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if os.environ.get(TRACEBACKS) == "1":
+        traceback.print_exception(e)
+    return " ".join(f"{type(e).__name__}: {e}".split())
 
 
 class WorkerExit(BaseException):

@@ -397,7 +397,8 @@ class Frontend:
             while True:
                 failed = [r for r in self.ready.values() if r.error]
                 if failed:
-                    raise RuntimeError(f"{failed[0].name} failed to start: {failed[0].error}")
+                    raise ipc.WorkerStartError(f"{failed[0].name} failed to start: "
+                                               f"{failed[0].error}")  # fmt: skip
                 if all(n in self.ready for n in names):
                     return dict(self.ready)
                 dead = alive()

@@ -260,8 +260,7 @@ def run_engine_worker(
         ctx.destroy(linger=0)
         return
     except Exception as e:
-        traceback.print_exc()
-        to_frontend.send(codec.encode(Ready(name, os.getpid(), error=f"{type(e).__name__}: {e}")))
+        to_frontend.send(codec.encode(Ready(name, os.getpid(), error=ipc.startup_failure(e))))
         time.sleep(0.5)
         ctx.destroy(linger=0)
         raise SystemExit(1) from None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 from typing import TYPE_CHECKING
 
 import zmq
@@ -57,8 +56,7 @@ def run_gpu_worker(
         ctx.destroy(linger=0)
         return
     except Exception as e:
-        traceback.print_exc()
-        error = f"{type(e).__name__}: {e}"
+        error = ipc.startup_failure(e)
         to_service.send(codec.encode(WorkerHello(index, os.getpid(), error=error)))
         time.sleep(0.5)
         ctx.destroy(linger=0)

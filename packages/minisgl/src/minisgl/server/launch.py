@@ -256,7 +256,7 @@ class Launcher:
         except KeyboardInterrupt:
             log("interrupted during startup")
             return 130
-        except ModelLoadError as e:  # the embedded model missing, say
+        except (ModelLoadError, ipc.WorkerStartError) as e:  # the embedded model missing, say
             return startup_error(args, e)
         except Exception as e:
             log(f"failed: {type(e).__name__}: {e}")
@@ -378,6 +378,8 @@ def check_model(args: ServerArgs) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)  # under torchrun: WORLD_SIZE checked against --tp x --dp
+    if args.log_level.lower() == "debug":  # the workers print their failed starts' tracebacks
+        os.environ[ipc.TRACEBACKS] = "1"
     try:
         check_model(args)
     except ModelLoadError as e:

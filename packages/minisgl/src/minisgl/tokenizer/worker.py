@@ -242,9 +242,9 @@ def run_tokenizer_worker(
         to_engines = [ipc.push(ctx, ipc_dir, ipc.scheduler_name(i)) for i in range(dp)]
         worker = TokenizerWorker(load_tokenizer(model_path), codec)
     except Exception as e:
-        to_frontend.send(codec.encode(Ready(name, os.getpid(), error=repr(e))))
+        to_frontend.send(codec.encode(Ready(name, os.getpid(), error=ipc.startup_failure(e))))
         to_frontend.close(linger=1000)
-        raise
+        raise SystemExit(1) from None
     info = {"max_token_chars": max_token_chars(worker.tok), "warmup_ms": worker.warm_up()}
     info["gc_frozen"] = freeze_startup_heap()
     to_frontend.send(codec.encode(Ready(name, os.getpid(), info=info)))
