@@ -16,6 +16,7 @@
 //! commit returned steps (tokens -> detokenizer -> `DetokOut`; stop strings finish requests),
 //! then keep up to `depth` steps in flight (see [`crate::engine::Engine`]).
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -139,34 +140,130 @@ fn drain(sock: &zmq::Socket, out: &mut Vec<Vec<u8>>) {
 
 /// Why the service stops.
 pub enum Exit {
-    /// SIGTERM / SIGINT / Shutdown / the launcher is gone: exit 0.
+    /// SIGTERM (unless the launcher drains) / Shutdown / the launcher is gone: exit 0.
     Stopped,
     /// A fatal error (handshake, startup): exit 1 with this message.
     Failed(String),
 }
 
+/// The launcher's state, as marker files in its ipc dir (`minisgl/ipc.py`'s `DRAINING` and
+/// `STOPPING`), for a service that got SIGTERM: did the signal go to the whole process group
+/// (systemd's KillMode=control-group, `docker stop`: the launcher got it too and drains) or to
+/// the service alone?
+pub const DRAINING: &str = "launcher.draining";
+/// The launcher stops its workers now (then sends SIGTERM): that SIGTERM is not to be ignored.
+pub const STOPPING: &str = "launcher.stopping";
+/// How long a SIGTERM waits for the launcher's `DRAINING` (`ipc.GROUP_SIGNAL_WAIT_S`).
+pub const GROUP_SIGNAL_WAIT: Duration = Duration::from_secs(1);
+
+/// What a pending SIGTERM means now ([`on_term`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// No SIGTERM, or the launcher drains (a signal to the group): keep serving, the signal is
+    /// spent (the launcher stops the service after the drain: `STOPPING`, then SIGTERM).
+    Serve,
+    /// A SIGTERM within [`GROUP_SIGNAL_WAIT`] of its arrival, no marker yet: keep serving and
+    /// ask again.
+    Wait,
+    /// Exit 0: the launcher stops the workers or is gone, or marked nothing in time (a SIGTERM
+    /// to the service alone).
+    Stop,
+}
+
+/// The rule of `ipc.setup_worker_process`'s SIGTERM handler, as a pure function: a SIGTERM
+/// seen at `term_seen_at` is ignored if the launcher drains, unless it stops the workers or is
+/// gone; with neither marker it ends the service once [`GROUP_SIGNAL_WAIT`] has passed.
+pub fn on_term(
+    term_seen_at: Option<Instant>,
+    draining: bool,
+    stopping: bool,
+    parent_alive: bool,
+    now: Instant,
+) -> Decision {
+    let Some(seen) = term_seen_at else {
+        return Decision::Serve;
+    };
+    if !parent_alive || stopping {
+        Decision::Stop
+    } else if draining {
+        Decision::Serve
+    } else if now.saturating_duration_since(seen) >= GROUP_SIGNAL_WAIT {
+        Decision::Stop
+    } else {
+        Decision::Wait
+    }
+}
+
+/// SIGTERM and the launcher's liveness, polled by the service's loops (never blocks: a SIGTERM
+/// only sets a flag; the wait for `DRAINING` is a deadline checked on each poll). SIGINT is
+/// ignored: Ctrl+C is the launcher's business, as for the Python workers.
 struct Signals {
     term: Arc<AtomicBool>,
+    /// SIGINT lands here and is never read (a handler, not the default action: exit).
+    _int: Arc<AtomicBool>,
+    /// When the pending SIGTERM arrived (first seen by `stop_requested`).
+    term_seen_at: Cell<Option<Instant>>,
+    ipc_dir: PathBuf,
     parent: Option<u32>,
 }
 
 impl Signals {
-    fn install(parent: Option<u32>) -> Result<Self, String> {
-        let term = Arc::new(AtomicBool::new(false));
-        for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
-            signal_hook::flag::register(sig, Arc::clone(&term))
-                .map_err(|e| format!("signal handler: {e}"))?;
+    fn new(ipc_dir: PathBuf, parent: Option<u32>) -> Self {
+        Signals {
+            term: Arc::new(AtomicBool::new(false)),
+            _int: Arc::new(AtomicBool::new(false)),
+            term_seen_at: Cell::new(None),
+            ipc_dir,
+            parent,
         }
-        Ok(Signals { term, parent })
+    }
+
+    fn install(ipc_dir: PathBuf, parent: Option<u32>) -> Result<Self, String> {
+        let sig = Signals::new(ipc_dir, parent);
+        let handler = |e| format!("signal handler: {e}");
+        signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&sig.term))
+            .map_err(handler)?;
+        signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&sig._int))
+            .map_err(handler)?;
+        Ok(sig)
+    }
+
+    fn parent_alive(&self) -> bool {
+        match self.parent {
+            Some(p) => std::os::unix::process::parent_id() == p,
+            None => true,
+        }
+    }
+
+    fn marked(&self, state: &str) -> bool {
+        self.ipc_dir.join(state).exists()
     }
 
     fn stop_requested(&self) -> bool {
-        if self.term.load(Ordering::Relaxed) {
-            return true;
+        let now = Instant::now();
+        if self.term.swap(false, Ordering::Relaxed) && self.term_seen_at.get().is_none() {
+            self.term_seen_at.set(Some(now));
         }
-        match self.parent {
-            Some(p) => std::os::unix::process::parent_id() != p,
-            None => false,
+        let parent_alive = self.parent_alive();
+        let seen = self.term_seen_at.get();
+        if seen.is_none() {
+            return !parent_alive; // the launcher is gone: never outlive it
+        }
+        let decision = on_term(
+            seen,
+            self.marked(DRAINING),
+            self.marked(STOPPING),
+            parent_alive,
+            now,
+        );
+        match decision {
+            Decision::Stop => true,
+            Decision::Wait => false,
+            Decision::Serve => {
+                log("SIGTERM while the launcher drains: serving until it stops the service");
+                self.term_seen_at.set(None);
+                false
+            }
         }
     }
 }
@@ -272,7 +369,7 @@ pub struct Service {
 }
 
 pub fn run(cfg: Config) -> Exit {
-    let sig = match Signals::install(cfg.parent_pid) {
+    let sig = match Signals::install(cfg.ipc_dir.clone(), cfg.parent_pid) {
         Ok(s) => s,
         Err(e) => return Exit::Failed(e),
     };
@@ -1049,4 +1146,81 @@ fn name_logprobs(text: &TextModel, lps: &[(i32, Value)]) -> Value {
         out.push(Value::Array(vec![name.into(), lp, Value::Array(top)]));
     }
     Value::Array(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(base: Instant, ms: u64) -> Instant {
+        base + Duration::from_millis(ms)
+    }
+
+    #[test]
+    fn no_sigterm_serves() {
+        let t = Instant::now();
+        for (d, s, p) in [
+            (false, false, true),
+            (true, true, true),
+            (true, true, false),
+        ] {
+            assert_eq!(on_term(None, d, s, p, t), Decision::Serve);
+        }
+    }
+
+    #[test]
+    fn sigterm_while_the_launcher_drains_is_ignored() {
+        let t = Instant::now();
+        assert_eq!(on_term(Some(t), true, false, true, t), Decision::Serve);
+        assert_eq!(
+            on_term(Some(t), true, false, true, at(t, 5000)),
+            Decision::Serve
+        );
+    }
+
+    #[test]
+    fn sigterm_waits_for_the_marker_then_stops() {
+        let t = Instant::now();
+        assert_eq!(on_term(Some(t), false, false, true, t), Decision::Wait);
+        assert_eq!(
+            on_term(Some(t), false, false, true, at(t, 999)),
+            Decision::Wait
+        );
+        assert_eq!(
+            on_term(Some(t), false, false, true, at(t, 1000)),
+            Decision::Stop
+        );
+        // a clock that reads before the signal (never, with Instant) still only waits
+        assert_eq!(
+            on_term(Some(at(t, 10)), false, false, true, t),
+            Decision::Wait
+        );
+    }
+
+    #[test]
+    fn stopping_or_a_dead_launcher_stops_at_once() {
+        let t = Instant::now();
+        for draining in [false, true] {
+            assert_eq!(on_term(Some(t), draining, true, true, t), Decision::Stop);
+            assert_eq!(on_term(Some(t), draining, false, false, t), Decision::Stop);
+        }
+    }
+
+    #[test]
+    fn stop_requested_follows_the_markers() {
+        let dir = std::env::temp_dir().join(format!("minisgl-signals-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let sig = Signals::new(dir.clone(), None);
+        assert!(!sig.stop_requested());
+        sig.term.store(true, Ordering::Relaxed); // as the SIGTERM handler does
+        assert!(!sig.stop_requested()); // waiting for DRAINING
+        std::fs::write(dir.join(DRAINING), b"").expect("marker");
+        assert!(!sig.stop_requested());
+        assert_eq!(sig.term_seen_at.get(), None); // spent: the next SIGTERM is judged anew
+        std::fs::write(dir.join(STOPPING), b"").expect("marker");
+        assert!(!sig.stop_requested()); // STOPPING alone ends nothing: the SIGTERM does
+        sig.term.store(true, Ordering::Relaxed);
+        assert!(sig.stop_requested());
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
 }
