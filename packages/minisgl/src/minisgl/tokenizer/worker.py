@@ -241,6 +241,9 @@ def run_tokenizer_worker(
         inbox = ipc.pull(ctx, ipc_dir, name)
         to_engines = [ipc.push(ctx, ipc_dir, ipc.scheduler_name(i)) for i in range(dp)]
         worker = TokenizerWorker(load_tokenizer(model_path), codec)
+    except ipc.WorkerExit:  # stopped while it starts (another worker failed): a quiet exit
+        ctx.destroy(linger=0)
+        return
     except Exception as e:
         to_frontend.send(codec.encode(Ready(name, os.getpid(), error=ipc.startup_failure(e))))
         to_frontend.close(linger=1000)
