@@ -14,7 +14,8 @@ Rust service) a replica whose worker dies leaves the rotation instead: its reque
 (stream), stop the workers (SIGTERM, then SIGKILL) and
 remove the ipc dir. The same signal to the whole process group (systemd's KillMode=control-group,
 Ctrl+C) drains the same way: a worker ignores SIGINT, and SIGTERM while the launcher drains
-(`ipc.setup_worker_process`); a worker that gets SIGTERM alone still exits.
+(`ipc.setup_worker_process`; the Rust service by the same rule, `service::on_term`); a worker
+that gets SIGTERM alone still exits.
 """
 
 from __future__ import annotations
