@@ -1,4 +1,6 @@
-"""Grammar-constrained decoding: `response_format` JSON object / JSON schema via llguidance.
+"""Grammar-constrained decoding: `response_format` JSON object / JSON schema, and this
+server's `{"type": "regex", "regex": P}` / `{"type": "choice", "choice": [...]}` (issue 63),
+via llguidance.
 
 `ResponseFormat.parse(raw)` validates an OpenAI `response_format` (a ValueError names the
 field), or the internal `{"type": "grammar", "grammar": <lark>}` that tool calling builds
@@ -33,7 +35,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-KINDS = ("json_object", "json_schema", "grammar")
+KINDS = ("json_object", "json_schema", "grammar", "regex", "choice")
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 MAX_GRAMMARS = 256
 IDLE_CALLS = 4096  # `allowed` calls after which a matcher nobody asked for is dropped
@@ -44,9 +46,10 @@ class ResponseFormat:
     """A validated `response_format`: its kind and what it constrains to (the JSON schema's
     text, or a llguidance lark grammar)."""
 
-    kind: Literal["json_object", "json_schema", "grammar"]
+    kind: Literal["json_object", "json_schema", "grammar", "regex", "choice"]
     # the schema's JSON text, keys in the order given (the grammar emits properties in that
-    # order: never sorted); the lark grammar for kind "grammar"
+    # order: never sorted); the lark grammar for kind "grammar"; the pattern for "regex"; the
+    # choices as a JSON list for "choice"
     schema: str
 
     @classmethod
@@ -63,9 +66,14 @@ class ResponseFormat:
             return cls("json_object", JSON_OBJECT_SCHEMA)
         if kind == "grammar":
             return cls.lark(raw.get("grammar"))
+        if kind == "regex":
+            return cls.regex(raw.get("regex"))
+        if kind == "choice":
+            return cls.choice(raw.get("choice"))
         if kind != "json_schema":
             raise ValueError(
-                f"response_format.type must be one of text, json_object, json_schema; got {kind!r}"
+                "response_format.type must be one of text, json_object, json_schema, regex, "
+                f"choice; got {kind!r}"
             )
         spec = raw.get("json_schema")
         if not isinstance(spec, Mapping):
@@ -87,10 +95,36 @@ class ResponseFormat:
         fmt.check()
         return fmt
 
+    @classmethod
+    def regex(cls, pattern: Any) -> ResponseFormat:
+        """The whole output fullmatches `pattern` (llguidance's syntax: Rust's `regex` crate,
+        no look-around or back-references), checked."""
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError("response_format.regex must be a non-empty string (a regex)")
+        fmt = cls("regex", pattern)
+        fmt.check()
+        return fmt
+
+    @classmethod
+    def choice(cls, choices: Any) -> ResponseFormat:
+        """The whole output is exactly one of `choices` (non-empty strings)."""
+        if not isinstance(choices, list) or not choices:
+            raise ValueError("response_format.choice must be a non-empty list of strings")
+        for i, c in enumerate(choices):
+            if not isinstance(c, str) or not c:
+                raise ValueError(f"response_format.choice[{i}] must be a non-empty string")
+        fmt = cls("choice", json.dumps(choices))
+        fmt.check()
+        return fmt
+
     def to_json(self) -> dict[str, Any]:
         """The OpenAI-shaped mapping that `parse` reads back (what travels on the wire)."""
         if self.kind == "grammar":
             return {"type": "grammar", "grammar": self.schema}
+        if self.kind == "regex":
+            return {"type": "regex", "regex": self.schema}
+        if self.kind == "choice":
+            return {"type": "choice", "choice": json.loads(self.schema)}
         if self.kind == "json_object":
             return {"type": "json_object"}
         return {"type": "json_schema", "json_schema": {"schema": json.loads(self.schema)}}
@@ -100,6 +134,11 @@ class ResponseFormat:
 
         if self.kind == "grammar":
             return llguidance.LLMatcher.grammar_from_lark(self.schema)
+        if self.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(self.schema)
+        if self.kind == "choice":  # lark string literals are JSON strings
+            alternatives = " | ".join(json.dumps(c) for c in json.loads(self.schema))
+            return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
         return llguidance.LLMatcher.grammar_from_json_schema(
             self.schema, defaults={"whitespace_flexible": False}
         )
@@ -114,12 +153,12 @@ class ResponseFormat:
         except (ValueError, TypeError, RuntimeError) as exc:
             message = str(exc) or type(exc).__name__
         if message:
-            what = (
-                "grammar: invalid grammar"
-                if self.kind == "grammar"
-                else ("json_schema: unsupported schema")
-            )
-            raise ValueError(f"response_format.{what}: {message}")
+            what = {
+                "grammar": "grammar: invalid grammar",
+                "regex": "regex: invalid regex",
+                "choice": "choice: invalid choices",
+            }.get(self.kind, "json_schema: unsupported schema")
+            raise ValueError(f"response_format.{what}: {' '.join(message.split())}")
 
 
 class ConstrainedRow(Protocol):
