@@ -1,0 +1,320 @@
+"""Issue 62, first milestone: n-gram (prompt lookup) speculative decoding on the Python control
+plane. Drafts are pure functions of the tokens so far; a verify row feeds k + 1 tokens in one
+forward; greedy acceptance keeps the output token-identical to no speculation, and every KV
+page comes back after the scenario."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import numpy as np
+import pytest
+
+from minisgl import LLM, SamplingParams
+from minisgl.testing.scenarios import assert_kv_clean, assert_scheduler_clean, random_prompts
+from minisgl.testing.tiny_models import write_tiny_model
+
+CARD = "P5-001"
+RED = "speculative-decoding-tests-fail-before-the-draft-source-exists"
+GREEN = "speculative-decoding-tests-pass"
+
+
+def spec_module(name: str):
+    """`minisgl.speculative.<name>`; its absence fails by assertion (red)."""
+    try:
+        return importlib.import_module(f"minisgl.speculative{'.' + name if name else ''}")
+    except ImportError as exc:
+        raise AssertionError(f"no speculative decoding yet: {exc}") from None
+
+
+def spec_llm(path, **kwargs) -> LLM:
+    try:
+        return LLM(path, **kwargs)
+    except TypeError as exc:
+        raise AssertionError(f"LLM does not take the speculative options: {exc}") from None
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model("llama", tmp_path_factory.mktemp("tiny-spec"), seed=0)
+
+
+# ---------------------------------------------------------------------------- draft sources
+@pytest.mark.card(CARD, "n-gram-drafts-copy-the-longest-suffix-match", RED, GREEN)
+def test_ngram_drafts_copy_the_longest_suffix_match():
+    ngram = spec_module("ngram").ngram_draft
+
+    def draft(tokens, k, **kw):
+        return ngram(np.array(tokens, dtype=np.int32), k, **kw).tolist()
+
+    # the 3-gram [1, 2, 3] occurred at 0: the tokens after it are copied, up to k
+    assert draft([1, 2, 3, 4, 9, 9, 1, 2, 3], 3) == [4, 9, 9]
+    assert draft([1, 2, 3, 4, 9, 9, 1, 2, 3], 2) == [4, 9]
+    # the longest suffix that matches wins: [2, 3] (-> 8) over [3] (-> 7)
+    assert draft([5, 3, 7, 2, 3, 8, 5, 2, 3], 2) == [8, 5]
+    # of several occurrences, the latest
+    assert draft([1, 2, 1, 3, 1], 2) == [3, 1]
+    # a copy stops at the end of the tokens
+    assert draft([4, 6, 4], 5) == [6, 4]
+    # nothing to copy
+    assert draft([1, 2, 3, 4], 3) == []
+    assert draft([7], 3) == []
+    assert draft([1, 2, 3, 1, 2, 3], 0) == []
+    # min_n: a 1-gram match alone is not enough at min_n=2
+    assert draft([5, 3, 7, 2, 3], 2, min_n=2) == []
+    assert draft([5, 3, 7, 5, 3], 2, min_n=2) == [7, 5]
+    # a source from the registry drafts the same
+    spec = spec_module("")
+    source = spec.make_draft_source(spec.SpecConfig("ngram", 3))
+    assert source.propose(np.array([1, 2, 3, 4, 9, 9, 1, 2, 3], np.int32), 3).tolist() == [4, 9, 9]
+    assert "ngram" in spec.DRAFT_SOURCES
+
+
+@pytest.mark.card(CARD, "unknown-algorithms-and-bad-k-are-clear-errors", RED, GREEN)
+def test_unknown_algorithms_and_bad_k_are_clear_errors(tiny):
+    spec = spec_module("")
+    assert spec.SpecConfig.parse(None, None) is None
+    assert spec.SpecConfig.parse("ngram", None).num_draft_tokens == spec.DEFAULT_DRAFT_TOKENS
+    assert spec.SpecConfig.parse("NGRAM", 5) == spec.SpecConfig("ngram", 5)
+    bad = [
+        (("eagle", 4), "ngram"),
+        (("ngram", 0), "speculative_num_draft_tokens"),
+        (("ngram", -2), "speculative_num_draft_tokens"),
+        (("ngram", True), "speculative_num_draft_tokens"),
+        (("ngram", 2.5), "speculative_num_draft_tokens"),
+        (("ngram", spec.MAX_DRAFT_TOKENS + 1), str(spec.MAX_DRAFT_TOKENS)),
+        ((None, 4), "speculative_algorithm"),
+    ]
+    for args, message in bad:
+        with pytest.raises(ValueError, match=message):
+            spec.SpecConfig.parse(*args)
+    with pytest.raises(ValueError, match="ngram"):
+        spec_llm(tiny, speculative_algorithm="medusa")
+
+
+# ---------------------------------------------------------------------------- verification
+def _spec_scheduler(k: int = 4, page_size: int = 1):
+    spec = spec_module("")
+    from minisgl.scheduler.backend import SchedulerConfig
+
+    cfg = SchedulerConfig(num_pages=512 // page_size, page_size=page_size, max_seq_len=128,
+                          max_running_requests=8, max_extend_tokens=512)  # fmt: skip
+    return spec_module("scheduler").SpecScheduler.of(cfg, spec.SpecConfig("ngram", k))
+
+
+@pytest.mark.card(CARD, "verify-rows-of-different-k-share-one-step", RED, GREEN)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_verify_rows_of_different_k_share_one_step(page_size):
+    sched = _spec_scheduler(4, page_size)
+    a = sched.add_request([10, 11, 12, 13, 14, 10, 11], greedy(20))  # 3-gram match after 12
+    b = sched.add_request([20, 21, 22], greedy(20))  # nothing to copy
+    c = sched.add_request([30, 31, 32, 33, 34, 35, 30, 31], greedy(3))  # 2 outputs left
+    plan, reqs = sched.schedule()
+    assert plan.is_prefill
+    sched.commit(reqs, plan, [12, 23, 32])
+    plan, reqs = sched.schedule()
+    # a: [12, 13, 14, 10, 11], b: no draft, c: one draft (two tokens left: one draft + bonus)
+    assert plan.extend_lens.tolist() == [5, 1, 2]
+    assert plan.input_ids.tolist() == [12, 13, 14, 10, 11, 23, 32, 33]
+    assert plan.positions.tolist() == [7, 8, 9, 10, 11, 3, 8, 9]
+    assert plan.sample_rows.tolist() == [0, 0, 0, 0, 0, 1, 2, 2]
+    assert plan.logits_indices.tolist() == list(range(8))
+    # a: 13 and 14 accepted, 99 the target's token where the draft said 10; c: 33 accepted,
+    # then its bonus token is its last (max_tokens 3) though more was drafted
+    outs = sched.commit(reqs, plan, [13, 14, 99, 5, 6, 24, 33, 44])
+    got = {}
+    for o in outs:
+        got.setdefault(o.rid, []).append((o.token_id, o.finish_reason))
+    assert got == {
+        a: [(13, None), (14, None), (99, None)],
+        b: [(24, None)],
+        c: [(33, None), (44, "length")],
+    }
+    ra, rb = sched.requests[a], sched.requests[b]
+    assert ra.output_ids == [12, 13, 14, 99] and ra.kv_len == 7 + 3
+    assert rb.output_ids == [23, 24] and rb.kv_len == 4
+    assert c not in sched.requests
+    sched.check_integrity()
+    stats = sched.spec_stats
+    assert (stats.verify_rows, stats.drafted_tokens, stats.accepted_tokens) == (2, 5, 3)
+    for rid in list(sched.requests):
+        sched.abort(rid)
+    assert_scheduler_clean(sched)
+
+
+@pytest.mark.card(CARD, "sampled-rows-are-not-speculated", RED, GREEN)
+def test_sampled_rows_are_not_speculated():
+    sched = _spec_scheduler(4)
+    prompt = [10, 11, 12, 13, 14, 10, 11]
+    sampled = [
+        SamplingParams(temperature=0.7, seed=1, max_tokens=9),
+        greedy(9, logprobs=2),
+        greedy(9, min_tokens=3),
+        greedy(9, presence_penalty=0.5),
+    ]
+    for p in [greedy(9), *sampled]:
+        sched.add_request(prompt, p)
+    plan, reqs = sched.schedule()
+    sched.commit(reqs, plan, [12] * 5)
+    plan, reqs = sched.schedule()
+    assert plan.extend_lens.tolist() == [5, 1, 1, 1, 1]
+    for rid in list(sched.requests):
+        sched.abort(rid)
+    assert_scheduler_clean(sched)
+
+
+# ---------------------------------------------------------------------------- token identity
+def _reference_and_spec(path, prompts, params, runs=1, **llm_kwargs):
+    """Outputs of each run without and with speculation (same LLM options), each LLM's KV
+    clean after every run, and the speculative LLM's stats."""
+    outs = []
+    for spec in ({}, {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 4}):
+        llm = spec_llm(path, **llm_kwargs, **spec)
+        try:
+            got = []
+            for _ in range(runs):
+                got.append([(o["token_ids"], o["text"], o["finish_reason"])
+                            for o in llm.generate(prompts, params)])  # fmt: skip
+                assert_kv_clean(llm)
+            outs.append((got, llm.speculative_stats()))
+        finally:
+            llm.close()
+    (ref, none), (got, stats) = outs
+    assert none is None
+    return ref, got, stats
+
+
+def _grounded(seed: int, n: int, vocab: int = 300) -> list[int]:
+    """A prompt that repeats a passage: a model copying it gets n-gram drafts accepted."""
+    passage = random_prompts(1, n, n, vocab, seed)[0]
+    return passage + passage[: n // 2]
+
+
+@pytest.mark.card(
+    CARD, "on-a-tiny-model-with-stop-strings-max-tokens-mid-draft-and-prefix-hits", RED, GREEN
+)
+@pytest.mark.card(CARD, "every-kv-page-returns-after-speculative-scenarios", RED, GREEN)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_greedy_output_is_token_identical_on_a_tiny_model(tiny, page_size):
+    prompts = [_grounded(1, 40), _grounded(2, 24), random_prompts(1, 30, 30, seed=3)[0],
+               [5, 6, 7] * 12, _grounded(4, 16)]  # fmt: skip
+    kw = dict(dtype="float32", page_size=page_size, num_pages=4096 // page_size,
+              max_extend_tokens=64)  # fmt: skip
+    probe = LLM(tiny, **kw)
+    text = probe.generate([prompts[0]], greedy(24))[0]["text"]
+    probe.close()
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), text
+    params = [greedy(24, stop=stop), greedy(7), greedy(33), greedy(24),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=12)]  # fmt: skip
+    # two runs on the same LLM: the second hits the prefix cache the first filled
+    ref, got, stats = _reference_and_spec(tiny, prompts, params, runs=2, **kw)
+    assert got == ref
+    assert ref[0][0][2] == "stop"
+    assert stats["verify_rows"] > 0 and stats["accepted_tokens"] > 0, stats
+
+
+@pytest.mark.slow
+@pytest.mark.card(CARD, "on-the-embedded-model", RED, GREEN)
+def test_greedy_output_is_token_identical_on_the_embedded_model():
+    passage = (
+        "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a "
+        "small brass lamp and a notebook in which he wrote down the colour of the sea, the "
+        "direction of the wind and the names of the ships that passed the point."
+    )
+    prompts = [
+        [{"role": "user", "content": f"Repeat this text exactly:\n\n{passage}"}],
+        [{"role": "user", "content": f"Copy the text, word for word:\n\n{passage}"}],
+        [{"role": "user", "content": "Name three colours."}],
+    ]
+    params = [greedy(48), greedy(13), SamplingParams(temperature=0.0, max_tokens=24, stop=",")]
+    ref, got, stats = _reference_and_spec(None, prompts, params, dtype="float32")
+    assert got == ref
+    assert stats["accepted_tokens"] > 10, stats
+    assert stats["mean_accepted_length"] > 1.5, stats
+
+
+@pytest.mark.card(CARD, "acceptance-rate-and-mean-accepted-length-are-reported", RED, GREEN)
+def test_acceptance_rate_and_mean_accepted_length_are_reported(tiny):
+    llm = spec_llm(tiny, dtype="float32", speculative_algorithm="ngram",
+                   speculative_num_draft_tokens=3)  # fmt: skip
+    try:
+        llm.generate([[5, 6, 7] * 12, _grounded(1, 40)], greedy(30))
+        s = llm.speculative_stats()
+        run = llm.last_run
+    finally:
+        llm.close()
+    assert s["algorithm"] == "ngram" and s["num_draft_tokens"] == 3
+    assert s["verify_rows"] > 0 and 0 < s["drafted_tokens"] <= 3 * s["verify_rows"]
+    assert 0 < s["accepted_tokens"] <= s["drafted_tokens"]
+    assert s["acceptance_rate"] == pytest.approx(s["accepted_tokens"] / s["drafted_tokens"])
+    assert s["mean_accepted_length"] == pytest.approx(1 + s["accepted_tokens"] / s["verify_rows"])
+    assert run["spec_acceptance_rate"] == pytest.approx(s["acceptance_rate"])
+    assert run["spec_mean_accepted_length"] == pytest.approx(s["mean_accepted_length"])
+
+
+@pytest.mark.card(CARD, "the-rust-control-plane-and-overlap-scheduling-are-refused", RED, GREEN)
+def test_the_rust_control_plane_and_overlap_scheduling_are_refused(tiny):
+    on = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=2)
+    with pytest.raises(ValueError, match="rust_service"):
+        spec_llm(tiny, cpu_backend="rust_service", **on)
+    with pytest.raises(ValueError, match="overlap"):
+        spec_llm(tiny, overlap=True, **on)
+    llm = spec_llm(tiny, **on)  # overlap left to its default: the serial loop
+    try:
+        assert llm.runtime.depth == 0
+    finally:
+        llm.close()
+
+
+# ---------------------------------------------------------------------------- interface
+@pytest.mark.card(CARD, "server-flags-validate-at-start-up", RED, GREEN)
+def test_server_flags_validate_at_start_up(monkeypatch, capsys):
+    from minisgl.server.args import parse_args
+
+    monkeypatch.delenv("MINISGL_CPU_BACKEND", raising=False)
+    args = parse_args(["--model-path", "m", "--speculative-algorithm", "ngram",
+                       "--speculative-num-draft-tokens", "5"])  # fmt: skip
+    kw = args.llm_kwargs()
+    assert kw["speculative_algorithm"] == "ngram" and kw["speculative_num_draft_tokens"] == 5
+    assert parse_args(["--model-path", "m"]).llm_kwargs()["speculative_algorithm"] is None
+    for argv, message in [
+        (["--speculative-algorithm", "eagle"], "ngram"),
+        (["--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "0"],
+         "speculative_num_draft_tokens"),
+        (["--speculative-num-draft-tokens", "3"], "speculative_algorithm"),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit) as exc:
+            parse_args(["--model-path", "m", *argv])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()[-1]) > 0, err
+    monkeypatch.setenv("MINISGL_CPU_BACKEND", "rust_service")
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--model-path", "m", "--speculative-algorithm", "ngram"])
+    assert exc.value.code == 2
+    assert "rust_service" in capsys.readouterr().err
+
+
+@pytest.mark.card(CARD, "benchmark-prints-both-arms-and-the-ratio", RED, GREEN)
+def test_benchmark_prints_both_arms_and_the_ratio(tiny, capsys):
+    try:
+        bench = importlib.import_module("minisgl.benchmark.speculative")
+    except ImportError as exc:
+        raise AssertionError(f"no speculative benchmark yet: {exc}") from None
+    bench.main(["--model-path", str(tiny), "--repeats", "1", "--max-tokens", "16",
+                "--num-draft-tokens", "3", "--dtype", "float32"])  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    assert report["machine"] and report["repeats"] == 1
+    assert {w["workload"] for w in report["workloads"]} == {"input_grounded", "random_tokens"}
+    for w in report["workloads"]:
+        off, on = w["off"], w["on"]
+        assert off["output_tok_s"] > 0 and on["output_tok_s"] > 0
+        assert w["ratio"] == pytest.approx(on["output_tok_s"] / off["output_tok_s"])
+        assert w["token_identical"] is True
+        assert 0 <= on["acceptance_rate"] <= 1 and on["mean_accepted_length"] >= 1
