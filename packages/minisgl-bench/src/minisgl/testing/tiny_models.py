@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")  # mixture-of-experts: their own tests
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -24,7 +25,14 @@ _CORPUS = (
 
 
 def _config(arch: str, vocab: int, **overrides: Any):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common: dict[str, Any] = dict(
         vocab_size=vocab,
@@ -53,8 +61,17 @@ def _config(arch: str, vocab: int, **overrides: Any):
         cfg = MistralConfig(
             **{**common, "tie_word_embeddings": False, "sliding_window": 48, **overrides}
         )
+    elif arch == "qwen3_moe":  # 4 layers: layer 2 dense (mlp_only_layers), the others MoE
+        moe = dict(num_hidden_layers=4, num_experts=8, num_experts_per_tok=3,
+                   moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[2])  # fmt: skip
+        cfg = Qwen3MoeConfig(**{**common, "tie_word_embeddings": False, **moe, **overrides})
+    elif arch == "mixtral":
+        moe = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+                   sliding_window=48)  # fmt: skip
+        cfg = MixtralConfig(**{**common, "tie_word_embeddings": False, **moe, **overrides})
     else:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
+        names = ARCHITECTURES + MOE_ARCHITECTURES
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {names}")
     return cfg
 
 
@@ -87,7 +104,8 @@ def write_tokenizer(path: Path, vocab_size: int = 384) -> int:
 def write_tiny_model(
     arch: str, path: str | Path, seed: int = 0, max_shard_size: str | None = None, **overrides: Any
 ) -> Path:
-    """Write a tiny random model of `arch` (llama, qwen2, qwen3, mistral) to `path`.
+    """Write a tiny random model of `arch` (llama, qwen2, qwen3, mistral; the MoE qwen3_moe,
+    mixtral) to `path`.
 
     `max_shard_size` (e.g. "40KB") writes sharded safetensors with an index file; other
     keyword arguments override the transformers config (e.g. `rope_scaling`).
