@@ -32,6 +32,7 @@ its text without the `(manual)` marker, unique within the card.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import unicodedata
 from collections.abc import Callable
@@ -43,7 +44,8 @@ ITEM_SECTION_TITLES = ("Checklist", "TDD Subtasks", "Acceptance Criteria")
 PHASES = frozenset({"red", "green", "refactor"})
 FIELDS = ("priority", "status", "depends on", "tests", "gates", "timeout")
 STATUSES = ("todo", "in-progress", "done", "backlog")
-CARD_ID_RE = re.compile(r"^[A-Z][A-Z0-9]*-\d+$")
+CARD_ID_RE = re.compile(r"^[A-Z][A-Z0-9]*-[0-9]+$", re.ASCII)  # ASCII digits only
+PHASE_GRAMMAR = "'1. Red', '2. Green', '3. Refactor' (a numbered line) or '### Red'"
 
 _TITLE_RE = re.compile(r"^#[ \t]+(?P<id>[^\s:]+)[ \t]*:[ \t]*(?P<title>.*)$")
 _FIELD_RE = re.compile(r"^(?P<key>[A-Za-z][A-Za-z0-9 _-]*?)[ \t]*:[ \t]*(?P<value>.*)$")
@@ -55,6 +57,10 @@ _BULLET_RE = re.compile(r"^[ \t]*[-*+][ \t]+\S")
 _PHASE_RE = re.compile(r"^[ \t]*\d+[.)][ \t]+(?P<label>\S.*)$")
 _MANUAL_RE = re.compile(r"\s*\(manual\)\s*$", re.IGNORECASE)  # a trailing marker only
 _FENCE_RE = re.compile(r"^[ \t]*(```|~~~)")
+_QUOTED_CHECKBOX_RE = re.compile(r"^[ \t]*>.*?(?:[-*+]|\d+[.)])?[ \t]*\[[ xX]?\]")
+_TIMEOUT_RE = re.compile(r"^(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)$")
+_PHASE_LABEL_RE = re.compile(r"^(?P<word>red|green|refactor)\s*(?:\(.*\))?\s*:?$", re.IGNORECASE)
+_HTML_TAG_RE = re.compile(r"</?[A-Za-z][^>]*>")
 _DATE_SUFFIX_RE = re.compile(r"\s*\(.*\)\s*$")
 _ANY_LIST_RE = re.compile(r"^[ \t]*(?:[-*+]|\d+[.)])(?:[ \t]|$)")
 _ANY_CHECKBOX_RE = re.compile(r"^[ \t]*(?:[-*+]|\d+[.)])[ \t]*\[[ xX]?\]")
@@ -125,12 +131,7 @@ class Card:
 
     @property
     def timeout(self) -> float | None:
-        raw = self.fields.get("timeout")
-        try:
-            value = float(raw) if raw else None
-        except ValueError:
-            return None
-        return value if value is not None and value > 0 else None
+        return parse_timeout(self.fields.get("timeout"))
 
     @property
     def tests(self) -> list[str]:
@@ -208,13 +209,46 @@ def near_item_section(name: str) -> str | None:
     return None
 
 
+def parse_timeout(raw: str | None) -> float | None:
+    """`Timeout:` seconds: an ASCII decimal, finite and positive (`inf`, `nan`, `-1`, `1e309`
+    and Unicode digits are None, which the parser reports)."""
+    if not raw or not _TIMEOUT_RE.match(raw.strip()):
+        return None
+    value = float(raw)
+    return value if math.isfinite(value) and value > 0 else None
+
+
 def phase_of(label: str) -> str | None:
-    """`1. **Red**`, `Phase 1: Red`, `🔴 Red (failing first)` -> "red"; None if no phase."""
+    """The phase a numbered or `###` heading label names, from a closed grammar: an optional
+    `Phase N:` / `Step N:` / `N.` prefix, emoji and emphasis aside, then exactly `Red`, `Green`
+    or `Refactor` with an optional `(note)` and `:`. `1. **Red**`, `Phase 1: Red`,
+    `🔴 Red (failing first)` -> "red"; `Red phase`, `Red tests` -> None."""
     plain = "".join(ch for ch in label if ch.isascii())
     plain = re.sub(r"[*_`~]", "", plain).strip()
     plain = _PHASE_PREFIX_RE.sub("", plain, count=1).strip()
-    word = re.split(r"[^A-Za-z]+", plain, maxsplit=1)[0].lower() if plain else ""
-    return word if word in PHASES else None
+    match = _PHASE_LABEL_RE.match(plain)
+    return match.group("word").lower() if match else None
+
+
+def phase_like(line: str) -> bool:
+    """A TDD-section line that is not a list item but reads like a phase heading: it names a
+    phase in its first word or in a short line (`Red phase`, `I. Red`, `<h3>Red</h3>`,
+    `**Red**`). `No red records: ...` is prose."""
+    plain = "".join(ch for ch in _HTML_TAG_RE.sub(" ", line) if ch.isascii())
+    words = [w.lower() for w in re.findall(r"[A-Za-z]+", plain)]
+    if not any(w in PHASES for w in words):
+        return False
+    return words[0] in PHASES or len(words) <= 4
+
+
+def invisible_characters(line: str) -> list[tuple[int, str]]:
+    """(column, `U+200B ZERO WIDTH SPACE`) for each format or control character in `line`:
+    zero-width spaces and joiners, bidi controls, a BOM, soft hyphens (tabs are fine)."""
+    return [
+        (col, f"U+{ord(ch):04X} {unicodedata.name(ch, 'unnamed')}")
+        for col, ch in enumerate(line, start=1)
+        if ch != "\t" and unicodedata.category(ch) in {"Cf", "Cc", "Co", "Cs", "Zl", "Zp"}
+    ]
 
 
 def phase_heading(line: str) -> str | None:
@@ -243,7 +277,15 @@ def parse_card(text: str, path: str | Path = "<card>") -> ParseResult:
     def error(line: int, message: str) -> None:
         errors.append(CardError(where, line, message))
 
-    lines = [line.rstrip("\r") for line in text.split("\n")]
+    body = text[1:] if text.startswith("\ufeff") else text  # a leading BOM is an encoding mark
+    lines = [line.rstrip("\r") for line in body.split("\n")]
+    for lineno, line in enumerate(lines, start=1):
+        for col, name in invisible_characters(line):
+            error(
+                lineno,
+                f"invisible character {name} at column {col}: remove it (it can hide a "
+                "checkbox or make two ids look alike)",
+            )
     title_index = next((i for i, line in enumerate(lines) if line.strip()), None)
     if title_index is None:
         error(0, "empty card: expected a '# ID: Title' header")
@@ -268,6 +310,13 @@ def parse_card(text: str, path: str | Path = "<card>") -> ParseResult:
             in_fence = not in_fence
             continue
         if in_fence:
+            continue
+        if _QUOTED_CHECKBOX_RE.match(line):
+            error(
+                lineno,
+                f"checkbox inside a '>' quote: {line.strip()!r} is never gated: "
+                "write it as a '- [ ] text' item or drop the brackets",
+            )
             continue
         if line.startswith("# "):
             error(lineno, "a card has exactly one '# ID: Title' header")
@@ -312,20 +361,18 @@ def parse_card(text: str, path: str | Path = "<card>") -> ParseResult:
                 error(
                     lineno,
                     f"unrecognised TDD phase heading {line.strip()!r}: "
-                    "expected Red, Green or Refactor (e.g. '1. Red')",
+                    f"the phase headings are {PHASE_GRAMMAR}",
                 )
             continue
         if section == "tdd subtasks" and line.strip() and not _ANY_LIST_RE.match(line):
-            heading = phase_heading(line)
-            if heading is not None:
-                phase = heading or None
+            if phase_like(line) or phase_heading(line) is not None:
+                phase = None
                 stack.clear()
-                if not heading:
-                    error(
-                        lineno,
-                        f"unrecognised TDD phase heading {line.strip()!r}: "
-                        "expected Red, Green or Refactor (e.g. '1. Red')",
-                    )
+                error(
+                    lineno,
+                    f"phase-like line {line.strip()!r} is not a phase heading: "
+                    f"the phase headings are {PHASE_GRAMMAR}",
+                )
                 continue
         _parse_item_line(card, line, lineno, section, phase, stack, error)
     if in_fence:
@@ -352,7 +399,7 @@ def _parse_field(card: Card, line: str, lineno: int, error: _ErrorFn) -> None:
         known = ", ".join(f.capitalize() for f in FIELDS)
         error(lineno, f"unknown header field {match.group('key')!r}{hint} (known: {known})")
     if key == "timeout" and card.timeout is None:
-        error(lineno, f"Timeout {value!r}: expected a positive number of seconds")
+        error(lineno, f"Timeout {value!r}: expected a finite positive number of seconds (ASCII)")
     if key == "status" and normalize_status(value) not in STATUSES:
         error(lineno, f"unknown Status {value!r}: expected one of {', '.join(STATUSES)}")
     if key == "depends on":
@@ -410,3 +457,9 @@ def _parse_item_line(
             item.phase = parent_item.phase
     card.items[key] = item
     stack.append((indent, key))
+    if item.phase == "red" and item.manual and item.checked:
+        error(
+            lineno,
+            f"ticked (manual) item {text!r} under Red: a red phase is proven by a red gate "
+            "record, never by a tick",
+        )
