@@ -364,16 +364,16 @@ def parse_card(text: str, path: str | Path = "<card>") -> ParseResult:
                     f"the phase headings are {PHASE_GRAMMAR}",
                 )
             continue
-        if section == "tdd subtasks" and line.strip() and not _ANY_LIST_RE.match(line):
-            if phase_like(line) or phase_heading(line) is not None:
-                phase = None
-                stack.clear()
-                error(
-                    lineno,
-                    f"phase-like line {line.strip()!r} is not a phase heading: "
-                    f"the phase headings are {PHASE_GRAMMAR}",
-                )
-                continue
+        tdd_prose = section == "tdd subtasks" and line.strip() and not _ANY_LIST_RE.match(line)
+        if tdd_prose and (phase_like(line) or phase_heading(line) is not None):
+            phase = None
+            stack.clear()
+            error(
+                lineno,
+                f"phase-like line {line.strip()!r} is not a phase heading: "
+                f"the phase headings are {PHASE_GRAMMAR}",
+            )
+            continue
         _parse_item_line(card, line, lineno, section, phase, stack, error)
     if in_fence:
         error(len(lines), "unclosed ``` code fence")
