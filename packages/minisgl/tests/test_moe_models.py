@@ -1,7 +1,7 @@
 """Issue 63 item 2: mixture-of-experts models (Qwen3-MoE, Mixtral) from HF folders: the config's
 MoE fields, the MoE block against HF's, fp32 greedy decoding token-identical to HF `generate`
 (single, batched, chunked prefill, prefix hits, both control planes, tp=2 over gloo), dummy
-weights, and quantization refused with a clear error."""
+weights, int8 / int4 experts against HF on the same rounded weights, w8a8 refused."""
 
 from __future__ import annotations
 
@@ -223,11 +223,38 @@ def test_shipped_30b_a3b_config():
     assert cfg.rope_theta == 1e6 and not cfg.tie_word_embeddings
 
 
-@pytest.mark.card(CARD, "quantizing-a-moe-model-is-a-clear-error", RED, GREEN)
+@pytest.mark.card(CARD, "int8-and-int4-experts-match-hf-on-the-rounded-weights", RED, GREEN)
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantization_refused(method, tiny_model_dir):
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        LLM(tiny_model_dir("mixtral"), quantization=method, num_pages=256)
+def test_quantized_experts_match_hf(moe_arch, method, tiny_model_dir):
+    """fp32 activations: the packed kernels compute what HF computes with each expert's weights
+    rounded the same way, so greedy decoding is token-identical."""
+    from minisgl.quantization.experts import QuantizedExperts
+    from minisgl.quantization.linear import Int4Linear, Int8Linear
+    from minisgl.quantization.reference import fake_quantize_hf
+
+    path = tiny_model_dir(moe_arch)
+    llm = LLM(path, dtype="float32", quantization=method, num_pages=1024)
+    assert llm.engine.quantization == method
+    block = llm.engine.model.model.layers[0].mlp
+    assert isinstance(block.experts, QuantizedExperts)
+    want = Int4Linear if method == "int4" else Int8Linear
+    assert all(isinstance(m, want) for m in (*block.experts.gate_up_proj, *block.experts.down_proj))
+    assert isinstance(block.gate, torch.nn.Linear)  # the router stays float
+    prompts = random_prompts(4, 3, 40, seed=3)
+    got = llm.generate(prompts, GREEDY)
+    ref = hf_greedy(fake_quantize_hf(load_hf_model(path), method), prompts, NEW)
+    assert [o["token_ids"] for o in got] == ref
+    assert ref != hf_greedy(load_hf_model(path), prompts, NEW)  # the rounding is really there
+
+
+@pytest.mark.card(CARD, "w8a8-of-a-moe-model-is-a-clear-error", RED, GREEN)
+def test_w8a8_refused(tiny_model_dir):
+    from minisgl.quantization.load import load_quantized
+
+    path = tiny_model_dir("mixtral")
+    cfg = ModelConfig.from_dir(path)
+    with pytest.raises(ValueError, match="w8a8.*mixture-of-experts.*'int8' or 'int4'"):
+        load_quantized(path, cfg, torch.float32, torch.device("cpu"), 64, "w8a8")
 
 
 @pytest.mark.card(CARD, "tp-not-dividing-the-expert-intermediate-size-is-a-clear-error", RED, GREEN)

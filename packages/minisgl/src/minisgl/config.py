@@ -12,6 +12,8 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 
 
@@ -95,6 +97,34 @@ def check_model_dir(model_path: str | Path, weights: bool = True) -> ModelConfig
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts model's MLP: `num_experts` experts of `intermediate_size` rows, the
+    router's `top_k`, renormalised over the top-k when `norm_topk_prob`; the MLP of the layers in
+    `sparse_layers` is a MoE block, the others' a dense MLP of `ModelConfig.intermediate_size`."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]
+
+    @staticmethod
+    def of(arch: str, hf: dict[str, Any]) -> MoEConfig | None:
+        """Read as transformers' Qwen3MoeConfig / MixtralConfig do; None: a dense model."""
+        layers = range(hf["num_hidden_layers"])
+        if arch == "MixtralForCausalLM":
+            return MoEConfig(hf["num_local_experts"], hf["num_experts_per_tok"],
+                             hf["intermediate_size"], True, tuple(layers))  # fmt: skip
+        if arch != "Qwen3MoeForCausalLM":
+            return None
+        experts = hf.get("num_experts", hf.get("num_local_experts", 128))
+        step, dense = hf["decoder_sparse_step"], set(hf["mlp_only_layers"] or ())
+        sparse = tuple(i for i in layers if i not in dense and experts > 0 and (i + 1) % step == 0)
+        return MoEConfig(experts, hf["num_experts_per_tok"], hf["moe_intermediate_size"],
+                         bool(hf["norm_topk_prob"]), sparse)  # fmt: skip
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -116,6 +146,7 @@ class ModelConfig:
     rope_type: str  # "default": inverse frequencies from rope_theta; else transformers' init
     rope_theta: float
     model_path: str  # where transformers reads the config of a non-default RoPE
+    moe: MoEConfig | None = None  # mixture-of-experts models' MLP (None: dense)
 
     @staticmethod
     def from_dir(model_path: str | Path) -> ModelConfig:
@@ -147,9 +178,9 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         window = None
-        if arch == "MistralForCausalLM" or hf.get("use_sliding_window"):
+        if arch in ("MistralForCausalLM", "MixtralForCausalLM") or hf.get("use_sliding_window"):
             window = hf.get("sliding_window")
-        rope_type, theta = _rope_of(raw)
+        rope_type, theta = _rope_of({**_ROPE_DEFAULTS.get(arch, {}), **raw})
         return ModelConfig(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -163,7 +194,7 @@ class ModelConfig:
             max_position_embeddings=hf["max_position_embeddings"],
             tie_word_embeddings=bool(hf["tie_word_embeddings"]),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(hf["attention_bias"]),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=window,
             eos_token_ids=eos_ids,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
@@ -171,6 +202,7 @@ class ModelConfig:
             rope_type=rope_type,
             rope_theta=theta,
             model_path=str(path),
+            moe=MoEConfig.of(arch, hf),
         )
 
 
@@ -207,6 +239,28 @@ _HF_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "sliding_window": 4096,
     },
 }
+_HF_ARCH_DEFAULTS["Qwen3MoeForCausalLM"] = {
+    **_QWEN_DEFAULTS,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 4,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": False,
+    "num_experts_per_tok": 8,  # num_experts: 128, read in MoEConfig.of (two key names)
+}
+_HF_ARCH_DEFAULTS["MixtralForCausalLM"] = {
+    "intermediate_size": 14336,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 4096 * 32,
+    "rms_norm_eps": 1e-5,
+    "sliding_window": None,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+}
+_ROPE_DEFAULTS: dict[str, dict[str, Any]] = {"MixtralForCausalLM": {"rope_theta": 1e6}}
 DEFAULT_ROPE_THETA = 10000.0
 
 

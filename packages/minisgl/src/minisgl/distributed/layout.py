@@ -47,11 +47,15 @@ class TPInfo:
         vocabulary stays whole: the logits are gathered)."""
         if self.size == 1:
             return cfg
+        moe = cfg.moe  # every expert's intermediate rows split as the dense MLP's
+        if moe is not None:
+            moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // self.size)
         return dataclasses.replace(
             cfg,
             num_heads=cfg.num_heads // self.size,
             num_kv_heads=self.kv_heads(cfg)[1],
             intermediate_size=cfg.intermediate_size // self.size,
+            moe=moe,
         )
 
 
@@ -86,6 +90,10 @@ def check_tp(
         )
     if cfg.intermediate_size % tp:
         raise ValueError(f"{head} does not divide intermediate_size {cfg.intermediate_size}")
+    if cfg.moe is not None and cfg.moe.intermediate_size % tp:
+        raise ValueError(
+            f"{head} does not divide the expert intermediate size {cfg.moe.intermediate_size}"
+        )
     reasons = (
         config.sim_device is not None and "sim_device (a simulated device runs no model)",
         quantization != "none"

@@ -95,6 +95,8 @@ def unsupported(model: nn.Module, pool: KVPool, device: torch.device) -> str | N
         return "not a CPU with the C kernels"
     if pool.k[0].dtype != torch.bfloat16:
         return f"a {pool.k[0].dtype} model (bf16 only)"
+    if getattr(getattr(model, "config", None), "moe", None) is not None:
+        return "a mixture-of-experts model (the C step runs dense MLPs)"
     kind = kind_of(model)
     if kind is None:
         return "not every linear is int4, nor a fused w8a8 model"

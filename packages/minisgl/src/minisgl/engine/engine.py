@@ -198,6 +198,10 @@ class Engine:
             return "none", 0
         kind, max_bs = resolve_runner(config.graph_runner, self.device, config.cuda_graph_max_bs)
         max_bs = min(max_bs, config.max_running_requests)
+        if kind == "cuda" and self.model_config.moe is not None:
+            logger.info("no decode graphs: a mixture-of-experts step reads its experts' token "
+                        "counts on the host (models/moe.py)")  # fmt: skip
+            return "none", 0
         if (
             kind != "none"
             and config.graph_runner == "auto"

@@ -5,8 +5,10 @@ from __future__ import annotations
 from minisgl.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
+    MixtralForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
 )
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -14,6 +16,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 __all__ = ["MODEL_REGISTRY"]

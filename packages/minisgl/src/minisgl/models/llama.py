@@ -1,4 +1,6 @@
-"""Llama-family decoder: Llama, Mistral, Qwen2 (QKV bias) and Qwen3 (q/k RMSNorm).
+"""Llama-family decoder: Llama, Mistral, Qwen2 (QKV bias) and Qwen3 (q/k RMSNorm); the
+mixture-of-experts Qwen3-MoE and Mixtral with a MoE block as the MLP of their sparse layers
+(`models/moe.py`).
 
 Parameter names equal HF's, so checkpoints load tensor by tensor without renaming.
 
@@ -24,6 +26,7 @@ from minisgl.config import ModelConfig
 from minisgl.distributed.layout import TPInfo
 from minisgl.kernels.slots import KVSlots
 from minisgl.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+from minisgl.models.moe import SparseMoeBlock
 
 # checkpoint module name -> (fused module name, shard index); shards are stacked along rows
 STACKED_PARAMS = {
@@ -143,7 +146,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_id)
-        self.mlp = MLP(cfg)
+        sparse = cfg.moe is not None and layer_id in cfg.moe.sparse_layers
+        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(cfg) if sparse else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -313,4 +317,12 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
     pass

@@ -17,6 +17,7 @@ from minisgl.config import ModelConfig, ModelLoadError, weight_files
 from minisgl.distributed.layout import TPInfo
 from minisgl.models import MODEL_REGISTRY
 from minisgl.models.llama import STACKED_PARAMS, shard_sizes
+from minisgl.models.moe import CheckpointPiece, checkpoint_pieces
 from minisgl.utils.log import get_logger
 
 logger = get_logger(__name__)
@@ -83,6 +84,12 @@ class Target:
     start: int = 0
     end: int = 0
     zero_tail: bool = False  # the rows after `rows` are padding (a vocabulary slice)
+    expert: int | None = None  # a stacked expert parameter: `rows` of its matrix `expert`
+
+    def dest(self) -> torch.Tensor:
+        """The part of `param` this checkpoint tensor fills."""
+        p = self.param if self.expert is None else self.param[self.expert]
+        return p if self.rows is None else p[self.rows[0] : self.rows[1]]
 
     def read(self, f: Any, name: str) -> torch.Tensor:
         """This rank's piece of checkpoint tensor `name` of the open file `f`: only that
@@ -107,16 +114,22 @@ class DummyCheckpoint:
             whole = MODEL_REGISTRY[cfg.architecture](cfg, max_positions, TPInfo())
         whole.tie_weights()
         self.shapes = {n: tuple(p.shape) for n, p in whole.named_parameters()}  # ties once
-        self.pieces: dict[str, tuple[str, int, int]] = {}  # checkpoint name -> fused rows
+        # checkpoint name -> (parameter, its rows, expert: None, or that expert's matrix's rows)
+        self.pieces: dict[str, tuple[str, int, int, int | None]] = {}
         for name in self.shapes:
+            moe = checkpoint_pieces(cfg, name)
+            if moe is not None:
+                for piece in moe:
+                    self.pieces[piece.name] = (name, *_expert_rows(self.shapes[name], piece))
+                continue
             prefix, leaf, kind = _split_name(name)
             shards = [(n, i) for n, (f, i) in STACKED_PARAMS.items() if f == leaf]
             if not shards:
-                self.pieces[name] = (name, 0, self.shapes[name][0])
+                self.pieces[name] = (name, 0, self.shapes[name][0], None)
             sizes = shard_sizes(cfg, leaf) if shards else []
             for shard, i in shards:
                 start = sum(sizes[:i])
-                self.pieces[f"{prefix}.{shard}.{kind}"] = (name, start, start + sizes[i])
+                self.pieces[f"{prefix}.{shard}.{kind}"] = (name, start, start + sizes[i], None)
         self._last: tuple[str, torch.Tensor] | None = None  # q, k, v share one draw
 
     def keys(self) -> list[str]:
@@ -137,8 +150,9 @@ class DummyCheckpoint:
         return t
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        whole, start, end = self.pieces[name]
-        return self._draw(whole)[start:end]
+        whole, start, end, expert = self.pieces[name]
+        t = self._draw(whole)
+        return (t if expert is None else t[expert])[start:end]
 
     def get_slice(self, name: str) -> torch.Tensor:
         return self.get_tensor(name)  # a tensor slices like safetensors' slice objects
@@ -184,6 +198,9 @@ def _fill(
 ) -> None:  # fmt: skip
     """Copy every pending target from the open checkpoint `files`, then zero the vocabulary's
     padding rows (tensor parallelism); a target no file holds is an error."""
+    same: dict[tuple[int, Any, Any], set[str]] = {}  # the names filling one place (tied aliases)
+    for n, t in targets.items():
+        same.setdefault((id(t.param), t.rows, t.expert), set()).add(n)
     for f in files:
         for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
             target = targets.get(name)
@@ -193,21 +210,50 @@ def _fill(
             if name not in pending:  # packed, or a tied alias already loaded
                 continue
             tensor = target.read(f, name)
-            rows = target.rows
-            dest = target.param if rows is None else target.param[rows[0] : rows[1]]
+            dest = target.dest()
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ModelLoadError(
                     f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}"
                 )
             with torch.no_grad():
                 dest.copy_(tensor)
-            pending -= {n for n, t in targets.items() if t.param is target.param and t.rows == rows}
+            pending -= same[(id(target.param), target.rows, target.expert)]
     if pending:
         raise ModelLoadError(f"missing weights in {source!r}: {sorted(pending)[:8]}")
     with torch.no_grad():
         for t in targets.values():
             if t.zero_tail and t.rows is not None:
                 t.param[t.rows[1] :].zero_()
+
+
+def _expert_rows(shape: tuple[int, ...], piece: CheckpointPiece) -> tuple[int, int, int | None]:
+    """(rows, expert) of a MoE parameter of `shape` that checkpoint `piece` fills (tp=1)."""
+    if piece.expert is None:  # the router
+        return 0, shape[0], None
+    if piece.shard is None:  # an expert's down projection
+        return 0, shape[1], piece.expert
+    n = shape[1] // 2  # gate rows, then up rows
+    return piece.shard * n, (piece.shard + 1) * n, piece.expert
+
+
+def _expert_targets(
+    param: torch.nn.Parameter, pieces: list[CheckpointPiece], cfg: ModelConfig, tp: TPInfo
+) -> dict[str, Target]:
+    """A MoE parameter's targets: the router whole; each expert's gate / up rows and down
+    columns of this rank's piece of the expert intermediate size."""
+    assert cfg.moe is not None
+    i0, i1 = tp.split(cfg.moe.intermediate_size)
+    n = i1 - i0
+    out: dict[str, Target] = {}
+    for p in pieces:
+        if p.expert is None:
+            out[p.name] = Target(param, None)
+        elif p.shard is None:
+            out[p.name] = Target(param, None, 1, i0, i1, expert=p.expert)
+        else:
+            rows = (p.shard * n, (p.shard + 1) * n)
+            out[p.name] = Target(param, rows, 0, i0, i1, expert=p.expert)
+    return out
 
 
 def _split_name(name: str) -> tuple[str, str, str]:
@@ -236,6 +282,10 @@ def _load_targets(model: torch.nn.Module, cfg: ModelConfig, tp: TPInfo) -> dict[
     split = tp.size > 1
     targets: dict[str, Target] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
+        moe = checkpoint_pieces(cfg, name)
+        if moe is not None:
+            targets.update(_expert_targets(param, moe, cfg, tp))
+            continue
         prefix, leaf, kind = _split_name(name)
         shards = sorted((i, n) for n, (f, i) in STACKED_PARAMS.items() if f == leaf)
         if shards:

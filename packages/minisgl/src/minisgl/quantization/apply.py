@@ -15,6 +15,8 @@ from torch import nn
 
 from minisgl.config import ModelConfig
 from minisgl.models.llama import STACKED_PARAMS
+from minisgl.models.moe import SparseMoeBlock
+from minisgl.quantization.experts import QuantizedExperts
 from minisgl.quantization.linear import Int4Linear, Int8Embedding, Int8Linear, int4_supported
 from minisgl.quantization.packed import (
     Int4Weight,
@@ -59,9 +61,15 @@ def quantize_model(
     packed: PackedWeights | None = None,
 ) -> None:
     """Replace every decoder linear and the lm_head in place; `method` is int8, int4 or w8a8
-    (int8 weights of the smoothed float model, `W8A8Linear`)."""
+    (int8 weights of the smoothed float model, `W8A8Linear`). A MoE block's experts become
+    `QuantizedExperts` (int8 / int4; its router stays float)."""
     for i, layer in enumerate(model.model.layers):
+        moe = isinstance(layer.mlp, SparseMoeBlock)
+        if moe:
+            layer.mlp.experts = QuantizedExperts(layer.mlp.experts, method, dtype)
         for rel in _LAYER_LINEARS:
+            if moe and rel.startswith("mlp."):
+                continue
             parent_name, leaf = rel.split(".")
             parent = getattr(layer, parent_name)
             lin: nn.Linear = getattr(parent, leaf)

@@ -27,6 +27,11 @@ def load_quantized(
     tp: TPInfo | None = None,
 ) -> torch.nn.Module:
     """`load_model` at `quantization` (none, int8, int4, w8a8)."""
+    if cfg.moe is not None and quantization == "w8a8":
+        raise ValueError(
+            "quantization='w8a8' does not cover mixture-of-experts models (its smoothing and "
+            f"fused MLP are the dense MLP's); {cfg.architecture}: use 'int8' or 'int4'"
+        )
     if dummy_weights and quantization != "none":
         raise ModelLoadError(f"dummy weights are float only, not quantization={quantization!r}")
     if quantization == "none":
@@ -34,8 +39,10 @@ def load_quantized(
     packed = (
         read_packed(Path(model_path), quantization) if quantization in ("int8", "int4") else None
     )
+    # an untied embedding stays float (`quantize_model` packs the lm_head alone): read it
+    untied_embedding = set() if cfg.tie_word_embeddings else {"model.embed_tokens.weight"}
     model = load_model(model_path, cfg, dtype, device, max_positions, tp=tp,
-                       provided=frozenset(packed or ()))  # fmt: skip
+                       provided=frozenset(packed or ()) - untied_embedding)  # fmt: skip
     if quantization == "w8a8":
         from minisgl.quantization import smooth
 

@@ -1,7 +1,7 @@
 """The float reference of a quantized model: an HF model carrying the weights minisgl serves.
 
 `fake_quantize_hf(model, method)` rounds every decoder linear of a transformers Llama-family
-model through `method` and back, and the lm_head (with the embedding when tied) through int8,
+model (and each expert's matrices of a MoE block) through `method` and back, and the lm_head (with the embedding when tied) through int8,
 as `apply.quantize_model` does (int4 mode: the lm_head int4 from those int8 rows): HF then computes with exactly the de-quantized weights the
 packed kernels read, which separates kernel error from quantization error in parity checks.
 """
@@ -14,6 +14,14 @@ from minisgl.quantization.linear import int4_supported
 from minisgl.quantization.packed import quantize_int4, quantize_int8
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_EXPERTS = ("gate_up_proj", "down_proj")  # a MoE block's stacked [E, N, K] expert weights
+
+
+def _rounded(w: torch.Tensor, method: str) -> torch.Tensor:
+    use = method
+    if use == "int4" and not int4_supported(*w.shape):
+        use = "int8"
+    return (quantize_int4(w) if use == "int4" else quantize_int8(w)).dequantize()
 
 
 @torch.no_grad()
@@ -21,13 +29,13 @@ def fake_quantize_hf(model: torch.nn.Module, method: str) -> torch.nn.Module:
     for module in model.model.layers.modules():
         for leaf in _LINEARS:
             lin = getattr(module, leaf, None)
-            if not isinstance(lin, torch.nn.Linear):
-                continue
-            use = method
-            if use == "int4" and not int4_supported(lin.out_features, lin.in_features):
-                use = "int8"
-            q = quantize_int4(lin.weight) if use == "int4" else quantize_int8(lin.weight)
-            lin.weight.copy_(q.dequantize())
+            if isinstance(lin, torch.nn.Linear):
+                lin.weight.copy_(_rounded(lin.weight, method))
+        for leaf in _EXPERTS:  # each expert's matrix as its own linear (`QuantizedExperts`)
+            w = getattr(module, leaf, None)
+            if isinstance(w, torch.nn.Parameter) and w.dim() == 3:
+                for e in range(w.shape[0]):
+                    w[e].copy_(_rounded(w[e], method))
     head = model.lm_head.weight
     head8 = quantize_int8(head).dequantize()
     n, k = head.shape
