@@ -48,6 +48,9 @@ STATS_IDLE_S = 1.0
 QUIET_CHECK_S = 0.2
 
 
+SPEC_COUNTERS = ("verify_rows", "drafted_tokens", "accepted_tokens")
+
+
 def cpu_backend_stats() -> dict[str, Any] | None:
     """The CPU backend path counters, if that module exists in this build."""
     try:
@@ -229,6 +232,11 @@ class EngineLoop:
             "integrity_pending": int(self.integrity_pending),
             "replica": self.replica,
         }
+        spec = getattr(s, "speculative_stats", None)  # a `SpecScheduler`'s
+        if spec is not None:  # counters: summed over replicas, rates computed from the sums
+            counts = spec()
+            for key in SPEC_COUNTERS:
+                data[f"spec_{key}"] = counts[key]
         cpu = cpu_backend_stats()
         if cpu is not None:
             data["cpu_backend"] = cpu

@@ -147,6 +147,18 @@ class Metrics:
             self.generated_tokens,
             "counter",
         )
+        if "spec_verify_rows" in sched:  # speculative decoding (--speculative-algorithm)
+            rows, drafted = sched["spec_verify_rows"], sched["spec_drafted_tokens"]
+            accepted = sched["spec_accepted_tokens"]
+            gauge("minisgl_spec_drafted_tokens_total", "Draft tokens verified.", drafted,
+                  "counter")  # fmt: skip
+            gauge("minisgl_spec_accepted_tokens_total", "Draft tokens accepted.", accepted,
+                  "counter")  # fmt: skip
+            gauge("minisgl_spec_acceptance_rate", "Accepted / drafted tokens.",
+                  accepted / drafted if drafted else 0.0)  # fmt: skip
+            gauge("minisgl_spec_mean_accepted_length",
+                  "Tokens a verify row emits on average (accepted drafts + 1).",
+                  1 + accepted / rows if rows else 0.0)  # fmt: skip
         if warmup is not None:  # replica 0's engine, before the server reported healthy
             gauge("minisgl_warmup_seconds", "Engine warm-up before ready.", warmup.seconds)
             gauge("minisgl_warmup_steps", "Scheduler steps of the engine warm-up.", warmup.steps)

@@ -22,6 +22,8 @@ SUMMED = (
     "running", "waiting", "total_pages", "free_pages", "cached_tokens", "used_pages",
     "cached_pages", "steps", "generated_tokens", "prompt_tokens", "cached_prompt_tokens",
 )  # fmt: skip
+# speculative decoding's counters (engine_worker.SPEC_COUNTERS), summed when the engines have them
+SPEC_SUMMED = ("spec_verify_rows", "spec_drafted_tokens", "spec_accepted_tokens")
 GAUGES = ("running", "waiting", "used_pages", "cached_tokens", "cached_pages")  # 0 once down
 
 
@@ -164,6 +166,9 @@ class Replicas:
             ),
             default=0,
         )
+        for k in SPEC_SUMMED:
+            if k in self.stats[0]:
+                out[k] = sum(st.get(k, 0) for st in self.stats)
         out["page_size"] = self.stats[0].get("page_size", 1)
         if "cpu_backend" in self.stats[0]:
             out["cpu_backend"] = self.stats[0]["cpu_backend"]

@@ -1,0 +1,85 @@
+"""Speculative decoding: draft sources and their configuration (issue 62).
+
+A `DraftSource` proposes up to k tokens for a request from its tokens so far; the scheduler
+(`speculative.scheduler.SpecScheduler`) feeds them with the request's last token as one verify
+row of k + 1 positions, and keeps the longest prefix the target's argmax agrees with, plus the
+target's own next token. Sources join `DRAFT_SOURCES` by name (`register_draft_source`): `ngram`
+(prompt lookup) now; a draft model and EAGLE-style heads later take the same seat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+DEFAULT_DRAFT_TOKENS = 4
+MAX_DRAFT_TOKENS = 16
+
+
+class DraftSource(Protocol):
+    """Proposes draft tokens for one request."""
+
+    name: str
+
+    def propose(self, tokens: np.ndarray, k: int) -> np.ndarray:
+        """Up to `k` int32 tokens likely to follow `tokens` (the prompt, then the outputs)."""
+        ...
+
+
+def _ngram(config: SpecConfig) -> DraftSource:
+    from minisgl.speculative.ngram import NgramDraft
+
+    return NgramDraft()
+
+
+DRAFT_SOURCES: dict[str, Callable[[SpecConfig], DraftSource]] = {"ngram": _ngram}
+
+
+def register_draft_source(name: str, factory: Callable[[SpecConfig], DraftSource]) -> None:
+    if name in DRAFT_SOURCES:
+        raise ValueError(f"draft source {name!r} is already registered")
+    DRAFT_SOURCES[name] = factory
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """`speculative_algorithm` (a `DRAFT_SOURCES` name) and `speculative_num_draft_tokens` (k,
+    the most drafts a verify row carries)."""
+
+    algorithm: str
+    num_draft_tokens: int = DEFAULT_DRAFT_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in DRAFT_SOURCES:
+            raise ValueError(
+                f"unknown speculative_algorithm {self.algorithm!r}: expected one of "
+                f"{', '.join(DRAFT_SOURCES)}"
+            )
+        k = self.num_draft_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
+            raise ValueError(
+                f"speculative_num_draft_tokens must be an int in [1, {MAX_DRAFT_TOKENS}], got {k!r}"
+            )
+
+    @classmethod
+    def parse(cls, algorithm: str | None, num_draft_tokens: int | None) -> SpecConfig | None:
+        """The configuration the two user options ask for; None for no speculation."""
+        if algorithm is None:
+            if num_draft_tokens is not None:
+                raise ValueError(
+                    "speculative_num_draft_tokens needs a speculative_algorithm (ngram)"
+                )
+            return None
+        if not isinstance(algorithm, str):
+            raise ValueError(
+                f"speculative_algorithm must be a string, got {type(algorithm).__name__}"
+            )
+        k = DEFAULT_DRAFT_TOKENS if num_draft_tokens is None else num_draft_tokens
+        return cls(algorithm.strip().lower(), k)
+
+
+def make_draft_source(config: SpecConfig) -> DraftSource:
+    return DRAFT_SOURCES[config.algorithm](config)

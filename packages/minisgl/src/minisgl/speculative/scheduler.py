@@ -1,0 +1,200 @@
+"""The Python scheduler with speculative decode steps (serial loop: `schedule` + `commit`).
+
+A decode step where some request has drafts is a verify step: row i feeds its last token and
+its k_i drafts at positions `[kv_len, kv_len + k_i]` (an extend chunk on the paged KV, so the
+prefill attention path runs it) and samples at every one of them (`sample_rows` repeats the
+row). Commit keeps, per row, the longest prefix of drafts equal to the sampled tokens plus the
+next sampled token; the tokens are appended one column at a time under the usual finish rules,
+so a stop token or a length limit mid-draft stops the output exactly where one token a step
+would. `kv_len` advances by the tokens appended: the KV written for rejected drafts lies past
+it, in locations the request owns (reserved at admission), overwritten by the next step and
+freed with the request; the radix cache only ever sees positions below `kv_len`.
+
+Only rows whose choice is the raw argmax (`SamplingParams.argmax_only`, no `min_tokens`) draft;
+the others feed one token, as in a plain decode step. A step where no row drafts is a plain
+decode step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minisgl.scheduler.backend import ScheduledStep, SchedulerConfig
+from minisgl.scheduler.request import FINISH_REASONS, Req, StepOutput
+from minisgl.scheduler.scheduler import Scheduler
+from minisgl.speculative import DraftSource, SpecConfig, make_draft_source
+from minisgl.step.plan import StepPlan, build_step_plan
+
+
+@dataclass
+class SpecStats:
+    """Verify rows (rows that carried drafts), their drafts, the drafts accepted."""
+
+    verify_rows: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verify row emits on average (accepted drafts + the target's own)."""
+        return 1 + self.accepted_tokens / self.verify_rows if self.verify_rows else 0.0
+
+
+@dataclass(frozen=True)
+class VerifyStep:
+    plan: StepPlan
+    drafts: list[np.ndarray] = field(repr=False)  # per batch row (empty: no draft)
+
+
+def accepted_lengths(drafts: Sequence[np.ndarray], targets: Sequence[np.ndarray]) -> np.ndarray:
+    """Per row, the length of the longest prefix of `drafts[i]` equal to `targets[i]` (the
+    target's tokens at the row's positions: one more than its drafts)."""
+    out = np.zeros(len(drafts), dtype=np.int64)
+    for i, (d, t) in enumerate(zip(drafts, targets, strict=True)):
+        miss = np.flatnonzero(d != t[: len(d)])
+        out[i] = miss[0] if len(miss) else len(d)
+    return out
+
+
+def every_position(plan: StepPlan) -> StepPlan:
+    """`plan` sampling at every token it feeds (row i repeated `extend_lens[i]` times)."""
+    n = plan.num_tokens
+    return dataclasses.replace(
+        plan,
+        logits_indices=np.arange(n, dtype=np.int32),
+        sample_rows=np.repeat(np.arange(plan.batch_size, dtype=np.int32), plan.extend_lens),
+    )
+
+
+class SpecScheduler(Scheduler):
+    backend = "python"
+
+    def __init__(self, *, speculative: SpecConfig, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.spec = speculative
+        self.draft: DraftSource = make_draft_source(speculative)
+        self.spec_stats = SpecStats()
+        self._verify: VerifyStep | None = None
+
+    @classmethod
+    def of(cls, config: SchedulerConfig, speculative: SpecConfig) -> SpecScheduler:
+        return cls(speculative=speculative, **dataclasses.asdict(config))
+
+    def schedule_ahead(self):  # type: ignore[override]
+        raise RuntimeError("speculative decoding runs the serial loop (no overlap scheduling)")
+
+    # ------------------------------------------------------------------ plans
+    def _drafts(self, req: Req) -> np.ndarray:
+        p = req.params
+        t, slot = self.table, req.slot
+        budget = min(self.spec.num_draft_tokens, int(t.out_limit[slot] - t.out_len[slot]) - 1)
+        if budget <= 0 or not p.argmax_only or p.min_tokens:
+            return np.zeros(0, dtype=np.int32)
+        return self.draft.propose(req.all_tokens(), budget)
+
+    def _decode_plan(self, keep: np.ndarray | None = None) -> ScheduledStep | None:
+        self._verify = None
+        if keep is not None or not self.running:
+            return super()._decode_plan(keep)
+        reqs = list(self.running)
+        drafts = [self._drafts(r) for r in reqs]
+        lens = np.array([1 + len(d) for d in drafts], dtype=np.int32)
+        if (lens == 1).all():
+            return super()._decode_plan()
+        slots = self._running_slots()
+        t = self.table
+        starts = t.kv_len[slots]
+        self._ensure_capacity(slots, starts + lens)
+        ids = np.concatenate(
+            [np.concatenate([[last], d]) for last, d in zip(t.last_token[slots], drafts)]
+        )
+        plan = build_step_plan(
+            self.alloc.page_table, slots, starts, lens, ids, np.ones(len(reqs), dtype=bool), True
+        )
+        plan = every_position(plan)
+        self._last_decode = None
+        self._verify = VerifyStep(plan, drafts)
+        return ScheduledStep(plan, reqs)
+
+    # ------------------------------------------------------------------ commit
+    def commit(
+        self, reqs: Sequence[Req], plan: StepPlan, next_tokens: Sequence[int]
+    ) -> list[StepOutput]:
+        verify = self._verify
+        self._verify = None
+        if verify is None or plan is not verify.plan:
+            return super().commit(reqs, plan, next_tokens)
+        t0 = time.perf_counter()
+        self._served["commit"] += 1
+        tokens = np.asarray(next_tokens, dtype=np.int64).reshape(-1)
+        if len(tokens) != plan.num_tokens:
+            raise ValueError(f"commit got {len(tokens)} tokens for {plan.num_tokens} samples")
+        if len(reqs) != plan.batch_size:
+            raise ValueError(f"commit got {len(reqs)} requests for a batch of {plan.batch_size}")
+        lens = plan.extend_lens.astype(np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        targets = [tokens[o : o + n] for o, n in zip(offsets.tolist(), lens.tolist())]
+        accepted = accepted_lengths(verify.drafts, targets)
+        self._count(verify.drafts, accepted)
+        emit = accepted + 1
+        slots = plan.slots.astype(np.int64)
+        ended = np.zeros(len(reqs), dtype=bool)
+        appended = np.zeros(len(reqs), dtype=np.int64)
+        codes_of = np.zeros(len(reqs), dtype=np.int8)
+        outputs: list[StepOutput] = []
+        for j in range(int(emit.max())):  # column j: each live row's j-th token
+            live = (emit > j) & ~ended
+            if not live.any():
+                break
+            col = tokens[offsets + np.minimum(j, lens - 1)]
+            codes = self._append_tokens(reqs, slots, col, live)
+            appended += live
+            if codes is not None:
+                done = live & (codes != 0)
+                ended |= done
+                codes_of[done] = codes[done]
+                outputs += self._outputs(slots[live], col[live], codes[live])
+            else:
+                outputs += self._outputs(slots, col, None)
+        self.table.kv_len[slots] += appended
+        for k in np.flatnonzero(ended).tolist():  # in row order
+            req = reqs[k]
+            req.finish_reason = FINISH_REASONS[codes_of[k]]
+            self._leave_running(req)
+            self._release(req)
+            del self.requests[req.rid]
+        self.stats.commit_s.append(time.perf_counter() - t0)
+        self.stats.steps += 1
+        self.stats.generated_tokens += len(outputs)
+        return outputs
+
+    def _count(self, drafts: Sequence[np.ndarray], accepted: np.ndarray) -> None:
+        n = np.array([len(d) for d in drafts])
+        s = self.spec_stats
+        s.verify_steps += 1
+        s.verify_rows += int((n > 0).sum())
+        s.drafted_tokens += int(n.sum())
+        s.accepted_tokens += int(accepted.sum())
+
+    def speculative_stats(self) -> dict[str, float | int | str]:
+        s = self.spec_stats
+        return {
+            "algorithm": self.spec.algorithm,
+            "num_draft_tokens": self.spec.num_draft_tokens,
+            "verify_steps": s.verify_steps,
+            "verify_rows": s.verify_rows,
+            "drafted_tokens": s.drafted_tokens,
+            "accepted_tokens": s.accepted_tokens,
+            "acceptance_rate": s.acceptance_rate,
+            "mean_accepted_length": s.mean_accepted_length,
+        }
