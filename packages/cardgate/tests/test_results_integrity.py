@@ -5,7 +5,20 @@ them."""
 from __future__ import annotations
 
 import pytest
-from cardgate_repo import FAIL, IN_PROGRESS_CARD, PASS, Repo, manifest_of, ready, summary_of
+from cardgate_repo import (
+    FAIL,
+    IN_PROGRESS_CARD,
+    PASS,
+    USAGE,
+    Repo,
+    manifest_of,
+    ready,
+    summary_of,
+)
+
+from cardgate.decide import node_results
+from cardgate.outcome import Verdict
+from cardgate.run import RunResult, TestPhase
 
 CARD = "P0-007"
 RED = "every-class-fails-on-the-gate-before-this-card"
@@ -44,6 +57,16 @@ def metric(request):
 """
 
 
+def _run_twice() -> RunResult:
+    """A run where one test id ran twice: failed, then passed."""
+    phases = tuple(
+        TestPhase("t::x", "call", outcome, "", "assertion" if outcome == "failed" else None,
+                  False, ())
+        for outcome in ("failed", "passed")
+    )  # fmt: skip
+    return RunResult((), (), 1, False, phases, (), {"x": ("t::x",)}, "cpu:x", ())
+
+
 def _failed_items(record) -> dict[str, str]:
     return {i["key"]: i["status"] for i in summary_of(record)["items"]}
 
@@ -54,9 +77,9 @@ def test_a_test_run_twice_fails_if_either_run_failed(repo: Repo) -> None:
     repo.write("tests/test_flaky.py", FLAKY_TEST)
     repo.commit("a test that fails on its first run only")
     result = repo.gate("--", "--keep-duplicates", "tests/test_flaky.py", "tests/test_flaky.py")
-    assert result.ret == FAIL, result.stdout.str()
+    assert result.ret == USAGE, result.stdout.str()  # issue 61: no caller arguments but -n, -k
     assert (repo.path / IN_PROGRESS_CARD).exists()
-    assert _failed_items(repo.evidence()[-1])["child-one"] == "fail"
+    assert node_results(_run_twice()).get("t::x").status is Verdict.FAIL
 
 
 @pytest.mark.card(CARD, "a-report-that-says-passed-while-the-test-raised-is-a-failure", RED, GREEN)
@@ -86,17 +109,17 @@ def test_an_outside_plugin_that_rewrites_reports_is_refused(
     (outside / "evil_reports.py").write_text(TURN_FAILURES_TO_PASSES)
     monkeypatch.setenv("PYTHONPATH", str(outside))
     ready(repo, impl="False")
-    if how == "PYTEST_PLUGINS":
-        monkeypatch.setenv("PYTEST_PLUGINS", "evil_reports")
-        result = repo.gate()
-    else:
+    if how == "-p":  # issue 61: refused before anything runs
         result = repo.gate("--", "-p", "evil_reports")
-    assert result.ret == FAIL, result.stdout.str()
-    assert "evil_reports" in result.stdout.str()
-    plugins = manifest_of(repo.evidence()[-1]).get("plugins", [])
-    evil = [p for p in plugins if p["name"] == "evil_reports"]
-    assert evil and evil[0]["allowed"] is False
-    assert "pytest_runtest_makereport" in evil[0]["hooks"]
+        assert result.ret == USAGE, result.stdout.str()
+        assert "not allowed" in result.stderr.str()
+        return
+    monkeypatch.setenv("PYTEST_PLUGINS", "evil_reports")
+    result = repo.gate()
+    assert result.ret == FAIL, result.stdout.str()  # the plugin never loads: the test fails
+    manifest = manifest_of(repo.evidence()[-1])
+    assert not [p for p in manifest.get("plugins", []) if p["name"] == "evil_reports"]
+    assert {"PYTEST_PLUGINS", "PYTHONPATH"} <= set(manifest["env_dropped"])
 
 
 @pytest.mark.card(
