@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from minisgl.reasoning import (
     REASONING_FORMATS,
     get_reasoning_format,
+    tag_tokens,
     with_reasoning,
 )
 from minisgl.structured import ResponseFormat
@@ -172,11 +173,25 @@ def accepts(tok, fmt: ResponseFormat, text: str) -> bool:
     return m.consume_tokens(ids) and not m.is_error() and m.is_accepting()
 
 
+@pytest.mark.card(CARD, GRAMMAR, RED, GREEN)
+def test_a_tag_written_in_pieces_closes_the_block_too(reasoning_tokenizer):
+    import llguidance
+    import llguidance.hf
+
+    tok = reasoning_tokenizer
+    fmt = with_reasoning(ResponseFormat.parse({"type": "choice", "choice": ["red"]}),
+                         get_reasoning_format("qwen3"), True, tag_tokens(tok))  # fmt: skip
+    m = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tok, n_vocab=392), fmt.grammar())
+    pieces = [tok.convert_tokens_to_ids(c) for c in ["a", "<", "/", "t", "h", "i", "n", "k", ">"]]
+    red = tok("red", add_special_tokens=False)["input_ids"]
+    assert m.consume_tokens(pieces + red) and m.is_accepting(), m.get_error()
+
+
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 FORMATS = {
-    "json_schema": ({"type": "json_schema", "json_schema": {"schema": SCHEMA}}, '{"a": 12}',
-                    '{"a": "x"}'),
-    "json_object": ({"type": "json_object"}, '{"k": [1, 2]}', "[1]"),
+    "json_schema": ({"type": "json_schema", "json_schema": {"schema": SCHEMA}}, '{"a":12}',
+                    '{"a":"x"}'),
+    "json_object": ({"type": "json_object"}, '{"k":[1,2]}', "[1]"),  # compact, as without reasoning
     "regex": ({"type": "regex", "regex": r"[a-c]{2}/\d{3}"}, "ab/123", "ab123"),
     "choice": ({"type": "choice", "choice": ["red", 'say "hi"']}, 'say "hi"', "blue"),
 }  # fmt: skip
@@ -188,11 +203,13 @@ def test_constrained_answers_follow_a_think_block(reasoning_tokenizer, kind):
     raw, good, bad = FORMATS[kind]
     fmt = ResponseFormat.parse(raw)
     qwen3 = get_reasoning_format("qwen3")
-    inside = with_reasoning(fmt, qwen3, inside=True)  # the prompt opened <think>
-    maybe = with_reasoning(fmt, qwen3, inside=False)
+    tok = reasoning_tokenizer
+    tags = tag_tokens(tok)  # the tags are single added tokens, as in Qwen3's tokenizer
+    assert tags == {"<think>": 384, "</think>": 385}
+    inside = with_reasoning(fmt, qwen3, inside=True, tags=tags)  # the prompt opened <think>
+    maybe = with_reasoning(fmt, qwen3, inside=False, tags=tags)
     assert inside.kind == maybe.kind == "grammar"
     assert ResponseFormat.parse(inside.to_json()) == inside  # it travels as any grammar
-    tok = reasoning_tokenizer
     assert accepts(tok, inside, 'Let me think {"a": 1}.\n</think>\n\n' + good)
     assert accepts(tok, inside, "</think>" + good)
     assert not accepts(tok, inside, good)  # inside: the block must close first
@@ -210,9 +227,10 @@ def test_tool_grammars_follow_a_think_block(reasoning_tokenizer):
 
     tools = parse_tools(TOOLS)
     fmt = get_format("hermes").response_format(tools, parse_tool_choice("required", tools, False))
-    wrapped = with_reasoning(fmt, get_reasoning_format("deepseek-r1"), inside=True)
-    call = '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": -4}}\n</tool_call>'
     tok = reasoning_tokenizer
+    r1 = get_reasoning_format("deepseek-r1")
+    wrapped = with_reasoning(fmt, r1, inside=True, tags=tag_tokens(tok))
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": -4}}\n</tool_call>'
     assert accepts(tok, wrapped, "I should add.\n</think>\n\n" + call)
     assert not accepts(tok, wrapped, call)  # the block opened in the prompt must close first
     assert not accepts(tok, wrapped, "so</think>\n" + call.replace("-4", '"x"'))
