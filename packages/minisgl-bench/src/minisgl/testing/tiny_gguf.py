@@ -1,0 +1,166 @@
+"""Tiny GGUF files of the four dense families, written as llama.cpp's converter writes them.
+
+`write_tiny_gguf("qwen3", path, "Q4_K")` writes a tiny random model (`tiny_models`, widened so
+every linear's rows are whole 256-value K-quant super-blocks) as one GGUF file: the
+`<arch>.*` keys, the byte-level BPE tokenizer with its merges and ChatML template as
+`tokenizer.ggml.*` / `tokenizer.chat_template`, norms in F32 and every linear and the
+embedding in `tensor_type`. Llama and Mistral are stored as llama.cpp stores them: architecture
+`llama` (Mistral's `general.name` says `mistral`, as transformers reads it), Q and K rows
+permuted into llama.cpp's interleaved RoPE order.
+
+Types gguf-py quantizes (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are quantized from the
+model's weights; the K-quants (Q2_K..Q6_K), which gguf-py only de-quantizes, are random valid
+blocks (random codes and sub-block scales, the super-block scales `d` / `dmin` set so the
+weights' standard deviation is the model's): the reference is the file's de-quantized values
+either way.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from minisgl.testing.tiny_models import write_tiny_model
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+QUANTIZED_BY_GGUF = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+TENSOR_TYPES = QUANTIZED_BY_GGUF + K_QUANTS
+# the K-quants' fp16 super-block scales: byte offsets of d (and dmin) in a block
+_K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# widened so every linear's input dimension is a multiple of 256 (K-quant super-blocks)
+SHAPE = dict(hidden_size=256, intermediate_size=512, head_dim=64, initializer_range=0.05)
+
+_LEAVES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def gguf_name(hf: str) -> str:
+    """GGUF tensor name of an HF parameter name (llama.cpp's `tensor_mapping`)."""
+    top = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+           "model.norm.weight": "output_norm.weight"}  # fmt: skip
+    if hf in top:
+        return top[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_LEAVES[module]}.{kind}"
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's `LlamaModel.permute` of Q / K rows (weights or biases)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def k_quant_blocks(rows: int, cols: int, kind: str, std: float, seed: int) -> np.ndarray:
+    """Random valid `kind` blocks for a [rows, cols] tensor (uint8 [rows, bytes]) whose
+    de-quantized values have standard deviation `std`."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    shape = gguf.quant_shape_to_byte_shape((rows, cols), qtype)
+    raw = np.random.default_rng(seed).integers(0, 256, size=shape, dtype=np.uint8)
+    blocks = raw.reshape(rows, cols // 256, -1)
+
+    def set_scales(value: float) -> None:
+        for off in _K_SCALES[kind]:
+            blocks[..., off : off + 2] = np.array([value], np.float16).view(np.uint8)
+
+    set_scales(1.0)
+    unit = float(np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float64).std())
+    set_scales(std / unit)
+    return raw
+
+
+def _tokenizer_metadata(writer: Any, folder: Path) -> int:
+    """The folder's byte-level BPE tokenizer as `tokenizer.ggml.*` keys; its vocabulary size."""
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    vocab: dict[str, int] = dict(spec["model"]["vocab"])
+    specials = {t["content"]: t["id"] for t in spec["added_tokens"]}
+    vocab.update(specials)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in specials else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(vocab[cfg["bos_token"]])
+    writer.add_eos_token_id(vocab[cfg["eos_token"]])
+    writer.add_pad_token_id(vocab[cfg["pad_token"]])
+    writer.add_add_bos_token(False)
+    template = folder / "chat_template.jinja"
+    writer.add_chat_template(template.read_text() if template.is_file() else cfg["chat_template"])
+    return len(tokens)
+
+
+def write_tiny_gguf(
+    family: str, path: str | Path, tensor_type: str = "Q8_0", seed: int = 0,
+    types: dict[str, str] | None = None,
+) -> Path:  # fmt: skip
+    """Write a tiny random `family` model as the GGUF file `path` with its linears and
+    embedding in `tensor_type` (`types`: a type per GGUF tensor name instead, e.g. Q6_K for
+    `ffn_down` as in llama.cpp's _M mixes); the HF folder it came from is `path` + `.hf`."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+    path = Path(path)
+    folder = write_tiny_model(family, path.with_name(path.name + ".hf"), seed=seed, **SHAPE)
+    hf = json.loads((folder / "config.json").read_text())
+    arch = "llama" if family in ("llama", "mistral") else family
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(family if family == "mistral" else f"tiny-{family}")
+    writer.add_context_length(hf["max_position_embeddings"])
+    writer.add_embedding_length(hf["hidden_size"])
+    writer.add_block_count(hf["num_hidden_layers"])
+    writer.add_feed_forward_length(hf["intermediate_size"])
+    writer.add_head_count(hf["num_attention_heads"])
+    writer.add_head_count_kv(hf["num_key_value_heads"])
+    writer.add_rope_dimension_count(hf["head_dim"])
+    writer.add_key_length(hf["head_dim"])
+    writer.add_value_length(hf["head_dim"])
+    writer.add_rope_freq_base(float(hf.get("rope_theta") or 10000.0))
+    writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    writer.add_vocab_size(_tokenizer_metadata(writer, folder))
+    heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
+    tensors = load_file(str(folder / "model.safetensors"))
+    for i, (name, w) in enumerate(sorted(tensors.items())):
+        g = gguf_name(name)
+        w = w.astype(np.float32)
+        leaf = g.split(".")[-2]
+        if arch == "llama" and leaf in heads:
+            w = _permute(w, heads[leaf])
+        kind = (types or {}).get(g, tensor_type) if w.ndim == 2 else "F32"
+        qtype = gguf.GGMLQuantizationType[kind]
+        if kind in K_QUANTS:
+            data = k_quant_blocks(*w.shape, kind, float(w.std()), seed * 1000 + i)
+        elif kind == "F32":
+            data = w
+        else:
+            data = gguf.quants.quantize(w, qtype)
+        writer.add_tensor(g, data, raw_dtype=qtype)  # byte shapes: gguf derives the shape
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
