@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 from pathlib import Path
 
 from minisgl.config import ModelLoadError
@@ -86,32 +85,7 @@ def default_model_path() -> Path:
 
 
 def _convert(gguf: Path, target: Path) -> None:
-    """The GGUF as an fp32 HF folder: config and tokenizer through transformers' GGUF loader,
-    the weights through one read of our own (`quantization.gguf.read_gguf_float`: gguf's
-    de-quantization and transformers' Q / K un-permutation, the same 272 tensors bit for bit
-    as `from_pretrained(gguf_file=...)` wrote, without its second and third reads of the file
-    and its per-tensor name mapping: ~13 of a ~26 s conversion, AMD EPYC, 2 cores)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """The GGUF as an fp32 HF folder (`gguf_model.convert`, as any GGUF file converts)."""
+    from minisgl.gguf_model import convert
 
-    from minisgl.quantization.gguf import one_parse_per_file, read_gguf_float
-
-    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    with one_parse_per_file():  # the three reads share one parse of the metadata
-        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        weights = read_gguf_float(gguf, config.num_attention_heads, config.num_key_value_heads,
-                                  bool(config.tie_word_embeddings))  # fmt: skip
-    tmp.mkdir(parents=True)
-    for attr in ("quantization_config", "_pre_quantization_dtype"):
-        if hasattr(config, attr):
-            delattr(config, attr)
-    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
-    config.dtype = torch.float32  # the weights' dtype, as the loaded model's config said
-    config.save_pretrained(str(tmp))
-    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save_pretrained(str(tmp))
-    os.replace(tmp, target)
+    convert(gguf, target)

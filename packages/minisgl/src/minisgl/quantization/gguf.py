@@ -43,14 +43,20 @@ _LAYER_NAMES = {
 _BLOCK = 32
 
 
-_NORM_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_NORM_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
+}
 
 
-def _layer_name(gguf_name: str, names: dict[str, str]) -> str | None:
-    """`model.layers.{i}.{names[leaf]}.weight` of a `blk.{i}.{leaf}.weight` tensor."""
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+def _layer_name(gguf_name: str, names: dict[str, str], kinds: str = "weight") -> str | None:
+    """`model.layers.{i}.{names[leaf]}.{kind}` of a `blk.{i}.{leaf}.{kind}` tensor, `kind`
+    one of `kinds` (a regex alternation)."""
+    m = re.fullmatch(rf"blk\.(\d+)\.(\w+)\.({kinds})", gguf_name)
     if m and m.group(2) in names:
-        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.weight"
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -64,13 +70,18 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def float_name(gguf_name: str, tied: bool) -> str | None:
-    """HF name of any tensor of a Llama-family GGUF file: linears, the embedding (as
-    `lm_head.weight` when tied: the name transformers' tied save keeps), the norms."""
+    """HF name of any tensor of a Llama-family GGUF file: linears and their biases (qwen2),
+    the embedding (as `lm_head.weight` when tied: the name transformers' tied save keeps), the
+    norms (qwen3's Q / K norms too)."""
     if gguf_name == "token_embd.weight" and tied:
         return "lm_head.weight"
     if gguf_name == "output_norm.weight":
         return "model.norm.weight"
-    return _layer_name(gguf_name, _NORM_NAMES) or hf_name(gguf_name)
+    return (
+        _layer_name(gguf_name, _NORM_NAMES)
+        or _layer_name(gguf_name, _LAYER_NAMES, "bias")
+        or hf_name(gguf_name)
+    )
 
 
 @contextmanager

@@ -1,0 +1,174 @@
+"""A GGUF file as a model path: `LLM("model.gguf")`, `--model-path model.gguf`.
+
+The file is checked first (a GGUF v2 / v3 of one of the four dense families, every tensor of a
+type below), then converted once, under a file lock, into an HF folder in the user cache
+(`<cache>/models/gguf/<key>/<file stem>/`, the key from the file's path, size and mtime, so a
+changed file converts again): config and tokenizer (chat template included) from the file's
+metadata through transformers' GGUF support, the weights de-quantized by gguf-py into fp32
+safetensors (Q / K rows of `llama` files un-permuted, as transformers does). The folder's
+`packed/manifest.json` names the file and its precision class, so `quantization="auto"` serves
+it in the project's packed format of that class, converted from the file's blocks
+(`quantization/gguf.py`, cached in `packed/`); `quantization="none"` serves the de-quantized
+fp32 weights exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from minisgl.config import ModelLoadError
+from minisgl.utils.log import get_logger
+
+logger = get_logger(__name__)
+
+# general.architecture -> served as; llama.cpp stores Mistral models as `llama`
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# tensor type -> the precision class `quantization="auto"` serves a file of that type in
+TYPE_CLASSES = {
+    "F32": "none",
+    "F16": "none",
+    "BF16": "none",
+    "Q8_0": "int8",  # 8-bit blocks of 32 -> int8 per channel
+    "Q6_K": "int8",
+    "Q5_0": "int8",  # 5-bit: int4 groups would lose a bit, int8 channels keep them
+    "Q5_1": "int8",
+    "Q5_K": "int8",
+    "Q3_K": "int8",  # signed sub-block scales: int4 groups of 32 measured 10x its error
+    "Q4_0": "int4",  # codes copied: exact
+    "Q4_1": "int4",
+    "Q4_K": "int4",
+    "Q2_K": "int4",  # 2-bit codes, 16-value sub-blocks: re-quantized into int4 groups of 32
+}
+_MAGIC = b"GGUF"
+
+
+class GGUFError(ModelLoadError, ValueError):
+    """A GGUF file that cannot be served: not GGUF, or an architecture / tensor type / tensor
+    outside what is supported. A ValueError offline, exit 2 at a server's start."""
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A file named `*.gguf`, or any file starting with GGUF's magic."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    if p.suffix.lower() == ".gguf":
+        return True
+    with open(p, "rb") as f:
+        return f.read(4) == _MAGIC
+
+
+def check_gguf(path: str | Path):
+    """The file's index (`quantization.gguf_index.GGUFIndex`) once it is known servable."""
+    from minisgl.quantization.gguf import float_name
+    from minisgl.quantization.gguf_index import read_index
+
+    path = Path(path)
+    try:
+        index = read_index(path)
+    except ValueError as e:
+        raise GGUFError(f"cannot read {str(path)!r} as a GGUF model: {e}") from None
+    arch = str(index.scalars.get("general.architecture", ""))
+    if arch not in ARCHITECTURES:
+        raise GGUFError(
+            f"{path.name}: GGUF architecture {arch!r} is not supported; "
+            f"supported: {', '.join(ARCHITECTURES)}"
+        )
+    for t in index.tensors:
+        kind = t.tensor_type.name
+        if kind not in TYPE_CLASSES:
+            raise GGUFError(
+                f"{path.name}: tensor {t.name!r} has GGUF type {kind}, which is not supported; "
+                f"supported: {', '.join(TYPE_CLASSES)}"
+            )
+        if float_name(t.name, tied=False) is None:
+            raise GGUFError(
+                f"{path.name}: tensor {t.name!r} is not part of a dense {arch} model "
+                "(mixture-of-experts GGUF files are not supported)"
+            )
+    return index
+
+
+def native_class(index) -> str:
+    """The precision class of the file's linears: that of the type holding most of their
+    values (a Q4_K_M file, Q4_K with some Q6_K: int4)."""
+    sizes: dict[str, int] = {}
+    for t in index.tensors:
+        if len(t.shape) == 2 and t.name not in ("token_embd.weight", "output.weight"):
+            n = 1
+            for d in t.shape:
+                n *= int(d)
+            cls = TYPE_CLASSES[t.tensor_type.name]
+            sizes[cls] = sizes.get(cls, 0) + n
+    return max(sizes, key=lambda c: sizes[c]) if sizes else "none"
+
+
+def model_folder(path: str | Path) -> Path:
+    """Where the file's HF folder is (or will be) converted."""
+    from minisgl.default_model import cache_dir
+
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    key = hashlib.sha256(f"{real}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "models" / "gguf" / key / Path(path).stem
+
+
+def resolve_model_path(model_path: str | Path) -> str:
+    """`model_path` itself, or for a GGUF file its converted HF folder (converting it first)."""
+    if not is_gguf(model_path):
+        return str(model_path)
+    from minisgl.quantization.cache import manifest, write_manifest
+
+    path = Path(model_path)
+    target = model_folder(path)
+    if (target / "config.json").is_file() and manifest(target) is not None:
+        return str(target)
+    index = check_gguf(path)
+    from filelock import FileLock
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if not (target / "config.json").is_file():
+            logger.warning("first use of %s: converting it once into %s", path.name, target)
+            convert(path, target, index.scalars)
+        if manifest(target) is None:
+            write_manifest(target, path.resolve(), native_class(index))
+    return str(target)
+
+
+def convert(gguf: Path, target: Path, scalars: dict | None = None) -> None:
+    """The GGUF as an fp32 HF folder, published by an atomic rename: config and tokenizer
+    through transformers' GGUF loader, the weights through one read of our own
+    (`quantization.gguf.read_gguf_float`). `scalars`: the file's scalar metadata, for the
+    head size transformers leaves out (qwen3's `attention.key_length`)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from minisgl.quantization.gguf import one_parse_per_file, read_gguf_float
+
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with one_parse_per_file():  # the three reads share one parse of the metadata
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        arch = str((scalars or {}).get("general.architecture", ""))
+        head_dim = (scalars or {}).get(f"{arch}.attention.key_length")
+        if head_dim is not None:
+            config.head_dim = int(head_dim)
+        weights = read_gguf_float(gguf, config.num_attention_heads, config.num_key_value_heads,
+                                  bool(config.tie_word_embeddings))  # fmt: skip
+    tmp.mkdir(parents=True)
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    config.dtype = torch.float32  # the weights' dtype, as the loaded model's config said
+    config.save_pretrained(str(tmp))
+    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(str(tmp))
+    os.replace(tmp, target)
