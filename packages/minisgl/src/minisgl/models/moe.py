@@ -123,8 +123,15 @@ class SparseMoeBlock(nn.Module):
         return out if self.comm is None else self.comm.all_reduce(out)
 
     def fused_forward(self, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
-        """The fused (CUDA) decoder layer's MLP call: the torch ops above."""
-        return self.forward(x)
+        """The fused (CUDA) decoder layer's MLP: the router's torch ops, then the float experts
+        as two grouped-GEMM launches (`ops.fused_moe`: no host read); packed experts run their
+        own forward."""
+        experts = self.experts
+        if not isinstance(experts, Experts):
+            return self.forward(x)
+        weights, ids = self.route(x)
+        out = ops.fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+        return out if self.comm is None else self.comm.all_reduce(out)
 
 
 @dataclass(frozen=True)

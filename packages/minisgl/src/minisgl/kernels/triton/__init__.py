@@ -12,7 +12,16 @@ from __future__ import annotations
 from minisgl.kernels.slots import KVSlots
 from minisgl.kernels.triton.activation import silu_and_mul
 from minisgl.kernels.triton.argmax import argmax_rows
+from minisgl.kernels.triton.moe import fused_moe
 from minisgl.kernels.triton.norm import add_rms_norm_, rms_norm
 from minisgl.kernels.triton.rope import rope_
 
-__all__ = ["KVSlots", "add_rms_norm_", "argmax_rows", "rms_norm", "rope_", "silu_and_mul"]
+__all__ = [
+    "KVSlots",
+    "add_rms_norm_",
+    "argmax_rows",
+    "fused_moe",
+    "rms_norm",
+    "rope_",
+    "silu_and_mul",
+]
