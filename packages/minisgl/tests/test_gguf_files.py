@@ -171,6 +171,8 @@ def _bad_file(tmp_path: Path, what: str) -> Path:
                           raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)  # fmt: skip
     elif what == "moe":
         writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((4, 8, 32), np.float32))
+    elif what == "rope_freqs":
+        writer.add_tensor("rope_freqs.weight", np.ones(16, np.float32))
     else:
         writer.add_tensor("token_embd.weight", w)
     writer.write_header_to_file()
@@ -185,6 +187,7 @@ BAD = {
     "arch": "architecture 'gpt2' is not supported",
     "type": "type IQ4_NL, which is not supported",
     "moe": "'blk.0.ffn_gate_exps.weight' is not part of a dense llama model",
+    "rope_freqs": "Llama 3.1\\+ RoPE scaling factors\\) is not supported yet",
 }
 
 

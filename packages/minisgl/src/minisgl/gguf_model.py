@@ -84,6 +84,11 @@ def check_gguf(path: str | Path):
                 f"{path.name}: tensor {t.name!r} has GGUF type {kind}, which is not supported; "
                 f"supported: {', '.join(TYPE_CLASSES)}"
             )
+        if t.name == "rope_freqs.weight":  # llama.cpp's Llama 3.1+ RoPE frequency factors
+            raise GGUFError(
+                f"{path.name}: tensor 'rope_freqs.weight' (Llama 3.1+ RoPE scaling factors) is "
+                "not supported yet; serve the model's HF folder instead"
+            )
         if float_name(t.name, tied=False) is None:
             raise GGUFError(
                 f"{path.name}: tensor {t.name!r} is not part of a dense {arch} model "
