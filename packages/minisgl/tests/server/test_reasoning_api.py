@@ -15,7 +15,7 @@ import pytest
 
 from minisgl.testing.modules import require_module
 from minisgl.testing.schemas import TOOLS
-from minisgl.testing.server import running_server
+from minisgl.testing.server import running_server, start
 from minisgl.testing.tiny_reasoning import think_end_id, write_tiny_reasoning_model
 
 CARD = "P3-004"
@@ -25,6 +25,7 @@ SERVE = "the-server-separates-reasoning-whole-and-streamed"
 AFTER = "tools-and-response-format-apply-after-the-reasoning"
 KWARGS = "chat-template-kwargs-reach-the-template"
 BAD = "bad-reasoning-input-is-a-clear-error"
+PLANES = "both-control-planes-give-the-same-reasoning"
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
@@ -37,10 +38,19 @@ def think_model(tmp_path_factory):
     return write_tiny_reasoning_model(tmp_path_factory.mktemp("think-qwen3"))
 
 
+FLAGS = ("--max-seq-len-override", "512", "--reasoning-parser", "qwen3")
+
+
 @pytest.fixture(scope="module")
 def server(think_model, tmp_path_factory):
-    flags = ("--max-seq-len-override", "512", "--reasoning-parser", "qwen3")
-    with running_server(think_model, *flags, log_dir=tmp_path_factory.mktemp("think-log")) as s:
+    with running_server(think_model, *FLAGS, log_dir=tmp_path_factory.mktemp("think-log")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def rust_server(think_model, tmp_path_factory):
+    with start("rust_service", think_model, *FLAGS, backend="rust_service",
+               log_dir=tmp_path_factory.mktemp("think-svc-log")) as s:  # fmt: skip
         yield s
 
 
@@ -199,3 +209,20 @@ def test_an_unknown_reasoning_parser_exits_2(capsys):
     assert e.value.code == 2 and "--reasoning-parser" in err and "qwen3" in err
     assert parse_args([]).reasoning_parser is None
     assert parse_args(["--reasoning-parser", "deepseek-r1"]).reasoning_parser == "deepseek-r1"
+
+
+@pytest.mark.card(CARD, PLANES, RED, GREEN)
+def test_python_and_rust_service_give_the_same_reasoning(server, rust_server, think_model):
+    svc = rust_server.get()
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    for extra in ({}, {"response_format": fmt, "max_tokens": 120},
+                  {"chat_template_kwargs": {"enable_thinking": False}}):  # fmt: skip
+        body = body_for(think_model, 1, **extra)
+        answers = []
+        for s in (server, svc):
+            out = post(s, "chat/completions", body)
+            msg = out["choices"][0]["message"]
+            chunks = stream(s, body)
+            answers.append((msg.get("reasoning_content"), msg["content"], out["usage"],
+                            joined(chunks, "reasoning_content"), joined(chunks, "content")))  # fmt: skip
+        assert answers[0] == answers[1], (extra, answers)
