@@ -118,12 +118,21 @@ def test_verify_rows_of_different_k_share_one_step(page_size):
     assert plan.is_prefill
     sched.commit(reqs, plan, [12, 23, 32])
     plan, reqs = sched.schedule()
-    # a: [12, 13, 14, 10, 11], b: no draft, c: one draft (two tokens left: one draft + bonus)
-    assert plan.extend_lens.tolist() == [5, 1, 2]
+    # a: [12, 13, 14, 10, 11], b: no draft, c: one draft (two tokens left: one draft + bonus),
+    # one decode row per token, row j of a request reading its KV up to its own position
+    sa, sb, sc = (sched.requests[r].slot for r in (a, b, c))
+    assert not plan.is_prefill
+    assert plan.slots.tolist() == [sa] * 5 + [sb] + [sc] * 2
+    assert plan.extend_lens.tolist() == [1] * 8
     assert plan.input_ids.tolist() == [12, 13, 14, 10, 11, 23, 32, 33]
     assert plan.positions.tolist() == [7, 8, 9, 10, 11, 3, 8, 9]
-    assert plan.sample_rows.tolist() == [0, 0, 0, 0, 0, 1, 2, 2]
+    assert plan.seq_lens.tolist() == [8, 9, 10, 11, 12, 4, 9, 10]
+    assert plan.sample_rows.tolist() == list(range(8))
     assert plan.logits_indices.tolist() == list(range(8))
+    row_a = sched.alloc.page_table[sa]
+    assert plan.out_loc[:5].tolist() == row_a[7:12].tolist()
+    assert plan.kv_indices[: plan.kv_indptr[2]].tolist() == [*row_a[:8], *row_a[:9]]
+    assert [r.rid for r in reqs] == [a] * 5 + [b] + [c] * 2
     # a: 13 and 14 accepted, 99 the target's token where the draft said 10; c: 33 accepted,
     # then its bonus token is its last (max_tokens 3) though more was drafted
     outs = sched.commit(reqs, plan, [13, 14, 99, 5, 6, 24, 33, 44])
@@ -162,7 +171,7 @@ def test_sampled_rows_are_not_speculated():
     plan, reqs = sched.schedule()
     sched.commit(reqs, plan, [12] * 5)
     plan, reqs = sched.schedule()
-    assert plan.extend_lens.tolist() == [5, 1, 1, 1, 1]
+    assert [r.params for r in reqs] == [greedy(9)] * 5 + sampled
     for rid in list(sched.requests):
         sched.abort(rid)
     assert_scheduler_clean(sched)
@@ -367,3 +376,19 @@ def test_a_server_with_speculation_serves_the_same_text(tiny, tmp_path):
         text = wait_kv_clean(server)
         assert metric(text, "minisgl_spec_accepted_tokens_total") > 0
         assert metric(text, "minisgl_spec_mean_accepted_length") > 1
+
+
+@pytest.mark.card(CARD, "every-kv-page-returns-after-speculative-scenarios", RED, GREEN)
+def test_a_verify_step_keeps_no_decode_workspace():
+    """The SDPA decode workspace appends a token a step per slot; a verify step's rows past a
+    request's accepted length are rewritten next step, so a batch with a slot twice keeps none."""
+    import torch
+
+    from minisgl.attention.decode_workspace import DecodeWorkspace
+
+    ws = DecodeWorkspace(2, 2, 16, torch.float32, torch.device("cpu"))
+    assert ws.mode(np.array([0, 1]), np.array([5, 7])) == "rebuild"
+    assert ws.mode(np.array([0, 1]), np.array([6, 8])) == "append"
+    assert ws.mode(np.array([0, 0, 1]), np.array([7, 8, 9])) is None
+    assert ws.mode(np.array([0, 0, 1]), np.array([8, 9, 10])) is None
+    assert ws.mode(np.array([0, 1]), np.array([8, 10])) == "rebuild"

@@ -47,8 +47,13 @@ class DecodeWorkspace:
         self.slots = self.lens = None
 
     def mode(self, slots: np.ndarray, seq_lens: np.ndarray) -> str | None:
-        """`append`, `rebuild` (then filled by the layers) or None (over budget: gather)."""
+        """`append`, `rebuild` (then filled by the layers) or None (over budget: gather; a
+        batch with a slot twice, a speculative verify step: its rows' KV past their request's
+        accepted length is rewritten by the next step, so nothing of it is kept)."""
         lmax = int(seq_lens.max())
+        if len(np.unique(slots)) != len(slots):
+            self.invalidate()
+            return None
         if (
             self.slots is not None
             and np.array_equal(slots, self.slots)

@@ -1,14 +1,17 @@
 """The Python scheduler with speculative decode steps (serial loop: `schedule` + `commit`).
 
-A decode step where some request has drafts is a verify step: row i feeds its last token and
-its k_i drafts at positions `[kv_len, kv_len + k_i]` (an extend chunk on the paged KV, so the
-prefill attention path runs it) and samples at every one of them (`sample_rows` repeats the
-row). Commit keeps, per row, the longest prefix of drafts equal to the sampled tokens plus the
-next sampled token; the tokens are appended one column at a time under the usual finish rules,
-so a stop token or a length limit mid-draft stops the output exactly where one token a step
-would. `kv_len` advances by the tokens appended: the KV written for rejected drafts lies past
-it, in locations the request owns (reserved at admission), overwritten by the next step and
-freed with the request; the radix cache only ever sees positions below `kv_len`.
+A decode step where some request has drafts is a verify step: request i feeds its last token
+and its k_i drafts at positions `[kv_len, kv_len + k_i]`, laid out as k_i + 1 decode rows of
+its slot, row j reading the request's KV `[0, kv_len + j]` (the model stores every row's K / V
+in a layer before any row attends in it, so row j sees the drafts before it). It is a plain
+decode step to the engine: the C decode step, the paged decode attention, and each row's
+arithmetic that of a one-token decode (greedy tokens equal to the unspeculated ones). Commit
+keeps, per request, the longest prefix of drafts equal to the sampled tokens plus the next
+sampled token, appended one column at a time under the usual finish rules, so a stop token or
+a length limit mid-draft stops the output exactly where one token a step would. `kv_len`
+advances by the tokens appended: the KV written for rejected drafts lies past it, in locations
+the request owns (reserved at admission), overwritten by the next step and freed with the
+request; the radix cache only ever sees positions below `kv_len`.
 
 Only rows whose choice is the raw argmax (`SamplingParams.argmax_only`, no `min_tokens`) draft;
 the others feed one token, as in a plain decode step. A step where no row drafts is a plain
@@ -52,8 +55,15 @@ class SpecStats:
 
 @dataclass(frozen=True)
 class VerifyStep:
-    plan: StepPlan
-    drafts: list[np.ndarray] = field(repr=False)  # per batch row (empty: no draft)
+    plan: StepPlan  # one decode row per fed token
+    reqs: list[Req] = field(repr=False)  # the requests, each once
+    slots: np.ndarray = field(repr=False)  # theirs
+    drafts: list[np.ndarray] = field(repr=False)  # per request (empty: no draft)
+
+    @property
+    def lens(self) -> np.ndarray:
+        """Tokens each request feeds (its drafts + 1)."""
+        return np.array([1 + len(d) for d in self.drafts], dtype=np.int64)
 
 
 def accepted_lengths(drafts: Sequence[np.ndarray], targets: Sequence[np.ndarray]) -> np.ndarray:
@@ -66,14 +76,22 @@ def accepted_lengths(drafts: Sequence[np.ndarray], targets: Sequence[np.ndarray]
     return out
 
 
-def every_position(plan: StepPlan) -> StepPlan:
-    """`plan` sampling at every token it feeds (row i repeated `extend_lens[i]` times)."""
-    n = plan.num_tokens
-    return dataclasses.replace(
-        plan,
-        logits_indices=np.arange(n, dtype=np.int32),
-        sample_rows=np.repeat(np.arange(plan.batch_size, dtype=np.int32), plan.extend_lens),
-    )
+def verify_plan(
+    page_table: np.ndarray,
+    slots: np.ndarray,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    input_ids: np.ndarray,
+) -> StepPlan:
+    """Request i (slot `slots[i]`) feeding `lens[i]` tokens from position `starts[i]`, as
+    `lens[i]` one-token decode rows of its slot at consecutive positions, each sampled."""
+    n = int(lens.sum())
+    first = np.repeat(np.cumsum(lens) - lens, lens)  # each row's request's first row
+    row_starts = np.repeat(starts, lens) + (np.arange(n) - first)
+    return build_step_plan(
+        page_table, np.repeat(slots, lens), row_starts, np.ones(n, dtype=np.int32), input_ids,
+        np.ones(n, dtype=bool), False,
+    )  # fmt: skip
 
 
 class SpecScheduler(Scheduler):
@@ -118,13 +136,10 @@ class SpecScheduler(Scheduler):
         ids = np.concatenate(
             [np.concatenate([[last], d]) for last, d in zip(t.last_token[slots], drafts)]
         )
-        plan = build_step_plan(
-            self.alloc.page_table, slots, starts, lens, ids, np.ones(len(reqs), dtype=bool), True
-        )
-        plan = every_position(plan)
+        plan = verify_plan(self.alloc.page_table, slots, starts, lens, ids)
         self._last_decode = None
-        self._verify = VerifyStep(plan, drafts)
-        return ScheduledStep(plan, reqs)
+        self._verify = VerifyStep(plan, reqs, slots.astype(np.int64), drafts)
+        return ScheduledStep(plan, [r for r, n in zip(reqs, lens.tolist()) for _ in range(n)])
 
     # ------------------------------------------------------------------ commit
     def commit(
@@ -141,13 +156,14 @@ class SpecScheduler(Scheduler):
             raise ValueError(f"commit got {len(tokens)} tokens for {plan.num_tokens} samples")
         if len(reqs) != plan.batch_size:
             raise ValueError(f"commit got {len(reqs)} requests for a batch of {plan.batch_size}")
-        lens = plan.extend_lens.astype(np.int64)
-        offsets = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        reqs = verify.reqs
+        lens = verify.lens
+        offsets = np.cumsum(lens) - lens
         targets = [tokens[o : o + n] for o, n in zip(offsets.tolist(), lens.tolist())]
         accepted = accepted_lengths(verify.drafts, targets)
         self._count(verify.drafts, accepted)
         emit = accepted + 1
-        slots = plan.slots.astype(np.int64)
+        slots = verify.slots
         ended = np.zeros(len(reqs), dtype=bool)
         appended = np.zeros(len(reqs), dtype=np.int64)
         codes_of = np.zeros(len(reqs), dtype=np.int8)
