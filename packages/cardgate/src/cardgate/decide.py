@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from cardgate.card import Card, Item
+from cardgate.hardware import hardware_key
 from cardgate.outcome import Check, GateOutcome, ItemVerdict, Phase, RedFailure, Verdict, worst
 from cardgate.preflight import Preflight
 from cardgate.provenance import collection_checks, inventory_checks, provenance_checks
@@ -24,14 +26,24 @@ class NodeResult:
     failed_by_assertion: bool
 
 
-def node_results(run: RunResult) -> dict[str, NodeResult]:
-    """Every phase counts: a test id that ran twice fails if either run failed, and a phase
-    that raised fails even when its report says `passed` (a plugin rewrote it)."""
+def node_results(run: RunResult, timeout: float | None = None) -> dict[str, NodeResult]:
+    """Every phase counts: a test id that ran twice fails if either run failed, a phase
+    that raised fails even when its report says `passed` (a plugin rewrote it), and a phase
+    that took longer than `timeout` fails whatever pytest said (its alarm was cancelled)."""
     by_node: dict[str, list[TestPhase]] = {}
     for p in run.phases:
         by_node.setdefault(p.nodeid, []).append(p)
     out: dict[str, NodeResult] = {}
     for nodeid, recs in by_node.items():
+        slow = [p for p in recs if timeout and p.outcome == "passed" and p.duration > timeout]
+        if slow:
+            s = slow[0]
+            reason = (
+                f"{nodeid} {s.when}: ran {s.duration:.1f} s, longer than the card's Timeout: "
+                f"{timeout:g} s (measured after the run: the test's alarm did not stop it)"
+            )
+            out[nodeid] = NodeResult(nodeid, Verdict.FAIL, reason, True, False)
+            continue
         failed = [p for p in recs if p.outcome == "failed" or _contradicts(p)]
         skipped = [p for p in recs if p.outcome == "skipped"]
         calls = [p for p in recs if p.when == "call"]
@@ -308,9 +320,24 @@ def run_checks(run: RunResult) -> list[Check]:
     return checks
 
 
-def decide(pre: Preflight, run: RunResult, phase: Phase) -> GateOutcome:
+def hardware_checks(manifest_hw: str, metrics_hw: str) -> list[Check]:
+    """The hardware the gate saw (manifest) must be the hardware the tests saw (metrics)."""
+    if manifest_hw == metrics_hw:
+        return [Check("hardware", Verdict.PASS, f"{metrics_hw} (gate and tests agree)")]
+    return [
+        Check(
+            "hardware",
+            Verdict.FAIL,
+            f"the tests saw {metrics_hw} but the gate sees {manifest_hw}: a fake torch or driver "
+            "in the run? gates are keyed by hardware both agree on",
+        )
+    ]
+
+
+def decide(pre: Preflight, run: RunResult, phase: Phase, where: Path | None = None) -> GateOutcome:
+    """`where`: the clean room the run read its files from (still on disk)."""
     card = pre.card
-    nodes = node_results(run)
+    nodes = node_results(run, pre.timeout)
     only = set(pre.red_keys) if phase is Phase.RED else None
     verdicts = judge_items(card, run, nodes, phase, only)
     verdicts = uncollected_bindings(card, verdicts, run)
@@ -332,7 +359,8 @@ def decide(pre: Preflight, run: RunResult, phase: Phase) -> GateOutcome:
         *run_checks(run),
         *inventory_checks(run.inventory),
         *collection_checks(run),
-        *provenance_checks(pre.root, pre.commit, run),
+        *provenance_checks(pre.root, pre.commit, run, where),
+        *(hardware_checks(hardware_key(), run.hardware) if run.command else []),
     ]
     results: list[GateResult] = []
     red_failures: list[RedFailure] = []

@@ -1,10 +1,13 @@
 """What the tests ran on: CPU model, GPU name/driver/CUDA, library versions (no heavy imports).
 
 `CARDGATE_GPU=0` forces "no GPU" (for CPU-only runs and tests on GPU machines); `=1` trusts
-that a device exists. Otherwise torch is consulted lazily: only when a `gpu` test runs, and a
-missing torch counts as no GPU. The GPU name gates are keyed by comes from torch (when the tests
-imported it) or the kernel driver (`/proc/driver/nvidia`), never from a program on `PATH`, and
-the manifest records which (`hardware_source`).
+that a device exists, and the gate refuses it where the kernel driver shows no GPU
+(`forced_gpu_problem`). Otherwise torch is consulted lazily: only when a `gpu` test runs, and a
+missing torch counts as no GPU. The GPU name gates are keyed by needs two sources that agree:
+the kernel driver (`/proc/driver/nvidia`, never a program on `PATH`) and torch's device (torch
+is imported for it only where the driver shows a GPU); a fake torch on a CPU machine, or a
+driver torch cannot use, is the CPU kind. The manifest records the sources
+(`hardware_source`: "torch+driver" or "none").
 """
 
 from __future__ import annotations
@@ -78,23 +81,49 @@ def _driver() -> dict[str, str]:
     return found
 
 
+def _torch_device_name() -> str | None:
+    """torch's name for device 0, or None (no torch, or no device it can use)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        try:
+            import torch
+        except Exception:
+            return None
+    try:
+        if torch.cuda.is_available():
+            return str(torch.cuda.get_device_name(0))
+    except Exception:
+        return None
+    return None
+
+
 def gpu_info() -> dict[str, str]:
-    """GPU name/driver when present; {} on CPU-only machines or with CARDGATE_GPU=0. From torch
-    when it is already imported and sees a device, else from the kernel driver; `source` says
-    which ("torch" or "driver")."""
+    """GPU name/driver when the kernel driver shows a GPU and torch sees the same device; {}
+    on CPU-only machines, with CARDGATE_GPU=0, or when the two disagree."""
     if _forced() is False:
         return {}
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        try:
-            if torch.cuda.is_available():
-                info = {"gpu_name": torch.cuda.get_device_name(0), "source": "torch"}
-                if torch.version.cuda:
-                    info["torch_cuda"] = str(torch.version.cuda)
-                return {**_driver(), **info}
-        except Exception:
-            pass
-    return _driver()
+    driver = _driver()
+    if not driver:
+        return {}
+    name = _torch_device_name()
+    if name is None or name != driver["gpu_name"]:
+        return {}
+    info = {**driver, "source": "torch+driver"}
+    version = getattr(getattr(sys.modules.get("torch"), "version", None), "cuda", None)
+    if version:
+        info["torch_cuda"] = str(version)
+    return info
+
+
+def forced_gpu_problem() -> str | None:
+    """Why `CARDGATE_GPU=1` cannot be trusted here (None when it is not set or a driver shows a
+    GPU): gpu tests would run on the CPU and count as GPU evidence."""
+    if _forced() is not True or _driver():
+        return None
+    return (
+        f"{GPU_ENV}=1 but the kernel driver shows no GPU ({DRIVER_GPUS}): gpu tests would run "
+        f"on the CPU; unset {GPU_ENV} (or set it to 0)"
+    )
 
 
 def hardware_source(info: dict[str, str]) -> str:

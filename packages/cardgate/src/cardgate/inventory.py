@@ -4,10 +4,15 @@ modules imported (the gate checks git holds them), the interpreter and its envir
 each bound test's source hash (a red record keeps them).
 
 A plugin is *allowed* when it is pytest's own, cardgate's, installed in the interpreter (an
-entry-point plugin such as xdist or hypothesis: recorded with its distribution), or declared in
+entry-point plugin such as xdist or hypothesis whose distribution lies in the interpreter's
+folders: recorded with it; a dist-info found elsewhere is not installed), or declared in
 the ini option `cardgate_plugins` (a module name or a repo-relative conftest path). A repo
 conftest that implements no `REPORT_HOOKS` needs no declaration; a module from outside the
 repository always does.
+
+Every `.pth` file of the interpreter's site-packages is listed (`pth_files`): the paths it adds,
+whether it runs code at start-up, and the distribution whose RECORD names it. One that runs code
+and belongs to no distribution fails the gate (it can patch anything before a test runs).
 """
 
 from __future__ import annotations
@@ -62,11 +67,12 @@ def _module_of(plugin: object) -> tuple[str, str | None]:
 def plugins(config: pytest.Config, root: Path) -> list[dict[str, Any]]:
     """Every plugin that is not pytest's own, with the report hooks it implements."""
     declared = set(config.getini(INI_PLUGINS) or [])
+    installed = _installed_dirs()
     dists = {
         id(plugin): f"{dist.project_name}=={dist.version}"
         for plugin, dist in config.pluginmanager.list_plugin_distinfo()
+        if _dist_installed(dist, installed)
     }
-    installed = _installed_dirs()
     out: dict[str, dict[str, Any]] = {}
     for _, plugin in config.pluginmanager.list_name_plugin():
         if plugin is None:
@@ -106,6 +112,90 @@ def plugins(config: pytest.Config, root: Path) -> list[dict[str, Any]]:
         entry["hooks"] = sorted(set(entry["hooks"]) | set(hooks))
         entry["allowed"] = entry["allowed"] and allowed
     return sorted(out.values(), key=lambda e: e["name"])
+
+
+def _dist_installed(dist: Any, installed: list[Path]) -> bool:
+    """A distribution whose metadata lies in the interpreter's folders (not on PYTHONPATH)."""
+    try:
+        where = Path(str(dist.locate_file(""))).resolve()
+    except Exception:
+        return False
+    return any(where.is_relative_to(d) for d in installed)
+
+
+def _recorded_by(site_dir: Path) -> dict[str, str]:
+    """file name -> "dist==version" for every file a distribution's RECORD names."""
+    out: dict[str, str] = {}
+    for record in sorted(site_dir.glob("*.dist-info/RECORD")):
+        meta = record.parent / "METADATA"
+        name = version = ""
+        try:
+            for line in meta.read_text(encoding="utf-8", errors="replace").splitlines():
+                if line.startswith("Name:") and not name:
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("Version:") and not version:
+                    version = line.split(":", 1)[1].strip()
+            rows = record.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            continue
+        for row in rows:
+            out.setdefault(row.split(",", 1)[0], f"{name}=={version}")
+    return out
+
+
+def pth_files(site_dirs: Iterable[Path], root: Path) -> list[dict[str, Any]]:
+    """Every `.pth` file of these folders: the paths it adds, whether a line runs code (Python
+    executes lines that start with `import`), and the distribution that installed it."""
+    out: list[dict[str, Any]] = []
+    for site_dir in site_dirs:
+        if not site_dir.is_dir():
+            continue
+        owners = _recorded_by(site_dir)
+        for pth in sorted(site_dir.glob("*.pth")):
+            try:
+                lines = pth.read_text(encoding="utf-8", errors="replace").splitlines()
+            except OSError:
+                continue
+            code = [ln for ln in lines if ln.startswith(("import ", "import\t"))]
+            paths = [
+                ln.strip() for ln in lines if ln.strip() and not ln.startswith(("#", "import"))
+            ]
+            out.append(
+                {
+                    "file": pth.name,
+                    "dir": redact(str(site_dir), root),
+                    "code": bool(code),
+                    "paths": [redact(p, root) for p in paths],
+                    "dist": owners.get(pth.name),
+                }
+            )
+    return out
+
+
+def site_dirs() -> list[Path]:
+    dirs = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    dirs.update(site.getsitepackages())
+    return sorted(Path(d) for d in dirs if d)
+
+
+def worktree_modules(source: Path | None) -> list[str]:
+    """Modules imported from the working tree the room was made from (an editable install the
+    room could not redirect), relative to it; the gate's own package and the interpreter's
+    folders (a virtualenv in the repository) excepted."""
+    if source is None:
+        return []
+    base = source.resolve()
+    installed = _installed_dirs()
+    found: set[str] = set()
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if not isinstance(file, str) or name == "cardgate" or name.startswith("cardgate."):
+            continue
+        path = Path(file).resolve()
+        if not path.is_relative_to(base) or any(path.is_relative_to(d) for d in installed):
+            continue
+        found.add(path.relative_to(base).as_posix())
+    return sorted(found)
 
 
 def fixture_overrides(items: Iterable[pytest.Item], root: Path) -> list[dict[str, str]]:
@@ -187,6 +277,7 @@ def environment(root: Path) -> dict[str, Any]:
         "sitecustomize": redact(site_file, root) if site_file else "",
         "usercustomize": redact(user_file, root) if user_file else "",
         "foreign_startup": [redact(f, root) for f in foreign],
+        "pth": pth_files(site_dirs(), root),
     }
 
 

@@ -1,9 +1,11 @@
 """Gate stage 1: everything decided before pytest runs (lint, git state, dependencies, lock).
 
 Usage errors (exit 3) are raised as `GateUsageError` before anything is written: an unknown
-card, the card's own lint errors, a missing `Tests:`/`Gates:` path, a bad gates file, a file of
-the same name already in `done/`, another gate holding the card's lock, `--phase red` without
-Red items. Other cards' lint errors and unverified dependencies hold the gate (checks).
+card, the card's own lint errors, a missing `Tests:`/`Gates:` path or one outside the
+repository, an option in `Tests:` (paths only), a bad gates file, a file of the same name
+already in `done/`, another gate holding the card's lock, `--phase red` without Red items,
+pytest arguments but `-n`, `-v`, `-q` (and `-k` on a dry run), a `--timeout` above the card's `Timeout:`, and
+`CARDGATE_GPU=1` where no driver shows a GPU. Other cards' lint errors and unverified dependencies hold the gate (checks).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cardgate import gitutil
+from cardgate import gitutil, hardware
 from cardgate.board import KANBAN_DIR, Board, load_board
 from cardgate.card import Card
 from cardgate.outcome import Check, GateUsageError, Phase, Verdict
@@ -26,6 +28,7 @@ from cardgate.thresholds import GateFormatError, GateSet, load_gates
 from cardgate.verify import verify_card
 
 GATES_DIR = Path("worklog") / "gates"
+WORKERS_RE = re.compile(r"\d+|auto|logical")
 
 
 @dataclass(frozen=True)
@@ -87,22 +90,78 @@ def card_lock(root: Path, card_id: str) -> Iterator[None]:
         os.close(fd)
 
 
+def _refuse(arg: str, why: str = "") -> GateUsageError:
+    return GateUsageError(
+        f"pytest argument {arg!r} is not allowed{why}: the gate runs the committed "
+        f"configuration; allowed: -n N, -v, -q, and -k EXPR on --dry-run"
+    )
+
+
+def check_pytest_args(args: tuple[str, ...], dry_run: bool) -> None:
+    """Only `-n N`, `-v`, `-q` and (on a dry run, which records nothing) `-k EXPR`: anything
+    else would let the caller change the committed configuration (`-p`, `-o`, `-c`,
+    `--rootdir`, `--confcutdir`, `--cardgate-*`, paths, `--deselect`, `-m`...)."""
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        value: str | None
+        if arg in ("-v", "-vv", "-q", "-qq"):
+            i += 1
+            continue
+        if arg in ("-n", "--numprocesses", "-k"):
+            option, value = arg, args[i + 1] if i + 1 < len(args) else None
+            i += 2
+        elif arg.startswith("--numprocesses=") or (arg[:2] in ("-n", "-k") and len(arg) > 2):
+            option = "-k" if arg.startswith("-k") else "-n"
+            value = arg.split("=", 1)[1] if arg.startswith("--") else arg[2:]
+            i += 1
+        else:
+            raise _refuse(arg)
+        if value is None:
+            raise _refuse(arg, " without a value")
+        if option != "-k" and not WORKERS_RE.fullmatch(value):
+            raise _refuse(f"{arg} {value}", " (workers: a number, auto or logical)")
+        if option == "-k" and not dry_run:
+            raise _refuse(f"-k {value}", " on a recorded gate (it narrows the run; --dry-run)")
+
+
+def _inside(root: Path, card: Card, header: str, paths: list[str]) -> None:
+    for raw in paths:
+        if raw.startswith("-"):
+            raise GateUsageError(
+                f"{card.path}: '{header}:' holds paths only, not the option {raw!r}: pytest "
+                "options come from the committed configuration"
+            )
+        full = (root / raw).resolve()
+        if not full.is_relative_to(root):
+            raise GateUsageError(
+                f"{card.path}: '{header}:' path {raw!r} is outside the repository: the "
+                "commit would not hold it"
+            )
+
+
 def preflight(opts: GateOptions) -> Preflight:
     root = opts.root.resolve()
+    check_pytest_args(opts.pytest_args, opts.dry_run)
+    forced = hardware.forced_gpu_problem()
+    if forced:
+        raise GateUsageError(forced)
     board = load_board(root)
     card = board.cards.get(opts.card_id)
     if card is None:
         raise GateUsageError(f"unknown card {opts.card_id!r} (known: {', '.join(board.cards)})")
+    _inside(root, card, "Tests", card.tests)
+    _inside(root, card, "Gates", card.gates)
     lint = board.card_errors(card.id)
     if lint:
         raise GateUsageError("card does not lint clean:\n" + "\n".join(map(str, lint)))
+    if opts.timeout and card.timeout and opts.timeout > card.timeout:
+        raise GateUsageError(
+            f"--timeout {opts.timeout:g} would raise the card's Timeout: {card.timeout:g}: "
+            "only a lower one is allowed"
+        )
     for test_path in card.tests:
         full = (root / test_path).resolve()
-        if not full.is_relative_to(root):
-            raise GateUsageError(
-                f"{card.path}: 'Tests:' path {test_path!r} is outside the repository: the "
-                "commit would not hold the tests that ran"
-            )
         if not full.exists():
             raise GateUsageError(f"{card.path}: 'Tests:' path {test_path!r} does not exist")
     target = root / KANBAN_DIR / "done" / Path(card.path).name

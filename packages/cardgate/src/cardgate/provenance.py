@@ -7,7 +7,11 @@
 - every repository module the run imported and every bound test file is tracked at the
   commit, unmodified (compared by content, which `git status` skips for files marked
   skip-worktree or assume-unchanged) and inside the root (no symlink out): else hold;
-- every file a static scan finds bound to the card was collected: else fail.
+- every file a static scan finds bound to the card was collected: else fail;
+- in a clean room (`cardgate.room`): a module imported from the working tree instead of the
+  room (an editable install the room could not redirect) holds, and the files that ran are
+  compared with the commit as the room held them after the run (a test that rewrote one holds);
+- a `.pth` file that runs code at start-up and belongs to no installed distribution: fail.
 """
 
 from __future__ import annotations
@@ -54,6 +58,26 @@ def inventory_checks(inv: Inventory) -> list[Check]:
                 f"({startup}): it can change any result; unset the PYTHONPATH that loads it",
             )
         )
+    for pth in inv.environment.get("pth") or []:
+        if pth.get("code") and not pth.get("dist"):
+            checks.append(
+                Check(
+                    "environment",
+                    Verdict.FAIL,
+                    f"{pth.get('dir')}/{pth['file']} runs code at every interpreter start and "
+                    "belongs to no installed distribution: it can patch any code before a test "
+                    "runs; remove it",
+                )
+            )
+    for path in inv.worktree_modules[:MAX_SHOWN]:
+        checks.append(
+            Check(
+                "provenance",
+                Verdict.HOLD,
+                f"{path} was imported from the working tree, not from the clean room of the "
+                "commit (an editable install the room could not redirect)",
+            )
+        )
     return checks
 
 
@@ -69,33 +93,49 @@ def _tree(root: Path, commit: str) -> dict[str, tuple[str, str]]:
     return out
 
 
-def _hashes(root: Path, paths: list[str]) -> dict[str, str]:
+def _hashes(root: Path, paths: list[str], where: Path | None = None) -> dict[str, str]:
+    """Blob shas of files under `where` (default: `root`), without filters."""
     if not paths:
         return {}
+    base = where or root
     proc = gitutil.git(
-        root, "hash-object", "--stdin-paths", check=False, input_text="\n".join(paths) + "\n"
+        root,
+        "hash-object",
+        "--no-filters",
+        "--stdin-paths",
+        check=False,
+        input_text="\n".join(str(base / p) for p in paths) + "\n",
     )
     return dict(zip(paths, proc.stdout.split(), strict=False))
 
 
-def provenance_checks(root: Path, commit: str | None, run: RunResult) -> list[Check]:
+def ran_paths(run: RunResult) -> list[str]:
+    bound_files = {n.split("::", 1)[0] for nodes in run.bound.values() for n in nodes}
+    return sorted(set(run.inventory.modules) | bound_files)
+
+
+def provenance_checks(
+    root: Path, commit: str | None, run: RunResult, where: Path | None = None
+) -> list[Check]:
+    """`where`: the folder the run read its files from (the clean room, still there), else
+    the working tree."""
     if commit is None or not gitutil.is_repo(root):
         return []
-    bound_files = {n.split("::", 1)[0] for nodes in run.bound.values() for n in nodes}
-    paths = sorted(set(run.inventory.modules) | bound_files)
+    paths = ran_paths(run)
     tree = _tree(root, commit)
-    real_root = root.resolve()
+    base = where or root
+    real_root = base.resolve()
     problems: list[str] = []
     regular: list[str] = []
     for path in paths:
-        full = root / path
+        full = base / path
         if path in run.inventory.outside_modules or not full.resolve().is_relative_to(real_root):
             problems.append(f"{path} resolves outside the repository: git does not hold it")
         elif path not in tree:
             problems.append(f"{path} ran but is not tracked at the commit (ignored or excluded?)")
         elif full.is_file() and not full.is_symlink():
             regular.append(path)
-    for path, sha in _hashes(root, regular).items():
+    for path, sha in _hashes(root, regular, base).items():
         if tree[path][1] != sha:
             problems.append(
                 f"{path} differs from the commit (uncommitted, or hidden from git status by "

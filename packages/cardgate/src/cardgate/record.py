@@ -51,6 +51,8 @@ def manifest(
         "pytest_args": [*(["-n", opts.workers] if opts.workers else []), *opts.pytest_args],
         "timeout_s": pre.timeout,
         "env": dict(run.env),
+        "env_dropped": list(run.env_dropped),
+        "clean_room": run.room,
         "bound_tests": {k: list(v) for k, v in sorted(run.bound.items())},
         "static_bound_files": list(run.static_files),
         "allow_changed_tests": opts.allow_changed_tests,

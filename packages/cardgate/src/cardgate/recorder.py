@@ -7,6 +7,7 @@ and what ran besides the tests (`inventory`), merged over the controller and eve
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from cardgate import hardware, inventory
 from cardgate.evidence import write_json
 from cardgate.fixtures import METRIC_PROP
 from cardgate.redact import redact
+from cardgate.room import ROOM_SOURCE_ENV
 from cardgate.state import STATE
 
 REPORT_VERSION = 3
@@ -42,7 +44,9 @@ def process_inventory(config: pytest.Config, items: list[pytest.Item]) -> dict[s
     """What this process ran besides the tests (see `cardgate.inventory`)."""
     root = config.stash[STATE].root
     modules, outside = inventory.repo_modules(root)
+    source = os.environ.get(ROOM_SOURCE_ENV)
     return {
+        "worktree_modules": inventory.worktree_modules(Path(source) if source else None),
         "plugins": inventory.plugins(config, root),
         "fixture_overrides": inventory.fixture_overrides(items, root),
         "modules": modules,
@@ -66,6 +70,7 @@ def merge_inventories(parts: list[dict[str, Any]]) -> dict[str, Any]:
         "fixture_overrides": sorted(overrides.values(), key=lambda o: (o["fixture"], o["where"])),
         "modules": sorted({m for part in parts for m in part.get("modules", [])}),
         "outside_modules": sorted({m for part in parts for m in part.get("outside_modules", [])}),
+        "worktree_modules": sorted({m for part in parts for m in part.get("worktree_modules", [])}),
         "environment": next((p["environment"] for p in parts if p.get("environment")), {}),
     }
 

@@ -1,6 +1,9 @@
-"""Gate stage 2: pytest in subprocesses.
+"""Gate stage 2: pytest in subprocesses, in a clean room.
 
-When nothing could narrow the run (no `-n`, no arguments after `--`, no `PYTEST_ADDOPTS`), one
+Every pytest process runs in a fresh checkout of the recorded commit (`cardgate.room`, read
+from git's raw objects), with an environment the gate builds (`cardgate.environ`) and the
+room's imports redirected from the working tree (`cardgate.roomplugin`). Paths recorded are
+relative to the room, which is the commit. When nothing could narrow the run (no `-n`, no arguments after `--`, no `PYTEST_ADDOPTS`), one
 pytest run over the whole suite (ini `testpaths` plus the card's `Tests:` paths) both finds
 every test bound to the card and runs them. Otherwise a collection pass over the whole suite
 (without those arguments) finds the bound tests first, and the run itself, on those tests'
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from cardgate import environ
 from cardgate.hardware import hardware_key
 from cardgate.outcome import Phase
 from cardgate.preflight import GateOptions, Preflight
@@ -48,6 +52,7 @@ class TestPhase:
     wasxfail: bool
     metrics: tuple[Metric, ...]
     source_sha256: str | None = None
+    duration: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class Inventory:
     modules: tuple[str, ...] = ()
     outside_modules: tuple[str, ...] = ()
     environment: dict[str, Any] = field(default_factory=dict)
+    worktree_modules: tuple[str, ...] = ()  # imported from the working tree, not the room
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -66,6 +72,7 @@ class Inventory:
             "fixture_overrides": list(self.fixture_overrides),
             "imported_modules": list(self.modules),
             "outside_modules": list(self.outside_modules),
+            "worktree_modules": list(self.worktree_modules),
             "environment": dict(self.environment),
         }
 
@@ -85,6 +92,8 @@ class RunResult:
     inventory: Inventory = field(default_factory=Inventory)
     hardware_source: str = "none"
     limit_s: float | None = None  # the run's time limit (None: no run)
+    room: dict[str, Any] | None = None  # the clean room (None: no commit, ran in place)
+    env_dropped: tuple[str, ...] = ()
 
     @property
     def static_files(self) -> tuple[str, ...]:
@@ -109,33 +118,42 @@ def run_limit(asked: float | None, test_timeout: float | None, num_tests: int) -
     return DEFAULT_RUN_LIMIT_S
 
 
-def env_overrides(root: Path) -> tuple[tuple[str, str], ...]:
+def env_overrides(env: dict[str, str], root: Path) -> tuple[tuple[str, str], ...]:
+    """The child's variables that steer a run (`ENV_PREFIXES`), as recorded."""
     return tuple(
-        (k, redact(v, root)) for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)
+        (k, redact(v, root))
+        for k, v in sorted(env.items())
+        if k.startswith(ENV_PREFIXES) and k != environ.ROOM_SOURCE_ENV
     )
 
 
-def _base(opts: GateOptions, pre: Preflight, report: Path) -> list[str]:
+def _base(opts: GateOptions, pre: Preflight, report: Path, where: Path) -> list[str]:
     cmd = [opts.python or sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
+    cmd += ["-p", "cardgate.roomplugin"]
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
         cmd += ["-p", "cardgate"] + (["-p", "xdist"] if opts.workers else [])
     return [
         *cmd,
-        f"--rootdir={pre.root}",
+        f"--rootdir={where}",
         f"--cardgate-card={pre.card.id}",
         f"--cardgate-report={report}",
-        f"--cardgate-root={pre.root}",
+        f"--cardgate-root={where}",
     ]
 
 
 def _collect(
-    opts: GateOptions, pre: Preflight, tmp: Path, stream: TextIO, static: list[str]
+    opts: GateOptions,
+    pre: Preflight,
+    tmp: Path,
+    stream: TextIO,
+    static: list[str],
+    where: Path,
+    env: dict[str, str],
 ) -> dict[str, Any]:
     report = tmp / "collect.json"
-    cmd = [*_base(opts, pre, report), "--collect-only", "-q", "--cardgate-testpaths"]
+    cmd = [*_base(opts, pre, report, where), "--collect-only", "-q", "--cardgate-testpaths"]
     cmd += [*pre.card.tests, *static]
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
-    subprocess.run(cmd, cwd=pre.root, env=env, stdout=subprocess.DEVNULL, stderr=stream)
+    subprocess.run(cmd, cwd=where, env=env, stdout=subprocess.DEVNULL, stderr=stream)
     return load_report(report) if report.exists() else {}
 
 
@@ -144,7 +162,7 @@ def _single_pass(opts: GateOptions) -> bool:
 
     (Under xdist the controller collects nothing, so `-n` always takes a collection pass.)
     """
-    return not opts.workers and not opts.pytest_args and not os.environ.get("PYTEST_ADDOPTS")
+    return not opts.workers and not opts.pytest_args
 
 
 def _by_key(report: dict[str, Any]) -> dict[str, tuple[str, ...]]:
@@ -160,12 +178,24 @@ def _errors(report: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def run_pytest(
-    opts: GateOptions, pre: Preflight, out: Callable[[str], None], stream: TextIO
+    opts: GateOptions,
+    pre: Preflight,
+    out: Callable[[str], None],
+    stream: TextIO,
+    where: Path | None = None,
+) -> RunResult:
+    """Run the card's tests in `where` (the clean room; default: the working tree)."""
+    return _run_in(opts, pre, out, stream, where or pre.root)
+
+
+def _run_in(
+    opts: GateOptions, pre: Preflight, out: Callable[[str], None], stream: TextIO, where: Path
 ) -> RunResult:
     single = _single_pass(opts)
     wanted = _expand(pre, set(pre.red_keys)) if opts.phase is Phase.RED else None
-    static_bindings = _static_bindings(pre)
+    static_bindings = _static_bindings(pre, where)
     static = sorted({path for path, _ in static_bindings})  # passed explicitly to pytest
+    env = environ.gate_env(pre.root)
     with tempfile.TemporaryDirectory(prefix="cardgate-") as tmp_name:
         tmp = Path(tmp_name)
         errors: list[tuple[str, str]] = []
@@ -173,7 +203,7 @@ def run_pytest(
         if single:
             paths = ["--cardgate-testpaths", *pre.card.tests, *static]
         else:
-            collected = _collect(opts, pre, tmp, stream, static)
+            collected = _collect(opts, pre, tmp, stream, static, where, env)
             if not collected:
                 errors.append(("<collection>", "the collection pass wrote no report"))
             errors += _errors(collected)
@@ -188,7 +218,7 @@ def run_pytest(
                 | ({*static} if not wanted else set())
             )
         report = tmp / "report.json"
-        cmd = _base(opts, pre, report)
+        cmd = _base(opts, pre, report, where)
         if wanted is not None:
             cmd.append(f"--cardgate-items={','.join(sorted(wanted))}")
         if pre.timeout:
@@ -201,10 +231,10 @@ def run_pytest(
         limit: float | None = None
         data: dict[str, Any] = {}
         if paths:
-            out(f"cardgate: {' '.join(cmd[1:])}")
+            out(f"cardgate: {' '.join(redact(a, where) for a in cmd[1:])}")
             limit = run_limit(pre.run_limit, pre.timeout, sum(map(len, bound.values())))
             try:
-                proc = subprocess.run(cmd, cwd=pre.root, stdout=stream, timeout=limit)
+                proc = subprocess.run(cmd, cwd=where, env=env, stdout=stream, timeout=limit)
                 returncode = proc.returncode
             except subprocess.TimeoutExpired:
                 timed_out = True
@@ -216,8 +246,9 @@ def run_pytest(
                     errors.append(("<run>", "pytest wrote no report"))
     phases = tuple(_phase(rec) for rec in data.get("tests", []))
     return RunResult(
-        command=tuple(cmd[1:]),
-        env=env_overrides(pre.root),
+        command=tuple(redact(a, where) for a in cmd[1:]),
+        env=env_overrides(env, where),
+        env_dropped=tuple(environ.dropped()),
         returncode=returncode,
         timed_out=timed_out,
         limit_s=limit,
@@ -233,14 +264,15 @@ def run_pytest(
             modules=tuple(data.get("modules", [])),
             outside_modules=tuple(data.get("outside_modules", [])),
             environment=dict(data.get("environment") or {}),
+            worktree_modules=tuple(data.get("worktree_modules", [])),
         ),
         hardware_source=str(data.get("hardware_source") or "none"),
     )
 
 
-def _static_bindings(pre: Preflight) -> tuple[tuple[str, str], ...]:
+def _static_bindings(pre: Preflight, where: Path) -> tuple[tuple[str, str], ...]:
     found = set()
-    for binding in scan_files(pre.root):
+    for binding in scan_files(where):
         item = pre.card.lookup(binding.ref) if binding.card == pre.card.id else None
         if item is not None:
             found.add((binding.path, item.key))
@@ -263,6 +295,7 @@ def _phase(rec: dict[str, Any]) -> TestPhase:
         failure=rec.get("failure"),
         wasxfail=bool(rec.get("wasxfail")),
         source_sha256=rec.get("source_sha256"),
+        duration=float(rec.get("duration") or 0.0),
         metrics=tuple(
             Metric(
                 name=m["name"],

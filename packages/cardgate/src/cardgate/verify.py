@@ -11,6 +11,8 @@ failed in the call phase by assertion, those tests' sources are unchanged since 
 told `--allow-changed-tests`, and records it), and the implementation changed between that
 commit and HEAD: a file the bound tests import now (or a compiled-language source), never
 tests, `conftest.py`, `kanban/`, `worklog/`, `docs/`, markdown or a file nothing imports.
+A red run in which any check failed (an undeclared plugin, a foreign start-up file, ...) is no
+red record, whatever its items say.
 """
 
 from __future__ import annotations
@@ -244,6 +246,13 @@ def _red_problem(
         return f"record of {record.card}, not {card.id}"
     if s.get("dirty"):
         return "not a clean red run (dirty working tree)"
+    failed = [c for c in s.get("checks") or () if c.get("status") == "fail"]
+    if failed:
+        first = failed[0]
+        return (
+            f"a check failed in that run ({first.get('name')}: "
+            f"{str(first.get('reason', ''))[:200]}): a red run with a failed check proves nothing"
+        )
     commit = gitutil.resolve(root, record.commit)
     if commit is None or not gitutil.is_strict_ancestor(root, commit, head):
         return f"commit {record.commit[:10]!r} is not a strict ancestor of HEAD"
