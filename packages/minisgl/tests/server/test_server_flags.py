@@ -182,8 +182,11 @@ def test_priority_out_of_range_or_not_an_int_is_a_400(flagged, priority):
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
 def test_priority_without_the_flag_is_a_400_naming_it(server, endpoint):
     model = httpx.get(f"{server.base_url}/v1/models", timeout=30).json()["data"][0]["id"]
-    body = {"model": model, "max_tokens": 2, "priority": 1, "prompt": "Hi",
-            "messages": [{"role": "user", "content": "Hi"}]}  # fmt: skip
+    body = {"model": model, "max_tokens": 2, "priority": 1}
+    if endpoint == "completions":
+        body["prompt"] = "Hi"
+    else:
+        body["messages"] = [{"role": "user", "content": "Hi"}]
     r = httpx.post(f"{server.base_url}/v1/{endpoint}", json=body, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
