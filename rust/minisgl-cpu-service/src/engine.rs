@@ -22,6 +22,9 @@ pub struct EngineConfig {
     pub max_extend_tokens: usize,
     pub radix: bool,
     pub eos_token_ids: Vec<i32>,
+    /// `Some(k)`: priority scheduling (a request's `priority`, one level gained every `k`
+    /// steps waited); `None`: FIFO.
+    pub priority_aging_steps: Option<usize>,
     /// Steps in flight at once (1: serial).
     pub depth: usize,
     pub trace: Option<PathBuf>,
@@ -112,7 +115,7 @@ fn new_core(cfg: &EngineConfig) -> SchedCore {
         max_extend_tokens: cfg.max_extend_tokens,
         radix: cfg.radix,
         eos_token_ids: cfg.eos_token_ids.clone(),
-        priority_aging_steps: None,
+        priority_aging_steps: cfg.priority_aging_steps,
         in_batch_prefix_min: IN_BATCH_PREFIX_MIN,
     });
     // the service checks integrity only with nothing in flight: no step needs its read pages
@@ -185,7 +188,9 @@ impl Engine {
             ignore_eos: params.ignore_eos,
             stop_token_ids: params.stop_token_ids.clone(),
         };
-        let added = self.core.add_request(rid, ids, max_total, rp);
+        let added = self
+            .core
+            .add_request_with_priority(rid, ids, max_total, rp, params.priority);
         self.flush_trace();
         added.map_err(|e| AddError {
             message: e.to_string(),

@@ -16,7 +16,7 @@ use minisgl_cpu_service::text::run_text_cli;
 const USAGE: &str = "usage: minisgl-cpu-service serve --ipc-dir DIR --model-path DIR \
 [--num-workers N] [--dp-routing prefix|round_robin] [--page-size N] [--max-running-requests N] [--max-prefill-length N] \
 [--cache-type radix|naive] [--parent-pid PID] [--trace FILE] [--depth 1|2] \
-[--startup-timeout S]\n       minisgl-cpu-service text --model DIR\n       \
+[--startup-timeout S] [--priority-aging-steps K]\n       minisgl-cpu-service text --model DIR\n       \
 minisgl-cpu-service replay --input W.json --output R.json [--enable-priority]";
 
 fn parse_serve(args: &[String]) -> Result<Config, String> {
@@ -33,6 +33,7 @@ fn parse_serve(args: &[String]) -> Result<Config, String> {
         depth: 2,
         startup_timeout: Duration::from_secs(600),
         routing: Policy::Prefix,
+        priority_aging_steps: None,
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -66,6 +67,10 @@ fn parse_serve(args: &[String]) -> Result<Config, String> {
             }
             "--trace" => cfg.trace = Some(PathBuf::from(value()?)),
             "--depth" => cfg.depth = num(value()?)?,
+            "--priority-aging-steps" => match num(value()?)? {
+                0 => return Err("--priority-aging-steps must be >= 1".into()),
+                k => cfg.priority_aging_steps = Some(k),
+            },
             "--startup-timeout" => cfg.startup_timeout = Duration::from_secs(num(value()?)? as u64),
             other => return Err(format!("unknown flag {other:?}")),
         }

@@ -71,6 +71,8 @@ pub struct Config {
     pub depth: usize,
     pub startup_timeout: Duration,
     pub routing: Policy,
+    /// `--priority-aging-steps K`: priority scheduling; `None`: FIFO.
+    pub priority_aging_steps: Option<usize>,
 }
 
 fn log(msg: &str) {
@@ -419,6 +421,7 @@ pub fn run(cfg: Config) -> Exit {
             max_extend_tokens: cfg.max_prefill,
             radix: cfg.radix,
             eos_token_ids: eos.clone(),
+            priority_aging_steps: cfg.priority_aging_steps,
             depth: cfg.depth.max(1),
             trace: if i == 0 { cfg.trace.clone() } else { None },
         };

@@ -10,7 +10,7 @@ use std::io::Cursor;
 use rmpv::Value;
 
 /// The schema version this build speaks (`minisgl.message.schema.SCHEMA_VERSION`).
-pub const SCHEMA_VERSION: i64 = 5;
+pub const SCHEMA_VERSION: i64 = 6;
 /// Nesting deeper than this is refused before it is decoded (a chat message list is 3 deep).
 const MAX_DEPTH: usize = 64;
 
@@ -58,9 +58,10 @@ impl std::error::Error for WireError {}
 
 type Result<T> = std::result::Result<T, WireError>;
 
-/// Fields of a `WireParams` list; the last, `response_format` (issue 38), is only forwarded:
-/// the worker's sampler applies the grammar.
-pub const PARAMS_FIELDS: usize = 18;
+/// Fields of a `WireParams` list; `response_format` (issue 38) is only forwarded: the worker's
+/// sampler applies the grammar; the last, `priority` (issue 63), orders the waiting queue
+/// under priority scheduling.
+pub const PARAMS_FIELDS: usize = 19;
 
 /// Sampling parameters as they travel (`WireParams`); `raw` is forwarded to the worker as is.
 #[derive(Debug, Clone, PartialEq)]
@@ -73,6 +74,8 @@ pub struct WireParams {
     pub logit_bias_ids: Vec<i64>,
     pub logprobs: Option<i64>,
     pub prefix_leader: i64,
+    /// The waiting queue's order under priority scheduling (lower first).
+    pub priority: i64,
     pub raw: Value,
 }
 
@@ -238,6 +241,7 @@ fn params(v: &Value) -> Result<WireParams> {
         logit_bias_ids,
         logprobs,
         prefix_leader: as_int(&items[16], "prefix_leader")?,
+        priority: as_int(&items[18], "priority")?,
         raw: v.clone(),
     })
 }
@@ -593,6 +597,7 @@ mod tests {
             Value::Nil,
             0.into(),
             Value::Nil,
+            3.into(),
         ])
     }
 
@@ -619,6 +624,7 @@ mod tests {
                 assert_eq!(params.stop, vec!["END".to_string()]);
                 assert_eq!(params.stop_token_ids, vec![7]);
                 assert_eq!(params.logit_bias_ids, vec![5]);
+                assert_eq!(params.priority, 3);
             }
             other => panic!("{other:?}"),
         }

@@ -15,6 +15,7 @@ MAX_TEMPERATURE = 2.0
 MAX_N = 128
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 1024
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # a request's priority (lower first: vLLM's sign)
 
 
 def choice_seed(seed: int | None, i: int) -> int | None:
@@ -81,6 +82,7 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     response_format: Any = None  # an OpenAI response_format mapping, or a ResponseFormat
+    priority: int = 0  # the waiting queue's order under priority scheduling (lower first)
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     # the argmax of the raw logits is the whole choice (no bias, penalty, logprobs or grammar);
     # min_tokens aside, which depends on the request's progress: read once a step per row
@@ -96,6 +98,9 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an int, got {type(self.seed).__name__}")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
+        lo, hi = PRIORITY_RANGE
+        if not _is_int(self.priority) or not lo <= self.priority <= hi:
+            raise ValueError(f"priority must be an int in [{lo}, {hi}], got {self.priority!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):  # fmt: skip
             v = getattr(self, name)

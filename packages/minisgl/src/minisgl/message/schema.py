@@ -25,8 +25,8 @@ import numpy as np
 
 # 2: penalties, logprobs, prefix_leader, Admitted...; 3: the service step protocol;
 # 4: response_format in the sampling params (a service of another version fails its handshake);
-# 5: the replica of each admitted request (`Admitted.replicas`)
-SCHEMA_VERSION = 5
+# 5: the replica of each admitted request (`Admitted.replicas`); 6: `priority` in the params
+SCHEMA_VERSION = 6
 
 
 class SchemaError(ValueError):
@@ -67,6 +67,7 @@ class WireParams:
     logprobs: int | None = None
     prefix_leader: int = 0  # uid whose prefill this choice waits for (n > 1); 0: none
     response_format: str | None = None  # the OpenAI response_format as JSON (validated)
+    priority: int = 0  # --scheduling-policy priority: the waiting queue's order (lower first)
 
     def pack(self) -> list:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
@@ -95,6 +96,7 @@ class WireParams:
             min_tokens=self.min_tokens,
             logprobs=self.logprobs,
             response_format=json.loads(self.response_format) if self.response_format else None,
+            priority=self.priority,
         )
 
 

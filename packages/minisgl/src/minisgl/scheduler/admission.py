@@ -28,8 +28,10 @@ class Admission(SchedulerState):
         params: SamplingParams,
         rid: int | None = None,
         generator: Any = None,
-        priority: int = 0,
+        priority: int | None = None,
     ) -> int:
+        """`priority`: its place in the waiting queue under priority scheduling (default: the
+        params' `priority`)."""
         ids, max_total = validate_request(
             input_ids, params, self.max_seq_len, self.alloc.num_pages, self.page_size
         )
@@ -39,7 +41,7 @@ class Admission(SchedulerState):
         req = Req(rid, ids, params, max_total, generator=generator, table=self.table)
         req.fill_ids = ids
         self.requests[rid] = req
-        self._enqueue(req, priority)
+        self._enqueue(req, params.priority if priority is None else priority)
         return rid
 
     def _enqueue(self, req: Req, priority: int) -> None:

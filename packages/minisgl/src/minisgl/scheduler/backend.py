@@ -36,6 +36,7 @@ class SchedulerConfig:
     cache_type: str = "radix"
     eos_token_ids: tuple[int, ...] = ()
     in_batch_prefix_min: int = IN_BATCH_PREFIX_MIN  # 0: no check
+    priority_aging_steps: int | None = None  # priority scheduling (params.priority); None: FIFO
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_seq_len", "max_running_requests",

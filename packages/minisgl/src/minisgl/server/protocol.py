@@ -15,6 +15,7 @@ from minisgl.core import (
     MAX_N,
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
+    PRIORITY_RANGE,
     SEED_RANGE,
     choice_seed,
 )
@@ -78,8 +79,10 @@ COMMON = {
     "logit_bias",
     "min_tokens",
     "response_format",
+    "priority",
 }
 CHAT = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                 "chat_template_kwargs",
                  "tool_choice", "parallel_tool_calls"}  # fmt: skip
 COMPLETION = COMMON | {"prompt", "logprobs"}
 MAX_LOGPROBS = 20
@@ -124,6 +127,7 @@ class Parsed:
     n: int = 1
     continuous_usage: bool = False
     tools: ToolUse | None = None  # chat with tools or earlier tool calls: rendered by the server
+    template_kwargs: dict | None = None  # chat_template_kwargs (rendered by the server)
 
     def choice_params(self, uids: list[int]) -> list[WireParams]:
         """The parameters of each of the n choices: a seeded request gives choice i the seed
@@ -330,6 +334,7 @@ def parse_common(
     response_format = _response_format(body.get("response_format"), body.get("ignore_eos"))
     params = WireParams(
         response_format=response_format,
+        priority=_priority(body),
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
@@ -407,6 +412,27 @@ def _logprobs(body: dict, key: str) -> int | None:
     return top
 
 
+def _priority(body: dict) -> int:
+    """The request's `priority` (vLLM's field: lower is served sooner; default 0)."""
+    v = body.get("priority", 0)
+    lo, hi = PRIORITY_RANGE
+    if not _is_int(v) or not lo <= v <= hi:
+        raise _bad(f"'priority' must be an integer in [{lo}, {hi}], got {v!r}", "priority")
+    return v
+
+
+def check_priority(params: WireParams, policy: str) -> None:
+    """A `priority` other than 0 needs the server's priority scheduling (a 400 naming the
+    flag: without it the field would be silently ignored)."""
+    if params.priority != 0 and policy != "priority":
+        raise _bad(
+            f"'priority' needs a server started with --scheduling-policy priority (this one "
+            f"runs {policy})",
+            "priority",
+            "unsupported_parameter",
+        )
+
+
 def _response_format(v: Any, ignore_eos: Any) -> str | None:
     """The validated response_format as JSON for the wire (None: plain text)."""
     if v is None:
@@ -475,7 +501,33 @@ def parse_chat(
     chars = sum(len(m["content"]) for m in out)
     check_text_length(chars, max_seq_len, max_token_chars, "messages")
     tools = _tool_use(body, common, any("tool_calls" in m for m in out))
-    return common.parsed("chat", out, tools)
+    parsed = common.parsed("chat", out, tools)
+    parsed.template_kwargs = _template_kwargs(body.get("chat_template_kwargs"))
+    return parsed
+
+
+# apply_chat_template's own arguments: never passed on from a request's chat_template_kwargs
+TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tools", "documents",
+    "add_generation_prompt", "continue_final_message", "tokenize", "return_dict",
+    "return_tensors", "padding", "truncation", "max_length", "chat_template",
+    "tokenizer_kwargs", "return_assistant_tokens_mask"})  # fmt: skip
+
+
+def _template_kwargs(v: Any) -> dict | None:
+    """`chat_template_kwargs`: extra variables of the chat template (`{"enable_thinking":
+    false}`); an object whose keys are not the renderer's own arguments."""
+    if v is None or v == {}:
+        return None
+    if not isinstance(v, dict):
+        raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs",
+                   "invalid_type")  # fmt: skip
+    taken = sorted(TEMPLATE_RESERVED.intersection(v))
+    if taken:
+        raise _bad(
+            f"'chat_template_kwargs' cannot set {', '.join(taken)} (the request's own fields)",
+            "chat_template_kwargs",
+        )
+    return dict(v)
 
 
 def _tool_use(body: dict, common: Common, history_calls: bool) -> ToolUse | None:

@@ -13,7 +13,16 @@ PLAIN_FAST = {"PreTrainedTokenizerFast", "TokenizersBackend", "GPT2Tokenizer", "
               "Qwen2TokenizerFast"}  # fmt: skip
 
 
-def load_tokenizer(model_path: str):
+def load_tokenizer(model_path: str, chat_template: str | None = None):
+    """The model's tokenizer; `chat_template` (a checked template text: `chat_template.py`)
+    replaces the model's own."""
+    tok = _load(model_path)
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    return tok
+
+
+def _load(model_path: str):
     cfg_file = os.path.join(model_path, "tokenizer_config.json")
     if os.path.isfile(os.path.join(model_path, "tokenizer.json")) and os.path.isfile(cfg_file):
         with open(cfg_file) as f:

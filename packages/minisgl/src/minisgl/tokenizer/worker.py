@@ -229,9 +229,15 @@ class Backlog:
 
 
 def run_tokenizer_worker(
-    index: int, model_path: str, ipc_dir: str, typed: bool, dp: int = 1
+    index: int,
+    model_path: str,
+    ipc_dir: str,
+    typed: bool,
+    dp: int = 1,
+    chat_template: str | None = None,
 ) -> None:
-    """`dp` engine replicas: a request's messages go to engine worker `replica_of(uid)`."""
+    """`dp` engine replicas: a request's messages go to engine worker `replica_of(uid)`;
+    `chat_template`: the server's `--chat-template` text (None: the model's)."""
     name = ipc.tokenizer_name(index)
     alive = ipc.setup_worker_process(ipc_dir)
     ctx = zmq.Context()
@@ -240,7 +246,7 @@ def run_tokenizer_worker(
     try:
         inbox = ipc.pull(ctx, ipc_dir, name)
         to_engines = [ipc.push(ctx, ipc_dir, ipc.scheduler_name(i)) for i in range(dp)]
-        worker = TokenizerWorker(load_tokenizer(model_path), codec)
+        worker = TokenizerWorker(load_tokenizer(model_path, chat_template), codec)
     except ipc.WorkerExit:  # stopped while it starts (another worker failed): a quiet exit
         ctx.destroy(linger=0)
         return

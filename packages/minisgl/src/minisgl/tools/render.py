@@ -54,8 +54,9 @@ def fallback_messages(messages: Sequence[Mapping[str, Any]], tools: Sequence[Too
 class ChatRenderer:
     """The model's tokenizer in the API server (loaded on first use; thread-safe)."""
 
-    def __init__(self, model_path: str) -> None:
+    def __init__(self, model_path: str, chat_template: str | None = None) -> None:
         self.model_path = model_path
+        self.chat_template = chat_template  # --chat-template (None: the model's)
         self._tok: Any = None
         self._lock = threading.Lock()
 
@@ -63,7 +64,7 @@ class ChatRenderer:
         if self._tok is None:
             from minisgl.tokenizer.load import load_tokenizer
 
-            self._tok = load_tokenizer(self.model_path)
+            self._tok = load_tokenizer(self.model_path, self.chat_template)
         return self._tok
 
     @property
@@ -77,16 +78,43 @@ class ChatRenderer:
 
     def render_ids(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Tool]) -> list[int]:
         """The prompt's token ids, as the tokenizer worker makes them for a chat."""
+        return self.render(messages, tools)[1]
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Tool] | None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[str, list[int]]:
+        """The prompt's text and token ids; `tools` None: a chat without tools, rendered as the
+        tokenizer worker renders it; `template_kwargs`: the request's `chat_template_kwargs`."""
+        kw = dict(template_kwargs or {})
         with self._lock:
             tok = self._tokenizer()
             template = getattr(tok, "chat_template", None)
-            if renders_tools(template if isinstance(template, str) else None):
+            if tools is None:
+                text = tok.apply_chat_template(
+                    list(messages), add_generation_prompt=True, tokenize=False, **kw
+                )
+            elif renders_tools(template if isinstance(template, str) else None):
                 text = tok.apply_chat_template(
                     list(messages), tools=[t.to_openai() for t in tools] or None,
-                    add_generation_prompt=True, tokenize=False,
+                    add_generation_prompt=True, tokenize=False, **kw,
                 )  # fmt: skip
             else:
                 text = tok.apply_chat_template(
-                    fallback_messages(messages, tools), add_generation_prompt=True, tokenize=False
-                )
-            return list(tok(text, add_special_tokens=False)["input_ids"])
+                    fallback_messages(messages, tools), add_generation_prompt=True,
+                    tokenize=False, **kw,
+                )  # fmt: skip
+            return text, list(tok(text, add_special_tokens=False)["input_ids"])
+
+    def single_tokens(self, texts: Sequence[str]) -> dict[str, int]:
+        """The `texts` the tokenizer holds as one token each: {text: token id}."""
+        out = {}
+        with self._lock:
+            tok = self._tokenizer()
+            for text in texts:
+                ids = tok(text, add_special_tokens=False)["input_ids"]
+                if len(ids) == 1 and tok.convert_ids_to_tokens(ids[0]) == text:
+                    out[text] = int(ids[0])
+        return out
