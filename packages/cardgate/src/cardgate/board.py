@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cardgate import evidence
 from cardgate.card import STATUSES, Card, CardError, parse_card
-from cardgate.scan import scan_bindings
+from cardgate.claims import unchecked_claims
+from cardgate.scan import scan_bindings, unreadable_markers
 from cardgate.thresholds import GateFormatError, load_gates, never_matching
 from cardgate.verify import verify_card
 
@@ -106,6 +108,17 @@ def load_board(root: Path | str) -> Board:
     board.cards = seen
     _lint_dependencies(board)
     _lint_gates_files(board)
+    _lint_evidence(board)
+    board.errors.extend(
+        CardError(
+            m.path,
+            m.line,
+            f"card marker argument {m.source!r} cannot be read without "
+            "running the module: write the card id and item as string literals or "
+            "module-level constants",
+        )
+        for m in unreadable_markers(root)
+    )
     board.errors = sorted(set(board.errors))
     return board
 
@@ -151,6 +164,16 @@ def _lint_gate_rules(board: Board, card: Card, line: int) -> None:
         board.errors.append(CardError(card.path, line, f"gates: {exc}"))
         return
     board.errors.extend(CardError(card.path, line, message) for message in never_matching(gates))
+    board.errors.extend(
+        CardError(card.path, n, message) for n, message in unchecked_claims(card, gates)
+    )
+
+
+def _lint_evidence(board: Board) -> None:
+    for card in board.cards.values():
+        for path, why in evidence.refused_records(board.root, card.id):
+            name = path.relative_to(board.root).as_posix()
+            board.errors.append(CardError(card.path, 1, f"evidence record {name} refused: {why}"))
 
 
 def _lint_dependencies(board: Board) -> None:

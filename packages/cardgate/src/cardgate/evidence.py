@@ -9,6 +9,14 @@ directory without `summary.json` is an interrupted run and is ignored. Files are
 `summary.json` carries `digest`: the sha256 of the other files and of the summary itself (a
 record the gate wrote; a hand-written or hand-edited record does not verify). It is a checksum
 against mistakes and hand edits, not a signature against a forger with the source code.
+
+Records are ordered by `started_utc` inside the summary (covered by the digest), never by the
+folder name: a record whose folder name disagrees with its stamp (renamed to outrank a later
+gate) or whose stamp lies in the future is refused (`refused_records`, a board lint error) and
+left out of `records`. A record from before stamps is ordered by its folder name.
+
+Nothing named in `CARDGATE_PRIVATE_NAMES` (nor this machine's user and host name) is written
+into a record: `write_json` and `write_jsonl` replace each with `<private>`.
 """
 
 from __future__ import annotations
@@ -16,10 +24,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +37,8 @@ SUMMARY = "summary.json"
 DIGEST_FILES = ("manifest.json", "report.jsonl", "metrics.json")
 FILE_MODE = 0o644
 DIR_MODE = 0o755
+FUTURE_SLACK = timedelta(minutes=5)  # clock skew between machines sharing a repository
+_STAMP_RE = re.compile(r"^(?P<stamp>[0-9]{8}T[0-9]{6}Z)-")
 
 
 def utc_stamp(now: datetime | None = None) -> str:
@@ -48,13 +59,19 @@ def write_new(path: Path, data: bytes) -> None:
         os.unlink(tmp)
 
 
+def _private(text: str) -> str:
+    from cardgate.redact import scrub_names  # lazy: redact imports nothing of ours, but light
+
+    return scrub_names(text)
+
+
 def write_json(path: Path, data: Any) -> None:
-    write_new(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
+    write_new(path, _private(json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
 
 
 def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:
     lines = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
-    write_new(path, lines.encode())
+    write_new(path, _private(lines).encode())
 
 
 def create_record_dir(
@@ -93,8 +110,10 @@ def record_digest(directory: Path, summary: dict[str, Any]) -> str:
 
 
 def write_summary(directory: Path, summary: dict[str, Any]) -> None:
-    """Write `summary.json` last, with its digest."""
-    write_json(directory / SUMMARY, {**summary, "digest": record_digest(directory, summary)})
+    """Write `summary.json` last, with its digest (over the summary as written: private names
+    are replaced before the digest is taken)."""
+    clean = json.loads(_private(json.dumps(summary)))
+    write_json(directory / SUMMARY, {**clean, "digest": record_digest(directory, clean)})
 
 
 @dataclass(frozen=True)
@@ -132,20 +151,70 @@ class Record:
         return str(self.summary.get("phase", "?"))
 
 
-def records(root: Path, card_id: str) -> list[Record]:
-    """Every complete record of a card, oldest first."""
+def _stamp(text: str) -> datetime | None:
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        try:
+            when = datetime.strptime(text, "%Y%m%dT%H%M%SZ").replace(tzinfo=UTC)
+        except ValueError:
+            return None
+    return when if when.tzinfo is not None else None
+
+
+def _order(directory: Path, summary: dict[str, Any], now: datetime) -> datetime | str:
+    """The record's stamp, or why it is refused (a string)."""
+    folder = _STAMP_RE.match(directory.name)
+    raw = summary.get("started_utc")
+    if raw is None:  # from before stamps in summaries: the folder name is all there is
+        if folder is None:
+            return "no stamp in its summary and none in its folder name"
+        raw = folder.group("stamp")
+    when = _stamp(raw) if isinstance(raw, str) else None
+    if when is None:
+        return f"unreadable stamp {raw!r}"
+    if folder is not None and folder.group("stamp") != utc_stamp(when.astimezone(UTC)):
+        return (
+            f"its folder name says {folder.group('stamp')} but its stamp says "
+            f"{utc_stamp(when.astimezone(UTC))}: the folder name disagrees (renamed?)"
+        )
+    if when > now + FUTURE_SLACK:
+        return f"stamped {when.isoformat()}, in the future"
+    return when
+
+
+def _scan(root: Path, card_id: str) -> tuple[list[Record], list[tuple[Path, str]]]:
     base = root / EVIDENCE_ROOT / card_id
     if not base.is_dir():
-        return []
-    out: list[Record] = []
+        return [], []
+    now = datetime.now(UTC)
+    found: list[tuple[datetime, str, Record]] = []
+    refused: list[tuple[Path, str]] = []
     for directory in sorted(p for p in base.iterdir() if p.is_dir()):
         try:
             summary = json.loads((directory / SUMMARY).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        if isinstance(summary, dict):
-            out.append(Record(directory, summary))
-    return out
+        if not isinstance(summary, dict):
+            continue
+        when = _order(directory, summary, now)
+        if isinstance(when, str):
+            refused.append((directory, when))
+        else:
+            found.append((when, directory.name, Record(directory, summary)))
+    found.sort(key=lambda entry: (entry[0], entry[1]))
+    return [record for _, _, record in found], refused
+
+
+def records(root: Path, card_id: str) -> list[Record]:
+    """Every complete, accepted record of a card, oldest first by the stamp in its summary."""
+    return _scan(root, card_id)[0]
+
+
+def refused_records(root: Path, card_id: str) -> list[tuple[Path, str]]:
+    """(folder, reason) per record left out of `records`: a folder name that disagrees with
+    the record's stamp, a stamp in the future or none at all."""
+    return _scan(root, card_id)[1]
 
 
 def last_record(root: Path, card_id: str) -> Record | None:

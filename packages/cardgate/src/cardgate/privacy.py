@@ -1,10 +1,14 @@
-"""No absolute local path, user or host name or token in `kanban/`, `worklog/` or `docs/`.
+"""No absolute local path, user or host name or token in the repository's text files.
 
 `scan(root)` lists every finding as `file:line: kind ...` (`cardgate lint` prints them and
-exits 3). Names checked: this machine's user and host name (when specific enough: not `root`,
-`runner`, ...) and those in `CARDGATE_PRIVATE_NAMES` (comma-separated). Paths: `redact`'s
-`PRIVATE_PATH_RE` (home, tmp and workspace folders). Tokens: GitHub, Hugging Face, OpenAI, AWS,
-Slack and GitLab token shapes and private key blocks.
+exits 3). Files read: every file under `kanban/`, `worklog/` and `docs/` (dot folders such as
+`worklog/.notes/` included) and every file git tracks there, plus every tracked notebook
+(`.ipynb`, outputs included: the JSON text is read as it is) anywhere in the repository; a file
+is text when it decodes as UTF-8 without NUL bytes, whatever its suffix. Names checked: this
+machine's user and host name (when specific enough: not `root`, `runner`, ...) and those in
+`CARDGATE_PRIVATE_NAMES` (comma-separated). Paths: `redact`'s `PRIVATE_PATH_RE` (home, tmp,
+scratch and workspace folders) and every `file://` URL. Tokens: GitHub, Hugging Face, OpenAI,
+AWS, Slack and GitLab token shapes and private key blocks.
 
 `migrate(root)` rewrites the paths in `worklog/` with `redact` (the root becomes `.`, home `~`,
 the temporary directory `<tmp>`, other private folders `<local>`). A gate record is rewritten
@@ -17,12 +21,10 @@ what its records are bound to).
 
 from __future__ import annotations
 
-import contextlib
-import getpass
 import json
 import os
 import re
-import socket
+import subprocess
 import tempfile
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -30,19 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from cardgate import evidence
-from cardgate.redact import PRIVATE_PATH_RE, redact
+from cardgate.redact import NAMES_ENV, PRIVATE_PATH_RE, private_names, redact
+
+__all__ = ["NAMES_ENV", "Finding", "ScanResult", "migrate", "private_names", "scan", "scan_text"]
 
 SCANNED_DIRS = ("kanban", "worklog", "docs")
-TEXT_SUFFIXES = frozenset(
-    {".md", ".json", ".jsonl", ".yaml", ".yml", ".txt", ".csv", ".log", ".toml", ".html"}
-    | {".svg", ".py", ".ini", ".cfg", ".rst", ".sh"}
-)
+TRACKED_ANYWHERE = (".ipynb",)
 MAX_BYTES = 20 << 20
-NAMES_ENV = "CARDGATE_PRIVATE_NAMES"
-GENERIC_NAMES = frozenset(
-    {"root", "user", "users", "admin", "runner", "ubuntu", "debian", "localhost", "vm"}
-    | {"host", "node", "docker", "build", "builder", "ci", "gate", "test", "runneradmin"}
-)
+FILE_URL_RE = re.compile(r"\bfile://(?:localhost)?/[^\s\"'`<>)\]}]+", re.IGNORECASE)
 TOKEN_RE = re.compile(
     r"\b(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,}|hf_[A-Za-z0-9]{30,}"
     r"|sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16}|xox[abprs]-[A-Za-z0-9-]{10,}"
@@ -77,32 +74,50 @@ class ScanResult:
     files: int
 
 
-def private_names() -> list[str]:
-    names = set(os.environ.get(NAMES_ENV, "").split(","))
-    with contextlib.suppress(KeyError, OSError):
-        names.add(getpass.getuser())
-    host = socket.gethostname()
-    names.update({host, host.split(".")[0]})
-    return sorted(
-        n.strip()
-        for n in names
-        if len(n.strip()) >= 3 and n.strip().lower() not in GENERIC_NAMES and "," not in n
-    )
+def _tracked(root: Path) -> list[Path]:
+    """Files git tracks under `root` (none outside a work tree)."""
+    try:
+        proc = subprocess.run(
+            ["git", "-C", str(root), "ls-files", "-z", "--cached"],
+            capture_output=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    names = proc.stdout.decode("utf-8", "surrogateescape").split("\0")
+    return [root / name for name in names if name]
 
 
 def _files(root: Path, dirs: tuple[str, ...] = SCANNED_DIRS) -> list[Path]:
-    out: list[Path] = []
+    found: set[Path] = set()
     for name in dirs:
         base = root / name
         if not base.is_dir():
             continue
         for dirpath, dirnames, filenames in os.walk(base):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            for filename in sorted(filenames):
-                path = Path(dirpath) / filename
-                if path.suffix.lower() in TEXT_SUFFIXES and path.stat().st_size <= MAX_BYTES:
-                    out.append(path)
-    return out
+            dirnames[:] = sorted(d for d in dirnames if d != ".git")
+            found.update(Path(dirpath) / filename for filename in filenames)
+    for path in _tracked(root):
+        rel = path.relative_to(root)
+        if rel.parts[0] in dirs or (
+            dirs == SCANNED_DIRS and path.suffix.lower() in TRACKED_ANYWHERE
+        ):
+            found.add(path)
+    return sorted(p for p in found if p.is_file() and p.stat().st_size <= MAX_BYTES)
+
+
+def _read_text(path: Path) -> str | None:
+    """The file's text, or None when it is binary (a NUL byte) or not UTF-8."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if b"\0" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def scan_text(text: str, rel: str, names: list[str]) -> list[Finding]:
@@ -116,6 +131,9 @@ def scan_text(text: str, rel: str, names: list[str]) -> list[Finding]:
         found.extend(
             Finding(rel, lineno, "absolute path", m.group(0))
             for m in PRIVATE_PATH_RE.finditer(line)
+        )
+        found.extend(
+            Finding(rel, lineno, "absolute path", m.group(0)) for m in FILE_URL_RE.finditer(line)
         )
         found.extend(
             Finding(rel, lineno, "token", m.group(0)[:12] + "...") for m in TOKEN_RE.finditer(line)
@@ -133,9 +151,8 @@ def scan(root: Path) -> ScanResult:
     findings: list[Finding] = []
     files = _files(root)
     for path in files:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
+        text = _read_text(path)
+        if text is None:
             continue
         findings.extend(scan_text(text, path.relative_to(root).as_posix(), names))
     return ScanResult(tuple(sorted(findings)), len(files))
@@ -206,9 +223,8 @@ def migrate(root: Path, dry_run: bool = False) -> list[str]:
     lines: list[str] = []
     records: set[Path] = set()
     for path in _files(root, ("worklog",)):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
+        text = _read_text(path)
+        if text is None:
             continue
         if not PRIVATE_PATH_RE.search(text) and redact(text, root) == text:
             continue

@@ -9,16 +9,25 @@ writes passes it.
 
 from __future__ import annotations
 
+import contextlib
+import getpass
 import os
 import re
+import socket
 import sys
 import tempfile
 from pathlib import Path
 
+NAMES_ENV = "CARDGATE_PRIVATE_NAMES"
+GENERIC_NAMES = frozenset(
+    {"root", "user", "users", "admin", "runner", "ubuntu", "debian", "localhost", "vm"}
+    | {"host", "node", "docker", "build", "builder", "ci", "gate", "test", "runneradmin"}
+)
+
 _NOT_AFTER = r"(?<![\w.~<>/\\-])"  # not inside a URL, a relative path or a placeholder
 PRIVATE_PATH_RE = re.compile(
     _NOT_AFTER
-    + r"(?:/(?P<top>home|Users|root|tmp|var/tmp|var/folders|private|work|workspace|mnt|data)"
+    + r"(?:/(?P<top>home|Users|root|tmp|var/tmp|var/folders|private|work|workspace|mnt|data|scratch)"
     r"(?![\w.-])(?P<rest>/[^\s\"'`<>|,;:)\]}]+)"
     r"|[A-Za-z]:\\Users\\[^\s\"'`<>|,;:]*)"
 )
@@ -54,6 +63,30 @@ def _known(root: Path | None) -> list[tuple[str, str]]:
     rank = {old: i for i, (old, _) in reversed(list(enumerate(pairs)))}
     unique = {old: new for old, new in reversed(pairs) if len(old) > 1}
     return sorted(unique.items(), key=lambda p: (-len(p[0]), rank[p[0]]))
+
+
+def private_names() -> list[str]:
+    """Names a record must not hold: `CARDGATE_PRIVATE_NAMES` (comma-separated) and this
+    machine's user and host name when specific enough (not `root`, `runner`, ...)."""
+    names = set(os.environ.get(NAMES_ENV, "").split(","))
+    with contextlib.suppress(KeyError, OSError):
+        names.add(getpass.getuser())
+    host = socket.gethostname()
+    names.update({host, host.split(".")[0]})
+    return sorted(
+        n.strip()
+        for n in names
+        if len(n.strip()) >= 3 and n.strip().lower() not in GENERIC_NAMES and "," not in n
+    )
+
+
+def scrub_names(text: str, names: list[str] | None = None) -> str:
+    """`text` with every private name (whole word) replaced by `<private>`."""
+    names = private_names() if names is None else names
+    if not names:
+        return text
+    pattern = r"(?<![\w.-])(?:" + "|".join(map(re.escape, names)) + r")(?![\w-])"
+    return re.sub(pattern, "<private>", text)
 
 
 def redact(text: str, root: Path | None = None) -> str:

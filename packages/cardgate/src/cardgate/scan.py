@@ -3,8 +3,10 @@ files that must be collected (no test is imported).
 
 Arguments resolve through what a reader sees in the module: string literals, module-level
 names bound to strings or tuples / lists of strings (`CARD = "P0-007"`, `BOTH = ("a", "b")`,
-`*BOTH`), aliases of the marker (`P = pytest.mark.card`) and module `pytestmark`. A marker
-whose arguments do not resolve this way is not counted (the gate's collection still sees it).
+`*BOTH`), subscripts of module-level dicts and tuples / lists of those with a literal key
+(`ITEMS["main"]`, `KEYS[0]`), aliases of the marker (`P = pytest.mark.card`) and module
+`pytestmark`. A marker whose arguments do not resolve this way is listed by
+`unreadable_markers` (a board lint error: the board could not count what the gate binds).
 """
 
 from __future__ import annotations
@@ -35,6 +37,60 @@ def _is_card_marker(func: ast.expr) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class Unreadable:
+    path: str
+    line: int
+    source: str
+
+
+_Names = dict[str, tuple[str, ...]]
+_Tables = dict[str, dict[object, tuple[str, ...]]]
+
+
+def _tables(tree: ast.Module, names: _Names) -> _Tables:
+    """Module-level names bound once to a dict with constant keys, or a tuple / list, whose
+    values resolve to strings: what `ITEMS["main"]` or `KEYS[0]` reads."""
+    found: _Tables = {}
+    seen: set[str] = set()
+    for node in tree.body:
+        if not isinstance(node, ast.Assign | ast.AnnAssign) or node.value is None:
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for target in targets:
+            if not isinstance(target, ast.Name):
+                continue
+            if target.id in seen:
+                found.pop(target.id, None)
+                continue
+            seen.add(target.id)
+            table = _table(node.value, names)
+            if table is not None:
+                found[target.id] = table
+    return found
+
+
+def _table(node: ast.expr, names: _Names) -> dict[object, tuple[str, ...]] | None:
+    if isinstance(node, ast.Dict):
+        out: dict[object, tuple[str, ...]] = {}
+        for key, value in zip(node.keys, node.values, strict=True):
+            if not isinstance(key, ast.Constant):
+                return None
+            strings = _strings(value, names)
+            if strings is None:
+                return None
+            out[key.value] = strings
+        return out
+    if isinstance(node, ast.Tuple | ast.List) and not any(
+        isinstance(e, ast.Starred) for e in node.elts
+    ):
+        items = [_strings(e, names) for e in node.elts]
+        if any(i is None for i in items):
+            return None
+        return {index: i for index, i in enumerate(items) if i is not None}
+    return None
+
+
 def _constants(tree: ast.Module) -> dict[str, tuple[str, ...]]:
     """Module-level names bound once to a string or a tuple / list of strings."""
     found: dict[str, tuple[str, ...]] = {}
@@ -59,16 +115,26 @@ def _constants(tree: ast.Module) -> dict[str, tuple[str, ...]]:
     return found
 
 
-def _strings(node: ast.expr | None, names: dict[str, tuple[str, ...]]) -> tuple[str, ...] | None:
+def _strings(
+    node: ast.expr | None, names: _Names, tables: _Tables | None = None
+) -> tuple[str, ...] | None:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return (node.value,)
     if isinstance(node, ast.Name) and node.id in names:
         return names[node.id]
+    if (
+        tables
+        and isinstance(node, ast.Subscript)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in tables
+        and isinstance(node.slice, ast.Constant)
+    ):
+        return tables[node.value.id].get(node.slice.value)
     if isinstance(node, ast.Tuple | ast.List):
         out: list[str] = []
         for element in node.elts:
             inner = element.value if isinstance(element, ast.Starred) else element
-            strings = _strings(inner, names)
+            strings = _strings(inner, names, tables)
             if strings is None:
                 return None
             out.extend(strings)
@@ -78,11 +144,18 @@ def _strings(node: ast.expr | None, names: dict[str, tuple[str, ...]]) -> tuple[
 
 def bindings_in_source(source: str) -> list[tuple[str, str]]:
     """(card_id, item ref) for every `mark.card(...)` call whose arguments resolve."""
+    return markers_in_source(source)[0]
+
+
+def markers_in_source(source: str) -> tuple[list[tuple[str, str]], list[tuple[int, str]]]:
+    """The resolved bindings, and (line, call text) per `mark.card(...)` call whose arguments
+    do not resolve statically."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
-        return []
+        return [], []
     names = _constants(tree)
+    tables = _tables(tree, names)
     aliases = {
         target.id
         for node in ast.walk(tree)
@@ -91,6 +164,7 @@ def bindings_in_source(source: str) -> list[tuple[str, str]]:
         if isinstance(target, ast.Name)
     }
     found: list[tuple[str, str]] = []
+    unreadable: list[tuple[int, str]] = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
@@ -100,19 +174,20 @@ def bindings_in_source(source: str) -> list[tuple[str, str]]:
         args: list[str] = []
         for arg in node.args:
             inner = arg.value if isinstance(arg, ast.Starred) else arg
-            strings = _strings(inner, names)
+            strings = _strings(inner, names, tables)
             if strings is None:
                 args = []
+                unreadable.append((node.lineno, ast.get_source_segment(source, node) or ""))
                 break
             args.extend(strings)
         if len(args) >= 1:
             found.extend((args[0], ref) for ref in args[1:])
-    return found
+    return found, sorted(unreadable)
 
 
-def scan_files(root: Path) -> list[Binding]:
-    """Every resolvable binding under `root`, with the file it is in."""
-    found: list[Binding] = []
+def _sources(root: Path) -> list[tuple[str, str]]:
+    """(relative path, source) of every Python file under `root` that mentions `mark.card`."""
+    found: list[tuple[str, str]] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
         for name in sorted(filenames):
@@ -125,9 +200,26 @@ def scan_files(root: Path) -> list[Binding]:
                 continue
             if "mark.card" not in source:
                 continue
-            rel = path.relative_to(root).as_posix()
-            found.extend(Binding(rel, card, ref) for card, ref in bindings_in_source(source))
+            found.append((path.relative_to(root).as_posix(), source))
     return found
+
+
+def scan_files(root: Path) -> list[Binding]:
+    """Every resolvable binding under `root`, with the file it is in."""
+    return [
+        Binding(rel, card, ref)
+        for rel, source in _sources(root)
+        for card, ref in bindings_in_source(source)
+    ]
+
+
+def unreadable_markers(root: Path) -> list[Unreadable]:
+    """Every `mark.card(...)` call under `root` whose arguments the static scan cannot read."""
+    return [
+        Unreadable(rel, line, text)
+        for rel, source in _sources(root)
+        for line, text in markers_in_source(source)[1]
+    ]
 
 
 def scan_bindings(root: Path) -> list[tuple[str, str]]:

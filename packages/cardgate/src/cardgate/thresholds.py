@@ -24,13 +24,27 @@ Format (``worklog/gates/*.yaml``)::
                                            #   higher: value >= factor * baseline * (1 - nf)
                                            #   lower:  value <= factor * baseline * (1 + nf)
         note: free text shown next to the result
+        items: [rust-path-at-least-10x-the-python-reference]   # optional: the card items
+                                           #   (keys or texts) whose stated number this
+                                           #   rule compares
+    record_only: [parity_mismatches]       # optional, top level: metrics a bench records for
+                                           #   the report that no rule compares (any other
+                                           #   metric without an applicable rule holds the card)
+
+The file is read as YAML 1.2 (core schema): `0750` is 750, `0o750` octal, `0x1F` hex, `1e5` a
+float, `true`/`false` the only booleans; YAML 1.1 forms (`1:30`, `1_000`, `yes`, `0b101`) are
+strings, so a bound given that way is a format error. Every format error names the file and,
+where it has one, the line (`worklog/gates/P0-003.yaml:5: ...`); a file that is not UTF-8, a
+mapping key that is not a scalar and a syntax error are format errors, never tracebacks.
 
 A rule applies when its ``hardware`` matches the hardware string given to `evaluate`: ``"cpu"``
 on machines without a CUDA device, else the GPU name (``torch.cuda.get_device_name()`` or
 the kernel driver's ``/proc/driver/nvidia``; never a program on ``PATH``). ``any`` (or no key) matches everything; ``cpu`` every CPU machine;
 ``cpu:<kind>`` (a glob: ``cpu:amd-epyc``, ``cpu:intel-amx``) the CPU kinds it names
 (`hardware.cpu_kind`: the kernels differ by kind, so a CPU speed gate names its kind); any other
-value is a case-insensitive `fnmatch` pattern on the GPU name. All matching rules are checked.
+value is a case-insensitive `fnmatch` pattern on the GPU name, which must match one of
+`KNOWN_GPU_NAMES` (so `*H1OO*`, letter O, is a lint error, not a rule that silently never
+applies; a new device gets its name added there). All matching rules are checked.
 
 The relative baseline is looked up first among the metrics of the same run, then in the optional
 ``baseline`` mapping given to `evaluate` (e.g. the metrics of a recorded baseline run).
@@ -46,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,12 +71,50 @@ import yaml
 from cardgate.hardware import CPU_KINDS
 
 Status = Literal["pass", "fail", "missing", "n/a"]
-_RULE_KEYS = frozenset({"metric", "hardware", "min", "max", "relative", "note"})
+_RULE_KEYS = frozenset({"metric", "hardware", "min", "max", "relative", "note", "items"})
+_TOP_KEYS = frozenset({"version", "gates", "record_only"})
+# `torch.cuda.get_device_name()` / driver names a GPU pattern must match one of
+KNOWN_GPU_NAMES = (
+    "NVIDIA H100 80GB HBM3",
+    "NVIDIA H100 PCIe",
+    "NVIDIA H100 NVL",
+    "NVIDIA H200",
+    "NVIDIA H200 NVL",
+    "NVIDIA H20",
+    "NVIDIA GH200 480GB",
+    "NVIDIA B200",
+    "NVIDIA GB200",
+    "NVIDIA A100-SXM4-80GB",
+    "NVIDIA A100-SXM4-40GB",
+    "NVIDIA A100-PCIE-40GB",
+    "NVIDIA A100 80GB PCIe",
+    "NVIDIA A10G",
+    "NVIDIA A10",
+    "NVIDIA L4",
+    "NVIDIA L40",
+    "NVIDIA L40S",
+    "Tesla T4",
+    "Tesla V100-SXM2-16GB",
+    "Tesla V100-SXM2-32GB",
+    "NVIDIA GeForce RTX 3090",
+    "NVIDIA GeForce RTX 4090",
+    "NVIDIA GeForce RTX 5090",
+    "NVIDIA RTX A6000",
+    "NVIDIA RTX 6000 Ada Generation",
+    "AMD Instinct MI250X",
+    "AMD Instinct MI300X",
+    "AMD Instinct MI325X",
+)
 _RELATIVE_KEYS = frozenset({"baseline", "factor", "direction", "noise_floor"})
 
 
 class GateFormatError(ValueError):
-    """A gates file that does not follow the format; the message names the file and rule."""
+    """A gates file that does not follow the format; the message names the file and rule
+    (and `line`, 1-based, where the problem has one; 0 otherwise)."""
+
+    def __init__(self, message: str, line: int = 0) -> None:
+        super().__init__(message)
+        self.line = line
 
 
 @dataclass(frozen=True)
@@ -81,6 +134,7 @@ class Gate:
     relative: Relative | None = None
     note: str = ""
     source: str = ""
+    items: tuple[str, ...] = ()
 
     def matches(self, hardware: str) -> bool:
         return hardware_matches(self.hardware, hardware)
@@ -90,6 +144,7 @@ class Gate:
 class GateSet:
     gates: list[Gate] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
+    record_only: frozenset[str] = frozenset()
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(self.gates)
@@ -98,7 +153,22 @@ class GateSet:
         return len(self.gates)
 
     def extend(self, other: GateSet) -> GateSet:
-        return GateSet([*self.gates, *other.gates], [*self.sources, *other.sources])
+        return GateSet(
+            [*self.gates, *other.gates],
+            [*self.sources, *other.sources],
+            self.record_only | other.record_only,
+        )
+
+    def unchecked(self, metrics: list[str] | set[str], hardware: str) -> list[str]:
+        """The metrics no rule for `hardware` names (as its metric or relative baseline) and
+        the file does not list under `record_only`: numbers nobody compares."""
+        named = set(self.record_only)
+        for gate in self.gates:
+            if gate.matches(hardware):
+                named.add(gate.metric)
+                if gate.relative is not None:
+                    named.add(gate.relative.baseline or gate.metric)
+        return sorted(set(metrics) - named)
 
 
 @dataclass(frozen=True)
@@ -143,14 +213,14 @@ def hardware_matches(pattern: str, hardware: str) -> bool:
 
 def can_match(pattern: str) -> bool:
     """False for a hardware pattern no machine can have: a `cpu:` glob that matches no CPU kind
-    (`hardware.CPU_KINDS`), or a GPU pattern that is neither a glob nor a full device name
-    (`h100` never equals `NVIDIA H100 80GB HBM3`; write `*H100*`)."""
+    (`hardware.CPU_KINDS`), or a GPU pattern that matches no name of `KNOWN_GPU_NAMES`
+    (`h100` never equals `NVIDIA H100 80GB HBM3`; write `*H100*`; `*H1OO*` is a typo)."""
     pattern = pattern.strip().lower()
     if pattern in {"any", "*", "", "cpu"}:
         return True
     if pattern.startswith("cpu:"):
         return any(fnmatch.fnmatchcase(kind, pattern[4:]) for kind in CPU_KINDS)
-    return any(ch in pattern for ch in "*?[") or " " in pattern
+    return any(fnmatch.fnmatchcase(name.lower(), pattern) for name in KNOWN_GPU_NAMES)
 
 
 def never_matching(gates: GateSet) -> list[str]:
@@ -158,35 +228,71 @@ def never_matching(gates: GateSet) -> list[str]:
     return [
         f"{gate.source}: hardware {gate.hardware!r} can never match (CPU kinds: cpu:"
         + ", cpu:".join(CPU_KINDS)
-        + "; a GPU rule needs a glob such as '*H100*' or the full device name)"
+        + "; a GPU rule needs a glob such as '*H100*' or a full device name that matches one "
+        "of thresholds.KNOWN_GPU_NAMES: add a new device's name there)"
         for gate in gates
         if not can_match(gate.hardware)
     ]
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """`yaml.safe_load` that refuses a mapping with the same key twice (YAML keeps the last)."""
+    """`yaml.safe_load` per YAML 1.2 (core schema numbers and booleans) that refuses a mapping
+    with the same key twice (YAML keeps the last) or a key that is not a scalar."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
             line = key_node.start_mark.line + 1
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise GateFormatError(
+                    f"a mapping key must be a plain name, not a {key_node.id}", line
+                )
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
             if key in seen:
                 raise GateFormatError(
-                    f"duplicate key {key!r} (line {line}; first at line {seen[key]})"
+                    f"duplicate key {key!r} (line {line}; first at line {seen[key]})", line
                 )
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
 
 
+def _yaml_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
+    text = str(loader.construct_scalar(node))  # type: ignore[arg-type]
+    if text.startswith("0o"):
+        return int(text[2:], 8)
+    if text.startswith("0x"):
+        return int(text[2:], 16)
+    return int(text, 10)  # `0750` is 750 (YAML 1.2), never octal 488 (YAML 1.1)
+
+
+_CORE_TAGS = {"tag:yaml.org,2002:" + t for t in ("bool", "int", "float")}
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _CORE_TAGS]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int",
+    re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+    list("-+0123456789"),
+)
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _yaml_int)
+
+
 def _number(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise GateFormatError(f"{what}: expected a number, got {value!r}")
-    try:
-        number = float(value)
-    except ValueError:
-        raise GateFormatError(f"{what}: expected a number, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise GateFormatError(f"{what}: expected a number (YAML 1.2), got {value!r}")
+    number = float(value)
     if not math.isfinite(number):
         raise GateFormatError(f"{what}: expected a finite number, got {value!r}")
     return number
@@ -226,9 +332,12 @@ def parse_gates(data: Any, source: str = "<gates>") -> GateSet:
     version = data.get("version", 1)
     if version != 1:
         raise GateFormatError(f"{source}: unsupported version {version!r} (expected 1)")
-    unknown_top = set(data) - {"version", "gates"}
+    unknown_top = set(data) - _TOP_KEYS
     if unknown_top:
         raise GateFormatError(f"{source}: unknown top-level keys {sorted(unknown_top)}")
+    record_only = data.get("record_only") or []
+    if not isinstance(record_only, list) or not all(isinstance(m, str) and m for m in record_only):
+        raise GateFormatError(f"{source}: 'record_only' must be a list of metric names")
     rules = data.get("gates") or []
     if not isinstance(rules, list):
         raise GateFormatError(f"{source}: 'gates' must be a list")
@@ -254,11 +363,19 @@ def parse_gates(data: Any, source: str = "<gates>") -> GateSet:
             relative=_parse_relative(raw["relative"], where) if "relative" in raw else None,
             note=str(raw.get("note", "")),
             source=f"{source}#{index}",
+            items=_items(raw.get("items", ()), where),
         )
         if gate.min is None and gate.max is None and gate.relative is None:
             raise GateFormatError(f"{where}: needs at least one of min, max, relative")
         gates.append(gate)
-    return GateSet(gates, [source])
+    return GateSet(gates, [source], frozenset(record_only))
+
+
+def _items(raw: Any, where: str) -> tuple[str, ...]:
+    items = [raw] if isinstance(raw, str) else raw
+    if not isinstance(items, list | tuple) or not all(isinstance(i, str) and i for i in items):
+        raise GateFormatError(f"{where}: 'items' must be an item key or a list of them")
+    return tuple(items)
 
 
 def load_gates(*paths: Path | str, root: Path | None = None) -> GateSet:
@@ -266,17 +383,30 @@ def load_gates(*paths: Path | str, root: Path | None = None) -> GateSet:
     each rule's `source` names its file relative to it (evidence holds no absolute path)."""
     merged = GateSet()
     for path in paths:
-        text = Path(path).read_text(encoding="utf-8")
-        try:
-            data = yaml.load(text, Loader=_UniqueKeyLoader)
-        except yaml.YAMLError as exc:
-            raise GateFormatError(f"{path}: invalid YAML: {exc}") from None
-        except GateFormatError as exc:
-            raise GateFormatError(f"{path}: {exc}") from None
         name = str(path)
         if root is not None and Path(path).is_absolute():
             with contextlib.suppress(ValueError):  # outside the root: named as given
                 name = Path(path).resolve().relative_to(root.resolve()).as_posix()
+        raw = Path(path).read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = raw[: exc.start].count(b"\n") + 1
+            raise GateFormatError(
+                f"{name}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x}): save the file as UTF-8",
+                line,
+            ) from None
+        try:
+            data = yaml.load(text, Loader=_UniqueKeyLoader)
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            line = mark.line + 1 if mark is not None else 0
+            problem = exc.problem or exc.context or "syntax error"
+            raise GateFormatError(f"{name}:{line}: invalid YAML: {problem}", line) from None
+        except yaml.YAMLError as exc:
+            raise GateFormatError(f"{name}: invalid YAML: {exc}") from None
+        except GateFormatError as exc:
+            raise GateFormatError(f"{name}:{exc.line}: {exc}", exc.line) from None
         merged = merged.extend(parse_gates(data, name))
     return merged
 
