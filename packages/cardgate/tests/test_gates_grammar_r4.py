@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cardgate_repo import HOLD, PASS, USAGE, Repo, ready
+from cardgate_repo import HOLD, PASS, USAGE, Repo
 
 from cardgate.board import load_board
 from cardgate.card import parse_card
@@ -204,9 +204,29 @@ def test_records_500_against_1000_without_a_gates_file_does_not_pass(repo: Repo)
 
 @pytest.mark.card(CARD, "a-bench-metric-without-an-applicable-rule-holds-the-card", RED, GREEN)
 def test_a_metric_no_rule_checks_holds_the_card(repo: Repo) -> None:
-    ready(repo)
-    repo.write("worklog/gates/T-001.yaml", "version: 1\ngates:\n  - metric: base_ops\n    min: 1\n")
-    repo.commit("gates")
+    repo.write("kanban/in-progress/T-001-demo.md", NUMBER_CARD)
+    repo.write(
+        "tests/test_demo.py",
+        """\
+        import pytest
+
+        @pytest.mark.card("T-001", "child one")
+        def test_one():
+            pass
+
+        @pytest.mark.card("T-001", "rust path at least 10x the python reference")
+        @pytest.mark.bench
+        def test_two(metric):
+            metric("ops", 500.0)
+            metric("base_ops", 1000.0)
+        """,
+    )
+    repo.write(
+        "worklog/gates/T-001.yaml",
+        "version: 1\ngates:\n  - metric: base_ops\n    min: 1\n"
+        "    items: [rust-path-at-least-10x-the-python-reference]\n",
+    )
+    repo.commit()
     result = repo.gate()
     assert result.ret == HOLD, result.stdout.str()
-    result.stdout.fnmatch_lines(["*ops*no gates rule*"])
+    result.stdout.fnmatch_lines(["*metric ops*no gates rule*"])

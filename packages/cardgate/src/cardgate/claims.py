@@ -4,14 +4,18 @@ An item states a number when it sits under `## Acceptance Criteria` and says how
 least 10x`, `>= 1.8x`, `<= 3%`, `within 1.5 ms`, `at most 100 us`), or anywhere on the card
 says how many times (`5x the Python reference`). Such an item must be named by a gates rule's
 `items:` (its key or text): otherwise nothing compares the number and a bench that records 500
-against 1000 would pass. Backlog cards are ideas, not work, and are not checked.
+against 1000 would pass. Backlog cards are ideas, not work, and are not checked. At the gate,
+a metric recorded by a test bound to such an item that no applicable rule compares holds the
+card (`uncompared_metric_checks`).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 from cardgate.card import Card, Item, item_key
+from cardgate.outcome import Check, Verdict
 from cardgate.thresholds import GateSet
 
 _RATIO = r"[0-9](?:\.[0-9]+)?[x\u00d7](?![A-Za-z0-9])"
@@ -59,3 +63,31 @@ def unchecked_claims(card: Card, gates: GateSet) -> list[tuple[int, str]]:
                 )
             )
     return out
+
+
+def uncompared_metric_checks(
+    card: Card,
+    gates: GateSet,
+    metrics: list[tuple[str, str]],
+    bound: Mapping[str, tuple[str, ...]],
+    hardware: str,
+) -> list[Check]:
+    """A HOLD per metric (name, nodeid) recorded by a test bound to an item that states a
+    number when no rule for `hardware` compares it (nor `record_only` lists it): the number
+    the item states was never compared."""
+    claiming = {
+        nodeid
+        for key, nodes in bound.items()
+        if (item := card.items.get(key)) is not None and states_a_number(item)
+        for nodeid in nodes
+    }
+    names = {name for name, nodeid in metrics if nodeid in claiming}
+    return [
+        Check(
+            f"metric {name}",
+            Verdict.HOLD,
+            f"recorded for an item that states a number, but no gates rule for {hardware!r} "
+            "compares it: add a rule (or list it under record_only)",
+        )
+        for name in gates.unchecked(names, hardware)
+    ]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cardgate.card import Card, Item
+from cardgate.claims import uncompared_metric_checks
 from cardgate.hardware import hardware_key
 from cardgate.outcome import Check, GateOutcome, ItemVerdict, Phase, RedFailure, Verdict, worst
 from cardgate.preflight import Preflight
@@ -367,6 +368,11 @@ def decide(pre: Preflight, run: RunResult, phase: Phase, where: Path | None = No
     if phase is Phase.GREEN:
         results = evaluate(pre.gates, values, run.hardware)
         checks.extend(threshold_checks(pre, results))
+        checks.extend(
+            uncompared_metric_checks(
+                card, pre.gates, [(m.name, m.nodeid) for m in metrics], run.bound, run.hardware
+            )
+        )
         verdicts = attribute_thresholds(verdicts, results, metrics)
         verdicts = _reparent(card, verdicts)
         verdicts = apply_red_rule(card, verdicts, reds)
