@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.kernels import cpu as cpu_native
+from minisgl.kernels.oplib import define_op
 from minisgl.quantization import INT4_GROUP
 from minisgl.quantization.packed import Int4Weight, Int8Weight
 from minisgl.utils.cpu import amx_tiles, native_bf16
@@ -237,14 +238,12 @@ def _int4_dequant_meta(codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch
     return codes.new_empty(codes.shape[0], 2 * codes.shape[1], dtype=scales_zeros.dtype)
 
 
-_LIB = torch.library.Library("minisgl", "FRAGMENT")
-_LIB.define("int8_dequant(Tensor qweight, Tensor scales) -> Tensor")
-_LIB.impl("int8_dequant", _int8_dequant, "CPU")
-_LIB.impl("int8_dequant", _int8_dequant_meta, "Meta")
-_LIB.define("int4_dequant(Tensor codes, Tensor scales_zeros) -> Tensor")
-_LIB.impl("int4_dequant", _int4_dequant, "CPU")
-_LIB.impl("int4_dequant", _int4_dequant_meta, "Meta")
-DEQUANT_OPS = (torch.ops.minisgl.int8_dequant.default, torch.ops.minisgl.int4_dequant.default)
+DEQUANT_OPS = (
+    define_op("int8_dequant(Tensor qweight, Tensor scales) -> Tensor",
+              cpu=_int8_dequant, meta=_int8_dequant_meta),
+    define_op("int4_dequant(Tensor codes, Tensor scales_zeros) -> Tensor",
+              cpu=_int4_dequant, meta=_int4_dequant_meta),
+)  # fmt: skip
 
 
 # decode runs ~120 of these per token: skip the no-op reshape / casts (each a dispatch);

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.kernels import cpu as cpu_native
+from minisgl.kernels.oplib import define_op
 from minisgl.models.layers import RMSNorm, rms_norm
 from minisgl.quantization import linear
 from minisgl.quantization.packed import Int8Weight
@@ -227,16 +228,17 @@ def rescale(y: torch.Tensor, sx: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     return (y.float() * sx).to(dtype)
 
 
-_LIB = torch.library.Library("minisgl", "FRAGMENT")
-_LIB.define("w8a8_mm(Tensor xq, Tensor qweight, Tensor scales, ScalarType out_dtype) -> Tensor")
-_LIB.impl("w8a8_mm", _w8a8_mm, "CPU")
-_LIB.impl("w8a8_mm", _w8a8_mm_meta, "Meta")
-_LIB.define(
-    "w8a8_quant(Tensor x, Tensor? weight, Tensor? in_scale, float eps, str kind, bool u8=False) "
-    "-> (Tensor, Tensor)"
+define_op(
+    "w8a8_mm(Tensor xq, Tensor qweight, Tensor scales, ScalarType out_dtype) -> Tensor",
+    cpu=_w8a8_mm,
+    meta=_w8a8_mm_meta,
 )
-_LIB.impl("w8a8_quant", _w8a8_quant, "CPU")
-_LIB.impl("w8a8_quant", _w8a8_quant_meta, "Meta")
+define_op(
+    "w8a8_quant(Tensor x, Tensor? weight, Tensor? in_scale, float eps, str kind, bool u8=False) "
+    "-> (Tensor, Tensor)",
+    cpu=_w8a8_quant,
+    meta=_w8a8_quant_meta,
+)
 
 
 class W8A8Linear(nn.Module):

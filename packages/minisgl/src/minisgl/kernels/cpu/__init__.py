@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from minisgl.kernels.oplib import define_op
 from minisgl.utils.cpu import cpu_flags, march_flags
 from minisgl.utils.log import get_logger
 
@@ -557,15 +558,14 @@ def _like_q(q: torch.Tensor, *rest: Any) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-# a plain operator, not `torch.library.custom_op`: a decode step calls it once per layer, and
-# the custom-op wrapper cost ~11 us a call (a raw call at batch 1 takes ~8)
-_LIB = torch.library.Library("minisgl", "FRAGMENT")
-_LIB.define("cpu_decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, int window) -> Tensor")
-_LIB.impl("cpu_decode_attention", _decode_attention, "CPU")
-_LIB.impl("cpu_decode_attention", _like_q, "Meta")
-_LIB.define(
-    "cpu_paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor indices, "
-    "Tensor indptr, Tensor lens, int window) -> Tensor"
+define_op(
+    "cpu_decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, int window) -> Tensor",
+    cpu=_decode_attention,
+    meta=_like_q,
 )
-_LIB.impl("cpu_paged_decode_attention", _paged_decode_attention, "CPU")
-_LIB.impl("cpu_paged_decode_attention", _like_q, "Meta")
+define_op(
+    "cpu_paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor indices, "
+    "Tensor indptr, Tensor lens, int window) -> Tensor",
+    cpu=_paged_decode_attention,
+    meta=_like_q,
+)
