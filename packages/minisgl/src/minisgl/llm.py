@@ -17,7 +17,9 @@ from minisgl.kernels import cpu as cpu_native
 from minisgl.runtime import Runtime, StepBatch, warms_up_by_default
 from minisgl.sampler import TokenLogprob
 from minisgl.scheduler.backend import SchedulerBackend
+from minisgl.scheduler.policy import priority_aging_steps
 from minisgl.scheduler.request import StepOutput, check_max_tokens
+from minisgl.tokenizer.chat_template import resolve_chat_template
 from minisgl.tokenizer.load import load_tokenizer
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
@@ -56,6 +58,10 @@ class LLM:
         cpu_backend: str | None = None,
         tp_size: int = 1,
         warm_up: bool | None = None,
+        scheduling_policy: str = "fcfs",
+        chat_template: str | None = None,
+        speculative_algorithm: str | None = None,
+        speculative_num_draft_tokens: int | None = None,
     ) -> None:
         """`overlap`: schedule the next step while the device runs this one (default: on,
         unless `MINISGL_DISABLE_OVERLAP_SCHEDULING=1`; the serial loop for a backend without a
@@ -79,15 +85,30 @@ class LLM:
         (`distributed/launch.py`). A WORLD_SIZE other than `tp_size` is a ValueError on every
         rank before anything loads. `warm_up`: run a few prefill and decode shapes before the
         first request (`Runtime.warm_up`, as a server does; default: on a CUDA device, where
-        each shape's first step compiles Triton kernels)."""
+        each shape's first step compiles Triton kernels). `scheduling_policy`: "fcfs", or
+        "priority" (the waiting queue ordered by `SamplingParams.priority`, lower first, with
+        aging). `chat_template`: a Jinja template (file or text) used instead of the model's. `speculative_algorithm` ("ngram")
+        and `speculative_num_draft_tokens` (k, default 4): speculative decoding
+        (`minisgl.speculative`; greedy rows draft, the python control plane's serial loop);
+        `speculative_stats()` and `last_run` report its acceptance."""
+        from minisgl.speculative import SpecConfig
+
+        spec = SpecConfig.parse(speculative_algorithm, speculative_num_draft_tokens)
+        aging = priority_aging_steps(scheduling_policy)  # bad arguments fail before any load
+        template = None
+        if chat_template is not None:
+            template = resolve_chat_template(chat_template, "chat_template")
         if sim_device is None and resolve_device(device).type == "cpu":
             cpu_native.prebuild()  # beside the model's conversion and load
         if model_path is None:
             from minisgl.default_model import default_model_path
 
             model_path = default_model_path()
+        from minisgl.gguf_model import resolve_model_path
+
+        model_path = resolve_model_path(model_path)  # a GGUF file: its converted folder
         self.config = EngineConfig(
-            model_path=str(model_path),
+            model_path=model_path,
             dtype=_dtype_name(dtype),
             device=device,
             max_seq_len_override=max_seq_len_override,
@@ -109,7 +130,7 @@ class LLM:
             tp_size=tp_size,
         )
         self.engine = make_engine(self.config)  # sim_device: no model (engine/sim.py)
-        self.tokenizer = load_tokenizer(str(model_path))
+        self.tokenizer = load_tokenizer(str(model_path), template)
         eos = self.tokenizer.eos_token_id
         self.runtime = Runtime.build(
             self.engine,
@@ -118,6 +139,8 @@ class LLM:
             overlap=overlap,
             device_stream=device_stream,
             warm_up=warms_up_by_default(self.engine) if warm_up is None else warm_up,
+            speculative=spec,
+            priority_aging_steps=aging,
         )
         self.eos_token_ids = self.runtime.eos_token_ids
         self.last_run: dict[str, float] = {}
@@ -243,6 +266,10 @@ class LLM:
             raise
         elapsed = time.perf_counter() - t0
         self.last_run = {"elapsed_s": elapsed, "output_tokens": sum(map(len, outputs))}
+        spec = self.speculative_stats()
+        if spec is not None:
+            self.last_run["spec_acceptance_rate"] = float(spec["acceptance_rate"])
+            self.last_run["spec_mean_accepted_length"] = float(spec["mean_accepted_length"])
         samples = []
         for c, ids in enumerate(outputs):
             text = texts[c]
@@ -289,6 +316,11 @@ class LLM:
         if len(items) != count:
             raise ValueError(f"{count} prompts but {len(items)} sampling params")
         return list(items)
+
+    def speculative_stats(self) -> dict[str, float | int | str] | None:
+        """Speculative decoding's counters since the runtime started (verify rows, drafted
+        and accepted tokens, acceptance rate, mean accepted length); None without it."""
+        return self.runtime.speculative_stats()
 
     def has_work(self) -> bool:
         """Requests waiting or running, or steps in flight (overlap scheduling)."""

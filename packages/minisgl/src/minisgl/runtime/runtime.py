@@ -34,6 +34,7 @@ from minisgl.scheduler import cpu_backend
 from minisgl.scheduler.backend import SchedulerBackend, SchedulerConfig
 from minisgl.scheduler.factory import make_scheduler
 from minisgl.scheduler.request import StepOutput
+from minisgl.speculative import SpecConfig
 from minisgl.utils.log import get_logger
 
 logger = get_logger(__name__)
@@ -52,6 +53,22 @@ def warms_up_by_default(engine: Any) -> bool:
 _ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)  # a prefill alone
 _DECODE = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)  # 2 decodes
 _SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, max_tokens=3, ignore_eos=True)
+
+
+def _serial_for_speculation(backend: str, overlap: bool | None) -> bool:
+    """Speculative decode steps run on the python control plane's serial loop (this milestone):
+    a ValueError for any other backend or for overlap asked for explicitly."""
+    if backend != "python":
+        raise ValueError(
+            f"speculative decoding runs on the python control plane; cpu_backend={backend!r} "
+            "cannot plan draft rows yet"
+        )
+    if overlap:
+        raise ValueError(
+            "speculative decoding runs the serial loop: overlap scheduling cannot combine with "
+            "it yet (leave overlap unset or False)"
+        )
+    return False
 
 
 def _ramp(n: int, vocab: int, start: int = 0) -> list[int]:
@@ -92,13 +109,20 @@ class Runtime:
         overlap: bool | None = None,
         device_stream: str | DeviceStream | None = None,
         warm_up: bool = False,
+        speculative: SpecConfig | None = None,
+        priority_aging_steps: int | None = None,
     ) -> Runtime:
         """On an engine (`engine.sim.make_engine`; closed with the runtime): the scheduler
         `backend` (default `MINISGL_CPU_BACKEND`, else python; `rust_service` starts the
         service) and the loop: overlap depth 1 when `overlap` (default: on unless
         `MINISGL_DISABLE_OVERLAP_SCHEDULING=1`) and the backend has a pipelined mode, else 0.
-        `warm_up` (a server's engine; a compiled engine's graphs always): `warm_up()` here."""
+        `warm_up` (a server's engine; a compiled engine's graphs always): `warm_up()` here.
+        `priority_aging_steps`: priority scheduling (`SamplingParams.priority`, one level
+        gained every that many steps; None: FIFO). `speculative`: speculative decode steps
+        (`speculative.scheduler`: the python backend, serial loop; else a ValueError)."""
         name = cpu_backend.requested_backend(backend)
+        if speculative is not None:
+            overlap = _serial_for_speculation(name, overlap)
         config: EngineConfig = engine.config
         eos = frozenset({*engine.model_config.eos_token_ids, *extra_eos})
         sched_config = SchedulerConfig(
@@ -109,9 +133,18 @@ class Runtime:
             max_extend_tokens=config.max_extend_tokens,
             cache_type=config.cache_type,
             eos_token_ids=tuple(eos),
+            priority_aging_steps=priority_aging_steps,
         )
         sched_name = "python" if name == cpu_backend.SERVICE else name
-        sched = make_scheduler(sched_config, sched_name)
+
+        def remake() -> SchedulerBackend:
+            if speculative is not None:
+                from minisgl.speculative.scheduler import SpecScheduler
+
+                return SpecScheduler.of(sched_config, speculative)
+            return make_scheduler(sched_config, sched_name)
+
+        sched = remake()
         if overlap is None:
             overlap = not overlap_disabled()
         depth, stream = 0, None
@@ -123,9 +156,7 @@ class Runtime:
             logger.info("overlap scheduling on (%s device stream)", stream.name)
         elif overlap and name != cpu_backend.SERVICE:
             logger.info("overlap scheduling off: backend %s has no pipelined mode", sched.backend)
-        rt = cls(
-            engine, eos, sched, depth, stream, lambda: make_scheduler(sched_config, sched_name)
-        )
+        rt = cls(engine, eos, sched, depth, stream, remake)
         try:
             if warm_up or getattr(engine, "compiled", None) is not None:
                 rt.warm_up()
@@ -135,6 +166,12 @@ class Runtime:
             rt.close()
             raise
         return rt
+
+    def speculative_stats(self) -> dict[str, float | int | str] | None:
+        """Speculative decoding's counters (acceptance rate, mean accepted length...), None
+        without speculation."""
+        stats = getattr(self.scheduler, "speculative_stats", None)
+        return stats() if stats is not None else None
 
     def use_service(self, config: EngineConfig, depth: int) -> None:
         """Hand scheduling to a Rust service started now, this process its worker."""

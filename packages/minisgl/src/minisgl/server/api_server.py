@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import json
 import os
 import threading
@@ -41,11 +40,22 @@ from minisgl.message.schema import (
     TokenizeReq,
 )
 from minisgl.message.warmup import WarmUpReport
+from minisgl.reasoning import get_reasoning_format
+from minisgl.reasoning.formats import NOTHING
 from minisgl.server.args import ServerArgs
+from minisgl.server.auth import ApiKeyGate
+from minisgl.server.chat_prompt import Think, render_chat, renders_here
 from minisgl.server.http_warmup import HttpWarmUp, warm_http
 from minisgl.server.metrics import Metrics
 from minisgl.server.openapi import request_bodies
-from minisgl.server.protocol import APIError, ModelNames, Parsed, parse_chat, parse_completion
+from minisgl.server.protocol import (
+    APIError,
+    ModelNames,
+    Parsed,
+    check_priority,
+    parse_chat,
+    parse_completion,
+)
 from minisgl.server.replicas import Replicas, worker_names
 from minisgl.server.streaming import ClosingStreamingResponse, FinalChunk
 from minisgl.tools import (
@@ -273,7 +283,11 @@ class Frontend:
             workers=worker_names(args.cpu_backend, args.dp_size),
         )
         self.metrics = Metrics()
-        self.renderer = ChatRenderer(model_path)  # chats with tools: tokenizer loaded on use
+        # chats with tools: tokenizer loaded on use
+        self.renderer = ChatRenderer(model_path, args.chat_template)
+        self.reasoning = (  # --reasoning-parser: <think> text as reasoning_content
+            None if args.reasoning_parser is None else get_reasoning_format(args.reasoning_parser)
+        )
         self.loop: asyncio.AbstractEventLoop | None = None
         self.unhealthy: str | None = None
         self.serving = False
@@ -632,6 +646,7 @@ class Reply:
     created: int
     model: str
     tools: ToolFormat | None = None
+    think: Think | None = None  # --reasoning-parser: how the outputs split
 
     def error(self, e: APIError) -> APIError:
         """The engine names the prompt 'prompt'; on the chat endpoint it is 'messages'."""
@@ -681,7 +696,12 @@ async def complete_response(fe: Frontend, request: Request, parsed: Parsed, repl
         content = "".join(parts)
         lp = lps[i]
         if reply.chat:
+            reasoning = None
+            if reply.think is not None:
+                reasoning, content = reply.think.split(content)
             msg, fin = assistant_message(reply.tools, content, finish[i])
+            if reply.think is not None:
+                msg["reasoning_content"] = reasoning
             lp = None if lp is None else chat_logprobs(lp)
             choices.append({"index": i, "message": msg, "logprobs": lp, "finish_reason": fin})
         else:
@@ -752,6 +772,7 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
     offsets = [0] * len(job.states)  # completions: characters sent per choice
 
     parsers = [ToolCallParser(reply.tools) if reply.tools else None for _ in job.states]
+    thinks = [reply.think.stream() if reply.think else None for _ in job.states]
     called = [False] * len(job.states)
 
     def chunk(
@@ -810,20 +831,30 @@ async def stream_response(fe: Frontend, request: Request, parsed: Parsed, reply:
                     fe.complete(job, "error")
                     out.append(sse(reply.error(item.error).body()))
                     break
+                text, lp = item.text, item.logprobs
+                think = thinks[item.index]
+                if think is not None:  # the reasoning first; the rest is the content
+                    reasoning, text = think.feed(text) if text else NOTHING
+                    if item.finish is not None:
+                        more = think.finish()
+                        reasoning, text = reasoning + more.reasoning, text + more.content
+                    if reasoning:
+                        out.append(chunk(item.index, None, None, lp=lp,
+                                         tool={"reasoning_content": reasoning}))  # fmt: skip
+                        lp = None
                 parser = parsers[item.index]
                 if parser is not None:  # tool calls: parser events, logprobs on the first
-                    events = parser.feed(item.text) if item.text else []
+                    events = parser.feed(text) if text else []
                     if item.finish is not None:
                         events += parser.finish()
-                    lp = item.logprobs
                     for ev in events:
                         called[item.index] |= isinstance(ev, CallStart)
                         out.append(chunk(item.index, None, None, lp=lp, tool=event_delta(ev)))
                         lp = None
                     if lp:
                         out.append(chunk(item.index, None, None, lp=lp))
-                elif item.text or item.logprobs:
-                    out.append(chunk(item.index, item.text, None, lp=item.logprobs))
+                elif text or lp:
+                    out.append(chunk(item.index, text, None, lp=lp))
                 if item.finish is not None:
                     fe.settle(st)
                     fin = item.finish
@@ -892,7 +923,7 @@ class CompletionRoutes:
 HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
-def create_app(fe: Frontend) -> CompletionRoutes:
+def create_app(fe: Frontend) -> CompletionRoutes | ApiKeyGate:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         fe.attach_loop(asyncio.get_running_loop())
@@ -1006,14 +1037,16 @@ def create_app(fe: Frontend) -> CompletionRoutes:
         parsed = parse_chat(
             body, fe.model_names, fe.info["max_seq_len"], fe.info.get("max_token_chars", 0)
         )
-        fmt = None
-        if parsed.tools is not None:
+        fmt = think = None
+        if renders_here(parsed, fe.reasoning):
             try:
-                parsed, fmt = await asyncio.to_thread(with_tools, fe.renderer, parsed)
+                parsed, fmt, think = await asyncio.to_thread(
+                    render_chat, fe.renderer, parsed, fe.reasoning
+                )
             except APIError as e:  # the template's or the tokenizer's error: never the path
                 e.message = fe.redact(e.message)
                 raise
-        return await serve(request, parsed, chat=True, tools=fmt)
+        return await serve(request, parsed, chat=True, tools=fmt, think=think)
 
     @app.post("/v1/completions", openapi_extra=bodies["completions"])
     async def completions(request: Request):
@@ -1023,34 +1056,21 @@ def create_app(fe: Frontend) -> CompletionRoutes:
         )
         return await serve(request, parsed, chat=False)
 
-    async def serve(request: Request, parsed: Parsed, chat: bool, tools: ToolFormat | None = None):
+    async def serve(
+        request: Request,
+        parsed: Parsed,
+        chat: bool,
+        tools: ToolFormat | None = None,
+        think: Think | None = None,
+    ):
+        check_priority(parsed.params, fe.args.scheduling_policy)
         prefix = "chatcmpl-" if chat else "cmpl-"
-        reply = Reply(chat, prefix + uuid.uuid4().hex[:24], int(time.time()), fe.model_name, tools)
+        rid = prefix + uuid.uuid4().hex[:24]
+        reply = Reply(chat, rid, int(time.time()), fe.model_name, tools, think)
         if parsed.stream:
             return await stream_response(fe, request, parsed, reply)
         return await complete_response(fe, request, parsed, reply)
 
     outer = CompletionRoutes(app, {"/v1/chat/completions": chat, "/v1/completions": completions})
-    return outer
-
-
-def with_tools(renderer: ChatRenderer, parsed: Parsed) -> tuple[Parsed, ToolFormat | None]:
-    """A chat with tools as token ids (rendered here, so every control plane gets the same
-    prompt) under its tools' grammar, and the format its calls are parsed in (None: "none").
-    Runs off the event loop (the tokenizer loads on first use)."""
-    use = parsed.tools
-    assert use is not None
-    try:
-        fmt = renderer.tool_format()
-        ids = renderer.render_ids(parsed.prompt, use.tools)
-    except Exception as e:  # a template that fails on these messages
-        raise APIError(400, f"cannot render the chat with its tools: {e}", "messages") from None
-    try:
-        grammar = fmt.response_format(use.tools, use.choice)
-    except ValueError as e:
-        raise APIError(400, f"the tools give no valid grammar: {e}", "tools") from None
-    params = parsed.params
-    if grammar is not None:
-        params = dataclasses.replace(params, response_format=json.dumps(grammar.to_json()))
-    parsed = dataclasses.replace(parsed, kind="ids", prompt=ids, params=params)
-    return parsed, fmt if grammar is not None else None
+    # the warm-up (lifespan) calls `outer`, inside the gate
+    return outer if fe.args.api_key is None else ApiKeyGate(outer, fe.args.api_key)

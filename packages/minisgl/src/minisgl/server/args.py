@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-from dataclasses import asdict, dataclass
+import os
+from dataclasses import asdict, dataclass, field
 
+from minisgl.core import PRIORITY_RANGE
 from minisgl.cpu_service import ServiceLimits
+from minisgl.scheduler.policy import AGING_STEPS, POLICIES
 
 
 @dataclass
@@ -38,12 +41,20 @@ class ServerArgs:
     cpu_backend: str = "python"  # MINISGL_CPU_BACKEND (not a flag): python | rust_service
     enable_torch_compile: bool = False
     deterministic: bool = False  # batch-invariant CPU kernels (EngineConfig.deterministic)
+    speculative_algorithm: str | None = None  # ngram (minisgl.speculative), None: off
+    speculative_num_draft_tokens: int | None = None  # k (default 4 with an algorithm)
     threads: int | None = None
     tp_size: int = 1
     dp_size: int = 1
     dp_routing: str | None = None  # rust_service: prefix (default) | round_robin
     http: str = "auto"
     loop: str = "auto"
+    # issue 63: --api-key (or MINISGL_API_KEY; never shown), the --chat-template's text,
+    # --scheduling-policy (priority: the request field `priority`)
+    api_key: str | None = field(default=None, repr=False)
+    chat_template: str | None = None
+    scheduling_policy: str = "fcfs"
+    reasoning_parser: str | None = None  # issue 63: `<think>` text as reasoning_content
 
     @property
     def queue_limit(self) -> int:
@@ -70,6 +81,8 @@ class ServerArgs:
             sim_device=self.sim_device,
             enable_torch_compile=self.enable_torch_compile,
             deterministic=self.deterministic,
+            speculative_algorithm=self.speculative_algorithm,
+            speculative_num_draft_tokens=self.speculative_num_draft_tokens,
             threads=self.threads,
             tp_size=self.tp_size,
         )
@@ -81,6 +94,9 @@ class ServerArgs:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+API_KEY_ENV = "MINISGL_API_KEY"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -192,6 +208,20 @@ def build_parser() -> argparse.ArgumentParser:
         "the same seed whatever else is batched, chunked or cached beside it (docs/server.md)",
     )
     p.add_argument(
+        "--speculative-algorithm",
+        default=None,
+        metavar="ngram",
+        help="speculative decoding: ngram drafts copied from the prompt and output (greedy "
+        "requests; python backend; docs/speculative.md); default: off",
+    )
+    p.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="the most draft tokens a request verifies a step (default 4)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -274,6 +304,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="run no model: each step sleeps BASE_MS + TOKEN_MS per token (default 0.5,0.002) "
         "and returns deterministic tokens (benchmarks of the CPU control plane)",
     )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="every /v1 route needs 'Authorization: Bearer KEY' (else 401; /health and "
+        "/metrics stay open); default: the MINISGL_API_KEY environment variable, else none",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="a Jinja chat template (a file, or the template itself) used instead of the model's",
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=POLICIES,
+        help="fcfs: first come, first served; priority: requests' 'priority' field orders the "
+        f"waiting queue (lower first, in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}], one level "
+        f"gained every {AGING_STEPS} steps waited)",
+    )
+    from minisgl.reasoning.formats import REASONING_FORMATS
+
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_FORMATS),
+        help="split a reasoning model's <think>...</think> text into reasoning_content (tool "
+        "calls and response_format then apply to the content after it); default: none",
+    )
     return p
 
 
@@ -283,6 +342,18 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     ns = build_parser().parse_args(argv)
     args = ServerArgs(**vars(ns), cpu_backend=requested_backend())
     errors = []
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
+    elif not args.api_key.strip():
+        errors.append("--api-key must not be empty")
+    if args.cpu_backend == SERVICE:
+        for on, flag in ((args.chat_template, "--chat-template"),
+                         (args.scheduling_policy == "priority", "--scheduling-policy priority")):  # fmt: skip
+            if on:
+                errors.append(
+                    f"{flag} is not supported with MINISGL_CPU_BACKEND={SERVICE} yet (the "
+                    "python backend serves it)"
+                )
     if args.cpu_backend not in (*BACKENDS, SERVICE):
         errors.append(
             f"MINISGL_CPU_BACKEND={args.cpu_backend!r}: expected one of "
@@ -320,6 +391,18 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     for flag, name in (("--http", args.http), ("--loop", args.loop)):
         if name not in ("auto", "h11", "asyncio") and importlib.util.find_spec(name) is None:
             errors.append(f"{flag} {name}: the {name} package is not installed")
+    from minisgl.speculative import SpecConfig
+
+    try:
+        spec = SpecConfig.parse(args.speculative_algorithm, args.speculative_num_draft_tokens)
+    except ValueError as e:
+        spec = None
+        errors.append(str(e))
+    if spec is not None and args.cpu_backend != "python":
+        errors.append(
+            f"--speculative-algorithm needs the python backend (MINISGL_CPU_BACKEND="
+            f"{args.cpu_backend} cannot plan draft rows yet)"
+        )
     if args.sim_device is not None:
         from minisgl.config import SimDevice
 
@@ -329,4 +412,11 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
             errors.append(str(e))
     if errors:
         build_parser().error("; ".join(errors))
+    if args.chat_template is not None:  # a start-up error: one line, exit 2 (launch.startup_error)
+        from minisgl.tokenizer.chat_template import resolve_chat_template
+
+        try:
+            args.chat_template = resolve_chat_template(args.chat_template)
+        except ValueError as e:
+            build_parser().exit(2, f"minisgl: error: {e}\n")
     return args

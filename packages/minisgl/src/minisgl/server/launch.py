@@ -35,6 +35,7 @@ import traceback
 
 from minisgl import ipc
 from minisgl.config import ModelLoadError, check_model_dir
+from minisgl.gguf_model import resolve_model_path
 from minisgl.message.warmup import WarmUpReport
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.replicas import replica_threads, worker_names
@@ -97,7 +98,7 @@ class Launcher:
         for i in range(args.num_tokenizer):
             self.procs[ipc.tokenizer_name(i)] = ctx.Process(
                 target=run_tokenizer_worker,
-                args=(i, model_path, self.ipc_dir, typed, args.dp_size),
+                args=(i, model_path, self.ipc_dir, typed, args.dp_size, args.chat_template),
                 name=f"minisgl-{ipc.tokenizer_name(i)}",
                 daemon=True,
             )
@@ -110,6 +111,8 @@ class Launcher:
         args = self.args
         kwargs = args.llm_kwargs()
         kwargs["threads"] = replica_threads(args.threads, args.dp_size, args.tp_size)
+        if args.scheduling_policy != "fcfs":  # the python backend's engine workers only
+            kwargs["scheduling_policy"] = args.scheduling_policy
         return kwargs
 
     def _start_service(self, model_path: str) -> list[str]:
@@ -221,6 +224,7 @@ class Launcher:
                 from minisgl.default_model import default_model_path
 
                 model_path = str(default_model_path())
+            model_path = resolve_model_path(model_path)  # a GGUF file: its converted folder
             self.sock = self._bind()  # before loading anything: a taken port fails at once
             self.ipc_dir = ipc.make_ipc_dir(os.environ.get("MINISGL_IPC_ROOT"))
             from minisgl.server.api_server import Frontend, create_app
@@ -371,10 +375,10 @@ def check_model(args: ServerArgs) -> None:
     """The model folder as the engine reads it first (config.json; the safetensors headers
     unless no weights load), before any worker starts: a ModelLoadError saying what is wrong,
     not each worker's traceback. The embedded model (no --model-path) is checked by its
-    loader."""
+    loader. A GGUF file is checked, and converted into its folder, here."""
     if args.model_path is not None:
         no_weights = args.dummy_weights or args.sim_device is not None
-        check_model_dir(args.model_path, weights=not no_weights)
+        check_model_dir(resolve_model_path(args.model_path), weights=not no_weights)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -404,8 +408,10 @@ def follow(args: ServerArgs) -> int:
         from minisgl.default_model import default_model_path
 
         model_path = str(default_model_path())
+    model_path = resolve_model_path(model_path)
     try:
-        make_engine(EngineConfig(model_path=model_path, **args.llm_kwargs()))
+        kwargs = {k: v for k, v in args.llm_kwargs().items() if not k.startswith("speculative")}
+        make_engine(EngineConfig(model_path=model_path, **kwargs))
     except SystemExit as e:  # the follower's end
         return e.code if isinstance(e.code, int) else 1
     except ValueError as e:
