@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from minisgl.config import ModelLoadError
+from minisgl.utils.cache import cache_dir
 from minisgl.utils.log import get_logger
 
 logger = get_logger(__name__)
@@ -26,15 +27,6 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER = "SmolLM2-135M-Instruct-f32"
 NAME = "SmolLM2-135M-Instruct"
 NATIVE_QUANTIZATION = "int4"  # Q4_1 linears (the Q8_0 embedding is served int8)
-
-
-def cache_dir() -> Path:
-    env = os.environ.get("MINISGL_CACHE_DIR")
-    if env:
-        return Path(env)
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("minisgl"))
 
 
 def gguf_path() -> Path:

@@ -113,7 +113,7 @@ def native_class(index) -> str:
 
 def model_folder(path: str | Path) -> Path:
     """Where the file's HF folder is (or will be) converted."""
-    from minisgl.default_model import cache_dir
+    from minisgl.utils.cache import cache_dir
 
     real = os.path.realpath(path)
     st = os.stat(real)
