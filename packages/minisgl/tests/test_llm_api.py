@@ -287,12 +287,21 @@ def test_gpu_only_options_are_accepted_on_cpu(tiny_model_dir):
 @pytest.mark.card("P0-010", "embedded-smollm2-answers-paris")
 @pytest.mark.slow
 def test_real_model_knows_paris():
+    """The answer's deciding token, not the whole greedy answer: a 135M model's greedy chat
+    answer under int4 changes with the kernels' rounding (intel-amx: "L'Étoile (The City of
+    Lights) is the capital of France.", amd-epyc: "... is Paris."), while after "The capital
+    of France is" the model puts ~95% on " Paris" (4.5 nats above the next token, intel-amx),
+    which no kind's rounding can move."""
     llm = LLM(max_seq_len_override=512)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = llm.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     out = llm.generate(
-        [[{"role": "user", "content": "What is the capital of France?"}]],
-        SamplingParams(max_tokens=24),
+        [prompt + "The capital of France is"],
+        SamplingParams(max_tokens=8, logprobs=2),
     )
-    assert "Paris" in out[0]["text"]
+    assert out[0]["text"].startswith(" Paris"), out[0]["text"]
+    first = out[0]["logprobs"][0]
+    assert first.logprob > -0.5 and first.logprob - first.top[1][1] > 2.0, first
     assert out[0]["finish_reason"] == "stop"
     assert_kv_clean(llm)
 

@@ -252,14 +252,21 @@ def embedded():
 
 @pytest.mark.slow
 def test_embedded_model_serves_int4_and_answers_paris(embedded):
-    """24 tokens, as P0-010's test: through the C decode step (P2-005) the greedy answer is
-    "L'Étoile 18, the capital of France is Paris." and its 12 first tokens stop before Paris
-    (the modules: "L'Étoile, the capital of France is Paris.")."""
+    """Through the C decode step (P2-005), int4: the deciding token of the answer. The whole
+    greedy answer of a 135M model under int4 depends on the kind's rounding (intel-amx:
+    "L'Étoile (The City of Lights) is the capital of France.", no Paris; amd-epyc: "...
+    Paris."); after "The capital of France is" the model puts ~95% on " Paris"."""
     llm = embedded
     assert llm.engine.quantization == "int4"
-    msgs = [[{"role": "user", "content": "What is the capital of France?"}]]
-    out = llm.generate(msgs, SamplingParams(temperature=0.0, max_tokens=24))
-    assert "Paris" in out[0]["text"]
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = llm.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    out = llm.generate(
+        [prompt + "The capital of France is"],
+        SamplingParams(temperature=0.0, max_tokens=4, logprobs=2),
+    )
+    assert out[0]["text"].startswith(" Paris"), out[0]["text"]
+    first = out[0]["logprobs"][0]
+    assert first.logprob > -0.5 and first.logprob - first.top[1][1] > 2.0, first
 
 
 @pytest.mark.slow
