@@ -184,3 +184,25 @@ def test_prefill_kernel_query_rows_do_not_depend_on_the_chunking(window: int) ->
     whole = attend([(0, n)])
     assert torch.equal(attend([(0, 37), (37, 170), (170, 300)]), whole)
     assert torch.equal(attend([(0, 5), (5, 290), *((i, i + 1) for i in range(290, 300))]), whole)
+
+
+@pytest.mark.parametrize("shape", [(576, 3072), (576, 49152)])
+def test_linear_row_bits_do_not_depend_on_the_row_count(shape: tuple[int, int]) -> None:
+    """A linear made batch-invariant gives a row the same bits at every row count and offset:
+    one row (oneDNN's one-row kernel differs), 2..32 rows, and more (oneDNN's AMX kernel, from
+    33 rows where the CPU has AMX, rounds differently: the rows go in blocks of at most 32)."""
+    import torch
+
+    from minisgl.engine.deterministic import make_batch_invariant
+    from minisgl.utils.cpu import native_bf16
+
+    if not native_bf16():
+        pytest.skip("deterministic mode needs a CPU with native bf16")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(*shape, bias=False).bfloat16()
+    assert make_batch_invariant(lin) == 1
+    x = torch.randn(100, shape[0], dtype=torch.bfloat16)
+    with torch.inference_mode():
+        alone = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])
+        for start, rows in [(0, 2), (3, 17), (0, 32), (1, 33), (0, 64), (5, 95), (0, 100)]:
+            assert torch.equal(lin(x[start : start + rows]), alone[start : start + rows]), rows

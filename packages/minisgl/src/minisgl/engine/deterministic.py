@@ -5,9 +5,13 @@ runs in its steps: other requests batched beside it, how its prompt was chunked,
 prefix came from the cache.
 
 What varies with the batch outside this mode, and what the mode does instead:
-- bf16 `F.linear` (oneDNN) gives a row the same bits for every row count M >= 2 and every row
-  offset, but M = 1 differs from M >= 2 (e.g. the lm_head's 49152 features): a one-row linear
-  runs as two rows (the row twice), its first row kept.
+- bf16 `F.linear` (oneDNN) picks its kernel by row count M: M = 1 differs from M >= 2 (e.g.
+  the lm_head's 49152 features), and on a CPU with AMX (intel-amx) M >= 33 runs the AMX tile
+  kernel, whose sums round differently from the AVX-512 kernel of 2 <= M <= 32 (most layers
+  of the embedded model from 33 rows; without AMX every M >= 2 agreed). Rows 2..32 agree
+  with each other, row by row, at every row offset, on both: a linear runs its rows in blocks
+  of at most `ROW_BLOCK` (32) rows, a one-row block as two rows (the row twice), its first
+  row kept.
 - Quantized layers switch kernels by row count (the packed int4 / int8 kernel below
   `dequant_min_rows`, the de-quantized GEMM above): every row count takes the de-quantized
   bf16 GEMM (`dequant_min_rows = 1`), padded as above, on weights de-quantized once at load
@@ -66,8 +70,8 @@ def check(config, device: torch.device, dtype: torch.dtype, quantization: str) -
 
 
 def make_batch_invariant(model: nn.Module) -> int:
-    """Make every linear layer of `model` batch-invariant (one kernel path for every row count,
-    one row padded to two); returns how many layers."""
+    """Make every linear layer of `model` batch-invariant (one kernel path for every row count:
+    blocks of 2..`ROW_BLOCK` rows, one row padded to two); returns how many layers."""
     count = 0
     for m in model.modules():
         if isinstance(m, (Int4Linear, Int8Linear)):
@@ -77,7 +81,7 @@ def make_batch_invariant(model: nn.Module) -> int:
             m.dequantize = _Dequantized(m.dequantize())
         elif not isinstance(m, nn.Linear):
             continue
-        m.forward = _TwoRows(m.forward)
+        m.forward = _RowBlocks(m.forward)
         count += 1
     return count
 
@@ -92,14 +96,32 @@ class _Dequantized:
         return self.weight[rows]
 
 
-class _TwoRows:
-    """A linear's forward run on two rows where it is given one (oneDNN's one-row bf16 GEMM
-    differs from its M >= 2 kernels, which agree with each other row by row)."""
+# the most rows one GEMM call of a linear gets: oneDNN's bf16 GEMM runs 2..32 rows on its
+# AVX-512 kernel (the same bits for a row whatever the others) and more on AMX tiles where the
+# CPU has them (other bits)
+ROW_BLOCK = 32
+
+
+class _RowBlocks:
+    """A linear's forward run on blocks of 2..`ROW_BLOCK` rows: the rows in blocks of at most
+    `ROW_BLOCK` (oneDNN's AMX kernel, from 33 rows, rounds a row's sums differently from its
+    AVX-512 kernel of fewer), a one-row block run as two rows (oneDNN's one-row bf16 GEMM
+    differs from its kernels of 2..32 rows, which agree with each other row by row)."""
 
     def __init__(self, forward) -> None:
         self.forward = forward
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] == 1:
+        if x.dim() != 2:
+            if x.dim() < 2:
+                return self.forward(x)
+            return self(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        m = x.shape[0]
+        if m <= ROW_BLOCK:
+            return self._block(x)
+        return torch.cat([self._block(x[s : s + ROW_BLOCK]) for s in range(0, m, ROW_BLOCK)])
+
+    def _block(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
             return self.forward(x.expand(2, -1).contiguous())[:1]
         return self.forward(x)
