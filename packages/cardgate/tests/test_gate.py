@@ -40,9 +40,11 @@ def test_full_loop_red_then_green_then_pass(repo: Repo, monkeypatch: pytest.Monk
 
     repo.write("src/impl.py", "OK = True\n")
     same_commit = repo.gate()
-    assert same_commit.ret == HOLD  # dirty tree; and the red record is at HEAD, not before
+    # the clean room runs the commit, not the edited file: its test still fails (round 4); the
+    # edit only holds the clean-tree check
+    assert same_commit.ret == FAIL, same_commit.stdout.str()
     same_commit.stdout.fnmatch_lines(
-        ["*HOLD*failing-test-first*no valid red record at an earlier commit*"]
+        ["*FAIL*[[]green[]] passes-now*assert False*", "*HOLD*clean tree*src/impl.py*"]
     )
 
     repo.commit("green: the implementation")
