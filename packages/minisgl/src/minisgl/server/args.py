@@ -87,6 +87,11 @@ class ServerArgs:
             tp_size=self.tp_size,
         )
 
+    def engine_kwargs(self) -> dict:
+        """`llm_kwargs` less what only `LLM` takes (the speculative options: the step loop's,
+        not the engine's): the `EngineConfig` of a rust_service GPU worker or a TP follower."""
+        return {k: v for k, v in self.llm_kwargs().items() if k not in LLM_ONLY}
+
     def service_limits(self) -> ServiceLimits:
         """The scheduler limits the Rust service is started with (rust_service)."""
         return ServiceLimits(self.page_size, self.max_running_requests, self.max_prefill_length,
@@ -97,6 +102,7 @@ class ServerArgs:
 
 
 API_KEY_ENV = "MINISGL_API_KEY"
+LLM_ONLY = ("speculative_algorithm", "speculative_num_draft_tokens")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -37,7 +37,7 @@ from minisgl import ipc
 from minisgl.config import ModelLoadError, check_model_dir
 from minisgl.gguf_model import resolve_model_path
 from minisgl.message.warmup import WarmUpReport
-from minisgl.server.args import ServerArgs, parse_args
+from minisgl.server.args import LLM_ONLY, ServerArgs, parse_args
 from minisgl.server.replicas import replica_threads, worker_names
 from minisgl.utils import trace
 
@@ -115,6 +115,11 @@ class Launcher:
             kwargs["scheduling_policy"] = args.scheduling_policy
         return kwargs
 
+    def _engine_kwargs(self) -> dict:
+        """A rust_service GPU worker's `EngineConfig` arguments (no `LLM`-only options)."""
+        kwargs = self._replica_kwargs()
+        return {k: v for k, v in kwargs.items() if k not in LLM_ONLY and k != "scheduling_policy"}
+
     def _start_service(self, model_path: str) -> list[str]:
         """rust_service: the Rust service binary and one Python GPU worker per replica."""
         from minisgl.cpu_service import ServiceProcess, service_command
@@ -136,7 +141,7 @@ class Launcher:
         for i, name in enumerate(self.replica_names):
             self.procs[name] = ctx.Process(
                 target=run_gpu_worker,
-                args=(i, model_path, self._replica_kwargs(), self.ipc_dir, typed, args.dp_size),
+                args=(i, model_path, self._engine_kwargs(), self.ipc_dir, typed, args.dp_size),
                 name=f"minisgl-{name}",
                 daemon=True,
             )
@@ -410,7 +415,7 @@ def follow(args: ServerArgs) -> int:
         model_path = str(default_model_path())
     model_path = resolve_model_path(model_path)
     try:
-        kwargs = {k: v for k, v in args.llm_kwargs().items() if not k.startswith("speculative")}
+        kwargs = args.engine_kwargs()
         make_engine(EngineConfig(model_path=model_path, **kwargs))
     except SystemExit as e:  # the follower's end
         return e.code if isinstance(e.code, int) else 1
