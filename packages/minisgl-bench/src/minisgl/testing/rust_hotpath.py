@@ -60,7 +60,16 @@ def register() -> None:
 
     extension()
     if NAME not in factory.available_backends():
-        factory.register_backend(NAME, lambda config: RustScheduler(**dataclasses.asdict(config)))
+        factory.register_backend(NAME, _scheduler)
+
+
+def _scheduler(config: Any) -> RustScheduler:
+    """A `RustScheduler` from a `SchedulerConfig`: the PyO3 binding has no priority scheduling
+    (the service's `serve --priority-aging-steps` has), so a config asking for it is refused."""
+    kwargs = dataclasses.asdict(config)
+    if kwargs.pop("priority_aging_steps", None) is not None:
+        raise ValueError(f"{NAME} has no priority scheduling (priority_aging_steps)")
+    return RustScheduler(**kwargs)
 
 
 def check_plan_layout(ext: Any) -> None:

@@ -93,12 +93,22 @@ class Decode(PrefixCache):
         slots = plan.slots[rows]
         codes = self._append_tokens(row_reqs, slots, tokens, None)
         outputs = self._outputs(slots, tokens, codes)
-        for k in () if codes is None else np.flatnonzero(codes).tolist():  # in row order
+        if codes is not None:
+            self._finish_rows(row_reqs, codes)
+        return self._close_step(t0, outputs)
+
+    def _finish_rows(self, row_reqs: Sequence[Req], codes: np.ndarray) -> None:
+        """End the requests whose finish code is set (in row order): their reason, out of the
+        running set, their pages released."""
+        for k in np.flatnonzero(codes).tolist():
             req = row_reqs[k]
             req.finish_reason = FINISH_REASONS[codes[k]]
             self._leave_running(req)
             self._release(req)
             del self.requests[req.rid]
+
+    def _close_step(self, t0: float, outputs: list[StepOutput]) -> list[StepOutput]:
+        """A committed step's counters; returns its outputs."""
         self.stats.commit_s.append(time.perf_counter() - t0)
         self.stats.steps += 1
         self.stats.generated_tokens += len(outputs)

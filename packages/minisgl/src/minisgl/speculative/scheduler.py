@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minisgl.scheduler.backend import ScheduledStep, SchedulerConfig
-from minisgl.scheduler.request import FINISH_REASONS, Req, StepOutput
+from minisgl.scheduler.request import Req, StepOutput
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.speculative import DraftSource, SpecConfig, make_draft_source
 from minisgl.step.plan import StepPlan, build_step_plan
@@ -183,16 +183,8 @@ class SpecScheduler(Scheduler):
             else:
                 outputs += self._outputs(slots, col, None)
         self.table.kv_len[slots] += appended
-        for k in np.flatnonzero(ended).tolist():  # in row order
-            req = reqs[k]
-            req.finish_reason = FINISH_REASONS[codes_of[k]]
-            self._leave_running(req)
-            self._release(req)
-            del self.requests[req.rid]
-        self.stats.commit_s.append(time.perf_counter() - t0)
-        self.stats.steps += 1
-        self.stats.generated_tokens += len(outputs)
-        return outputs
+        self._finish_rows(reqs, np.where(ended, codes_of, 0))
+        return self._close_step(t0, outputs)
 
     def _count(self, drafts: Sequence[np.ndarray], accepted: np.ndarray) -> None:
         n = np.array([len(d) for d in drafts])
