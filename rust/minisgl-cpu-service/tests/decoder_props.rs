@@ -31,6 +31,7 @@ fn params() -> Value {
         Value::Nil,
         0.into(),
         Value::Nil,
+        0.into(), // priority (schema 6)
     ])
 }
 

@@ -178,6 +178,68 @@ def site_dirs() -> list[Path]:
     return sorted(Path(d) for d in dirs if d)
 
 
+_NOT_SOURCE = {"site-packages", "node_modules", "target", "__pycache__"}
+
+
+def _room_files(room: Path) -> tuple[dict[str, str], dict[str, set[str]]]:
+    """The room's Python files by every '/'-suffix of their path (suffix -> room-relative
+    path), and each package folder's name -> the room-relative folders above such packages."""
+    by_suffix: dict[str, str] = {}
+    packages: dict[str, set[str]] = {}
+    for folder, dirs, files in os.walk(room):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in _NOT_SOURCE]
+        rel_dir = Path(folder).relative_to(room)
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            parts = (*rel_dir.parts, name)
+            rel = "/".join(parts)
+            for i in range(len(parts)):
+                by_suffix.setdefault("/".join(parts[i:]), rel)
+            if name == "__init__.py" and rel_dir.parts:
+                packages.setdefault(rel_dir.parts[-1], set()).add(rel_dir.parent.as_posix())
+    return by_suffix, packages
+
+
+def shadowed_modules(room: Path | None) -> list[str]:
+    """Room-relative files of modules that the commit holds (or that belong to one of its
+    packages) but were imported from outside the room and outside the interpreter's folders:
+    an editable install pointing at another checkout runs that checkout's code, which the
+    room's redirect of its own working tree does not catch. The gate's own package excepted
+    (it runs as installed)."""
+    if room is None:
+        return []
+    base = room.resolve()
+    installed = _installed_dirs()
+    by_suffix, packages = _room_files(base)
+    found: set[str] = set()
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if (
+            not isinstance(file, str)
+            or not os.path.isabs(file)
+            or name.split(".")[0]
+            in (
+                "cardgate",
+                "__main__",
+            )
+        ):
+            continue
+        path = Path(file).resolve()
+        if path.is_relative_to(base) or any(path.is_relative_to(d) for d in installed):
+            continue
+        parts = name.split(".")
+        rel = "/".join(parts) + ("/__init__.py" if path.name == "__init__.py" else ".py")
+        if not path.as_posix().endswith("/" + rel):
+            continue  # not laid out as its dotted name (a loader's own module)
+        if rel in by_suffix:
+            found.add(by_suffix[rel])
+        elif parts[0] in packages and len(parts) > 1:
+            above = sorted(packages[parts[0]])[0]
+            found.add(rel if above == "." else f"{above}/{rel}")
+    return sorted(found)
+
+
 def worktree_modules(source: Path | None) -> list[str]:
     """Modules imported from the working tree the room was made from (an editable install the
     room could not redirect), relative to it; the gate's own package and the interpreter's

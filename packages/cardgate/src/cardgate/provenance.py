@@ -78,6 +78,16 @@ def inventory_checks(inv: Inventory) -> list[Check]:
                 "commit (an editable install the room could not redirect)",
             )
         )
+    for path in inv.shadowed_modules[:MAX_SHOWN]:
+        checks.append(
+            Check(
+                "provenance",
+                Verdict.HOLD,
+                f"{path}: the commit's module ran from outside the room, not from the clean "
+                "room of the commit (an editable install of another checkout?): install this "
+                "repository's packages into the gate's interpreter",
+            )
+        )
     return checks
 
 

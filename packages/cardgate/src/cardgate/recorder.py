@@ -47,6 +47,7 @@ def process_inventory(config: pytest.Config, items: list[pytest.Item]) -> dict[s
     source = os.environ.get(ROOM_SOURCE_ENV)
     return {
         "worktree_modules": inventory.worktree_modules(Path(source) if source else None),
+        "shadowed_modules": inventory.shadowed_modules(root if source else None),
         "plugins": inventory.plugins(config, root),
         "fixture_overrides": inventory.fixture_overrides(items, root),
         "modules": modules,
@@ -71,6 +72,7 @@ def merge_inventories(parts: list[dict[str, Any]]) -> dict[str, Any]:
         "modules": sorted({m for part in parts for m in part.get("modules", [])}),
         "outside_modules": sorted({m for part in parts for m in part.get("outside_modules", [])}),
         "worktree_modules": sorted({m for part in parts for m in part.get("worktree_modules", [])}),
+        "shadowed_modules": sorted({m for part in parts for m in part.get("shadowed_modules", [])}),
         "environment": next((p["environment"] for p in parts if p.get("environment")), {}),
     }
 

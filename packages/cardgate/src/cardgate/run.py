@@ -65,6 +65,7 @@ class Inventory:
     outside_modules: tuple[str, ...] = ()
     environment: dict[str, Any] = field(default_factory=dict)
     worktree_modules: tuple[str, ...] = ()  # imported from the working tree, not the room
+    shadowed_modules: tuple[str, ...] = ()  # the commit's modules, run from outside the room
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -73,6 +74,7 @@ class Inventory:
             "imported_modules": list(self.modules),
             "outside_modules": list(self.outside_modules),
             "worktree_modules": list(self.worktree_modules),
+            "shadowed_modules": list(self.shadowed_modules),
             "environment": dict(self.environment),
         }
 
@@ -265,6 +267,7 @@ def _run_in(
             outside_modules=tuple(data.get("outside_modules", [])),
             environment=dict(data.get("environment") or {}),
             worktree_modules=tuple(data.get("worktree_modules", [])),
+            shadowed_modules=tuple(data.get("shadowed_modules", [])),
         ),
         hardware_source=str(data.get("hardware_source") or "none"),
     )
