@@ -296,7 +296,7 @@ def test_thread_budget(tmp_path, restore_threads):
     args = parse_args(["--model-path", str(path), "--threads", "1", "--enable-torch-compile"])
     kwargs = args.llm_kwargs()
     assert kwargs["threads"] == 1 and kwargs["enable_torch_compile"] is True
-    cfg = EngineConfig(model_path=str(path), **kwargs)  # what the rust_service worker builds
+    cfg = EngineConfig(model_path=str(path), **args.engine_kwargs())  # the rust_service worker's
     assert cfg.threads == 1 and cfg.enable_torch_compile
     with pytest.raises(ValueError, match="threads"):
         EngineConfig(model_path=str(path), threads=0)

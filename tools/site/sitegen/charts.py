@@ -99,6 +99,15 @@ def _pct(metrics: dict[str, Any], name: str, q: str = "p50") -> float:
     return float(value) if isinstance(value, int | float) else 0.0
 
 
+def _arm_rates(profile: dict[str, Any]) -> dict[str, float]:
+    """A cpu_speed profile's arms with their median output tok/s ({} for any other shape)."""
+    return {
+        arm: float(m["output_tok_s"])
+        for arm, m in profile.items()
+        if isinstance(m, dict) and isinstance(m.get("output_tok_s"), int | float)
+    }
+
+
 def baseline_chart(baseline: Baseline) -> bytes | None:
     """A chart for a baseline that has no recorded plot (None when nothing is plottable)."""
     data = baseline.data
@@ -141,6 +150,15 @@ def baseline_chart(baseline: Baseline) -> bytes | None:
                     "memory floor ms": [float(results[k].get("floor_ms") or 0.0) for k in steps],
                 },
                 "ms",
+            )
+        profiles = {k: r for k, r in results.items() if _arm_rates(r)}
+        if profiles:  # benchmark.cpu_speed: profile -> arm -> median output tok/s
+            arms = sorted({a for r in profiles.values() for a in _arm_rates(r)})
+            return _bars(
+                f"{baseline.name}: output tok/s",
+                list(profiles),
+                {a: [_arm_rates(r).get(a, 0.0) for r in profiles.values()] for a in arms},
+                "tok/s",
             )
         labels = [k for k, r in results.items() if isinstance(r.get("speedup"), int | float)]
         if labels:

@@ -45,6 +45,12 @@ TYPE_CLASSES = {
 _MAGIC = b"GGUF"
 
 
+GGUF_HINT = (
+    "give a whole GGUF v2/v3 model file as llama.cpp writes it, an HF model folder, "
+    "or no model path for the embedded SmolLM2-135M-Instruct"
+)
+
+
 class GGUFError(ModelLoadError, ValueError):
     """A GGUF file that cannot be served: not GGUF, or an architecture / tensor type / tensor
     outside what is supported. A ValueError offline, exit 2 at a server's start."""
@@ -70,7 +76,7 @@ def check_gguf(path: str | Path):
     try:
         index = read_index(path)
     except ValueError as e:
-        raise GGUFError(f"cannot read {str(path)!r} as a GGUF model: {e}") from None
+        raise GGUFError(f"cannot read {str(path)!r} as a GGUF model: {e}; {GGUF_HINT}") from None
     arch = str(index.scalars.get("general.architecture", ""))
     if arch not in ARCHITECTURES:
         raise GGUFError(

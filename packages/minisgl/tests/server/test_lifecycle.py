@@ -292,7 +292,7 @@ def test_start_up_errors_are_one_line_and_exit_2(tmp_path, tiny_model_dir, what)
     assert str(path) in done.stderr and "Traceback" not in done.stderr
     assert "folder" in done.stderr  # what to do: an HF model folder
     if what == "gguf":
-        assert "GGUF" in done.stderr
+        assert "GGUF version 0" in done.stderr and "GGUF v2/v3 model file" in done.stderr
     debug = start_up(str(path), "--log-level", "debug")
     assert debug.returncode == 2 and "Traceback (most recent call last)" in debug.stderr
 
