@@ -130,7 +130,7 @@ def tests(session: nox.Session) -> None:
     MINISGL_CPU_ISA level below the machine's (`isa_passes`), then the `rust_ext` tests with it
     built. A run that selects no test (exit 5) is not a failure of that half."""
     install_runtime(session, extension=False)
-    args = session.posargs or ["-n", "auto"]
+    args = session.posargs or ["-n", "auto", "--durations=25"]  # the slowest, for the budget
     session.run("pytest", "-m", "not rust_ext", *args, success_codes=[0, 5])
     if not session.posargs:  # each CPU path the machine can emulate (card P2-005)
         for level, paths in isa_passes():
