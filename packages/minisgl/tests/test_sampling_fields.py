@@ -1,0 +1,181 @@
+"""Issue 64 item 1: the request parameters are defined once (`minisgl.sampling_fields`), and
+`SamplingParams`, the HTTP parser, `/openapi.json`, the wire layout and the Rust service's wire
+reader all follow that table. No model is loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from minisgl.core import SamplingParams
+from minisgl.server.protocol import APIError, parse_chat, parse_completion
+
+ROOT = Path(__file__).resolve().parents[3]
+CTX = 256
+
+# (parameter, bad value): each refused offline and over HTTP
+BAD: list[tuple[str, Any]] = [
+    ("temperature", 3),
+    ("temperature", 2.5),
+    ("temperature", -1.0),
+    ("temperature", "hot"),
+    ("top_p", 0),
+    ("top_p", 1.5),
+    ("top_k", -3),
+    ("top_k", 1.5),
+    ("min_p", 1.5),
+    ("presence_penalty", 2.5),
+    ("frequency_penalty", -2.5),
+    ("repetition_penalty", 0),
+    ("repetition_penalty", 2.1),
+    ("n", 0),
+    ("n", 129),
+    ("n", 2.0),
+    ("seed", -1),
+    ("seed", "x"),
+    ("stop", [""]),
+    ("stop", ["x"] * 17),
+    ("stop", 5),
+    ("stop", ["ok", 5]),
+    ("stop_token_ids", ["x"]),
+    ("stop_token_ids", 5),
+    ("logit_bias", {5: 101}),
+    ("logit_bias", {5: "x"}),
+    ("logit_bias", 5),
+    ("min_tokens", -1),
+    ("min_tokens", 3),
+    ("priority", 2**31),
+    ("priority", 1.5),
+    ("max_tokens", 0),
+    ("max_tokens", "10"),
+    ("ignore_eos", "yes"),
+    ("logprobs", 21),
+    ("logprobs", -1),
+]
+
+
+def http_body(name: str, value: Any) -> dict:
+    """The request body of one bad value (`logit_bias` keys are strings in JSON)."""
+    if name == "logit_bias" and isinstance(value, dict):
+        value = {str(k): v for k, v in value.items()}
+    return {"prompt": "hi", "max_tokens": 2, name: value}
+
+
+@pytest.mark.parametrize("name, value", BAD, ids=[f"{n}={v!r}"[:40] for n, v in BAD])
+def test_offline_and_http_refuse_a_bad_value_with_the_same_message(name, value):
+    """Test first: on the old code the messages differed (`'temperature' must be in [0.0, 2.0],
+    got 3` over HTTP, `temperature must be >= 0 and <= 2.0, got 3` offline)."""
+    with pytest.raises(APIError) as served:
+        parse_completion(http_body(name, value), {"m"}, CTX)
+    assert served.value.status == 400
+    assert served.value.param == name
+    with pytest.raises(ValueError) as offline:
+        SamplingParams(**{"max_tokens": 2, name: value})
+    assert str(offline.value) == served.value.message
+
+
+def test_offline_temperature_over_two_is_the_servers_400():
+    with pytest.raises(ValueError) as offline:
+        SamplingParams(temperature=3)
+    assert str(offline.value) == "temperature must be >= 0 and <= 2, got 3"
+
+
+def test_the_endpoints_accept_the_tables_fields():
+    from minisgl.sampling_fields import accepted
+    from minisgl.server import protocol
+
+    assert accepted("chat") == protocol.CHAT
+    assert accepted("completions") == protocol.COMPLETION
+    init = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
+    assert accepted("offline") == init
+
+
+def test_sampling_params_defaults_are_the_tables():
+    from minisgl.sampling_fields import fields_for
+
+    params = SamplingParams()
+    for name, f in fields_for("offline").items():
+        assert getattr(params, name) == (f.default if name != "logit_bias" else ()), name
+
+
+def test_http_defaults_are_the_tables():
+    from minisgl.sampling_fields import fields_for
+
+    p = parse_completion({"prompt": "hi"}, {"m"}, CTX).params
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, {"m"}, CTX).params
+    assert chat.max_tokens == CTX  # chat: the context; completions: the table's 16
+    for name, f in fields_for("completions").items():
+        if hasattr(p, name) and name not in ("stop", "logprobs"):
+            assert getattr(p, name) == f.http_default, name
+    assert p.temperature == 1.0 and SamplingParams().temperature == 0.0  # OpenAI's / vLLM's
+
+
+def test_openapi_is_generated_from_the_table():
+    from minisgl.sampling_fields import INT64, fields_for
+    from minisgl.server.openapi import request_bodies
+
+    bodies = request_bodies(CTX)
+    for endpoint, op in (("chat", "chat"), ("completions", "completions")):
+        schema = bodies[op]["requestBody"]["content"]["application/json"]["schema"]
+        props = schema["properties"]
+        table = fields_for(endpoint, ignored=True)
+        assert set(props) == set(table), endpoint
+        for name, f in table.items():
+            r, s = f.range, props[name]
+            if r is None or f.kind not in ("number", "int"):
+                continue
+            if f.context_bound:
+                assert s["maximum"] == CTX, name
+            elif r.hi is not None:
+                want = r.hi - 1 if (f.kind == "int" and r.hi_open) else r.hi
+                assert s.get("maximum", s.get("exclusiveMaximum")) == want, name
+            else:
+                assert f.kind == "number" or s["maximum"] == INT64 - 1, name
+            if r.lo is not None:
+                key = "exclusiveMinimum" if r.lo_open and f.kind == "number" else "minimum"
+                want = r.lo + 1 if (f.kind == "int" and r.lo_open) else r.lo
+                assert s[key] == want, name
+    props = bodies["chat"]["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    assert props["temperature"] == {"type": "number", "minimum": 0, "maximum": 2}
+    assert props["top_p"] == {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
+    assert props["logprobs"] == {"type": "boolean"}
+
+
+def test_the_wire_layout_is_the_tables():
+    from minisgl.message.schema import WireParams
+    from minisgl.sampling_fields import WIRE_FIELDS
+
+    assert tuple(f.name for f in dataclasses.fields(WireParams)) == WIRE_FIELDS
+
+
+def rust_source(path: str) -> str:
+    return (ROOT / "rust" / path).read_text()
+
+
+def test_the_rust_wire_reader_reads_the_tables_layout():
+    """The Rust service keeps its own reader of the wire params (`wire.rs::params`): its field
+    count and every index it reads name the table's field at that index."""
+    from minisgl.sampling_fields import WIRE_FIELDS
+
+    src = rust_source("minisgl-cpu-service/src/wire.rs")
+    count = re.search(r"pub const PARAMS_FIELDS: usize = (\d+);", src)
+    assert count and int(count.group(1)) == len(WIRE_FIELDS)
+    body = src[src.index("fn params(") :]
+    body = body[: body.index("\n}\n")]
+    reads = set(re.findall(r"items\[(\d+)\],\s*\"(\w+)\"", body))
+    assert len(reads) >= 8
+    for index, name in reads:
+        assert WIRE_FIELDS[int(index)] == name, (index, name)
+
+
+def test_the_rust_vocabulary_checks_say_what_python_says():
+    from minisgl.sampling_fields import vocab_error
+
+    src = rust_source("minisgl-cpu-service/src/service.rs")
+    for prefix in ("", "logit_bias "):
+        rust = vocab_error("{bad}", "{vocab}", prefix.strip() or None)
+        assert f'format!("{rust}")' in src, rust
