@@ -4,8 +4,8 @@
         [--model-path DIR] [--sim-device 2,0.02] [--device-stream thread] --out X.json
 
 Two `LLM`s on the same model and profile (`overlap=False`, and `overlap=True` on the given
-device stream); after a warmup of each, the repeats alternate serial / overlap (all requests
-at t=0), so both arms see the same load drift. JSON: the median metrics of each arm, and
+device stream); after a warmup of each, the repeats alternate in ABBA order (`ab.py`; all
+requests at t=0), so both arms see the same load drift. JSON: the median metrics of each arm, and
 overlap / serial ratios (of the medians, and the median of the per-repeat ratios), with the
 machine and its load average (a shared box is noisy: read the per-repeat ratios).
 """
@@ -13,14 +13,11 @@ machine and its load average (a shared box is noisy: read the per-repeat ratios)
 from __future__ import annotations
 
 import argparse
-import os
-import time
 from typing import Any
 
-from minisgl.benchmark import common
-from minisgl.benchmark.offline import make_llm, run_minisgl
-from minisgl.benchmark.profiles import PROFILES, build_workload, get_profile, warmup_workload
-from minisgl.benchmark.record import RATIO_KEYS, median_nested
+from minisgl.benchmark import ab
+from minisgl.benchmark.offline import make_llm
+from minisgl.benchmark.profiles import PROFILES, get_profile
 from minisgl.utils.threads import set_threads
 
 PAIRED = ("output_tok_s", "output_tok_per_cpu_s", "e2e_ms.p50", "tpot_ms.p50")
@@ -49,44 +46,20 @@ def main(argv: list[str] | None = None) -> int:
     }
     llm = arms["overlap"]
     assert llm.runtime.depth == 1, "overlap scheduling did not start"
-    vocab = llm.engine.model_config.vocab_size
-    items, warm = build_workload(profile, vocab), warmup_workload(profile, vocab)
-    load0 = os.getloadavg()
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
-    for arm in arms.values():
-        run_minisgl(arm, warm, honor_arrivals=False)
-    t0 = time.perf_counter()
-    for _ in range(args.repeats):
-        for name, arm in arms.items():
-            runs[name].append(run_minisgl(arm, items, honor_arrivals=False)["metrics"])
-    med = {name: median_nested(reps) for name, reps in runs.items()}
-    record = {
-        **common.record_header("overlap-ab", argv),
-        "loadavg_before_after": [list(load0), list(os.getloadavg())],
-        "wall_s": time.perf_counter() - t0,
-        "profile": profile.to_dict(),
+    fields = {
         "model": str(llm.config.model_path).rsplit("/", 1)[-1],
         "simulated_device": args.sim_device,
         "device_stream": llm.runtime.loop.stream.name,
         "device": str(llm.engine.device),
-        "repeats": args.repeats,
-        "results": {name: {"metrics": med[name], "repeats": runs[name]} for name in arms},
-        "overlap_over_serial": common.ratios(med["serial"], med["overlap"], RATIO_KEYS),
-        "overlap_over_serial_paired": common.paired_ratios(runs["serial"], runs["overlap"], PAIRED),
     }
-    for name in arms:
-        m = med[name]
-        print(
-            f"{name:8s} {m['output_tok_s']:9.1f} out tok/s  e2e p50 {m['e2e_ms']['p50']:8.1f} ms"
-            f"  tpot p50 {m['tpot_ms']['p50']:7.2f} ms  steps {m['steps']}"
-        )
+    record, cmp, _ = ab.llm_ab("overlap-ab", argv, arms, profile, args.repeats, PAIRED)
+    record |= fields | {
+        "overlap_over_serial": cmp.ratio["overlap"],
+        "overlap_over_serial_paired": cmp.paired["overlap"],
+    }
     paired = record["overlap_over_serial_paired"]
     print(f"overlap / serial output tok/s (median of paired repeats): {paired['output_tok_s']:.3f}")
-    for arm in arms.values():
-        arm.close()
-    if args.out:
-        common.write_json(args.out, record)
-        print(f"wrote {args.out}")
+    ab.write(args.out, record)
     return 0
 
 

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from typing import Any
 
-from minisgl.benchmark import common
-from minisgl.benchmark.offline import make_llm, run_minisgl
-from minisgl.benchmark.profiles import PROFILES, build_workload, get_profile, warmup_workload
-from minisgl.benchmark.record import RATIO_KEYS, median_nested
+from minisgl.benchmark import ab
+from minisgl.benchmark.offline import make_llm
+from minisgl.benchmark.profiles import PROFILES, get_profile
 
 PAIRED = ("output_tok_s", "e2e_ms.p50", "tpot_ms.p50")
 
@@ -56,59 +54,30 @@ def main(argv: list[str] | None = None) -> int:
             args.model_path, profile, {**kw, "tp_size": args.tp, "threads": per_rank}
         ),
     }
-    names = list(arms)
-    vocab = arms["tp1"].engine.model_config.vocab_size
-    items, warm = build_workload(profile, vocab), warmup_workload(profile, vocab)
-    load0 = os.getloadavg()
-    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    tokens: dict[str, list[list[int]]] = {}
-    comm = arms[names[1]].engine.leader.comm
-    try:
-        for arm in arms.values():
-            run_minisgl(arm, warm, honor_arrivals=False)
-        comm.reset_stats()
-        t0 = time.perf_counter()
-        for r in range(args.repeats):
-            for name in common.abba_order(names, r):
-                res = run_minisgl(arms[name], items, honor_arrivals=False)
-                runs[name].append(res["metrics"])
-                tokens.setdefault(name, res["token_ids"])
-        wall = time.perf_counter() - t0
-        med = {n: median_nested(reps) for n, reps in runs.items()}
-        steps = sum(m["steps"] for m in runs[names[1]])
-        record = {
-            **common.record_header("tp-ab", argv),
-            "loadavg_before_after": [list(load0), list(os.getloadavg())],
-            "wall_s": wall,
-            "profile": profile.to_dict(),
-            "model": str(args.model_path).rstrip("/").rsplit("/", 1)[-1],
-            "dtype": str(arms["tp1"].engine.dtype).replace("torch.", ""),
-            "threads": {"tp1": threads, names[1]: per_rank},
-            "repeats": args.repeats,
-            "results": {n: {"metrics": med[n], "repeats": runs[n]} for n in names},
-            "tp_over_tp1": common.ratios(med["tp1"], med[names[1]], RATIO_KEYS),
-            "tp_over_tp1_paired": common.paired_ratios(runs["tp1"], runs[names[1]], PAIRED),
-            "collectives_rank0": {
-                "calls_per_step": comm.calls / max(1, steps),
-                "ms_per_step": 1e3 * comm.seconds / max(1, steps),
-                "share_of_wall": comm.seconds / wall if wall else None,
-            },
-            "greedy_agreement": _agreement(tokens["tp1"], tokens[names[1]]),
-        }
-    finally:
-        for arm in arms.values():
-            arm.close()
-    for n in names:
-        m = med[n]
-        print(f"{n:5s} {m['output_tok_s']:9.1f} out tok/s  e2e p50 {m['e2e_ms']['p50']:8.1f} ms"
-              f"  tpot p50 {m['tpot_ms']['p50']:7.2f} ms  steps {m['steps']}")  # fmt: skip
+    tp1, tpn = arms
+    dtype = str(arms[tp1].engine.dtype).replace("torch.", "")
+    comm = arms[tpn].engine.leader.comm
+    record, cmp, outs = ab.llm_ab("tp-ab", argv, arms, profile, args.repeats, PAIRED,
+                                  comm.reset_stats)  # fmt: skip
+    steps, wall = sum(m["steps"] for m in cmp.runs[tpn]), record["wall_s"]
+    record |= {
+        "model": str(args.model_path).rstrip("/").rsplit("/", 1)[-1],
+        "dtype": dtype,
+        "threads": {tp1: threads, tpn: per_rank},
+        "tp_over_tp1": cmp.ratio[tpn],
+        "tp_over_tp1_paired": cmp.paired[tpn],
+        "collectives_rank0": {
+            "calls_per_step": comm.calls / max(1, steps),
+            "ms_per_step": 1e3 * comm.seconds / max(1, steps),
+            "share_of_wall": comm.seconds / wall if wall else None,
+        },
+        "greedy_agreement": _agreement(outs[tp1][0]["token_ids"], outs[tpn][0]["token_ids"]),
+    }
     c = record["collectives_rank0"]
-    print(f"{names[1]} / tp1 output tok/s (paired median): "
+    print(f"{tpn} / tp1 output tok/s (paired median): "
           f"{record['tp_over_tp1_paired']['output_tok_s']:.3f}; rank 0 in collectives "
           f"{c['ms_per_step']:.2f} ms a step ({c['calls_per_step']:.0f} calls)")  # fmt: skip
-    if args.out:
-        common.write_json(args.out, record)
-        print(f"wrote {args.out}")
+    ab.write(args.out, record)
     return 0
 
 
