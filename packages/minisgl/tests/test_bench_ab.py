@@ -162,3 +162,45 @@ def test_overlap_ab_keeps_its_json(fake_llms, tmp_path):
     assert doc["results"]["serial"]["metrics"]["output_tok_s"] == pytest.approx(105.0)
     assert doc["overlap_over_serial"]["output_tok_s"] == pytest.approx(2.0)
     assert doc["overlap_over_serial_paired"]["output_tok_s"] == pytest.approx(2.0)
+
+
+def test_structured_ab_keeps_its_json(monkeypatch, tmp_path):
+    from minisgl.benchmark import structured_ab
+
+    calls: list[str] = []
+    warmed: list[int] = []
+    llm = SimpleNamespace(
+        engine=SimpleNamespace(model_config=SimpleNamespace(vocab_size=512)),
+        generate=lambda prompts, params: warmed.append(len(prompts)),
+    )
+
+    def run_arm(llm_, prompts, params):
+        arm = ("free" if params[0].response_format is None
+               else "mixed" if params[1].response_format is None else "constrained")  # fmt: skip
+        calls.append(arm)
+        wall = {"free": 1.0, "constrained": 1.3, "mixed": 1.02}[arm] * (1 + 0.1 * calls.count(arm))
+        return {"wall_s": wall, "output_tokens": 96, "output_tok_s": 96 / wall,
+                "errors": 1 if arm == "mixed" else 0, "first_error": None}  # fmt: skip
+
+    monkeypatch.setattr(structured_ab, "make_llm", lambda *a: llm)
+    monkeypatch.setattr(structured_ab, "run_arm", run_arm)
+    out = tmp_path / "s.json"
+    argv = ["--requests", "6", "--repeats", "3", "--out", str(out)]
+    assert structured_ab.main(argv) == 1  # the mixed arm reported errors
+    assert len(warmed) == 3  # one warm-up batch per arm
+    assert calls == ["free", "constrained", "mixed", "mixed", "constrained", "free",
+                     "free", "constrained", "mixed"]  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert doc["tool"] == "structured_ab" and doc["argv"][:-1] == argv[:-1]
+    assert {"schema_version", "git", "machine", "env", "response_format"} <= set(doc)
+    assert (doc["profile"], doc["num_requests"]) == ("many-short", 6)
+    assert doc["median"]["free"] == {
+        "wall_s": pytest.approx(1.2),
+        "output_tok_s": pytest.approx(96 / 1.2),
+        "output_tokens": 96,
+        "errors": 0,
+    }
+    assert doc["median"]["mixed"]["errors"] == 3  # summed over the repeats
+    assert doc["ratios"] == {"constrained_vs_free_wall": pytest.approx(1.3),
+                             "mixed_vs_free_wall": pytest.approx(1.02)}  # fmt: skip
+    assert [r["wall_s"] for r in doc["repeats"]["free"]] == pytest.approx([1.1, 1.2, 1.3])

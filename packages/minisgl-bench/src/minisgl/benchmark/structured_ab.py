@@ -18,12 +18,11 @@ a mixed batch share its steps: <= 1.02 is "unaffected").
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
+import json
 import time
 from typing import Any
 
-from minisgl.benchmark import common
+from minisgl.benchmark import ab, common
 from minisgl.benchmark.offline import flush_prefix_cache, make_llm
 from minisgl.benchmark.profiles import PROFILES, build_workload, get_profile, warmup_workload
 
@@ -63,6 +62,14 @@ def run_arm(llm, prompts: list[list[int]], params: list[Any]) -> dict[str, Any]:
             "errors": len(errors), "first_error": errors[0] if errors else None}  # fmt: skip
 
 
+def _median(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median wall time and tok/s; the first repeat's token count, every repeat's errors."""
+    return ab.key_medians(("wall_s", "output_tok_s"))(reps) | {
+        "output_tokens": reps[0]["output_tokens"],
+        "errors": sum(x["errors"] for x in reps),
+    }
+
+
 def _setting(text: str) -> tuple[str, Any]:
     """`key=value` of an LLM keyword argument; integers as ints."""
     key, value = text.split("=", 1)
@@ -89,39 +96,29 @@ def main(argv: list[str] | None = None) -> int:
     warm = warmup_workload(profile, vocab)
     for arm in ARMS:  # grammar compile caches and every batch shape, before timing
         llm.generate([w.prompt_ids for w in warm], arm_params(arm, [w.max_tokens for w in warm]))
-    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
-    for r in range(args.repeats):
-        for arm in common.abba_order(ARMS, r):
-            runs[arm].append(run_arm(llm, prompts, arm_params(arm, lengths)))
-            print(f"repeat {r} {arm}: {runs[arm][-1]['wall_s']:.3f} s", file=sys.stderr)
-    median = {
-        arm: {k: statistics.median(x[k] for x in reps) for k in ("wall_s", "output_tok_s")}
-        | {"output_tokens": reps[0]["output_tokens"], "errors": sum(x["errors"] for x in reps)}
-        for arm, reps in runs.items()
-    }
-    free = median["free"]["wall_s"]
+    runs = ab.interleave(
+        ARMS, args.repeats, lambda a, _: run_arm(llm, prompts, arm_params(a, lengths))
+    )
+    cmp = ab.compare(runs, ("wall_s",), median=_median)
     record = {
-        "schema_version": common.SCHEMA_VERSION,
+        **common.record_header("structured-ab", argv),
         "tool": "structured_ab",
-        "argv": sys.argv[1:] if argv is None else argv,
-        "git": common.git_commit(),
-        "machine": common.machine_info(),
         "env": common.backend_env(),
         "profile": profile.name,
         "num_requests": profile.num_requests,
         "response_format": RESPONSE_FORMAT,
-        "median": median,
+        "median": cmp.medians,
         "ratios": {
-            "constrained_vs_free_wall": median["constrained"]["wall_s"] / free,
-            "mixed_vs_free_wall": median["mixed"]["wall_s"] / free,
+            "constrained_vs_free_wall": cmp.ratio["constrained"]["wall_s"],
+            "mixed_vs_free_wall": cmp.ratio["mixed"]["wall_s"],
         },
         "repeats": runs,
     }
     if args.out:
         common.write_json(args.out, record)
-    print(common.json.dumps({"median": median, "ratios": record["ratios"]}, indent=1))
-    same = len({m["output_tokens"] for m in median.values()}) == 1
-    return 0 if same and not any(m["errors"] for m in median.values()) else 1
+    print(json.dumps({"median": cmp.medians, "ratios": record["ratios"]}, indent=1))
+    same = len({m["output_tokens"] for m in cmp.medians.values()}) == 1
+    return 0 if same and not any(m["errors"] for m in cmp.medians.values()) else 1
 
 
 if __name__ == "__main__":
