@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from minisgl.benchmark import common
+from minisgl.benchmark import ab, common
 from minisgl.benchmark.online_ab import server_flags
 from minisgl.benchmark.profiles import get_profile
 from minisgl.testing.server import metric, metrics, running_server
@@ -82,20 +81,16 @@ def main(argv: list[str] | None = None) -> int:
         per = max(1, args.threads_total // args.dp)
         arms["dp1"] += ["--threads", str(args.baseline_threads or args.threads_total)]
         arms[f"dp{args.dp}"] += ["--threads", str(per)]
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
-    names = list(arms)
     with tempfile.TemporaryDirectory(prefix="dp-ab-") as tmp:
-        for r in range(args.repeats):
-            for name in names if r % 2 == 0 else names[::-1]:  # ABBA
-                flags = server_flags(profile, args.sim_device, arms[name])
-                bench_m, observed = run_arm(args.model_path, flags, args.backend, bench, Path(tmp))
-                runs[name].append({**bench_m, **observed})
-                print(f"repeat {r} {name}: {runs[name][-1]}", file=sys.stderr, flush=True)
-    summary = {
-        name: {k: statistics.median(x[k] for x in reps) for k in (*KEYS, "prefix_hit_rate")}
-        for name, reps in runs.items()
-    }
-    a, b = names
+
+        def one(name: str, _: int) -> dict[str, Any]:
+            flags = server_flags(profile, args.sim_device, arms[name])
+            bench_m, observed = run_arm(args.model_path, flags, args.backend, bench, Path(tmp))
+            return {**bench_m, **observed}
+
+        runs = ab.interleave(list(arms), args.repeats, one)
+    summary = ab.compare(runs, KEYS, median=ab.key_medians((*KEYS, "prefix_hit_rate"))).medians
+    a, b = arms
     doc = {
         **common.record_header("dp_ab", argv),
         "profile": args.profile,
