@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from minisgl.benchmark import common, observe
+from minisgl.benchmark import ab, observe
 from minisgl.benchmark.backends import ENV, check_server_backend
 from minisgl.benchmark.client import (
     ClientJob,
@@ -42,10 +42,10 @@ from minisgl.benchmark.client import (
     mark_client,
     refusal,
 )
-from minisgl.benchmark.observations import Observation, arm_path, write_jsonl
+from minisgl.benchmark.observations import arm_path, write_jsonl
 from minisgl.benchmark.pooled import pooled_ttft
 from minisgl.benchmark.profiles import Profile
-from minisgl.benchmark.record import base_record, finish, median_nested, model_info
+from minisgl.benchmark.record import base_record, finish, model_info
 from minisgl.benchmark.roles import server_roles
 from minisgl.config import SimDevice
 
@@ -153,24 +153,16 @@ def server_info(server) -> dict[str, Any]:
     return {}
 
 
-def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
-    from minisgl.benchmark.online import stream_observations
-    from minisgl.benchmark.report import latency_samples, print_summary
-
-    arms = [a.strip() for a in args.ab.split(",") if a.strip()]
-    if len(arms) < 2 or len(set(arms)) != len(arms):
-        raise ValueError("--ab needs at least two distinct backends, e.g. python,rust_service")
-    for arm in arms:
-        check_server_backend(arm)
+def ab_record(args: argparse.Namespace, profile: Profile, arms: list[str]) -> dict[str, Any]:
+    """The record's fields known before the run: arms, model, (simulated) device, server."""
     record = base_record("online-ab", args, profile)
-    record["model"] = model_info(args.model_path)
-    record["arms"] = arms
+    record |= {"model": model_info(args.model_path), "arms": arms}
     record["simulated_device"] = args.sim_device is not None
-    sim_device = None if args.sim_device is None else SimDevice.parse(args.sim_device)
-    if sim_device is not None:
+    if args.sim_device is not None:
+        sim = SimDevice.parse(args.sim_device)
         record["sim_device"] = {
-            "base_ms": sim_device.base_ms,
-            "token_ms": sim_device.token_ms,
+            "base_ms": sim.base_ms,
+            "token_ms": sim.token_ms,
             "note": "SIMULATED DEVICE: no model runs; each step sleeps base_ms + token_ms per "
             "token and returns deterministic tokens (minisgl/engine/sim.py)",
         }
@@ -179,96 +171,47 @@ def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
     record["notes"] = args.note or []
     if SERVICE_BINARY_ENV in os.environ:
         record["service_binary"] = Path(os.environ[SERVICE_BINARY_ENV]).name
-    per_arm: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
-    samples: dict[str, Any] = {}
-    ttfts: dict[str, list[list[float]]] = {a: [] for a in arms}  # every repeat's requests
-    errors: dict[str, list[str]] = {}
-    digests: dict[str, list[str]] = {a: [] for a in arms}
-    info: dict[str, Any] = {}
-    observed: dict[str, list[Observation]] = {a: [] for a in arms}
-    device = observe.device_label(args.sim_device is not None)
-    threshold = args.client_saturation_threshold
-    loads: dict[str, list[ClientLoad]] = {a: [] for a in arms}
-    with tempfile.TemporaryDirectory(prefix="ab-logs") as tmp, ClientProcess() as client:
-        for rep in range(args.repeats):
-            for arm in common.abba_order(arms, rep):
-                print(f"[ab] repeat {rep + 1}/{args.repeats}: {ENV}={arm}", flush=True)
-                out = run_arm(args, arm, profile, Path(tmp), client)
-                label = f"{arm}#{len(per_arm[arm])}"
-                loads[arm].append(mark_client(out["metrics"], label, threshold))
-                per_arm[arm].append(out["metrics"])
-                samples[arm] = latency_samples(out["items"], out["token_times"])
-                ttfts[arm].append(samples[arm]["ttft_ms"])
-                errors[arm] = out["error_samples"]
-                digests[arm].append(output_digest(out["texts"]))
-                info[arm] = {"roles": out["roles"], **out["info"]}
-                if args.observations:
-                    model = Path(out["model"]).name
-                    labels = observe.RunLabels(
-                        profile.name, arm, device, model, "minisgl-online", rep
-                    )
-                    observed[arm] += stream_observations(out, labels)
-        pids = client.pids
-    results = {
-        arm: {
-            "metrics": median_nested(reps),
-            "repeats": reps,
-            "samples": samples[arm],
-            "error_samples": errors[arm],
-            "output_digests": digests[arm],
-            "client_cpu_core_frac": [ld.core_frac for ld in loads[arm]],
-            "client_saturated": [ld.saturated for ld in loads[arm]],
-        }
-        for arm, reps in per_arm.items()
+    return record
+
+
+def arm_result(outs: list[dict[str, Any]], loads: list[ClientLoad]) -> dict[str, Any]:
+    """One arm's result beside its median and repeats: the last repeat's samples and errors,
+    every repeat's output digest, client load and TTFTs pooled."""
+    from minisgl.benchmark.report import latency_samples
+
+    samples = [latency_samples(o["items"], o["token_times"]) for o in outs]
+    p50s = [o["metrics"]["ttft_ms"]["p50"] for o in outs if o["metrics"].get("ttft_ms")]
+    return {
+        "samples": samples[-1],
+        "error_samples": outs[-1]["error_samples"],
+        "output_digests": [output_digest(o["texts"]) for o in outs],
+        "client_cpu_core_frac": [ld.core_frac for ld in loads],
+        "client_saturated": [ld.saturated for ld in loads],
+        "pooled": {"ttft_ms": pooled_ttft([s["ttft_ms"] for s in samples], p50s)},
     }
-    for r in results.values():  # the median took the first repeat's flag
-        r["metrics"].setdefault("cpu", {})["client_saturated"] = any(r["client_saturated"])
-    prefill_ms = sim_prefill_ms(sim_device, profile, results[arms[0]]["metrics"])
-    if prefill_ms is not None:
-        record["sim_device"]["prefill_ms"] = prefill_ms
-    for arm, r in results.items():
-        p50s = [m["ttft_ms"]["p50"] for m in per_arm[arm] if m.get("ttft_ms")]
-        r["pooled"] = {"ttft_ms": pooled_ttft(ttfts[arm], p50s)}
-        if prefill_ms is not None and r["metrics"].get("ttft_ms"):
-            r["pooled"]["ttft_overhead_ms_p50"] = r["metrics"]["ttft_ms"]["p50"] - prefill_ms
-    record["results"] = results
-    all_loads = [ld for arm in arms for ld in loads[arm]]
-    refuse = args.refuse_saturated_client
-    record["client"] = client_record(all_loads, threshold, refuse, pids, args.client)
-    if args.observations:
-        record["observations"] = {
-            arm: str(write_jsonl(arm_path(args.observations, arm), obs))
-            for arm, obs in observed.items()
-        }
-    record["outputs_identical"] = len({d for ds in digests.values() for d in ds}) == 1
-    record["servers"] = info
-    base = arms[0]
-    gate_metrics: dict[str, float] = {}
-    tables: dict[str, dict[str, float]] = {}
-    for arm in arms:
-        gate_metrics.update(common.flatten(results[arm]["metrics"], f"ab.{arm}."))
-    for arm in arms[1:]:
-        r = common.ratios(results[base]["metrics"], results[arm]["metrics"], AB_KEYS)
-        pr = common.paired_ratios(per_arm[base], per_arm[arm], PAIRED_AB_KEYS)
-        record.setdefault("ab_ratio", {})[arm] = r
-        record.setdefault("ab_ratio_paired", {})[arm] = pr
-        tables[f"{arm} / {base} (ratio of medians)"] = r
-        tables[f"{arm} / {base} (median of paired repeats)"] = {
-            k: v for k, v in pr.items() if not k.endswith("_per_repeat")
-        }
-        gate_metrics.update(common.flatten(r, f"ab_ratio.{arm}."))
-        gate_metrics.update(common.flatten(pr, f"ab_ratio_paired.{arm}."))
-    record["gate_metrics"] = gate_metrics
-    sim = " SIMULATED DEVICE" if args.sim_device is not None else ""
-    print_summary(
-        f"online A/B {profile.name}{sim}: {' vs '.join(arms)} "
-        f"({args.repeats} interleaved repeat(s), median)",
-        {k: v["metrics"] for k, v in results.items()},
-        tables,
-    )
-    same = "identical" if record["outputs_identical"] else "NOT identical"
-    print(f"streamed outputs across arms and repeats: {same} ({digests})")
-    print(describe(all_loads, threshold))
+
+
+def write_observations(
+    path: str, outs: list[dict[str, Any]], arm: str, profile: Profile, simulated: bool
+) -> str:
+    """Every repeat's observations of one arm (`observe.py`) in the arm's file; its path."""
+    from minisgl.benchmark.online import stream_observations
+
+    device = observe.device_label(simulated)
+    observed = [
+        ob
+        for rep, o in enumerate(outs)
+        for ob in stream_observations(o, observe.RunLabels(
+            profile.name, arm, device, Path(o["model"]).name, "minisgl-online", rep))
+    ]  # fmt: skip
+    return str(write_jsonl(arm_path(path, arm), observed))
+
+
+def print_report(results: dict[str, Any], identical: bool, digests: Any, client: str) -> None:
+    """What the summary table leaves out: the outputs' agreement, the client, pooled TTFTs."""
+    print(f"streamed outputs across arms and repeats: "
+          f"{'identical' if identical else 'NOT identical'} ({digests})")  # fmt: skip
+    print(client)
     for arm, r in results.items():
         t = r["pooled"]["ttft_ms"]
         over = r["pooled"].get("ttft_overhead_ms_p50")
@@ -277,6 +220,59 @@ def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
             f"repeats' p50s, 95% interval {t['repeat_p50_ci95']}"
             + ("" if over is None else f"; overhead over the simulated prefill {over:.2f} ms")
         )
+
+
+def run_online_ab(args: argparse.Namespace, profile: Profile) -> int:
+    from minisgl.benchmark.report import print_summary
+
+    arms = [a.strip() for a in args.ab.split(",") if a.strip()]
+    if len(arms) < 2 or len(set(arms)) != len(arms):
+        raise ValueError("--ab needs at least two distinct backends, e.g. python,rust_service")
+    for arm in arms:
+        check_server_backend(arm)
+    record = ab_record(args, profile, arms)
+    threshold = args.client_saturation_threshold
+    with tempfile.TemporaryDirectory(prefix="ab-logs") as tmp, ClientProcess() as client:
+        outs = ab.interleave(
+            arms, args.repeats, lambda a, _: run_arm(args, a, profile, Path(tmp), client)
+        )
+        pids = client.pids
+    loads = {
+        a: [mark_client(o["metrics"], f"{a}#{i}", threshold) for i, o in enumerate(outs[a])]
+        for a in arms
+    }
+    cmp = ab.compare({a: [o["metrics"] for o in outs[a]] for a in arms}, AB_KEYS, PAIRED_AB_KEYS)
+    results = {a: r | arm_result(outs[a], loads[a]) for a, r in cmp.results().items()}
+    sim = None if args.sim_device is None else SimDevice.parse(args.sim_device)
+    prefill_ms = sim_prefill_ms(sim, profile, results[arms[0]]["metrics"])
+    if prefill_ms is not None:
+        record["sim_device"]["prefill_ms"] = prefill_ms
+    for r in results.values():  # the median took the first repeat's flag
+        r["metrics"].setdefault("cpu", {})["client_saturated"] = any(r["client_saturated"])
+        if prefill_ms is not None and r["metrics"].get("ttft_ms"):
+            r["pooled"]["ttft_overhead_ms_p50"] = r["metrics"]["ttft_ms"]["p50"] - prefill_ms
+    record["results"] = results
+    all_loads = [ld for arm in arms for ld in loads[arm]]
+    refuse = args.refuse_saturated_client
+    record["client"] = client_record(all_loads, threshold, refuse, pids, args.client)
+    if args.observations:
+        record["observations"] = {
+            a: write_observations(args.observations, outs[a], a, profile, sim is not None)
+            for a in arms
+        }
+    digests = {a: r["output_digests"] for a, r in results.items()}
+    record["outputs_identical"] = len({d for ds in digests.values() for d in ds}) == 1
+    record["servers"] = {a: {"roles": outs[a][-1]["roles"], **outs[a][-1]["info"]} for a in arms}
+    record |= {"ab_ratio": cmp.ratio, "ab_ratio_paired": cmp.paired}
+    record["gate_metrics"] = cmp.gate_metrics()
+    print_summary(
+        f"online A/B {profile.name}{'' if sim is None else ' SIMULATED DEVICE'}: "
+        f"{' vs '.join(arms)} "
+        f"({args.repeats} interleaved repeat(s), median)",
+        {k: v["metrics"] for k, v in results.items()},
+        cmp.tables(),
+    )
+    print_report(results, record["outputs_identical"], digests, describe(all_loads, threshold))
     status = finish(record, args, results)
     failed = {a: m["errors"] for a, m in ((a, r["metrics"]) for a, r in results.items())}
     if any(failed.values()):
