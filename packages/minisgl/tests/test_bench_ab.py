@@ -5,6 +5,7 @@ and the JSON that `tp_ab` and `overlap_ab` (offline `LLM` pairs) keep."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -204,3 +205,72 @@ def test_structured_ab_keeps_its_json(monkeypatch, tmp_path):
     assert doc["ratios"] == {"constrained_vs_free_wall": pytest.approx(1.3),
                              "mixed_vs_free_wall": pytest.approx(1.02)}  # fmt: skip
     assert [r["wall_s"] for r in doc["repeats"]["free"]] == pytest.approx([1.1, 1.2, 1.3])
+
+
+def test_offline_ab_keeps_its_json(monkeypatch, tmp_path):
+    """`harness offline --ab`: one subprocess per arm and repeat (stubbed: each writes fixed
+    numbers), the medians, ratios and the gate names of two arms (no arm in the ratios')."""
+    import subprocess
+
+    from minisgl.benchmark import harness
+    from minisgl.benchmark.backends import ENV
+
+    calls: list[str] = []
+    real = subprocess.run
+
+    def fake_run(cmd, env=None, check=False, **kw):
+        if "minisgl.benchmark.harness" not in cmd:  # git, nvidia-smi
+            return real(cmd, env=env, check=check, **kw)
+        arm = env[ENV]
+        calls.append(arm)
+        tok_s = {"python": 100.0, "rust_hotpath": 150.0}[arm] * (1 + 0.1 * calls.count(arm))
+        metrics = {"output_tok_s": tok_s, "output_tok_per_cpu_s": tok_s / 2, "e2e_ms": {"p99": 9.0}}
+        data = {"results": {"minisgl": {"metrics": metrics, "samples": {"ttft_ms": [1.0]}}},
+                "backend_env": {ENV: arm}}  # fmt: skip
+        (Path(cmd[cmd.index("--out") + 1])).write_text(json.dumps(data))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(harness.subprocess, "run", fake_run)
+    monkeypatch.setattr(harness, "check_cpu_backend", lambda name: None)
+    out = tmp_path / "ab.json"
+    argv = ["offline", "--ab", "python,rust_hotpath", "--repeats", "3", "--out", str(out),
+            "--no-progress"]  # fmt: skip
+    assert harness.main(argv) == 0
+    assert calls == ["python", "rust_hotpath", "rust_hotpath", "python", "python", "rust_hotpath"]
+    doc = json.loads(out.read_text())
+    assert doc["kind"] == "offline-ab" and doc["arms"] == ["python", "rust_hotpath"]
+    assert doc["arm_env"] == {"python": {ENV: "python"}, "rust_hotpath": {ENV: "rust_hotpath"}}
+    py = doc["results"]["python"]
+    assert py["metrics"]["output_tok_s"] == pytest.approx(120.0) and len(py["repeats"]) == 3
+    assert py["samples"] == {"ttft_ms": [1.0]}
+    assert doc["ab_ratio"]["rust_hotpath"]["output_tok_s"] == pytest.approx(1.5)
+    paired = doc["ab_ratio_paired"]["rust_hotpath"]
+    assert paired["output_tok_per_cpu_s_per_repeat"] == pytest.approx([1.5] * 3)
+    g = doc["gate_metrics"]
+    assert g["output_tok_s"] == pytest.approx(120.0)  # the base arm's, unprefixed
+    assert g["ab.rust_hotpath.e2e_ms.p99"] == 9.0
+    assert g["ab_ratio.output_tok_s"] == pytest.approx(1.5)
+    assert g["ab_ratio_paired.output_tok_s"] == pytest.approx(1.5)
+
+
+def test_offline_ab_stops_at_a_failed_arm(monkeypatch, tmp_path, capsys):
+    import subprocess
+
+    from minisgl.benchmark import harness
+
+    real = subprocess.run
+
+    def failing(cmd, env=None, check=False, **kw):
+        if "minisgl.benchmark.harness" not in cmd:
+            return real(cmd, env=env, check=check, **kw)
+        if check:
+            raise subprocess.CalledProcessError(3, cmd)
+        return subprocess.CompletedProcess(cmd, 3)
+
+    monkeypatch.setattr(harness.subprocess, "run", failing)
+    monkeypatch.setattr(harness, "check_cpu_backend", lambda name: None)
+    argv = ["offline", "--ab", "python,rust_hotpath", "--out", str(tmp_path / "ab.json"),
+            "--no-progress"]  # fmt: skip
+    assert harness.main(argv) == 2
+    assert "exit status 3" in capsys.readouterr().err
+    assert not (tmp_path / "ab.json").exists()

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from minisgl.benchmark import common, observe
+from minisgl.benchmark import ab, common, observe
 from minisgl.benchmark.backends import (
     ENV,
     BackendUnavailable,
@@ -279,67 +279,49 @@ def run_ab(args: argparse.Namespace, profile: Profile) -> int:
     for arm in arms:
         check_cpu_backend(arm)
     record = base_record("offline-ab", args, profile)
-    record["model"] = model_info(args.model_path)
-    record["arms"] = arms
+    record |= {"model": model_info(args.model_path), "arms": arms}
     record["simulated_device"] = args.sim_device is not None
-    per_arm: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
-    samples: dict[str, Any] = {}
-    arm_env: dict[str, Any] = {}
-    observed: dict[str, list[Observation]] = {a: [] for a in arms}
     with tempfile.TemporaryDirectory() as tmp:
-        for rep in range(args.repeats):
-            for arm in common.abba_order(arms, rep):
-                out = os.path.join(tmp, f"{arm}-{rep}.json")
-                obs_out = os.path.join(tmp, f"{arm}-{rep}.jsonl") if args.observations else None
-                env = {**os.environ, ENV: arm}
-                print(f"[ab] repeat {rep + 1}/{args.repeats}: {ENV}={arm}", flush=True)
-                cmd = _arm_command(args, profile, out, obs_out)
-                proc = subprocess.run(cmd, env=env, check=False)
-                if proc.returncode != 0:
-                    print(f"arm {arm} failed with exit status {proc.returncode}", file=sys.stderr)
-                    return 2
-                data = json.loads(Path(out).read_text())
-                res = data["results"]["minisgl"]
-                per_arm[arm].append(res["metrics"])
-                samples[arm] = res["samples"]
-                arm_env[arm] = data["backend_env"]
-                if obs_out is not None:
-                    observed[arm] += [
-                        dataclasses.replace(o, repeat=rep) for o in read_jsonl(obs_out)
-                    ]
+
+        def one(arm: str, rep: int) -> tuple[dict[str, Any], list[Observation]]:
+            """One arm's repeat in a process of its own: its record and observations."""
+            out = os.path.join(tmp, f"{arm}-{rep}.json")
+            obs_out = os.path.join(tmp, f"{arm}-{rep}.jsonl") if args.observations else None
+            cmd = _arm_command(args, profile, out, obs_out)
+            subprocess.run(cmd, env={**os.environ, ENV: arm}, check=True)
+            observed = read_jsonl(obs_out) if obs_out is not None else []
+            data = json.loads(Path(out).read_text())
+            return data, [dataclasses.replace(o, repeat=rep) for o in observed]
+
+        try:
+            outs = ab.interleave(arms, args.repeats, one)
+        except subprocess.CalledProcessError as e:
+            print(f"an arm failed with exit status {e.returncode}", file=sys.stderr)
+            return 2
+    cmp = ab.compare(
+        {a: [d["results"]["minisgl"]["metrics"] for d, _ in outs[a]] for a in arms},
+        RATIO_KEYS,
+        PAIRED_KEYS,
+    )
     results = {
-        arm: {"metrics": median_nested(reps), "repeats": reps, "samples": samples[arm]}
-        for arm, reps in per_arm.items()
+        a: r | {"samples": outs[a][-1][0]["results"]["minisgl"]["samples"]}
+        for a, r in cmp.results().items()
     }
     record["results"] = results
-    record["arm_env"] = arm_env
+    record["arm_env"] = {a: outs[a][-1][0]["backend_env"] for a in arms}
     if args.observations:
         record["observations"] = {
-            arm: str(write_jsonl(arm_path(args.observations, arm), obs))
-            for arm, obs in observed.items()
+            a: str(
+                write_jsonl(arm_path(args.observations, a), [o for _, obs in outs[a] for o in obs])
+            )
+            for a in arms
         }
-    base = arms[0]
-    gate_metrics = common.flatten(results[base]["metrics"])
-    ratio_tables = {}
-    for arm in arms:
-        gate_metrics.update(common.flatten(results[arm]["metrics"], f"ab.{arm}."))
-    for arm in arms[1:]:
-        r = common.ratios(results[base]["metrics"], results[arm]["metrics"], RATIO_KEYS)
-        paired = common.paired_ratios(per_arm[base], per_arm[arm], PAIRED_KEYS)
-        record.setdefault("ab_ratio", {})[arm] = r
-        record.setdefault("ab_ratio_paired", {})[arm] = paired
-        ratio_tables[f"{arm} / {base}"] = r
-        ratio_tables[f"{arm} / {base} (median of paired repeats)"] = {
-            k: v for k, v in paired.items() if not k.endswith("_per_repeat")
-        }
-        prefix = "" if len(arms) == 2 else f"{arm}."
-        gate_metrics.update(common.flatten(r, f"ab_ratio.{prefix}"))
-        gate_metrics.update(common.flatten(paired, f"ab_ratio_paired.{prefix}"))
-    record["gate_metrics"] = gate_metrics
+    record |= {"ab_ratio": cmp.ratio, "ab_ratio_paired": cmp.paired}
+    record["gate_metrics"] = common.flatten(cmp.medians[arms[0]]) | cmp.gate_metrics(len(arms) > 2)
     print_summary(
         f"A/B {profile.name}: {' vs '.join(arms)} ({args.repeats} interleaved repeat(s), median)",
         {k: v["metrics"] for k, v in results.items()},
-        ratio_tables,
+        cmp.tables(),
     )
     return finish(record, args, results)
 
