@@ -10,8 +10,12 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
+from typing import TypeVar
 
 import zmq
+
+from minisgl.utils.gcfreeze import freeze_startup_heap
 
 FRONTEND = "frontend"  # API server PULL: outputs, stats, readiness
 SCHEDULER = "scheduler"  # scheduler PULL: requests, aborts, finishes
@@ -187,7 +191,7 @@ def mark_launcher(ipc_dir: str | None, state: str) -> None:
             open(os.path.join(ipc_dir, state), "a").close()
 
 
-def setup_worker_process(ipc_dir: str | None = None) -> callable:
+def setup_worker_process(ipc_dir: str | None = None) -> Callable[[], bool]:
     """In a worker: Ctrl+C is the launcher's business; SIGTERM asks for a clean exit, unless
     the launcher got it too (a signal to the process group): then the launcher drains the
     in-flight requests and stops the workers itself once done (`ipc_dir`'s DRAINING, then
@@ -205,7 +209,7 @@ def setup_worker_process(ipc_dir: str | None = None) -> callable:
     def marked(state: str) -> bool:
         return os.path.exists(os.path.join(ipc_dir, state))
 
-    def on_term(signum, frame):
+    def on_term(signum: int, frame: object) -> None:
         if ipc_dir is None:
             raise WorkerExit()
         deadline = time.monotonic() + GROUP_SIGNAL_WAIT_S
@@ -223,3 +227,54 @@ def setup_worker_process(ipc_dir: str | None = None) -> callable:
 
 def worker_log(name: str, msg: str) -> None:
     print(f"[minisgl {name} pid={os.getpid()}] {msg}", file=sys.stderr, flush=True)
+
+
+T = TypeVar("T")
+
+
+class WorkerProcess:
+    """One worker process's life, written once for the engine, tokenizer and GPU workers.
+
+    Made first thing in the worker: its signals (`setup_worker_process`; `alive()`), one zmq
+    context (`ctx`) and the PUSH its readiness goes to (`report`: the API server's FRONTEND, or
+    the Rust service's STEPS). Then, in order:
+
+    - `start(build, failed)`: the worker's set-up (its sockets, model, tokenizer, warm-up). A
+      SIGTERM meanwhile (another worker failed: the launcher stops them all) ends it quietly
+      (None); any other error is reported as `failed(one line)` (`startup_failure`), delivered,
+      and the process exits 1.
+    - `ready(hello)`: the warmed-up heap frozen (`freeze_startup_heap`), then the readiness
+      message `hello(objects frozen)` sent.
+    - `serve(loop, close)`: the worker's loop, until it returns or a SIGTERM (`WorkerExit`)
+      ends it; then `close()` and the context destroyed, whatever ended it.
+    """
+
+    def __init__(self, ipc_dir: str, report_to: str) -> None:
+        self.alive = setup_worker_process(ipc_dir)
+        self.ctx = zmq.Context()
+        self.report = push(self.ctx, ipc_dir, report_to)
+
+    def start(self, build: Callable[[], T], failed: Callable[[str], bytes]) -> T | None:
+        try:
+            return build()
+        except WorkerExit:  # stopped while it starts: a quiet exit
+            self.ctx.destroy(linger=0)
+            return None
+        except Exception as e:
+            self.report.send(failed(startup_failure(e)))
+            self.report.close(linger=1000)  # the context's end waits (<= 1 s) for the line
+            self.ctx.destroy(linger=0)
+            raise SystemExit(1) from None
+
+    def ready(self, hello: Callable[[int], bytes]) -> None:
+        self.report.send(hello(freeze_startup_heap()))  # last: the warmed-up process's heap
+
+    def serve(self, loop: Callable[[], None], close: Callable[[], None] | None = None) -> None:
+        try:
+            loop()
+        except WorkerExit:
+            pass
+        finally:
+            if close is not None:
+                close()
+            self.ctx.destroy(linger=0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,12 +33,12 @@ from minisgl.message.schema import (
     TokenOut,
     wire_logprob,
 )
-from minisgl.message.warmup import INFO_KEY
+from minisgl.message.warmup import INFO_KEY, WarmUpReport
 from minisgl.server.replicas import placed
 from minisgl.utils import trace
-from minisgl.utils.gcfreeze import freeze_startup_heap
 
 if TYPE_CHECKING:  # the launcher imports this module: torch loads in the worker only
+    from minisgl.llm import LLM
     from minisgl.runtime import Runtime
 
 STATS_BUSY_S = 0.1
@@ -186,6 +187,21 @@ class EngineLoop:
                 )
                 self.to_tok[i].send(self.codec.encode(msg))
 
+    def run(self, inbox: zmq.Socket, alive: Callable[[], bool]) -> None:
+        """Until Shutdown (or the launcher is gone): each turn takes every queued message,
+        runs one step if there is work, and sends the stats that are due."""
+        running = True
+        while running and alive():
+            busy = self.rt.has_work()  # requests, or steps in flight (overlap scheduling)
+            frames = ipc.drain(inbox, 0 if busy else 100)
+            for f in frames:
+                if not self.handle(self.codec.decode(f)):
+                    running = False
+            self.flush_admitted()
+            if running and self.rt.has_work():
+                self.step()
+            self.maybe_send_stats()
+
     # ------------------------------------------------------------------ stats
     def maybe_send_stats(self, force: bool = False) -> None:
         """Stats every `STATS_BUSY_S` while busy, at the idle edge, every `STATS_IDLE_S` idle;
@@ -253,27 +269,35 @@ def run_engine_worker(
     dp: int = 1,
 ) -> None:
     name = ipc.scheduler_name(replica)
-    alive = ipc.setup_worker_process(ipc_dir)
-    ctx = zmq.Context()
+    proc = ipc.WorkerProcess(ipc_dir, ipc.FRONTEND)
     codec = Codec(typed)
-    to_frontend = ipc.push(ctx, ipc_dir, ipc.FRONTEND)
-    try:
-        inbox = ipc.pull(ctx, ipc_dir, name)
-        to_tok = [ipc.push(ctx, ipc_dir, ipc.tokenizer_name(i)) for i in range(num_tokenizer)]
+
+    def build() -> tuple[zmq.Socket, list[zmq.Socket], LLM, WarmUpReport]:
+        inbox = ipc.pull(proc.ctx, ipc_dir, name)
+        to_tok = [ipc.push(proc.ctx, ipc_dir, ipc.tokenizer_name(i)) for i in range(num_tokenizer)]
         from minisgl.llm import LLM
 
         llm = LLM(model_path, **placed(llm_kwargs, replica, dp))
-        warmup = llm.runtime.ensure_warm()  # before Ready: /health waits for it
-    except ipc.WorkerExit:
-        ctx.destroy(linger=0)
+        return inbox, to_tok, llm, llm.runtime.ensure_warm()  # warm before Ready: /health waits
+
+    started = proc.start(build, lambda err: codec.encode(Ready(name, os.getpid(), error=err)))
+    if started is None:
         return
-    except Exception as e:
-        to_frontend.send(codec.encode(Ready(name, os.getpid(), error=ipc.startup_failure(e))))
-        time.sleep(0.5)
-        ctx.destroy(linger=0)
-        raise SystemExit(1) from None
+    inbox, to_tok, llm, warmup = started
+    info = engine_info(llm, warmup)
+    loop = EngineLoop(llm.runtime, codec, to_tok, proc.report)
+    loop.replica = replica
+    proc.ready(
+        lambda frozen: codec.encode(Ready(name, os.getpid(), info=info | {"gc_frozen": frozen}))
+    )
+    loop.maybe_send_stats(force=True)
+    proc.serve(lambda: loop.run(inbox, proc.alive), llm.close)
+
+
+def engine_info(llm: LLM, warmup: WarmUpReport) -> dict[str, Any]:
+    """What the engine worker's `Ready` tells the API server about its engine."""
     eng = llm.engine
-    info = {
+    return {
         "max_seq_len": int(eng.max_seq_len),
         "vocab_size": int(eng.model_config.vocab_size),
         "num_pages": int(eng.num_pages),
@@ -283,25 +307,3 @@ def run_engine_worker(
         "architecture": eng.model_config.architecture,
         INFO_KEY: warmup.info(),
     }
-    loop = EngineLoop(llm.runtime, codec, to_tok, to_frontend)
-    loop.replica = replica
-    info["gc_frozen"] = freeze_startup_heap()  # last: the warmed-up process's heap
-    to_frontend.send(codec.encode(Ready(name, os.getpid(), info=info)))
-    loop.maybe_send_stats(force=True)
-    try:
-        running = True
-        while running and alive():
-            busy = llm.has_work()  # requests, or steps in flight (overlap scheduling)
-            frames = ipc.drain(inbox, 0 if busy else 100)
-            for f in frames:
-                if not loop.handle(codec.decode(f)):
-                    running = False
-            loop.flush_admitted()
-            if running and llm.has_work():
-                loop.step()
-            loop.maybe_send_stats()
-    except ipc.WorkerExit:
-        pass
-    finally:
-        llm.close()
-        ctx.destroy(linger=0)

@@ -25,22 +25,21 @@ from minisgl.message.schema import (
     WorkerHello,
 )
 from minisgl.message.warmup import INFO_KEY
-from minisgl.utils.gcfreeze import freeze_startup_heap
 
 if TYPE_CHECKING:  # the launcher imports this module: torch loads in the worker only
     from minisgl.runtime import Runtime
+    from minisgl.runtime.service_steps import ServicePipeline
 
 
 def run_gpu_worker(
     index: int, model_path: str, llm_kwargs: dict, ipc_dir: str, typed: bool, dp: int = 1
 ) -> None:
     name = ipc.worker_name(index)
-    alive = ipc.setup_worker_process(ipc_dir)
-    ctx = zmq.Context()
+    proc = ipc.WorkerProcess(ipc_dir, ipc.STEPS)
     codec = Codec(typed)
-    to_service = ipc.push(ctx, ipc_dir, ipc.STEPS)
-    try:
-        inbox = ipc.pull(ctx, ipc_dir, name)
+
+    def build() -> tuple[zmq.Socket, Runtime, dict]:
+        inbox = ipc.pull(proc.ctx, ipc_dir, name)
         from minisgl.config import EngineConfig
         from minisgl.engine.sim import make_engine
         from minisgl.runtime import Runtime
@@ -51,60 +50,68 @@ def run_gpu_worker(
         engine = make_engine(EngineConfig(model_path=model_path, **kwargs))
         # warmed up on the worker's own scheduler before the service hears of this worker
         runtime = Runtime.build(engine, backend="python", overlap=False, warm_up=True)
-        info = {**engine_info(engine), INFO_KEY: runtime.ensure_warm().info()}
-    except ipc.WorkerExit:
-        ctx.destroy(linger=0)
+        return inbox, runtime, {**engine_info(engine), INFO_KEY: runtime.ensure_warm().info()}
+
+    started = proc.start(
+        build, lambda err: codec.encode(WorkerHello(index, os.getpid(), error=err))
+    )
+    if started is None:
         return
-    except Exception as e:
-        error = ipc.startup_failure(e)
-        to_service.send(codec.encode(WorkerHello(index, os.getpid(), error=error)))
-        time.sleep(0.5)
-        ctx.destroy(linger=0)
-        raise SystemExit(1) from None
-    freeze_startup_heap()  # the warmed-up heap out of the collector's full passes
-    to_service.send(codec.encode(WorkerHello(index, os.getpid(), info)))
+    inbox, runtime, info = started
+    proc.ready(lambda frozen: codec.encode(WorkerHello(index, os.getpid(), info)))
     pipe = runtime.service_pipeline()
+
+    def close() -> None:
+        pipe.close()
+        runtime.close()
+
+    proc.serve(lambda: serve(proc, name, codec, inbox, runtime, pipe), close)
+
+
+def serve(
+    proc: ipc.WorkerProcess,
+    name: str,
+    codec: Codec,
+    inbox: zmq.Socket,
+    runtime: Runtime,
+    pipe: ServicePipeline,
+) -> None:
+    """Until Shutdown (or the launcher is gone): steps from the service go to the device as
+    they arrive (after its `HelloAck`); each step read back goes to the service at once."""
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     poller.register(pipe.fileno(), zmq.POLLIN)
     acked = False
 
-    def send(results) -> None:
+    def send(results: list[StepResult]) -> None:
         for result in results:
-            to_service.send(codec.encode(result))
-            if engine_lost(engine):  # a tensor-parallel rank died: no later step runs
+            proc.report.send(codec.encode(result))
+            if engine_lost(runtime.engine):  # a tensor-parallel rank died: no later step runs
                 ipc.worker_log(name, result.fatal or "engine lost")
                 time.sleep(0.2)  # the result reaches the service first
                 raise SystemExit(1)
 
-    try:
-        while alive():
-            events = dict(poller.poll(100))
-            frames = ipc.drain(inbox, 0) if inbox in events else []
-            for frame in frames:
-                try:
-                    msg = codec.decode(frame)
-                except (SchemaError, ValueError, TypeError) as e:
-                    ipc.worker_log(name, f"rejected a malformed message: {e}")
-                    continue
-                if isinstance(msg, Shutdown):
-                    return
-                if isinstance(msg, HelloAck):
-                    runtime.serve_service(int(t) for t in msg.eos_token_ids)
-                    acked = True
-                elif isinstance(msg, Step) and acked:
-                    ipc.fault_step_delay()
-                    send(pipe.submit(msg))  # the steps it had to wait for
-                else:
-                    ipc.worker_log(name, f"rejected an unexpected {type(msg).__name__}")
-            if pipe.fileno() in events:  # a step was read back
-                send(pipe.ready())
-    except ipc.WorkerExit:
-        pass
-    finally:
-        pipe.close()
-        runtime.close()
-        ctx.destroy(linger=0)
+    while proc.alive():
+        events = dict(poller.poll(100))
+        frames = ipc.drain(inbox, 0) if inbox in events else []
+        for frame in frames:
+            try:
+                msg = codec.decode(frame)
+            except (SchemaError, ValueError, TypeError) as e:
+                ipc.worker_log(name, f"rejected a malformed message: {e}")
+                continue
+            if isinstance(msg, Shutdown):
+                return
+            if isinstance(msg, HelloAck):
+                runtime.serve_service(int(t) for t in msg.eos_token_ids)
+                acked = True
+            elif isinstance(msg, Step) and acked:
+                ipc.fault_step_delay()
+                send(pipe.submit(msg))  # the steps it had to wait for
+            else:
+                ipc.worker_log(name, f"rejected an unexpected {type(msg).__name__}")
+        if pipe.fileno() in events:  # a step was read back
+            send(pipe.ready())
 
 
 def engine_lost(engine: object) -> bool:

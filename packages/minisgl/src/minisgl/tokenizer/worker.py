@@ -12,8 +12,8 @@ import contextlib
 import math
 import os
 import time
-import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import zmq
@@ -35,7 +35,6 @@ from minisgl.message.schema import (
 from minisgl.tokenizer.detokenize import DecodeState, Detokenizer
 from minisgl.tokenizer.load import load_tokenizer
 from minisgl.utils import trace
-from minisgl.utils.gcfreeze import freeze_startup_heap
 
 
 def plain_backend(tok):
@@ -176,6 +175,11 @@ class TokenizerWorker:
             out.logprobs = []
         return (out if out.uids else None), finishes
 
+    def forget(self, uid: int) -> None:
+        """Drop a request's state (aborted, or rejected by the scheduler)."""
+        self.states.pop(uid, None)
+        self.pending_lp.pop(uid, None)
+
     def _name_tokens(self, entries: list) -> None:
         """[token id, lp, top ids, top lps] -> [token, lp, [[token, lp], ...]] (one decode call)."""
         ids = sorted({t for e in entries if e for r in e for t in (r[0], *r[2])})
@@ -239,75 +243,90 @@ def run_tokenizer_worker(
     """`dp` engine replicas: a request's messages go to engine worker `replica_of(uid)`;
     `chat_template`: the server's `--chat-template` text (None: the model's)."""
     name = ipc.tokenizer_name(index)
-    alive = ipc.setup_worker_process(ipc_dir)
-    ctx = zmq.Context()
+    proc = ipc.WorkerProcess(ipc_dir, ipc.FRONTEND)
     codec = Codec(typed)
-    to_frontend = ipc.push(ctx, ipc_dir, ipc.FRONTEND)
-    try:
-        inbox = ipc.pull(ctx, ipc_dir, name)
-        to_engines = [ipc.push(ctx, ipc_dir, ipc.scheduler_name(i)) for i in range(dp)]
-        worker = TokenizerWorker(load_tokenizer(model_path, chat_template), codec)
-    except ipc.WorkerExit:  # stopped while it starts (another worker failed): a quiet exit
-        ctx.destroy(linger=0)
+
+    def build() -> tuple[zmq.Socket, list[zmq.Socket], TokenizerWorker]:
+        inbox = ipc.pull(proc.ctx, ipc_dir, name)
+        to_engines = [ipc.push(proc.ctx, ipc_dir, ipc.scheduler_name(i)) for i in range(dp)]
+        return inbox, to_engines, TokenizerWorker(load_tokenizer(model_path, chat_template), codec)
+
+    started = proc.start(build, lambda err: codec.encode(Ready(name, os.getpid(), error=err)))
+    if started is None:
         return
-    except Exception as e:
-        to_frontend.send(codec.encode(Ready(name, os.getpid(), error=ipc.startup_failure(e))))
-        to_frontend.close(linger=1000)
-        raise SystemExit(1) from None
+    inbox, to_engines, worker = started
     info = {"max_token_chars": max_token_chars(worker.tok), "warmup_ms": worker.warm_up()}
-    info["gc_frozen"] = freeze_startup_heap()
-    to_frontend.send(codec.encode(Ready(name, os.getpid(), info=info)))
+    proc.ready(
+        lambda frozen: codec.encode(Ready(name, os.getpid(), info=info | {"gc_frozen": frozen}))
+    )
+    wire = Wiring(codec, inbox, to_engines, proc.report, dp)
+    proc.serve(lambda: serve(worker, wire, proc.alive))
+
+
+@dataclass
+class Wiring:
+    """A tokenizer worker's sockets: its inbox, the engine workers (a request's messages go to
+    `replica_of(uid)`'s), the API server."""
+
+    codec: Codec
+    inbox: zmq.Socket
+    to_engines: list[zmq.Socket]
+    to_frontend: zmq.Socket
+    dp: int
+
+    def to_engine(self, msg: AddReq | AbortReq | FinishReq) -> None:
+        self.to_engines[replica_of(msg.uid, self.dp)].send(self.codec.encode(msg))
+
+    def to_api(self, msg: DetokOut | Reject) -> None:
+        self.to_frontend.send(self.codec.encode(msg))
+
+
+def serve(worker: TokenizerWorker, wire: Wiring, alive: Callable[[], bool]) -> None:
+    """Until Shutdown (or the launcher is gone): each turn reads the inbox, detokenizes the
+    engines' tokens first (running streams do not wait behind new prompts' tokenization), then
+    takes the aborts and rejects, then tokenizes one wave of the backlog."""
     backlog = Backlog()
+    while alive():
+        frames = ipc.drain(wire.inbox, 0 if backlog else 500)
+        msgs = [wire.codec.decode(f) for f in frames]
+        if any(isinstance(m, Shutdown) for m in msgs):
+            break
+        tok_reqs = [m for m in msgs if isinstance(m, TokenizeReq)]
+        if tok_reqs:
+            trace.mark("tok.recv", [r.uid for r in tok_reqs])
+        aborts = {m.uid for m in msgs if isinstance(m, AbortReq)}
+        outs = [m for m in msgs if isinstance(m, TokenOut)]
+        if outs:
+            uids = [u for o in outs for u in o.uids.tolist()] if trace.enabled() else []
+            trace.mark("tok.out", uids)
+            detok, finishes = worker.detokenize(outs)
+            trace.mark("tok.detok", uids)
+            for f in finishes:
+                wire.to_engine(f)
+            if detok is not None:
+                wire.to_api(detok)
+        backlog.add(tok_reqs)
+        backlog.drop(aborts)
+        for uid in aborts:
+            worker.forget(uid)
+            wire.to_engine(AbortReq(uid))
+        for m in msgs:
+            if isinstance(m, Reject):  # from the scheduler: drop state, tell the client
+                worker.forget(m.uid)
+                wire.to_api(m)
+        if backlog:
+            tokenize_wave(worker, wire, backlog.take())
+
+
+def tokenize_wave(worker: TokenizerWorker, wire: Wiring, wave: list[TokenizeReq]) -> None:
+    """One wave of prompts tokenized and sent to their engines (a failure rejects the wave)."""
     try:
-        while alive():
-            frames = ipc.drain(inbox, 0 if backlog else 500)
-            msgs = [codec.decode(f) for f in frames]
-            if any(isinstance(m, Shutdown) for m in msgs):
-                break
-            tok_reqs = [m for m in msgs if isinstance(m, TokenizeReq)]
-            if tok_reqs:
-                trace.mark("tok.recv", [r.uid for r in tok_reqs])
-            aborts = {m.uid for m in msgs if isinstance(m, AbortReq)}
-            outs = [m for m in msgs if isinstance(m, TokenOut)]
-            if outs:  # first: running streams do not wait behind new prompts' tokenization
-                uids = [u for o in outs for u in o.uids.tolist()] if trace.enabled() else []
-                trace.mark("tok.out", uids)
-                detok, finishes = worker.detokenize(outs)
-                trace.mark("tok.detok", uids)
-                for f in finishes:
-                    to_engines[replica_of(f.uid, dp)].send(codec.encode(f))
-                if detok is not None:
-                    to_frontend.send(codec.encode(detok))
-            backlog.add(tok_reqs)
-            backlog.drop(aborts)
-            for uid in aborts:
-                worker.states.pop(uid, None)
-                worker.pending_lp.pop(uid, None)
-                to_engines[replica_of(uid, dp)].send(codec.encode(AbortReq(uid)))
-            for m in msgs:
-                if isinstance(m, Reject):  # from the scheduler: drop state, tell the client
-                    worker.states.pop(m.uid, None)
-                    worker.pending_lp.pop(m.uid, None)
-                    to_frontend.send(codec.encode(m))
-            if backlog:
-                wave = backlog.take()
-                try:
-                    adds, rejects = worker.tokenize(wave)
-                except Exception as e:  # a tokenizer bug must not kill the worker
-                    adds = []
-                    rejects = [
-                        Reject(r.uid, f"tokenizer error: {e!r}", 500, "internal_error")
-                        for r in wave
-                    ]
-                trace.mark("tok.sent", [a.uid for a in adds])
-                for a in adds:
-                    to_engines[replica_of(a.uid, dp)].send(codec.encode(a))
-                for r in rejects:
-                    to_frontend.send(codec.encode(r))
-    except ipc.WorkerExit:
-        pass
-    except Exception:
-        traceback.print_exc()
-        raise
-    finally:
-        ctx.destroy(linger=0)
+        adds, rejects = worker.tokenize(wave)
+    except Exception as e:  # a tokenizer bug must not kill the worker
+        adds = []
+        rejects = [Reject(r.uid, f"tokenizer error: {e!r}", 500, "internal_error") for r in wave]
+    trace.mark("tok.sent", [a.uid for a in adds])
+    for a in adds:
+        wire.to_engine(a)
+    for r in rejects:
+        wire.to_api(r)
