@@ -1,0 +1,89 @@
+"""Issue 61, "a stranger's re-run" (card P0-008): `cardgate verify --rerun ID` re-runs a done
+card's green gate in a clean room of the commit its newest green record names, writes nothing
+into the repository, and exits 0 only when the decision and every item agree with the record."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from cardgate_repo import PASS, USAGE, Repo
+
+CARD = "P0-008"
+RED = "every-mechanism-fails-on-the-gate-before-this-card"
+GREEN = "every-mechanism-refused-with-its-reason"
+DISAGREE = 1
+
+OUTSIDE_TESTS = """\
+import pathlib
+
+import pytest
+
+FLAG = pathlib.Path({flag!r})
+
+
+@pytest.mark.card("T-001", "child-one")
+def test_one():
+    assert FLAG.exists(), "the result depends on a file outside the commit"
+
+
+@pytest.mark.card("T-001", "child two")
+def test_two():
+    pass
+"""
+
+
+def _out(result: pytest.RunResult) -> str:
+    return result.stdout.str() + result.stderr.str()
+
+
+def _done(repo: Repo, flag: Path | None = None) -> str:
+    """A card gated to done (committed); its first test needs `flag` when one is given."""
+    repo.card(tdd=False)
+    if flag is None:
+        repo.write("tests/test_demo.py", OUTSIDE_TESTS.format(flag="/"))
+    else:
+        repo.write("tests/test_demo.py", OUTSIDE_TESTS.format(flag=str(flag)))
+    commit = repo.commit("a card whose tests pass")
+    result = repo.gate("--commit")
+    assert result.ret == PASS, _out(result)
+    return commit
+
+
+@pytest.mark.card(CARD, RED, GREEN)
+def test_a_rerun_of_a_done_card_agrees_and_writes_nothing(repo: Repo) -> None:
+    commit = _done(repo)
+    repo.tests(impl="False", tdd=False)  # HEAD moves on; the re-run is of the recorded commit
+    repo.commit("later work breaks the test")
+    before, head = repo.snapshot(), repo.git("rev-parse", "HEAD")
+    result = repo.cardgate("verify", "--rerun", "T-001")
+    assert result.ret == PASS, _out(result)
+    assert commit[:10] in _out(result)
+    assert "agree" in _out(result)
+    assert repo.snapshot() == before, "the re-run wrote into the repository"
+    assert repo.git("rev-parse", "HEAD") == head and repo.status() == ""
+    assert len(repo.evidence()) == 1
+
+
+@pytest.mark.card(CARD, RED, GREEN)
+def test_a_rerun_that_reaches_another_decision_exits_1_with_a_diff(repo: Repo) -> None:
+    flag = repo.path.parent / "outside-flag"
+    flag.write_text("the gate's machine had this file\n")
+    _done(repo, flag)
+    flag.unlink()  # a stranger's machine does not
+    result = repo.cardgate("verify", "--rerun", "T-001")
+    assert result.ret == DISAGREE, _out(result)
+    out = _out(result)
+    assert "outcome: recorded pass, re-run fail" in out, out
+    assert "child-one: recorded pass, re-run fail" in out, out
+    assert "child-two: recorded" not in out, out  # only what differs
+
+
+@pytest.mark.card(CARD, RED, GREEN)
+def test_a_rerun_needs_a_done_card_with_a_green_record(repo: Repo) -> None:
+    repo.card(tdd=False)
+    repo.tests(tdd=False)
+    repo.commit()
+    result = repo.cardgate("verify", "--rerun", "T-001")
+    assert result.ret == USAGE, _out(result)
+    assert "no passing green record" in _out(result), _out(result)
