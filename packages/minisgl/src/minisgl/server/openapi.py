@@ -1,4 +1,6 @@
-"""Request schemas for `/openapi.json`, written from the validator's own bounds (protocol.py).
+"""Request schemas for `/openapi.json`, generated from the table of request parameters
+(`minisgl.sampling_fields`): every field an endpoint reads or ignores, with its type, range and
+bounds as the validator checks them.
 
 The handlers validate raw JSON themselves (OpenAI-style 400s, never FastAPI's 422), so these
 schemas only document what `parse_chat` / `parse_completion` accept.
@@ -8,103 +10,111 @@ from __future__ import annotations
 
 from typing import Any
 
-from minisgl.server.protocol import INT64, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
+from minisgl.sampling_fields import INT64, LOGIT_BIAS_RANGE, Field, Range, fields_for
+
+_MESSAGE = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "null"},
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "text"],
+                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                    },
+                },
+            ]
+        },
+        "name": {"type": "string"},
+        "tool_call_id": {"type": "string"},
+    },
+}
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": INT64 - 1}
+# the kinds whose schema is a fixed shape (the others follow from the field's range)
+_SHAPES: dict[str, dict[str, Any]] = {
+    "bool": {"type": "boolean"},
+    "string": {"type": "string"},
+    "object": {"type": "object"},
+    "array": {"type": "array", "items": {"type": "object"}},
+    "token_ids": {"type": "array", "items": _TOKEN_ID},
+    "tool_choice": {"anyOf": [{"type": "string"}, {"type": "object"}]},
+    "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+    "prompt": {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+        ]
+    },
+    "stream_options": {
+        "type": "object",
+        "properties": {
+            "include_usage": {"type": "boolean"},
+            "continuous_usage_stats": {"type": "boolean"},
+        },
+        "additionalProperties": False,
+    },
+}
 
 
-def _num(lo: float, hi: float, exclusive_lo: bool = False) -> dict:
-    s: dict[str, Any] = {"type": "number", "maximum": hi}
-    s["exclusiveMinimum" if exclusive_lo else "minimum"] = lo
+def _number(r: Range) -> dict[str, Any]:
+    s: dict[str, Any] = {"type": "number"}
+    if r.lo is not None:
+        s["exclusiveMinimum" if r.lo_open else "minimum"] = r.lo
+    if r.hi is not None:
+        s["exclusiveMaximum" if r.hi_open else "maximum"] = r.hi
     return s
 
 
-def _common(max_seq_len: int) -> dict[str, Any]:
-    ints = {"type": "integer", "minimum": 0, "maximum": INT64 - 1}
-    return {
-        "model": {"type": "string"},
-        "max_tokens": {"type": "integer", "minimum": 1, "maximum": max_seq_len},
-        "temperature": _num(0.0, 2.0),
-        "top_p": _num(0.0, 1.0, exclusive_lo=True),
-        "top_k": {"type": "integer", "minimum": -1, "maximum": INT64 - 1},
-        "min_p": _num(0.0, 1.0),
-        "presence_penalty": _num(-2.0, 2.0),
-        "frequency_penalty": _num(-2.0, 2.0),
-        "repetition_penalty": _num(0.0, 2.0, exclusive_lo=True),
-        "min_tokens": {"type": "integer", "minimum": 0, "maximum": max_seq_len},
-        "logit_bias": {
+def _integer(f: Field, max_seq_len: int) -> dict[str, Any]:
+    r = f.range or Range()
+    s: dict[str, Any] = {"type": "integer"}
+    if r.lo is not None:
+        s["minimum"] = int(r.lo) + (1 if r.lo_open else 0)
+    if f.context_bound:
+        s["maximum"] = max_seq_len
+    elif r.hi is not None:
+        s["maximum"] = int(r.hi) - (1 if r.hi_open else 0)
+    else:
+        s["maximum"] = INT64 - 1
+    return s
+
+
+def field_schema(f: Field, max_seq_len: int) -> dict[str, Any]:
+    """One field's JSON schema (its bounds the table's; `context_bound`: the context)."""
+    if f.kind == "number":
+        return _number(f.range or Range())
+    if f.kind == "int":
+        return _integer(f, max_seq_len)
+    if f.kind == "stop":
+        string = {"type": "string", "minLength": 1}
+        many = {"type": "array", "maxItems": f.max_items, "items": string}
+        return {"anyOf": [string, many]}
+    if f.kind == "logit_bias":
+        return {
             "type": "object",
-            "maxProperties": MAX_LOGIT_BIAS,
+            "maxProperties": f.max_items,
             "propertyNames": {"pattern": "^[0-9]{1,10}$"},
-            "additionalProperties": _num(-100.0, 100.0),
-        },
-        "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
-        "seed": ints,
-        "stop": {
-            "anyOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "maxItems": 16, "items": {"type": "string", "minLength": 1}},
-            ]
-        },
-        "stop_token_ids": {"type": "array", "items": ints},
-        "ignore_eos": {"type": "boolean"},
-        "skip_special_tokens": {"type": "boolean"},
-        "stream": {"type": "boolean"},
-        "stream_options": {
-            "type": "object",
-            "properties": {
-                "include_usage": {"type": "boolean"},
-                "continuous_usage_stats": {"type": "boolean"},
-            },
-            "additionalProperties": False,
-        },
-        "user": {"type": "string"},
-    }
+            "additionalProperties": _number(Range(*LOGIT_BIAS_RANGE)),
+        }
+    return dict(_SHAPES[f.kind])
 
 
 def request_bodies(max_seq_len: int) -> dict[str, dict]:
     """operation -> `openapi_extra` with its requestBody."""
-    message = {
-        "type": "object",
-        "required": ["role"],
-        "properties": {
-            "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-            "content": {
-                "anyOf": [
-                    {"type": "string"},
-                    {"type": "null"},
-                    {
-                        "type": "array",
-                        "items": {
-                            "type": "object",
-                            "required": ["type", "text"],
-                            "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-                        },
-                    },
-                ]
-            },
-            "name": {"type": "string"},
-            "tool_call_id": {"type": "string"},
-        },
-    }
-    chat = {
-        **_common(max_seq_len),
-        "messages": {"type": "array", "minItems": 1, "items": message},
-        "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": max_seq_len},
-        "logprobs": {"type": "boolean"},
-        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
-    }
-    completion = {
-        **_common(max_seq_len),
-        "prompt": {
-            "anyOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
-            ]
-        },
-        "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
-    }
 
-    def body(props: dict, required: list[str]) -> dict:
-        schema = {"type": "object", "required": required, "properties": props}
+    def body(endpoint: str) -> dict:
+        fields = fields_for(endpoint, ignored=True)
+        schema = {
+            "type": "object",
+            "required": [name for name, f in fields.items() if f.required],
+            "properties": {name: field_schema(f, max_seq_len) for name, f in fields.items()},
+        }
         return {
             "requestBody": {
                 "required": True,
@@ -113,7 +123,4 @@ def request_bodies(max_seq_len: int) -> dict[str, dict]:
             "responses": {"400": {"description": "OpenAI-style error body"}},
         }
 
-    return {
-        "chat": body(chat, ["messages"]),
-        "completions": body(completion, ["prompt"]),
-    }
+    return {"chat": body("chat"), "completions": body("completions")}

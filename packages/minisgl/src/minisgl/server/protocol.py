@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+from minisgl import sampling_fields as table
 from minisgl.chat import ChatError, parse_messages
-from minisgl.core import (
-    MAX_LOGIT_BIAS,
-    MAX_N,
-    MAX_STOP_STRINGS,
-    MAX_TEMPERATURE,
-    PRIORITY_RANGE,
-    SEED_RANGE,
-    choice_seed,
-)
+from minisgl.core import choice_seed
 from minisgl.message.schema import WireParams
+from minisgl.sampling_fields import CONTEXT, INT64, MAX_LOGPROBS, Field, ParamError
 from minisgl.scheduler.request import RequestError, check_max_tokens
 from minisgl.tools.spec import ToolChoice, ToolError, ToolUse, parse_tool_choice, parse_tools
 
@@ -58,50 +51,11 @@ class APIError(Exception):
         }
 
 
-COMMON = {
-    "model",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "ignore_eos",
-    "stream",
-    "stream_options",
-    "n",
-    "stop_token_ids",
-    "skip_special_tokens",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_p",
-    "logit_bias",
-    "min_tokens",
-    "response_format",
-    "priority",
-}
-CHAT = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                 "chat_template_kwargs",
-                 "tool_choice", "parallel_tool_calls"}  # fmt: skip
-COMPLETION = COMMON | {"prompt", "logprobs"}
-MAX_LOGPROBS = 20
-
-# accepted only with these (default) values: anything else is a clear 400
-DEFAULT_ONLY: dict[str, tuple] = {
-    "echo": (False, None),
-    "best_of": (1, None),
-    "suffix": (None,),
-    "tools": (None,),
-    "tool_choice": (None, "none"),
-    "functions": (None,),
-    "function_call": (None, "none"),
-}
-# parallel_tool_calls: validated on chat (with tools), ignored on completions as before
-IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
-
-
-INT64 = 2**63
+# the fields each endpoint reads, ignores, or takes only with their default values: all
+# from the one table of request parameters (`minisgl.sampling_fields`)
+CHAT = table.accepted("chat")
+COMPLETION = table.accepted("completions")
+IGNORED = table.ignored("chat") | table.ignored("completions")
 
 
 class ModelNames(frozenset):
@@ -179,25 +133,14 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _num(body: dict, key: str, default: float, lo: float, hi: float, lo_open=False) -> float:
-    v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
-        raise _bad(f"'{key}' must be a number, got {type(v).__name__}", key, "invalid_type")
-    if v < lo or v > hi or (lo_open and v == lo):
-        left = "(" if lo_open else "["
-        raise _bad(f"'{key}' must be in {left}{lo}, {hi}], got {v}", key)
-    return float(v)
-
-
-def _check_fields(body: dict, allowed: set[str]) -> None:
+def _check_fields(body: dict, endpoint: str) -> None:
+    allowed, ignored = table.accepted(endpoint), table.ignored(endpoint)
+    default_only = table.default_only(endpoint)
     for k, v in body.items():
-        if k in allowed or k in IGNORED:
+        if k in allowed or k in ignored:
             continue
-        if k in DEFAULT_ONLY:
-            ok = DEFAULT_ONLY[k]
-            if v in ok or (k == "tools" and not v):
+        if k in default_only:
+            if v in default_only[k]:
                 continue
             raise _bad(
                 f"'{k}' is not supported by this server (got {v!r})", k, "unsupported_parameter"
@@ -205,18 +148,32 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
         raise _bad(f"unsupported parameter '{k}'", k, "unsupported_parameter")
 
 
+def _value(body: dict, f: Field, endpoint: str, key: str | None = None) -> Any:
+    """The request's value of a field, checked by the table (absent or null: its default)."""
+    v = body.get(key or f.name)
+    if v is None:
+        return f.default_for(endpoint)
+    try:
+        return f.check(v, key)
+    except ParamError as e:
+        raise _bad(str(e), e.param, e.code) from None
+
+
+# wire fields `parse_common` reads itself: a bound on another field, an endpoint's own form
+_OWN = {"max_tokens", "min_tokens", "logprobs", "logit_bias", "response_format", "prefix_leader"}
+
+
 def parse_common(
-    body: Any,
-    allowed: set[str],
-    model_names: ModelNames | Collection[str],
-    max_seq_len: int,
-    default_max_tokens: int,
+    body: Any, allowed: set[str], model_names: ModelNames | Collection[str], max_seq_len: int
 ) -> Common:
-    """`model_names`: a `ModelNames`, or names that are all served (and all shown)."""
+    """The fields both endpoints share, read as the table (`minisgl.sampling_fields`) defines
+    them. `allowed`: `CHAT` or `COMPLETION`; `model_names`: a `ModelNames`, or names that are
+    all served (and all shown)."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None, "invalid_type")
+    endpoint = "chat" if allowed == CHAT else "completions"
     check_transportable(body)
-    _check_fields(body, allowed)
+    _check_fields(body, endpoint)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model", "invalid_type")
@@ -229,130 +186,70 @@ def parse_common(
             "model",
             "model_not_found",
         )
-    n = body.get("n")
-    if n is None:
-        n = 1
-    elif not _is_int(n):
-        raise _bad(f"'n' must be an integer, got {type(n).__name__}", "n", "invalid_type")
-    elif not 1 <= n <= MAX_N:
-        raise _bad(f"'n' must be in [1, {MAX_N}], got {n}", "n")
-    max_tokens = body.get("max_completion_tokens")
-    key = "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, key = body.get("max_tokens"), "max_tokens"
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-    elif not _is_int(max_tokens):
-        raise _bad(
-            f"'{key}' must be an integer, got {type(max_tokens).__name__}", key, "invalid_type"
-        )
-    else:
-        try:
-            check_max_tokens(max_tokens, max_seq_len, key)  # LLM.generate's check as well
-        except RequestError as e:
-            raise _bad(str(e), key) from None
-    temperature = _num(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
-    top_p = _num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    top_k = body.get("top_k")
-    if top_k is None:
-        top_k = -1
-    elif not _is_int(top_k):
-        raise _bad("'top_k' must be an integer", "top_k", "invalid_type")
-    elif top_k < -1:
-        raise _bad(f"'top_k' must be -1 (off) or >= 0, got {top_k}", "top_k")
-    presence = _num(body, "presence_penalty", 0.0, -2.0, 2.0)
-    frequency = _num(body, "frequency_penalty", 0.0, -2.0, 2.0)
-    repetition = _num(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True)
-    min_p = _num(body, "min_p", 0.0, 0.0, 1.0)
-    min_tokens = body.get("min_tokens")
-    if min_tokens is None:
-        min_tokens = 0
-    elif not _is_int(min_tokens):
-        raise _bad("'min_tokens' must be an integer", "min_tokens", "invalid_type")
-    elif not 0 <= min_tokens <= max_tokens:
-        raise _bad(
-            f"'min_tokens' must be in [0, max_tokens={max_tokens}], got {min_tokens}", "min_tokens"
-        )
-    logit_bias = _logit_bias(body.get("logit_bias"))
-    logprobs = _logprobs(body, "top_logprobs" if "messages" in allowed else "logprobs")
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise _bad("'seed' must be an integer", "seed", "invalid_type")
-    if seed is not None and not 0 <= seed < SEED_RANGE:
-        raise _bad("'seed' must be in [0, 2**63)", "seed")
-    stop = body.get("stop")
-    if stop is None:
-        stops: list[str] = []
-    elif isinstance(stop, str):
-        stops = [stop]
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = list(stop)
-    else:
-        raise _bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
-    if any(s == "" for s in stops):
-        raise _bad("'stop' strings must not be empty", "stop")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise _bad(f"at most {MAX_STOP_STRINGS} 'stop' strings are supported", "stop")
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None and not (
-        isinstance(stop_ids, list) and all(_is_int(t) for t in stop_ids)
-    ):
-        raise _bad("'stop_token_ids' must be a list of integers", "stop_token_ids", "invalid_type")
-    for key in ("ignore_eos", "stream", "skip_special_tokens"):
-        v = body.get(key)
-        if v is not None and not isinstance(v, bool):
-            raise _bad(f"'{key}' must be a boolean", key, "invalid_type")
-    stream = bool(body.get("stream"))
-    opts = body.get("stream_options")
-    include_usage = continuous_usage = False
-    if opts is not None:
-        if not isinstance(opts, dict):
-            raise _bad("'stream_options' must be an object", "stream_options", "invalid_type")
-        if not stream:
-            raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
-        unknown = set(opts) - {"include_usage", "continuous_usage_stats"}
-        cus = opts.get("continuous_usage_stats", False)
-        if not isinstance(cus, bool):
-            raise _bad(
-                "'stream_options.continuous_usage_stats' must be a boolean",
-                "stream_options",
-                "invalid_type",
-            )
-        continuous_usage = cus
-        if unknown:
-            raise _bad(
-                f"unsupported stream_options {sorted(unknown)}",
-                "stream_options",
-                "unsupported_parameter",
-            )
-        iu = opts.get("include_usage", False)
-        if not isinstance(iu, bool):
-            raise _bad(
-                "'stream_options.include_usage' must be a boolean", "stream_options", "invalid_type"
-            )
-        include_usage = iu
-    response_format = _response_format(body.get("response_format"), body.get("ignore_eos"))
+    fields = table.fields_for(endpoint)
+    n = _value(body, fields["n"], endpoint)
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else None
+    max_tokens = _value(body, fields[key or "max_tokens"], endpoint)
+    if max_tokens == CONTEXT:
+        max_tokens = max_seq_len
+    try:
+        check_max_tokens(max_tokens, max_seq_len, key or "max_tokens")  # LLM.generate's too
+    except RequestError as e:
+        raise _bad(str(e), key or "max_tokens") from None
+    wire = {
+        name: _value(body, f, endpoint)
+        for name, f in fields.items()
+        if f.wire is not None and name not in _OWN
+    }
+    min_tokens = _value(body, fields["min_tokens"], endpoint)
+    try:
+        table.check_min_tokens(min_tokens, max_tokens)
+    except ParamError as e:
+        raise _bad(str(e), e.param, e.code) from None
+    wire["stop"] = list(wire["stop"] or ())
+    if wire["stop_token_ids"] is not None:
+        wire["stop_token_ids"] = list(wire["stop_token_ids"])
+    stream = _value(body, fields["stream"], endpoint)
+    include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
     params = WireParams(
-        response_format=response_format,
-        priority=_priority(body),
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
+        **wire,
         max_tokens=max_tokens,
-        ignore_eos=bool(body.get("ignore_eos", False)),
-        seed=seed,
-        stop=stops,
-        stop_token_ids=stop_ids,
-        skip_special_tokens=body.get("skip_special_tokens", True) is not False,
-        presence_penalty=presence,
-        frequency_penalty=frequency,
-        repetition_penalty=repetition,
-        min_p=min_p,
-        logit_bias=logit_bias,
         min_tokens=min_tokens,
-        logprobs=logprobs,
+        logit_bias=_logit_bias(body.get("logit_bias"), fields["logit_bias"]),
+        logprobs=_logprobs(body, endpoint),
+        response_format=_response_format(body.get("response_format"), wire["ignore_eos"]),
     )
     return Common(params, stream, include_usage, continuous_usage, model or "", n)
+
+
+def _stream_options(opts: Any, stream: bool) -> tuple[bool, bool]:
+    """`stream_options`: (include_usage, continuous_usage_stats)."""
+    if opts is None:
+        return False, False
+    if not isinstance(opts, dict):
+        raise _bad("'stream_options' must be an object", "stream_options", "invalid_type")
+    if not stream:
+        raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    unknown = set(opts) - {"include_usage", "continuous_usage_stats"}
+    cus = opts.get("continuous_usage_stats", False)
+    if not isinstance(cus, bool):
+        raise _bad(
+            "'stream_options.continuous_usage_stats' must be a boolean",
+            "stream_options",
+            "invalid_type",
+        )
+    if unknown:
+        raise _bad(
+            f"unsupported stream_options {sorted(unknown)}",
+            "stream_options",
+            "unsupported_parameter",
+        )
+    iu = opts.get("include_usage", False)
+    if not isinstance(iu, bool):
+        raise _bad(
+            "'stream_options.include_usage' must be a boolean", "stream_options", "invalid_type"
+        )
+    return iu, cus
 
 
 @dataclass(frozen=True)
@@ -380,45 +277,25 @@ class Common:
         )
 
 
-def _logprobs(body: dict, key: str) -> int | None:
+def _logprobs(body: dict, endpoint: str) -> int | None:
     """Chat: `logprobs` (bool) and `top_logprobs` (0..20); completions: `logprobs` (0..20)."""
-    if key == "top_logprobs":
-        on = body.get("logprobs")
-        if on is not None and not isinstance(on, bool):
-            raise _bad("'logprobs' must be a boolean", "logprobs", "invalid_type")
-        top = body.get("top_logprobs")
+    fields = table.fields_for(endpoint)
+    if endpoint == "chat":
+        on = _value(body, fields["logprobs"], endpoint)
+        top = _value(body, fields["top_logprobs"], endpoint)
         if top is not None and not on:
             raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        if not on:
-            return None
-    else:
-        top = body.get("logprobs")
-        if top is None:
-            return None
-        if isinstance(top, bool):  # the chat form: true could mean 0 or 1 more; not guessed
-            raise _bad(
-                "'logprobs' on /v1/completions is the number of top logprobs per token, an "
-                f"integer in [0, {MAX_LOGPROBS}]; got {str(top).lower()} (a boolean 'logprobs' "
-                "with 'top_logprobs' is /v1/chat/completions' form)",
-                "logprobs",
-                "invalid_type",
-            )
-    if top is None:
-        return 0
-    if not _is_int(top):
-        raise _bad(f"'{key}' must be an integer", key, "invalid_type")
-    if not 0 <= top <= MAX_LOGPROBS:
-        raise _bad(f"'{key}' must be in [0, {MAX_LOGPROBS}], got {top}", key)
-    return top
-
-
-def _priority(body: dict) -> int:
-    """The request's `priority` (vLLM's field: lower is served sooner; default 0)."""
-    v = body.get("priority", 0)
-    lo, hi = PRIORITY_RANGE
-    if not _is_int(v) or not lo <= v <= hi:
-        raise _bad(f"'priority' must be an integer in [{lo}, {hi}], got {v!r}", "priority")
-    return v
+        return (top or 0) if on else None
+    top = body.get("logprobs")
+    if isinstance(top, bool):  # the chat form: true could mean 0 or 1 more; not guessed
+        raise _bad(
+            "'logprobs' on /v1/completions is the number of top logprobs per token, an "
+            f"integer in [0, {MAX_LOGPROBS}]; got {str(top).lower()} (a boolean 'logprobs' "
+            "with 'top_logprobs' is /v1/chat/completions' form)",
+            "logprobs",
+            "invalid_type",
+        )
+    return _value(body, fields["logprobs"], endpoint)
 
 
 def check_priority(params: WireParams, policy: str) -> None:
@@ -446,36 +323,26 @@ def _response_format(v: Any, ignore_eos: Any) -> str | None:
     if fmt is None:
         return None
     if ignore_eos:
-        raise _bad(
-            "response_format cannot combine with ignore_eos: a constrained output ends with EOS "
-            "once the grammar is complete",
-            "response_format",
-        )
+        raise _bad(table.RESPONSE_FORMAT_WITH_IGNORE_EOS, "response_format")
     return json.dumps(v)  # keys in the client's order: a schema's properties keep theirs
 
 
-def _logit_bias(v: Any) -> list[list] | None:
-    """OpenAI's {"token id": bias in [-100, 100]} (the vocabulary is checked by the engine)."""
+def _logit_bias(v: Any, f: Field) -> list[list] | None:
+    """OpenAI's {"token id": bias}, checked as the table checks `SamplingParams.logit_bias`
+    once its keys are ints (the vocabulary is checked by the engine)."""
     if v is None or v == {}:
         return None
-    if not isinstance(v, dict):
-        raise _bad(
-            "'logit_bias' must be an object of token id -> bias", "logit_bias", "invalid_type"
-        )
-    if len(v) > MAX_LOGIT_BIAS:
-        raise _bad(f"at most {MAX_LOGIT_BIAS} 'logit_bias' entries are supported", "logit_bias")
-    out = []
-    for k, b in v.items():
-        if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10):
-            raise _bad(f"'logit_bias' keys must be token ids, got {k!r}", "logit_bias")
-        if not isinstance(b, int | float) or isinstance(b, bool) or not math.isfinite(b):
-            raise _bad(
-                f"'logit_bias' values must be numbers, got {b!r}", "logit_bias", "invalid_type"
-            )
-        if not -100 <= b <= 100:
-            raise _bad(f"'logit_bias' values must be in [-100, 100], got {b}", "logit_bias")
-        out.append([int(k), float(b)])
-    return out
+    try:
+        if not isinstance(v, dict):
+            raise table.not_a_mapping(v)
+        for k in v:
+            if not (k.isascii() and k.isdigit() and len(k) <= 10):
+                raise ParamError(f"logit_bias keys must be token ids (ints >= 0), got {k!r}",
+                                 "logit_bias")  # fmt: skip
+        pairs = f.check({int(k): b for k, b in v.items()})
+    except ParamError as e:
+        raise _bad(str(e), e.param, e.code) from None
+    return [[t, b] for t, b in pairs]
 
 
 def check_text_length(chars: int, max_seq_len: int, max_token_chars: int, param: str) -> None:
@@ -493,7 +360,7 @@ def check_text_length(chars: int, max_seq_len: int, max_token_chars: int, param:
 def parse_chat(
     body: Any, model_names: ModelNames | Collection[str], max_seq_len: int, max_token_chars: int = 0
 ) -> Parsed:
-    common = parse_common(body, CHAT, model_names, max_seq_len, max_seq_len)
+    common = parse_common(body, CHAT, model_names, max_seq_len)
     try:
         out = parse_messages(body.get("messages"))
     except ChatError as exc:
@@ -554,7 +421,7 @@ def _tool_use(body: dict, common: Common, history_calls: bool) -> ToolUse | None
 def parse_completion(
     body: Any, model_names: ModelNames | Collection[str], max_seq_len: int, max_token_chars: int = 0
 ) -> Parsed:
-    common = parse_common(body, COMPLETION, model_names, max_seq_len, 16)
+    common = parse_common(body, COMPLETION, model_names, max_seq_len)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
