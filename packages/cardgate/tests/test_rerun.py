@@ -86,4 +86,10 @@ def test_a_rerun_needs_a_done_card_with_a_green_record(repo: Repo) -> None:
     repo.commit()
     result = repo.cardgate("verify", "--rerun", "T-001")
     assert result.ret == USAGE, _out(result)
+    assert "not done/" in _out(result), _out(result)
+    repo.card(lane="done", tdd=False)  # moved by hand: no record
+    repo.git("rm", "-q", "kanban/in-progress/T-001-demo.md")
+    repo.commit("moved to done by hand")
+    result = repo.cardgate("verify", "--rerun", "T-001")
+    assert result.ret == USAGE, _out(result)
     assert "no passing green record" in _out(result), _out(result)

@@ -1,4 +1,5 @@
-"""`python -m cardgate gate|board|lint`: exit 0 pass, 1 fail, 2 hold, 3 usage or lint error."""
+"""`python -m cardgate gate|verify|board|lint`: exit 0 pass, 1 fail, 2 hold, 3 usage or lint
+error (`verify`: 0 verified / the re-run agrees, 1 not, 3 nothing to verify)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from cardgate.board import board_json, load_board
 from cardgate.gate import GateOptions, run_gate
 from cardgate.outcome import Decision, GateUsageError, Phase
 from cardgate.render import board_table, gate_summary
+from cardgate.rerun import rerun_card, rerun_summary
 from cardgate.verify import verify_card
 
 EXIT_HELP = """\
@@ -74,6 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_argument(
         "--decision-file", type=Path, help="also write the final decision line to this file"
     )
+    verify = sub.add_parser(
+        "verify",
+        help="is a done card backed by its evidence; --rerun: re-run its green gate",
+        description="Check that a done card is backed by a passing gate record; with --rerun, "
+        "re-run its newest green record's gate in a fresh clone of the recorded commit (a "
+        "clean room, nothing written into the repository) and compare the decision and every "
+        "item with the record. Exit 0 verified / agree, 1 not, 3 nothing to verify.",
+    )
+    verify.add_argument("card_id", metavar="ID")
+    verify.add_argument(
+        "--rerun", action="store_true", help="re-run the recorded green gate and compare"
+    )
+    verify.add_argument("--root", type=Path, default=Path("."), help="repository root")
+    verify.add_argument("-n", "--numprocesses", dest="workers", help="pytest-xdist workers")
     board = sub.add_parser("board", help="the lanes as a table")
     board.add_argument("--root", type=Path, default=Path("."))
     out = board.add_mutually_exclusive_group()
@@ -127,7 +143,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in privacy.migrate(args.root.resolve(), dry_run=args.dry_run):
             print(line)
         return 0
+    if args.command == "verify":
+        return _verify(args)
     return _gate(args, extra)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    root = args.root.resolve()
+    if not args.rerun:
+        card = load_board(root).cards.get(args.card_id)
+        if card is None or card.lane != "done":
+            print(f"cardgate: error: {args.card_id} is not a card in done/", file=sys.stderr)
+            return Decision.USAGE.exit_code
+        flags = verify_card(root, card).flags
+        for flag in flags:
+            print(f"{card.path}:1: {flag}")
+        print(f"cardgate: verified={'no' if flags else 'yes'} exit={1 if flags else 0}")
+        return 1 if flags else 0
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        rerun = rerun_card(root, args.card_id, workers=args.workers, python=sys.executable, out=say)
+    except GateUsageError as exc:
+        print(f"cardgate: error: {exc}", file=sys.stderr)
+        print(f"cardgate: rerun=usage exit={Decision.USAGE.exit_code}", file=sys.stderr)
+        return Decision.USAGE.exit_code
+    say(gate_summary(rerun.report))
+    say(rerun_summary(rerun))
+    say(f"cardgate: rerun={'agree' if rerun.agrees else 'differ'} exit={rerun.exit_code}")
+    return rerun.exit_code
 
 
 def _gate(args: argparse.Namespace, extra: list[str]) -> int:

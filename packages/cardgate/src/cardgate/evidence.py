@@ -135,6 +135,13 @@ class Record:
     def commit(self) -> str:
         return str(self.summary.get("commit") or "")
 
+    def manifest(self) -> dict[str, Any]:
+        try:
+            data = json.loads((self.path / "manifest.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
     def report_lines(self) -> list[dict[str, Any]]:
         try:
             text = (self.path / "report.jsonl").read_text(encoding="utf-8")

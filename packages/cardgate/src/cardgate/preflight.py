@@ -44,6 +44,9 @@ class GateOptions:
     pytest_args: tuple[str, ...] = ()
     python: str = ""
     allow_changed_tests: bool = False
+    # the working tree the interpreter's editable installs point at (default: root); the room's
+    # imports are redirected from it (`verify --rerun` gates a clone and keeps the original's)
+    source: Path | None = None
 
 
 @dataclass(frozen=True)

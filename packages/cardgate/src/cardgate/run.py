@@ -197,7 +197,7 @@ def _run_in(
     wanted = _expand(pre, set(pre.red_keys)) if opts.phase is Phase.RED else None
     static_bindings = _static_bindings(pre, where)
     static = sorted({path for path, _ in static_bindings})  # passed explicitly to pytest
-    env = environ.gate_env(pre.root)
+    env = environ.gate_env((opts.source or pre.root).resolve())
     with tempfile.TemporaryDirectory(prefix="cardgate-") as tmp_name:
         tmp = Path(tmp_name)
         errors: list[tuple[str, str]] = []

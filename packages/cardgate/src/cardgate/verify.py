@@ -74,6 +74,17 @@ def _last_gate(root: Path, record: evidence.Record) -> LastGate:
     )
 
 
+def newest_green(root: Path, card: Card) -> evidence.Record | None:
+    """The newest passing green record the gate wrote for this card (what `verify --rerun`
+    re-runs), or None."""
+    passing = [
+        r
+        for r in evidence.records(root, card.id)
+        if r.outcome == "pass" and r.phase == "green" and r.card == card.id and r.intact
+    ]
+    return passing[-1] if passing else None
+
+
 def verify_card(root: Path, card: Card) -> Verification:
     records = evidence.records(root, card.id)
     last = _last_gate(root, records[-1]) if records else None
