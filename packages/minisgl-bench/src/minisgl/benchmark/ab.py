@@ -1,12 +1,9 @@
 """The one A/B driver of the benchmark tools: arms run interleaved over repeats (ABBA order, so
 a slow drift of the machine falls on every arm alike), each arm's median over its repeats, and
 every other arm against the first (the ratio of the medians, and the median of the ratios
-paired within a repeat).
-
-The tools are profiles of it: what one run of an arm is, which keys they pair and the fields
-of their JSON (`online_ab`, `structured_ab`, `dp_ab`, and the offline `LLM` pairs of `tp_ab`
-and `overlap_ab` through `llm_ab`).
-"""
+paired within a repeat). The tools (`online_ab`, `structured_ab`, `dp_ab`, the harness's offline
+`--ab`; `tp_ab` and `overlap_ab` through `llm_ab`) say what one run of an arm is, which keys
+they pair and the fields of their JSON."""
 
 from __future__ import annotations
 
@@ -26,9 +23,7 @@ Metrics = dict[str, Any]
 
 
 def interleave(
-    arms: Sequence[str],
-    repeats: int,
-    run: Callable[[str, int], T],
+    arms: Sequence[str], repeats: int, run: Callable[[str, int], T]
 ) -> dict[str, list[T]]:
     """`run(arm, repeat)` for every arm in each repeat, in ABBA order; each arm's outputs in
     repeat order."""
@@ -54,10 +49,6 @@ class Comparison:
     ratio: dict[str, dict[str, float]]  # arm -> arm / base of the medians
     paired: dict[str, dict[str, Any]]  # arm -> median of per-repeat ratios, and the ratios
 
-    @property
-    def base(self) -> str:
-        return next(iter(self.runs))
-
     def results(self) -> dict[str, Metrics]:
         return {a: {"metrics": self.medians[a], "repeats": self.runs[a]} for a in self.runs}
 
@@ -76,9 +67,10 @@ class Comparison:
     def tables(self) -> dict[str, dict[str, float]]:
         """The ratios as `report.print_summary` tables."""
         out: dict[str, dict[str, float]] = {}
+        base = next(iter(self.runs))
         for arm in self.ratio:
-            out[f"{arm} / {self.base} (ratio of medians)"] = self.ratio[arm]
-            out[f"{arm} / {self.base} (median of paired repeats)"] = {
+            out[f"{arm} / {base} (ratio of medians)"] = self.ratio[arm]
+            out[f"{arm} / {base} (median of paired repeats)"] = {
                 k: v for k, v in self.paired[arm].items() if not k.endswith("_per_repeat")
             }
         return out
@@ -92,14 +84,13 @@ def compare(
 ) -> Comparison:
     """Each arm's `median` of its repeats; the first arm is the base of the ratios (dotted
     `ratio_keys` of the medians, `paired_keys` paired within each repeat)."""
-    arms = list(runs)
     medians = {arm: median(reps) for arm, reps in runs.items()}
-    base = arms[0]
+    base, *others = runs
     return Comparison(
-        runs=dict(runs),
-        medians=medians,
-        ratio={a: common.ratios(medians[base], medians[a], ratio_keys) for a in arms[1:]},
-        paired={a: common.paired_ratios(runs[base], runs[a], paired_keys) for a in arms[1:]},
+        dict(runs),
+        medians,
+        {a: common.ratios(medians[base], medians[a], ratio_keys) for a in others},
+        {a: common.paired_ratios(runs[base], runs[a], paired_keys) for a in others},
     )
 
 
