@@ -179,3 +179,24 @@ def test_the_rust_vocabulary_checks_say_what_python_says():
     for prefix in ("", "logit_bias "):
         rust = vocab_error("{bad}", "{vocab}", prefix.strip() or None)
         assert f'format!("{rust}")' in src, rust
+
+
+def test_offline_logit_bias_outside_the_vocabulary_is_the_servers_error(tiny_model_dir):
+    """Test first: offline, a `logit_bias` id outside the vocabulary failed the step with an
+    IndexError from the sampler; the server answers 400 with `vocab_error`. Now both refuse it
+    before anything is queued, with the same message."""
+    from minisgl import LLM
+    from minisgl.sampling_fields import vocab_error
+
+    llm = LLM(str(tiny_model_dir("llama")), num_pages=512, max_seq_len_override=CTX)
+    try:
+        vocab = llm.engine.model_config.vocab_size
+        with pytest.raises(ValueError) as e:
+            llm.generate([[5, 6]], SamplingParams(max_tokens=2, logit_bias={vocab: 1.0}))
+        assert str(e.value) == vocab_error(vocab, vocab, "logit_bias")
+        assert not llm.has_work()
+        with pytest.raises(ValueError) as e:
+            llm.generate([[5, vocab]])
+        assert str(e.value) == vocab_error(vocab, vocab)
+    finally:
+        llm.close()
