@@ -4,6 +4,7 @@ into the repository, and exits 0 only when the decision and every item agree wit
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,25 @@ def test_a_rerun_needs_a_done_card_with_a_green_record(repo: Repo) -> None:
     result = repo.cardgate("verify", "--rerun", "T-001")
     assert result.ret == USAGE, _out(result)
     assert "no passing green record" in _out(result), _out(result)
+
+
+@pytest.mark.card(CARD, RED, GREEN)
+def test_the_room_leaves_a_virtualenv_inside_the_working_tree_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`nox` keeps its virtualenvs in the checkout (`.nox/`): their site-packages are the
+    interpreter's, not the commit's; moved into the room (which has no `.nox/`), pytest lost
+    every installed plugin, cardgate's own included (`unrecognized arguments: --cardgate-card`),
+    and no real card could be gated or re-run."""
+    from cardgate import roomplugin
+
+    tree, room = tmp_path / "tree", tmp_path / "room"
+    venv = tree / ".nox" / "tests"
+    site = venv / "lib" / "site-packages"
+    for folder in (site, tree / "src", room / "src"):
+        folder.mkdir(parents=True)
+    monkeypatch.setattr(sys, "prefix", str(venv))
+    monkeypatch.setattr(sys, "exec_prefix", str(venv))
+    monkeypatch.setattr(sys, "path", [str(site), str(tree / "src")])
+    roomplugin.redirect(tree.resolve(), room.resolve())
+    assert sys.path == [str(site), str((room / "src").resolve())]
