@@ -2,7 +2,9 @@
 test module: imports that an editable install points at the working tree (a `.pth` path entry,
 a setuptools editable finder's `MAPPING`) point at the same path in the clean room instead, so
 the commit's code runs and not the working tree's. The working tree comes from the gate's
-`CARDGATE_ROOM_SOURCE`; the room is the current folder (the gate's `cwd`)."""
+`CARDGATE_ROOM_SOURCE`; the room is the current folder (the gate's `cwd`). Paths inside the
+interpreter's own folders stay: a virtualenv kept in the checkout (nox's `.nox/`) is the
+interpreter's, not the commit's, and the room has no copy of it."""
 
 from __future__ import annotations
 
@@ -13,9 +15,16 @@ from pathlib import Path
 from cardgate.room import ROOM_SOURCE_ENV
 
 
+def _interpreter_dirs() -> list[Path]:
+    return [Path(p).resolve() for p in {sys.prefix, sys.exec_prefix} if p]
+
+
 def _moved(path: str, source: Path, room: Path) -> str:
+    resolved = Path(path).resolve()
+    if any(resolved.is_relative_to(d) for d in _interpreter_dirs()):
+        return path
     try:
-        rel = Path(path).resolve().relative_to(source)
+        rel = resolved.relative_to(source)
     except ValueError:
         return path
     return str(room / rel)
