@@ -16,6 +16,7 @@ from minisgl.engine.stream import DeviceStream
 from minisgl.kernels import cpu as cpu_native
 from minisgl.runtime import Runtime, StepBatch, warms_up_by_default
 from minisgl.sampler import TokenLogprob
+from minisgl.sampling_fields import check_vocab
 from minisgl.scheduler.backend import SchedulerBackend
 from minisgl.scheduler.policy import priority_aging_steps
 from minisgl.scheduler.request import StepOutput, check_max_tokens
@@ -182,10 +183,7 @@ class LLM:
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             raise ValueError(f"{name} must be {PROMPT_KINDS}, got {type_name(items, int)}")
-        vocab = self.engine.model_config.vocab_size
-        bad = [t for t in items if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        check_vocab(items, self.engine.model_config.vocab_size)  # the server's 400
         return items
 
     # ------------------------------------------------------------------ generate
@@ -204,8 +202,10 @@ class LLM:
             )
         prompts = list(items)
         params = self._params(sampling_params, len(prompts))
+        vocab = self.engine.model_config.vocab_size
         for p in params:  # the server's 400 for the same request, before anything is queued
             check_max_tokens(p.max_tokens, self.engine.max_seq_len)
+            check_vocab((t for t, _ in p.logit_bias), vocab, "logit_bias")
         encoded = [self.encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         # one choice per sample; choice j > 0 of a prompt waits for choice 0's prefill, so the
         # prefix cache hands it the prompt's KV instead of recomputing it

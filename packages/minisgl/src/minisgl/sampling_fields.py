@@ -16,7 +16,7 @@ The bottom layer: this module imports nothing of minisgl's.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Any, Literal
@@ -273,6 +273,14 @@ def vocab_error(token: Any, vocab: Any, field: str | None = None) -> str:
     engine worker's and the Rust service's (which writes the same words)."""
     where = f"{field} " if field else ""
     return f"{where}token id {token} is outside the vocabulary [0, {vocab})"
+
+
+def check_vocab(token_ids: Iterable[int], vocab: int, field: str | None = None) -> None:
+    """A `ParamError` (`vocab_error`) for the first id outside [0, vocab): a prompt's, or
+    `field`'s (`logit_bias`' ids). The offline API's check and the engine worker's."""
+    for t in token_ids:
+        if not 0 <= t < vocab:
+            raise ParamError(vocab_error(t, vocab, field), field or "prompt")
 
 
 _TOOLS_OFF = (None, [], {}, "", False)  # `tools` on /v1/completions: only empty

@@ -113,25 +113,18 @@ class EngineLoop:
     def add(self, msg: AddReq) -> None:
         """Validate and queue a request (a choice of an n > 1 request waits in the runtime for
         its leader's prefill); its error code follows from the exception's type."""
+        from minisgl.sampling_fields import ParamError, check_vocab, vocab_error
         from minisgl.scheduler.request import ContextLengthError, RequestError
 
         ids = np.asarray(msg.input_ids, dtype=np.int32)
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):
             bad = int(ids[(ids < 0) | (ids >= self.vocab)][0])
-            self.reject(
-                msg.uid,
-                f"token id {bad} is outside the vocabulary [0, {self.vocab})",
-                param="prompt",
-            )
+            self.reject(msg.uid, vocab_error(bad, self.vocab), param="prompt")
             return
-        out_of_vocab = [t for t, _ in msg.params.logit_bias or () if not 0 <= t < self.vocab]
-        if out_of_vocab:
-            self.reject(
-                msg.uid,
-                f"logit_bias token id {out_of_vocab[0]} is outside the vocabulary "
-                f"[0, {self.vocab})",
-                param="logit_bias",
-            )
+        try:  # the offline API's check (`LLM.generate`), the same message
+            check_vocab((t for t, _ in msg.params.logit_bias or ()), self.vocab, "logit_bias")
+        except ParamError as e:
+            self.reject(msg.uid, str(e), param=e.param)
             return
         try:
             params = msg.params.to_sampling_params()
