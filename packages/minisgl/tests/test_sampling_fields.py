@@ -200,3 +200,30 @@ def test_offline_logit_bias_outside_the_vocabulary_is_the_servers_error(tiny_mod
         assert str(e.value) == vocab_error(vocab, vocab)
     finally:
         llm.close()
+
+
+def rust_messages(path: str, fn: str) -> list[re.Pattern]:
+    """The string literals of a Rust function, as patterns (`{...}`: a number)."""
+    src = rust_source(path)
+    body = src[src.index(f"pub fn {fn}(") :]
+    body = body[: body.index("\n}\n")]
+    out = []
+    for lit in re.findall(r'"((?:[^"\\]|\\.)*)"', body, re.S):
+        text = re.sub(r"\\\n\s*", "", lit)  # a literal continued on the next line
+        parts = re.split(r"\{\w*\}", text)
+        out.append(re.compile(r"(\d+)".join(re.escape(p) for p in parts)))
+    return out
+
+
+def test_the_rust_validate_request_says_what_python_says():
+    """The Rust core keeps its own `validate_request` (the service's admission check); each
+    refusal of the Python one is a message the Rust one writes."""
+    from minisgl.scheduler.request import RequestError, validate_request
+
+    rust = rust_messages("minisgl-cpu-core/src/sched.rs", "validate_request")
+    cases = [([], 4, 16, 4), ([1] * 16, 4, 16, 4), ([1, 2, 3], 10, 16, 1)]
+    for prompt, max_tokens, max_seq_len, num_pages in cases:
+        with pytest.raises(RequestError) as e:
+            validate_request(prompt, SamplingParams(max_tokens=max_tokens), max_seq_len,
+                             num_pages, 4)  # fmt: skip
+        assert any(p.fullmatch(str(e.value)) for p in rust), str(e.value)

@@ -51,7 +51,10 @@ def validate_request(
     page_size: int,
 ) -> tuple[np.ndarray, int]:
     """The prompt as int32 and its total length cap, or a RequestError saying why it can never
-    be served (shared by every scheduler backend)."""
+    be served (shared by every scheduler backend). `params` were checked when they were built,
+    by the table of request parameters (`minisgl.sampling_fields`); this checks what only the
+    scheduler knows: the context and the KV pool. The Rust core's copy (`sched.rs`) writes the
+    same messages (`tests/test_sampling_fields.py` reads them from its source)."""
     ids = np.asarray(input_ids, dtype=np.int32).reshape(-1)
     if len(ids) == 0:
         raise RequestError("prompt is empty: at least one token is required")
