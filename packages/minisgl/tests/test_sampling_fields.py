@@ -227,3 +227,20 @@ def test_the_rust_validate_request_says_what_python_says():
             validate_request(prompt, SamplingParams(max_tokens=max_tokens), max_seq_len,
                              num_pages, 4)  # fmt: skip
         assert any(p.fullmatch(str(e.value)) for p in rust), str(e.value)
+
+
+def test_the_wire_carries_every_sampling_field():
+    """Test first: `service_plane.wire_params` (the offline rust_service path) listed the
+    fields by hand and dropped `priority`; packed from the table, every field of the wire comes
+    back from `to_sampling_params` as it was (stop strings stay with the detokenizer)."""
+    from minisgl.runtime.service_plane import wire_params
+
+    p = SamplingParams(temperature=0.5, top_k=7, top_p=0.9, max_tokens=9, ignore_eos=False,
+                       seed=11, stop=["x"], stop_token_ids=[3], presence_penalty=0.5,
+                       frequency_penalty=-0.5, repetition_penalty=1.5, min_p=0.1,
+                       logit_bias={5: 2.0}, min_tokens=2, logprobs=3, priority=4,
+                       response_format={"type": "json_object"})  # fmt: skip
+    wire = wire_params(p, leader=12)
+    assert wire.prefix_leader == 12 and wire.stop == ["x"] and wire.priority == 4
+    back = wire.to_sampling_params()
+    assert back == dataclasses.replace(p, stop=None)
