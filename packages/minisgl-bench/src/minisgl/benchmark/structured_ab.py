@@ -114,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "repeats": runs,
     }
-    if args.out:
-        common.write_json(args.out, record)
+    ab.write(args.out, record)
     print(json.dumps({"median": cmp.medians, "ratios": record["ratios"]}, indent=1))
     same = len({m["output_tokens"] for m in cmp.medians.values()}) == 1
     return 0 if same and not any(m["errors"] for m in cmp.medians.values()) else 1
