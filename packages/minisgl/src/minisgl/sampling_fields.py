@@ -374,3 +374,5 @@ def default_only(endpoint: str) -> dict[str, tuple]:
 
 # `SamplingParams`' defaults (the offline ones)
 DEFAULTS: Mapping[str, Any] = {name: f.default for name, f in fields_for("offline").items()}
+# the wire fields that are `SamplingParams`' too (all but skip_special_tokens, prefix_leader)
+SAMPLING_WIRE_FIELDS: tuple[str, ...] = tuple(n for n in WIRE_FIELDS if n in DEFAULTS)

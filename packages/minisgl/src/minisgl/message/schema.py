@@ -78,26 +78,12 @@ class WireParams:
 
     def to_sampling_params(self):
         from minisgl.core import SamplingParams
+        from minisgl.sampling_fields import SAMPLING_WIRE_FIELDS
 
         # stop strings are handled by the detokenizer; the scheduler only sees token stops
-        return SamplingParams(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            max_tokens=self.max_tokens,
-            ignore_eos=self.ignore_eos,
-            seed=self.seed,
-            stop_token_ids=self.stop_token_ids,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            min_p=self.min_p,
-            logit_bias=tuple((int(t), float(b)) for t, b in self.logit_bias or ()),
-            min_tokens=self.min_tokens,
-            logprobs=self.logprobs,
-            response_format=json.loads(self.response_format) if self.response_format else None,
-            priority=self.priority,
-        )
+        kw = {name: getattr(self, name) for name in SAMPLING_WIRE_FIELDS if name != "stop"}
+        kw["response_format"] = json.loads(self.response_format) if self.response_format else None
+        return SamplingParams(**kw)
 
 
 def wire_logprob(lp) -> list | None:

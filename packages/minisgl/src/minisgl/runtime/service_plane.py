@@ -18,7 +18,7 @@ import os
 import shutil
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from minisgl.message.schema import (
 from minisgl.runtime.loop import EMPTY, StepBatch
 from minisgl.runtime.service_steps import ServiceSteps
 from minisgl.sampler import TokenLogprob
+from minisgl.sampling_fields import SAMPLING_WIRE_FIELDS
 from minisgl.scheduler.request import StepOutput, validate_request
 
 READY_TIMEOUT_S = 120.0
@@ -68,7 +69,7 @@ def engine_info(engine: Any) -> dict[str, Any]:
 
 
 def wire_params(p: SamplingParams, leader: int | None) -> WireParams:
-    bias = p.logit_bias.items() if isinstance(p.logit_bias, Mapping) else p.logit_bias or ()
+    """`p` as it travels: every field of the table's wire layout (`SAMPLING_WIRE_FIELDS`)."""
     fmt = None
     if p.response_format is not None:
         rf: Any = p.response_format
@@ -76,25 +77,15 @@ def wire_params(p: SamplingParams, leader: int | None) -> WireParams:
         if rf.kind == "json_schema":
             raw["json_schema"] = {"schema": json.loads(rf.schema), "strict": True}
         fmt = json.dumps(raw)
-    return WireParams(
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p,
-        max_tokens=p.max_tokens,
-        ignore_eos=p.ignore_eos,
-        seed=p.seed,
+    kw = {name: getattr(p, name) for name in SAMPLING_WIRE_FIELDS}
+    kw.update(
         stop=list(p.stop_strings),
         stop_token_ids=list(p.stop_token_ids) if p.stop_token_ids else None,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty,
-        min_p=p.min_p,
-        logit_bias=[[int(t), float(b)] for t, b in bias] or None,
-        min_tokens=p.min_tokens,
-        logprobs=p.logprobs,
-        prefix_leader=leader or 0,
+        logit_bias=[[t, b] for t, b in p.logit_bias] or None,
         response_format=fmt,
+        prefix_leader=leader or 0,
     )
+    return WireParams(**kw)
 
 
 def _stop_service(proc: ServiceProcess, ipc_dir: str, ctx: zmq.Context, to_service: Any) -> None:
