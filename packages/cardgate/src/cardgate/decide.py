@@ -11,7 +11,7 @@ from cardgate.hardware import hardware_key
 from cardgate.outcome import Check, GateOutcome, ItemVerdict, Phase, RedFailure, Verdict, worst
 from cardgate.preflight import Preflight
 from cardgate.provenance import collection_checks, inventory_checks, provenance_checks
-from cardgate.run import Metric, RunResult, TestPhase
+from cardgate.run import Metric, RunResult, StaticTest, TestPhase
 from cardgate.thresholds import GateResult, evaluate
 from cardgate.verify import RedEvidence, red_evidence
 
@@ -79,27 +79,74 @@ def _contradicts(phase: TestPhase) -> bool:
     return phase.outcome == "passed" and phase.failure is not None
 
 
+def _base(nodeid: str) -> str:
+    """A node id without its parameters (`f.py::test_x[1]` -> `f.py::test_x`)."""
+    head, sep, last = nodeid.rpartition("::")
+    return head + sep + last.split("[", 1)[0]
+
+
+def unrun_static_tests(run: RunResult, nodes: dict[str, NodeResult]) -> list[StaticTest]:
+    """Bound test functions of the static scan that no test which ran is: a test ran as one
+    when it is defined in the same file within the function's lines (decorators included; a
+    later `def` of the same name is defined elsewhere), or, where the report has no line, when
+    its node id names it."""
+    lines: dict[str, list[int]] = {}
+    unplaced: set[str] = set()
+    for p in run.phases:
+        node = nodes.get(p.nodeid)
+        if node is None or not node.ran:
+            continue
+        if p.path is not None and p.line is not None:
+            lines.setdefault(p.path, []).append(p.line)
+        else:
+            unplaced.add(_base(p.nodeid))
+    return [
+        t
+        for t in run.static_tests
+        if not any(t.first <= line <= t.last for line in lines.get(t.path, ()))
+        and t.nodeid not in unplaced
+    ]
+
+
 def uncollected_bindings(
-    card: Card, verdicts: list[ItemVerdict], run: RunResult
+    card: Card, verdicts: list[ItemVerdict], run: RunResult, nodes: dict[str, NodeResult]
 ) -> list[ItemVerdict]:
-    """An item bound (by the static scan) in a file the run did not collect fails: its test
-    was hidden by an --ignore, a collect_ignore or a path outside testpaths."""
-    collected = {n.split("::", 1)[0] for nodes in run.bound.values() for n in nodes}
+    """An item bound (by the static scan of the commit) in a file the run did not collect
+    fails: its test was hidden by an --ignore, a collect_ignore or a path outside testpaths.
+    So does an item with a statically bound test function that did not run (shadowed by a
+    later `def` of the same name, deselected by a conftest hook, left out by an ini's
+    `python_functions`...): it holds instead when the caller narrowed the run (`-k`)."""
+    collected = {n.split("::", 1)[0] for nodes_ in run.bound.values() for n in nodes_}
     missing: dict[str, list[str]] = {}
     for path, key in run.static_bindings:
         if path not in collected:
             missing.setdefault(key, []).append(path)
-    out = [
-        replace(
-            v,
-            status=Verdict.FAIL,
-            reason=v.reason + f"; bound in {', '.join(missing[v.key])} (static scan) "
-            "but not collected",
-        )
-        if v.key in missing
-        else v
-        for v in verdicts
-    ]
+    unrun: dict[str, list[StaticTest]] = {}
+    for test in unrun_static_tests(run, nodes):
+        if test.path in collected:  # a file never collected is named once, above
+            unrun.setdefault(test.key, []).append(test)
+    status = Verdict.HOLD if run.narrowed else Verdict.FAIL
+    out = []
+    for v in verdicts:
+        if v.key in missing:
+            v = replace(
+                v,
+                status=Verdict.FAIL,
+                reason=v.reason + f"; bound in {', '.join(missing[v.key])} (static scan) "
+                "but not collected",
+            )
+        if v.key in unrun:
+            tests = unrun[v.key]
+            shown = ", ".join(f"{t.nodeid} (line {t.first})" for t in tests[:3])
+            more = f" (+{len(tests) - 3} more)" if len(tests) > 3 else ""
+            v = replace(
+                v,
+                status=worst([v.status, status]),
+                reason=v.reason + f"; bound test {shown}{more} (static scan of the commit) did "
+                "not run: shadowed by a later definition of the same name, deselected or not "
+                "collected",
+            )
+        out.append(v)
     return _reparent(card, out)
 
 
@@ -341,7 +388,7 @@ def decide(pre: Preflight, run: RunResult, phase: Phase, where: Path | None = No
     nodes = node_results(run, pre.timeout)
     only = set(pre.red_keys) if phase is Phase.RED else None
     verdicts = judge_items(card, run, nodes, phase, only)
-    verdicts = uncollected_bindings(card, verdicts, run)
+    verdicts = uncollected_bindings(card, verdicts, run, nodes)
     reds = red_evidence(
         pre.root,
         card,

@@ -55,10 +55,19 @@ def manifest(
         "clean_room": run.room,
         "bound_tests": {k: list(v) for k, v in sorted(run.bound.items())},
         "static_bound_files": list(run.static_files),
+        "static_bound_tests": _static_tests(run),
         "allow_changed_tests": opts.allow_changed_tests,
         **run.inventory.to_dict(),
         **hardware.describe(),
     }
+
+
+def _static_tests(run: RunResult) -> dict[str, list[str]]:
+    """item key -> `path::name:line` of each test function the static scan bound to it."""
+    out: dict[str, list[str]] = {}
+    for test in run.static_tests:
+        out.setdefault(test.key, []).append(f"{test.nodeid}:{test.first}")
+    return dict(sorted(out.items()))
 
 
 def _relative(arg: str, root: Path) -> str:

@@ -1,6 +1,7 @@
 """The JSON report of a run (`--cardgate-report PATH`), written on the xdist controller.
 
-Every test phase with its bound items, metrics, failure kind and the bound test's source hash;
+Every test phase with its bound items, metrics, failure kind, the bound test's source hash and
+where the test is defined (`path`, `line`);
 and what ran besides the tests (`inventory`), merged over the controller and every worker.
 """
 
@@ -38,6 +39,13 @@ def message_of(report: pytest.TestReport | pytest.CollectReport, root: Path) -> 
         text = getattr(crash, "message", None) or str(longrepr)
     text = redact(text, root)
     return text if len(text) <= 2000 else text[:2000] + "..."
+
+
+def _defined_at(report: pytest.TestReport) -> dict[str, Any]:
+    """Where the test that ran is defined (`path` relative to the rootdir, 1-based `line`):
+    the gate matches it with the static scan's bound functions."""
+    path, line, _ = report.location
+    return {"path": str(path), "line": line + 1} if line is not None else {"path": str(path)}
 
 
 def process_inventory(config: pytest.Config, items: list[pytest.Item]) -> dict[str, Any]:
@@ -115,6 +123,7 @@ class Recorder:
                 "failure": failure,
                 "source_sha256": source,
                 "message": "" if report.passed and failure is None else message_of(report, root),
+                **_defined_at(report),
             }
         )
 

@@ -28,7 +28,7 @@ from cardgate.outcome import Phase
 from cardgate.preflight import GateOptions, Preflight
 from cardgate.recorder import load_report
 from cardgate.redact import redact
-from cardgate.scan import scan_files
+from cardgate.scan import scan_files, scan_tests
 
 ENV_PREFIXES = ("MINISGL_", "CARDGATE_", "PYTEST_")
 
@@ -53,6 +53,23 @@ class TestPhase:
     metrics: tuple[Metric, ...]
     source_sha256: str | None = None
     duration: float = 0.0
+    path: str | None = None  # where the test is defined (relative to the room)
+    line: int | None = None
+
+
+@dataclass(frozen=True)
+class StaticTest:
+    """A test function the static scan of the commit finds bound to `key` (`scan.BoundTest`)."""
+
+    path: str
+    name: str
+    first: int
+    last: int
+    key: str
+
+    @property
+    def nodeid(self) -> str:
+        return f"{self.path}::{self.name}"
 
 
 @dataclass(frozen=True)
@@ -96,6 +113,8 @@ class RunResult:
     limit_s: float | None = None  # the run's time limit (None: no run)
     room: dict[str, Any] | None = None  # the clean room (None: no commit, ran in place)
     env_dropped: tuple[str, ...] = ()
+    static_tests: tuple[StaticTest, ...] = ()  # bound test functions, by a static scan
+    narrowed: bool = False  # the caller narrowed the run (`-k` on a dry run)
 
     @property
     def static_files(self) -> tuple[str, ...]:
@@ -260,6 +279,8 @@ def _run_in(
         hardware=str(data.get("hardware") or hardware_key()),
         raw_tests=tuple(data.get("tests", [])),
         static_bindings=static_bindings,
+        static_tests=_static_tests(pre, where),
+        narrowed=any(a.startswith("-k") for a in opts.pytest_args),
         inventory=Inventory(
             plugins=tuple(data.get("plugins", [])),
             fixture_overrides=tuple(data.get("fixture_overrides", [])),
@@ -282,6 +303,15 @@ def _static_bindings(pre: Preflight, where: Path) -> tuple[tuple[str, str], ...]
     return tuple(sorted(found))
 
 
+def _static_tests(pre: Preflight, where: Path) -> tuple[StaticTest, ...]:
+    found = set()
+    for test in scan_tests(where):
+        item = pre.card.lookup(test.ref) if test.card == pre.card.id else None
+        if item is not None:
+            found.add(StaticTest(test.path, test.name, test.first, test.last, item.key))
+    return tuple(sorted(found, key=lambda t: (t.path, t.first, t.name, t.key)))
+
+
 def _expand(pre: Preflight, keys: set[str]) -> set[str]:
     out = set(keys)
     for key in keys:
@@ -299,6 +329,8 @@ def _phase(rec: dict[str, Any]) -> TestPhase:
         wasxfail=bool(rec.get("wasxfail")),
         source_sha256=rec.get("source_sha256"),
         duration=float(rec.get("duration") or 0.0),
+        path=rec.get("path"),
+        line=rec.get("line"),
         metrics=tuple(
             Metric(
                 name=m["name"],

@@ -7,6 +7,9 @@ names bound to strings or tuples / lists of strings (`CARD = "P0-007"`, `BOTH = 
 (`ITEMS["main"]`, `KEYS[0]`), aliases of the marker (`P = pytest.mark.card`) and module
 `pytestmark`. A marker whose arguments do not resolve this way is listed by
 `unreadable_markers` (a board lint error: the board could not count what the gate binds).
+
+`scan_tests` lists the bound test functions themselves (file, node-id name, lines): the gate
+compares them with the tests pytest ran, per function.
 """
 
 from __future__ import annotations
@@ -147,6 +150,36 @@ def bindings_in_source(source: str) -> list[tuple[str, str]]:
     return markers_in_source(source)[0]
 
 
+def _aliases(tree: ast.Module) -> set[str]:
+    """Names bound to the marker itself (`P = pytest.mark.card`)."""
+    return {
+        target.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and _is_card_marker(node.value)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+
+
+def _is_marker_call(node: ast.AST, aliases: set[str]) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    return _is_card_marker(func) or (isinstance(func, ast.Name) and func.id in aliases)
+
+
+def _call_args(node: ast.Call, names: _Names, tables: _Tables) -> list[str] | None:
+    """The marker call's arguments as strings, or None when one does not resolve."""
+    args: list[str] = []
+    for arg in node.args:
+        inner = arg.value if isinstance(arg, ast.Starred) else arg
+        strings = _strings(inner, names, tables)
+        if strings is None:
+            return None
+        args.extend(strings)
+    return args
+
+
 def markers_in_source(source: str) -> tuple[list[tuple[str, str]], list[tuple[int, str]]]:
     """The resolved bindings, and (line, call text) per `mark.card(...)` call whose arguments
     do not resolve statically."""
@@ -156,33 +189,111 @@ def markers_in_source(source: str) -> tuple[list[tuple[str, str]], list[tuple[in
         return [], []
     names = _constants(tree)
     tables = _tables(tree, names)
-    aliases = {
-        target.id
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Assign) and _is_card_marker(node.value)
-        for target in node.targets
-        if isinstance(target, ast.Name)
-    }
+    aliases = _aliases(tree)
     found: list[tuple[str, str]] = []
     unreadable: list[tuple[int, str]] = []
     for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
+        if not isinstance(node, ast.Call) or not _is_marker_call(node, aliases):
             continue
-        func = node.func
-        if not (_is_card_marker(func) or (isinstance(func, ast.Name) and func.id in aliases)):
+        args = _call_args(node, names, tables)
+        if args is None:
+            unreadable.append((node.lineno, ast.get_source_segment(source, node) or ""))
             continue
-        args: list[str] = []
-        for arg in node.args:
-            inner = arg.value if isinstance(arg, ast.Starred) else arg
-            strings = _strings(inner, names, tables)
-            if strings is None:
-                args = []
-                unreadable.append((node.lineno, ast.get_source_segment(source, node) or ""))
-                break
-            args.extend(strings)
         if len(args) >= 1:
             found.extend((args[0], ref) for ref in args[1:])
     return found, sorted(unreadable)
+
+
+@dataclass(frozen=True)
+class BoundTest:
+    """A test function or method the static scan finds bound to a card item: `name` as a node
+    id names it (`test_x`, `TestGroup::test_y`), `first`..`last` its lines, decorators
+    included (where pytest places a decorated test)."""
+
+    path: str
+    name: str
+    first: int
+    last: int
+    card: str
+    ref: str
+
+    @property
+    def nodeid(self) -> str:
+        return f"{self.path}::{self.name}"
+
+
+_Bindings = list[tuple[str, str]]
+
+
+class _TestScan:
+    """Bound test functions of one module: direct markers (decorators, also inside
+    `parametrize` marks), module-level marker names (`ONE = pytest.mark.card(...)`), and
+    module or class `pytestmark`, which bind the `test*` functions of collected classes."""
+
+    def __init__(self, tree: ast.Module) -> None:
+        self.names = _constants(tree)
+        self.tables = _tables(tree, self.names)
+        self.aliases = _aliases(tree)
+        self.marks: dict[str, _Bindings] = {}
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and _is_marker_call(node.value, self.aliases):
+                for target in node.targets:
+                    if isinstance(target, ast.Name) and target.id != "pytestmark":
+                        self.marks[target.id] = self.bindings(node.value)
+
+    def bindings(self, node: ast.AST) -> _Bindings:
+        found: _Bindings = []
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Call) and _is_marker_call(sub, self.aliases):
+                args = _call_args(sub, self.names, self.tables)
+                if args:
+                    found.extend((args[0], ref) for ref in args[1:])
+            elif isinstance(sub, ast.Name) and sub.id in self.marks:
+                found.extend(self.marks[sub.id])
+        return found
+
+    def pytestmark(self, body: list[ast.stmt]) -> _Bindings:
+        found: _Bindings = []
+        for node in body:
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in targets):
+                found.extend(self.bindings(node.value))  # type: ignore[union-attr]
+        return found
+
+    def walk(
+        self, body: list[ast.stmt], prefix: str, inherited: _Bindings, collected: bool
+    ) -> list[tuple[str, int, int, str, str]]:
+        out: list[tuple[str, int, int, str, str]] = []
+        for node in body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if not node.name.startswith("test"):
+                    continue
+                own = [b for d in node.decorator_list for b in self.bindings(d)]
+                marks = own + (inherited if collected else [])
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                last = node.end_lineno or node.lineno
+                for card, ref in dict.fromkeys(marks):
+                    out.append((prefix + node.name, first, last, card, ref))
+            elif isinstance(node, ast.ClassDef):
+                own = [b for d in node.decorator_list for b in self.bindings(d)]
+                is_test = node.name.startswith("Test") or any(
+                    (isinstance(b, ast.Name) and b.id.endswith("TestCase"))
+                    or (isinstance(b, ast.Attribute) and b.attr.endswith("TestCase"))
+                    for b in node.bases
+                )
+                marks = inherited + own + self.pytestmark(node.body)
+                out.extend(self.walk(node.body, f"{prefix}{node.name}::", marks, is_test))
+        return out
+
+
+def tests_in_source(source: str) -> list[tuple[str, int, int, str, str]]:
+    """(name, first line, last line, card id, item ref) per bound test function or method."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    scan = _TestScan(tree)
+    return scan.walk(tree.body, "", scan.pytestmark(tree.body), True)
 
 
 def _sources(root: Path) -> list[tuple[str, str]]:
@@ -210,6 +321,15 @@ def scan_files(root: Path) -> list[Binding]:
         Binding(rel, card, ref)
         for rel, source in _sources(root)
         for card, ref in bindings_in_source(source)
+    ]
+
+
+def scan_tests(root: Path) -> list[BoundTest]:
+    """Every bound test function or method under `root` (what the gate expects to run)."""
+    return [
+        BoundTest(rel, name, first, last, card, ref)
+        for rel, source in _sources(root)
+        for name, first, last, card, ref in tests_in_source(source)
     ]
 
 
