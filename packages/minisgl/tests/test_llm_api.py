@@ -334,8 +334,8 @@ def test_the_embedded_model_is_served_under_its_own_name(tiny_model_dir):
 
     from minisgl import ipc
     from minisgl.default_model import default_model_path
-    from minisgl.server.api_server import Frontend
     from minisgl.server.args import parse_args
+    from minisgl.server.frontend import Frontend
 
     for path, name in [
         (str(default_model_path()), "SmolLM2-135M-Instruct"),

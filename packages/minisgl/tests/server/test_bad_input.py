@@ -10,8 +10,9 @@ import pytest
 
 from minisgl import ipc
 from minisgl.message.schema import Reject
-from minisgl.server.api_server import Failure, Frontend, Job, ReqState
 from minisgl.server.args import parse_args
+from minisgl.server.frontend import Frontend, Job, ReqState
+from minisgl.server.mailbox import Failure
 from minisgl.server.protocol import APIError, parse_chat, parse_completion
 from minisgl.testing.bad_requests import CASES, CHAT, LONG_IDS, POISON
 from minisgl.testing.server import metric

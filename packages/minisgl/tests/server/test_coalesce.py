@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from minisgl.server.api_server import Accepted, Chunk, Failure, Mailbox, next_item
+from minisgl.server.frontend import next_item
+from minisgl.server.mailbox import Accepted, Chunk, Failure, Mailbox
 from minisgl.server.protocol import APIError
 
 
@@ -100,7 +101,7 @@ def test_a_cancelled_wait_leaves_the_mailbox_usable():
 
 
 def test_next_item_reads_the_mailbox():
-    from minisgl.server.api_server import Job
+    from minisgl.server.frontend import Job
 
     async def main() -> list:
         job = Job([])

@@ -9,8 +9,8 @@ import json
 from fastapi import FastAPI
 from starlette.requests import ClientDisconnect
 
-from minisgl.server.api_server import CompletionRoutes
 from minisgl.server.protocol import APIError
+from minisgl.server.routes import CompletionRoutes
 
 
 def call(app, method: str, path: str, body: bytes = b"{}") -> list[dict]:

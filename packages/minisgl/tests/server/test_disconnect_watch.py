@@ -9,7 +9,8 @@ import asyncio
 
 import pytest
 
-from minisgl.server.api_server import Chunk, ClientGone, Job, next_item
+from minisgl.server.frontend import ClientGone, Job, next_item
+from minisgl.server.mailbox import Chunk
 
 
 def new_job() -> Job:

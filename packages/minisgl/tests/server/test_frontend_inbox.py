@@ -16,8 +16,9 @@ import zmq
 
 from minisgl import ipc
 from minisgl.message.schema import Codec, DetokOut, Ready
-from minisgl.server.api_server import Chunk, Frontend, Job, ReqState
 from minisgl.server.args import parse_args
+from minisgl.server.frontend import Frontend, Job, ReqState
+from minisgl.server.mailbox import Chunk
 
 
 def recv_threads() -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from minisgl.server.api_server import ClosingStreamingResponse
+from minisgl.server.streaming import ClosingStreamingResponse
 
 
 def test_cleanup_runs_when_the_body_never_starts():

@@ -232,7 +232,8 @@ class Launcher:
             model_path = resolve_model_path(model_path)  # a GGUF file: its converted folder
             self.sock = self._bind()  # before loading anything: a taken port fails at once
             self.ipc_dir = ipc.make_ipc_dir(os.environ.get("MINISGL_IPC_ROOT"))
-            from minisgl.server.api_server import Frontend, create_app
+            from minisgl.server.frontend import Frontend
+            from minisgl.server.routes import create_app
 
             self.frontend = fe = Frontend(args, model_path, self.ipc_dir)
             t0 = time.perf_counter()
