@@ -140,7 +140,12 @@ def test_openapi_is_generated_from_the_table():
                 want = r.lo + 1 if (f.kind == "int" and r.lo_open) else r.lo
                 assert s[key] == want, name
     props = bodies["chat"]["requestBody"]["content"]["application/json"]["schema"]["properties"]
-    assert props["temperature"] == {"type": "number", "minimum": 0, "maximum": 2}
+    assert props["temperature"] == {
+        "type": "number",
+        "minimum": 0,
+        "maximum": 2,
+        "description": "below 1e-5: greedy (argmax)",
+    }
     assert props["top_p"] == {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
     assert props["logprobs"] == {"type": "boolean"}
 

@@ -119,7 +119,7 @@ class Range:
 _SAME: Any = object()  # `Field.server_default`: the server's default is the offline one
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: its defaults may be lists
 class Field:
     """One request parameter.
 

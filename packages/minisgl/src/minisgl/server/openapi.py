@@ -86,7 +86,13 @@ def _integer(f: Field, max_seq_len: int) -> dict[str, Any]:
 
 
 def field_schema(f: Field, max_seq_len: int) -> dict[str, Any]:
-    """One field's JSON schema (its bounds the table's; `context_bound`: the context)."""
+    """One field's JSON schema (its bounds the table's; `context_bound`: the context), with
+    the table's note as its description."""
+    s = _shape(f, max_seq_len)
+    return {**s, "description": f.doc} if f.doc else s
+
+
+def _shape(f: Field, max_seq_len: int) -> dict[str, Any]:
     if f.kind == "number":
         return _number(f.range or Range())
     if f.kind == "int":
