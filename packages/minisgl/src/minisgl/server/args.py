@@ -122,6 +122,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="minisgl OpenAI-compatible server",
         formatter_class=HelpFormatter,
     )
+    for add in (
+        add_model_args,
+        add_engine_args,
+        add_batch_args,
+        add_parallel_args,
+        add_process_args,
+        add_request_args,
+    ):
+        add(p)
+    return p
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model, the name it is served under, and the address."""
     p.add_argument(
         "--model-path",
         "--model",
@@ -137,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP server listens on")
     p.add_argument("--port", type=int, default=1919, help="port the HTTP server listens on")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine: dtype, device, KV cache, attention."""
     p.add_argument(
         "--dtype",
         default="auto",
@@ -167,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (default): triton on CUDA when triton imports, else torch_native; "
         "torch_native; triton (CUDA)",
     )
+
+
+def add_batch_args(p: argparse.ArgumentParser) -> None:
+    """What a step holds, CUDA graphs, weights and kernels."""
     p.add_argument(
         "--max-running-requests", type=int, default=256, help="requests decoded together"
     )
@@ -213,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="batch-invariant kernels (CPU, bfloat16): a request gives the same tokens for "
         "the same seed whatever else is batched, chunked or cached beside it (docs/server.md)",
     )
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding, threads, tensor- and data-parallel replicas."""
     p.add_argument(
         "--speculative-algorithm",
         default=None,
@@ -261,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="rust_service: the replica of a request: longest cached prefix, then load "
         "(prefix, the default) or round_robin; the python backend routes round-robin",
     )
+
+
+def add_process_args(p: argparse.ArgumentParser) -> None:
+    """The worker processes, their transport and timeouts, and the HTTP stack."""
     p.add_argument(
         "--num-tokenizer", type=int, default=1, help="tokenizer / detokenizer worker processes"
     )
@@ -310,6 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="run no model: each step sleeps BASE_MS + TOKEN_MS per token (default 0.5,0.002) "
         "and returns deterministic tokens (benchmarks of the CPU control plane)",
     )
+
+
+def add_request_args(p: argparse.ArgumentParser) -> None:
+    """What requests may do: the API key, chat template, scheduling, reasoning."""
     p.add_argument(
         "--api-key",
         default=None,
@@ -343,7 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
-    from minisgl.scheduler.cpu_backend import BACKENDS, SERVICE, requested_backend
+    """The server's arguments, checked: every error found, in one usage error (exit 2)."""
+    from minisgl.scheduler.cpu_backend import requested_backend
 
     ns = build_parser().parse_args(argv)
     args = ServerArgs(**vars(ns), cpu_backend=requested_backend())
@@ -352,6 +387,24 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         args.api_key = os.environ.get(API_KEY_ENV) or None
     elif not args.api_key.strip():
         errors.append("--api-key must not be empty")
+    errors += backend_errors(args) + limit_errors(args) + feature_errors(args)
+    if errors:
+        build_parser().error("; ".join(errors))
+    if args.chat_template is not None:  # a start-up error: one line, exit 2 (launch.startup_error)
+        from minisgl.tokenizer.chat_template import resolve_chat_template
+
+        try:
+            args.chat_template = resolve_chat_template(args.chat_template)
+        except ValueError as e:
+            build_parser().exit(2, f"minisgl: error: {e}\n")
+    return args
+
+
+def backend_errors(args: ServerArgs) -> list[str]:
+    """MINISGL_CPU_BACKEND: a known one, and what rust_service does not serve yet."""
+    from minisgl.scheduler.cpu_backend import BACKENDS, SERVICE
+
+    errors = []
     if args.cpu_backend == SERVICE:
         for on, flag in ((args.chat_template, "--chat-template"),
                          (args.scheduling_policy == "priority", "--scheduling-policy priority")):  # fmt: skip
@@ -365,6 +418,15 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
             f"MINISGL_CPU_BACKEND={args.cpu_backend!r}: expected one of "
             + ", ".join((*BACKENDS, SERVICE))
         )
+    return errors
+
+
+def limit_errors(args: ServerArgs) -> list[str]:
+    """Counts, sizes and the parallel layout in range; the HTTP stack's packages installed."""
+    from minisgl.distributed.launch import check_world, torchrun_env
+    from minisgl.scheduler.cpu_backend import SERVICE
+
+    errors = []
     if args.num_tokenizer < 1:
         errors.append("--num-tokenizer must be >= 1")
     if args.max_running_requests < 1:
@@ -375,8 +437,6 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         errors.append("--tp must be >= 1")
     if args.dp_size < 1:
         errors.append("--dp must be >= 1")
-    from minisgl.distributed.launch import check_world, torchrun_env
-
     try:
         env = torchrun_env()
         if env is not None:
@@ -397,8 +457,14 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     for flag, name in (("--http", args.http), ("--loop", args.loop)):
         if name not in ("auto", "h11", "asyncio") and importlib.util.find_spec(name) is None:
             errors.append(f"{flag} {name}: the {name} package is not installed")
+    return errors
+
+
+def feature_errors(args: ServerArgs) -> list[str]:
+    """Speculative decoding's and the simulated device's settings."""
     from minisgl.speculative import SpecConfig
 
+    errors = []
     try:
         spec = SpecConfig.parse(args.speculative_algorithm, args.speculative_num_draft_tokens)
     except ValueError as e:
@@ -416,13 +482,4 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
             SimDevice.parse(args.sim_device)
         except ValueError as e:
             errors.append(str(e))
-    if errors:
-        build_parser().error("; ".join(errors))
-    if args.chat_template is not None:  # a start-up error: one line, exit 2 (launch.startup_error)
-        from minisgl.tokenizer.chat_template import resolve_chat_template
-
-        try:
-            args.chat_template = resolve_chat_template(args.chat_template)
-        except ValueError as e:
-            build_parser().exit(2, f"minisgl: error: {e}\n")
-    return args
+    return errors

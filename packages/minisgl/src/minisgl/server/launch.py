@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 from minisgl import ipc
 from minisgl.config import ModelLoadError, check_model_dir
@@ -40,6 +41,9 @@ from minisgl.message.warmup import WarmUpReport
 from minisgl.server.args import LLM_ONLY, ServerArgs, parse_args
 from minisgl.server.replicas import replica_threads, worker_names
 from minisgl.utils import trace
+
+if TYPE_CHECKING:
+    from minisgl.server.frontend import Frontend
 
 SHUTDOWN_REPLY_S = 2  # after --shutdown-timeout: time to write the 503s before uvicorn cancels
 WORKER_DEATH_GRACE_S = 5.0  # after a worker died: answer 503s this long, then exit 1
@@ -232,32 +236,9 @@ class Launcher:
             model_path = resolve_model_path(model_path)  # a GGUF file: its converted folder
             self.sock = self._bind()  # before loading anything: a taken port fails at once
             self.ipc_dir = ipc.make_ipc_dir(os.environ.get("MINISGL_IPC_ROOT"))
-            from minisgl.server.frontend import Frontend
             from minisgl.server.routes import create_app
 
-            self.frontend = fe = Frontend(args, model_path, self.ipc_dir)
-            t0 = time.perf_counter()
-            names = self._start_workers(model_path)
-            ready = fe.wait_ready(names, args.startup_timeout, self._dead_worker)
-            fe.workers = {n: p.pid for n, p in sorted(self.procs.items())}
-            fe.replicas.pids = [self.procs[n].pid for n in self.replica_names]
-            if ipc.SERVICE in ready:  # the service reports the engine's limits and its own
-                fe.info = dict(ready[ipc.SERVICE].info)
-            else:
-                fe.info = dict(ready[ipc.SCHEDULER].info)
-                fe.info["max_token_chars"] = max(
-                    int(r.info.get("max_token_chars", 0))
-                    for n, r in ready.items()
-                    if n not in self.replica_names
-                )
-            fe.warmup = WarmUpReport.from_info(fe.info)
-            if fe.warmup is not None:
-                log(f"engine {fe.warmup.summary()} (before /health answers 200)")
-            log(
-                f"workers ready in {time.perf_counter() - t0:.1f}s: "
-                + ", ".join(f"{n}={r.pid}" for n, r in sorted(ready.items()))
-                + f"; model {model_path} ({fe.info})"
-            )
+            fe = self._start(model_path, self.ipc_dir)
             threading.Thread(target=self._supervise, name="minisgl-supervisor", daemon=True).start()
             self.phase = "serving"
             if self.stopping.is_set():
@@ -273,18 +254,53 @@ class Launcher:
             log(f"failed: {type(e).__name__}: {e}")
             return 1
         finally:
-            self.phase = "stopping"
-            self.stopping.set()
-            if self.frontend is not None:
-                self.frontend.serving = False
-            self._stop_workers()
-            if self.frontend is not None:
-                self.frontend.close()
-            if self.sock is not None:
-                self.sock.close()
-            if self.ipc_dir is not None:
-                shutil.rmtree(self.ipc_dir, ignore_errors=True)
-            log("stopped")
+            self._clean_up()
+
+    def _start(self, model_path: str, ipc_dir: str) -> Frontend:
+        """The frontend and the workers, once every worker is ready (the engine's limits and
+        warm-up in the frontend's `info`)."""
+        from minisgl.server.frontend import Frontend
+
+        args = self.args
+        self.frontend = fe = Frontend(args, model_path, ipc_dir)
+        t0 = time.perf_counter()
+        names = self._start_workers(model_path)
+        ready = fe.wait_ready(names, args.startup_timeout, self._dead_worker)
+        fe.workers = {n: p.pid for n, p in sorted(self.procs.items())}
+        fe.replicas.pids = [self.procs[n].pid for n in self.replica_names]
+        if ipc.SERVICE in ready:  # the service reports the engine's limits and its own
+            fe.info = dict(ready[ipc.SERVICE].info)
+        else:
+            fe.info = dict(ready[ipc.SCHEDULER].info)
+            fe.info["max_token_chars"] = max(
+                int(r.info.get("max_token_chars", 0))
+                for n, r in ready.items()
+                if n not in self.replica_names
+            )
+        fe.warmup = WarmUpReport.from_info(fe.info)
+        if fe.warmup is not None:
+            log(f"engine {fe.warmup.summary()} (before /health answers 200)")
+        log(
+            f"workers ready in {time.perf_counter() - t0:.1f}s: "
+            + ", ".join(f"{n}={r.pid}" for n, r in sorted(ready.items()))
+            + f"; model {model_path} ({fe.info})"
+        )
+        return fe
+
+    def _clean_up(self) -> None:
+        """However the run ended: the workers stopped, the sockets closed, the ipc dir gone."""
+        self.phase = "stopping"
+        self.stopping.set()
+        if self.frontend is not None:
+            self.frontend.serving = False
+        self._stop_workers()
+        if self.frontend is not None:
+            self.frontend.close()
+        if self.sock is not None:
+            self.sock.close()
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        log("stopped")
 
     def _bind(self) -> socket.socket:
         host, port = self.args.host, self.args.port
