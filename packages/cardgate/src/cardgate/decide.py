@@ -395,6 +395,7 @@ def decide(pre: Preflight, run: RunResult, phase: Phase, where: Path | None = No
         pre.commit,
         run.bound,
         sources=run.sources(),
+        test_sides=run.test_sides(),
         modules=run.inventory.modules,
         allow_changed=pre.allow_changed_tests,
     )

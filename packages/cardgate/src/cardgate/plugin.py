@@ -11,7 +11,8 @@ in their own modules, after pytest-benchmark's split:
 - timeouts (`cardgate.timeouts`): `--cardgate-timeout S` fails a phase running longer than S.
 - the report (`cardgate.recorder`, `--cardgate-report PATH`): every phase, failure kind
   (`assertion` / `error`, also when a report claims `passed` while the test raised), source hash
-  of bound tests, and the run's inventory (`cardgate.inventory`) from every process.
+  of bound tests, their test side (`cardgate.testside`: the test-side files and what the test
+  reads from them), and the run's inventory (`cardgate.inventory`) from every process.
 - lint items (`cardgate.lintitems`): card files under `<root>/kanban/<lane>/*.md`.
 - `--cardgate-testpaths` adds the ini `testpaths` to explicit path arguments.
 """
@@ -37,12 +38,14 @@ from cardgate.recorder import (
     FAILURE_PROP,
     REPORT_VERSION,
     SOURCE_PROP,
+    TEST_SIDE_PROP,
     WORKER_KEY,
     Recorder,
     load_report,
     process_inventory,
 )
 from cardgate.state import STATE, CardgateState
+from cardgate.testside import pin_test_side
 from cardgate.timeouts import PhaseTimeout, alarm
 
 __all__ = [
@@ -188,6 +191,9 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, A
             digest = source_sha256(item)
             if digest:
                 item.user_properties.append((SOURCE_PROP, digest))
+            side = pin_test_side(item, collector.config.stash[STATE].root)
+            if side:
+                item.user_properties.append((TEST_SIDE_PROP, side))
     if errors:
         report.outcome = "failed"
         report.longrepr = "cardgate binding errors:\n" + "\n".join(errors)

@@ -56,6 +56,7 @@ def manifest(
         "bound_tests": {k: list(v) for k, v in sorted(run.bound.items())},
         "static_bound_files": list(run.static_files),
         "static_bound_tests": _static_tests(run),
+        "test_side_files": run.test_side_files(),
         "allow_changed_tests": opts.allow_changed_tests,
         **run.inventory.to_dict(),
         **hardware.describe(),

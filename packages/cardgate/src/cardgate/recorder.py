@@ -1,7 +1,8 @@
 """The JSON report of a run (`--cardgate-report PATH`), written on the xdist controller.
 
 Every test phase with its bound items, metrics, failure kind, the bound test's source hash and
-where the test is defined (`path`, `line`);
+where the test is defined (`path`, `line`), and on its setup phase its test side
+(`cardgate.testside`);
 and what ran besides the tests (`inventory`), merged over the controller and every worker.
 """
 
@@ -25,6 +26,7 @@ REPORT_VERSION = 3
 BINDING_PROP = "cardgate_items"
 FAILURE_PROP = "cardgate_failure"
 SOURCE_PROP = "cardgate_source"
+TEST_SIDE_PROP = "cardgate_test_side"
 WORKER_KEY = "cardgate_inventory"
 
 
@@ -102,6 +104,7 @@ class Recorder:
         metrics: list[dict[str, Any]] = []
         failure: str | None = None
         source: str | None = None
+        side: dict[str, Any] | None = None
         for name, value in report.user_properties:
             if name == BINDING_PROP:
                 bound = list(value)
@@ -111,6 +114,8 @@ class Recorder:
                 failure = str(value)
             elif name == SOURCE_PROP:
                 source = str(value)
+            elif name == TEST_SIDE_PROP and report.when == "setup":
+                side = dict(value)
         self.tests.append(
             {
                 "nodeid": report.nodeid,
@@ -124,6 +129,7 @@ class Recorder:
                 "source_sha256": source,
                 "message": "" if report.passed and failure is None else message_of(report, root),
                 **_defined_at(report),
+                **({"test_side": side} if side else {}),
             }
         )
 

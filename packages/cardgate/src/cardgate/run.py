@@ -124,6 +124,22 @@ class RunResult:
         """nodeid -> sha256 of the bound test's source, as this run collected it."""
         return {p.nodeid: p.source_sha256 for p in self.phases if p.source_sha256}
 
+    def test_sides(self) -> dict[str, dict[str, Any]]:
+        """nodeid -> the bound test's test side (`cardgate.testside`), as this run saw it."""
+        return {
+            str(r["nodeid"]): r["test_side"]
+            for r in self.raw_tests
+            if isinstance(r.get("test_side"), dict)
+        }
+
+    def test_side_files(self) -> dict[str, str]:
+        """path -> sha256 of every test-side file the bound tests ran from (module, conftests,
+        fixture files): what a red record pins."""
+        files: dict[str, str] = {}
+        for side in self.test_sides().values():
+            files.update(side.get("files") or {})
+        return dict(sorted(files.items()))
+
 
 DEFAULT_RUN_LIMIT_S = 3600.0  # a whole pytest run, when neither --run-limit nor Timeout: says
 

@@ -21,6 +21,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cardgate import evidence, gitutil
 from cardgate.card import Card
@@ -169,13 +170,16 @@ def red_evidence(
     bound: dict[str, tuple[str, ...]],
     *,
     sources: dict[str, str] | None = None,
+    test_sides: dict[str, dict[str, Any]] | None = None,
     modules: tuple[str, ...] | None = None,
     allow_changed: bool = False,
 ) -> RedEvidence:
     """Red records that prove each Red item. With `sources` (nodeid -> source sha256 of this
     run), a record whose bound test changed since is rejected unless `allow_changed`; with
     `modules` (repo files this run imported), "the implementation changed" means one of them
-    (or a compiled-language source) changed since the red commit."""
+    (or a compiled-language source) changed since the red commit. With `test_sides` (nodeid ->
+    `cardgate.testside` of this run), a record is rejected where a test-side file of a bound
+    test differs from the record's and so does something that test reads from it."""
     found: dict[str, list[str]] = {}
     notes: dict[str, list[str]] = {}
     rejected: list[str] = []
@@ -200,6 +204,11 @@ def red_evidence(
         }
         red_sources = {
             line["nodeid"]: line["source_sha256"] for line in lines if line.get("source_sha256")
+        }
+        red_sides = {
+            line["nodeid"]: line["test_side"]
+            for line in lines
+            if isinstance(line.get("test_side"), dict)
         }
         # each Red item on its own: the run may have failed on another one (a Red item whose
         # tests already pass), which says nothing about this one's red result
@@ -228,12 +237,50 @@ def red_evidence(
                 notes.setdefault(key, []).append(
                     f"{len(changed)} bound tests changed since red (accepted)"
                 )
+            moved = test_side_changes(set(bound.get(key, ())), red_sides, test_sides or {})
+            if moved and not allow_changed:
+                rejected.append(
+                    f"{name}: {key}: {moved[0]} since the red record: the bound test checks "
+                    "something else now (--allow-changed-tests accepts it, and the record says so)"
+                )
+                continue
+            if moved:
+                notes.setdefault(key, []).append(
+                    f"test side changed since red (accepted): {moved[0]}"
+                )
             found.setdefault(key, []).append(f"{record.commit[:10]} {name}")
     return RedEvidence(
         {k: tuple(v) for k, v in found.items()},
         tuple(rejected),
         {k: tuple(v) for k, v in notes.items()},
     )
+
+
+def test_side_changes(
+    nodeids: set[str], red: dict[str, dict[str, Any]], now: dict[str, dict[str, Any]]
+) -> list[str]:
+    """What changed on the test side of these tests between a red record and this run, where
+    it changes what a test checks: a test-side file differs (module, conftest, fixture file)
+    and so does a name the test reads from one or a fixture it uses. Records from before
+    test sides are not compared."""
+    out: list[str] = []
+    for nodeid in sorted(nodeids & set(red) & set(now)):
+        old, new = red[nodeid], now[nodeid]
+        old_files, new_files = old.get("files") or {}, new.get("files") or {}
+        files = {f for f in {*old_files, *new_files} if old_files.get(f) != new_files.get(f)}
+        if not files:
+            continue
+        old_deps, new_deps = old.get("deps") or {}, new.get("deps") or {}
+        for dep in sorted({*old_deps, *new_deps}):
+            if old_deps.get(dep) == new_deps.get(dep):
+                continue
+            label, _, where = dep.rpartition(" (")
+            how = "is new" if dep not in old_deps else "is gone" if dep not in new_deps else ""
+            verb = "used" if label.startswith("fixture ") else "read"
+            out.append(
+                f"{where.rstrip(')')} changed: {label}, {verb} by {nodeid}, {how or 'differs'}"
+            )
+    return out
 
 
 def implementation_changes(changed: list[str], modules: tuple[str, ...] | None) -> list[str]:
