@@ -255,6 +255,15 @@ def test_extension_with_another_layout_is_refused_and_python_serves(monkeypatch)
     assert cpu_backend.stats()["fallback_reasons"] == {"init": 1}
 
 
+@needs_ext
+def test_the_pyo3_scheduler_refuses_priority_scheduling():
+    """The PyO3 binding has no priority queue: asked for one, it says so (a ValueError), on
+    every way it is built; FIFO (None) builds."""
+    with pytest.raises(ValueError, match="no priority scheduling"):
+        rust_hotpath.RustScheduler(**vars(dataclasses.replace(CFG, priority_aging_steps=4)))
+    assert rust_hotpath.RustScheduler(**vars(CFG)).page_size == CFG.page_size
+
+
 # ---------------------------------------------------------------------- imports
 def scheduler_modules() -> list[str]:
     return sorted(f"{PACKAGE}.{p.stem}" for p in SCHED_DIR.glob("*.py") if p.stem != "__init__")

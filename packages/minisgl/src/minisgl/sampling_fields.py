@@ -138,6 +138,7 @@ class Field:
     range: Range | None = None
     server_default: Any = _SAME
     nullable: bool = False  # None is a value of it ("must be None or an int")
+    null_is_default: bool = True  # a request's null means its default (False: refused)
     max_items: int | None = None
     context_bound: bool = False
     required: bool = False
@@ -318,7 +319,8 @@ FIELDS: tuple[Field, ...] = (
     Field("prefix_leader", "int", 0, endpoints=NONE, wire=16,
           doc="set by the server: the uid whose prefill choice i > 0 of n waits for"),
     Field("response_format", "object", None, wire=17),
-    Field("priority", "int", 0, range=Range(*PRIORITY_RANGE), range_in_type=True, wire=18),
+    Field("priority", "int", 0, range=Range(*PRIORITY_RANGE), range_in_type=True,
+          null_is_default=False, wire=18),  # fmt: skip
     Field("n", "int", 1, range=Range(1, MAX_N)),
     Field("stream", "bool", False, endpoints=HTTP),
     Field("stream_options", "stream_options", endpoints=HTTP),

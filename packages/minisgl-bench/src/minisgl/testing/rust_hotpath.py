@@ -64,12 +64,8 @@ def register() -> None:
 
 
 def _scheduler(config: Any) -> RustScheduler:
-    """A `RustScheduler` from a `SchedulerConfig`: the PyO3 binding has no priority scheduling
-    (the service's `serve --priority-aging-steps` has), so a config asking for it is refused."""
-    kwargs = dataclasses.asdict(config)
-    if kwargs.pop("priority_aging_steps", None) is not None:
-        raise ValueError(f"{NAME} has no priority scheduling (priority_aging_steps)")
-    return RustScheduler(**kwargs)
+    """A `RustScheduler` from a `SchedulerConfig`."""
+    return RustScheduler(**dataclasses.asdict(config))
 
 
 def check_plan_layout(ext: Any) -> None:
@@ -313,7 +309,11 @@ class RustScheduler:
         cache_type: str,
         eos_token_ids: Sequence[int] = (),
         in_batch_prefix_min: int = IN_BATCH_PREFIX_MIN,
+        priority_aging_steps: int | None = None,
     ) -> None:
+        # the PyO3 binding has no priority scheduling (the service's `--priority-aging-steps` has)
+        if priority_aging_steps is not None:
+            raise ValueError(f"{NAME} has no priority scheduling (priority_aging_steps)")
         if cache_type not in ("radix", "naive"):
             raise ValueError(f"unknown cache_type {cache_type!r} (expected 'radix' or 'naive')")
         self.page_size = page_size

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
 from minisgl.config import ModelConfig
 from minisgl.kernels import cpu as cpu_native
+
+
+class Collectives(Protocol):
+    """The tensor-parallel collectives a forward runs (`distributed.comm.Comm`)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ from torch import nn
 from minisgl.config import ModelConfig
 from minisgl.distributed.layout import TPInfo
 from minisgl.kernels.slots import KVSlots
-from minisgl.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+from minisgl.models.layers import Collectives, RMSNorm, RotaryEmbedding, apply_rope
 from minisgl.models.moe import SparseMoeBlock
 
 # checkpoint module name -> (fused module name, shard index); shards are stacked along rows
@@ -44,14 +44,6 @@ def shard_sizes(cfg: ModelConfig, fused: str) -> list[int]:
         kv = cfg.num_kv_heads * cfg.head_dim
         return [cfg.num_heads * cfg.head_dim, kv, kv]
     return [cfg.intermediate_size, cfg.intermediate_size]
-
-
-class Collectives(Protocol):
-    """The tensor-parallel collectives a forward runs (`distributed.comm.Comm`)."""
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
-
-    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor: ...
 
 
 class Attention(nn.Module):

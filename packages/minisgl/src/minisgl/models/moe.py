@@ -26,7 +26,7 @@ from torch import nn
 from minisgl.config import ModelConfig
 
 if TYPE_CHECKING:
-    from minisgl.models.llama import Collectives
+    from minisgl.models.layers import Collectives
 
 # checkpoint names of a block, per architecture: (module, expert gate, up and down leaves)
 CHECKPOINT_NAMES = {

@@ -149,9 +149,9 @@ def _check_fields(body: dict, endpoint: str) -> None:
 
 
 def _value(body: dict, f: Field, endpoint: str, key: str | None = None) -> Any:
-    """The request's value of a field, checked by the table (absent or null: its default)."""
+    """The request's value of a field, checked by the table (absent, or null where the table makes null its default: the default)."""
     v = body.get(key or f.name)
-    if v is None:
+    if v is None and (f.null_is_default or (key or f.name) not in body):
         return f.default_for(endpoint)
     try:
         return f.check(v, key)
