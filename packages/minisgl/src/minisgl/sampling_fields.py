@@ -320,7 +320,7 @@ FIELDS: tuple[Field, ...] = (
           doc="set by the server: the uid whose prefill choice i > 0 of n waits for"),
     Field("response_format", "object", None, wire=17),
     Field("priority", "int", 0, range=Range(*PRIORITY_RANGE), range_in_type=True,
-          null_is_default=False, wire=18),  # fmt: skip
+          null_is_default=False, wire=18),
     Field("n", "int", 1, range=Range(1, MAX_N)),
     Field("stream", "bool", False, endpoints=HTTP),
     Field("stream_options", "stream_options", endpoints=HTTP),
