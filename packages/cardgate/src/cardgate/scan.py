@@ -255,9 +255,10 @@ class _TestScan:
     def pytestmark(self, body: list[ast.stmt]) -> _Bindings:
         found: _Bindings = []
         for node in body:
-            targets = node.targets if isinstance(node, ast.Assign) else []
-            if any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in targets):
-                found.extend(self.bindings(node.value))  # type: ignore[union-attr]
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets
+            ):
+                found.extend(self.bindings(node.value))
         return found
 
     def walk(

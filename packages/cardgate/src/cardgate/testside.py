@@ -39,12 +39,14 @@ def _sha(text: str | bytes) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def _parsed(path: str) -> tuple[str, ast.Module] | None:
+def _parsed(path: str) -> tuple[str, ast.Module, Defs] | None:
+    """A module's source, tree and module-level definitions (parsed once per process)."""
     try:
         source = Path(path).read_text(encoding="utf-8")
-        return source, ast.parse(source)
+        tree = ast.parse(source)
     except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
         return None
+    return source, tree, _defs(tree)
 
 
 def _bound_names(stmt: ast.stmt) -> list[str]:
@@ -131,7 +133,7 @@ def function_deps(func: Any, root: Path, label: str = "") -> tuple[str | None, d
     parsed = _parsed(str(file))
     if parsed is None:
         return rel, {}
-    source, tree = parsed
+    source, tree, defs = parsed
     node, cls = _definition(tree, func.__name__, line)
     start = _names(node)
     out: dict[str, str] = {}
@@ -143,7 +145,7 @@ def function_deps(func: Any, root: Path, label: str = "") -> tuple[str | None, d
         text += "\n".join(ast.get_source_segment(source, d) or "" for d in cls.decorator_list)
         out[f"class {cls.name} attributes ({rel})"] = _sha(text)
         start |= set().union(*(_names(s) for s in [*attrs, *cls.decorator_list]))
-    out.update(_globals(source, _defs(tree), start, rel))
+    out.update(_globals(source, defs, start, rel))
     return rel, out
 
 
