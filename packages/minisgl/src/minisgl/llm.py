@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from minisgl.sampling_fields import check_vocab
 from minisgl.scheduler.backend import SchedulerBackend
 from minisgl.scheduler.policy import priority_aging_steps
 from minisgl.scheduler.request import StepOutput, check_max_tokens
+from minisgl.speculative import SpecConfig
 from minisgl.tokenizer.chat_template import resolve_chat_template
 from minisgl.tokenizer.load import load_tokenizer
 
@@ -31,7 +33,54 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).replace("torch.", "")  # accepts torch.float16 as well as "float16"
 
 
+def _resolve_model_path(model_path: str | Path | None) -> str:
+    """The model folder: the default model's when None, a GGUF file's converted folder."""
+    if model_path is None:
+        from minisgl.default_model import default_model_path
+
+        model_path = default_model_path()
+    from minisgl.gguf_model import resolve_model_path
+
+    return resolve_model_path(model_path)
+
+
+def _engine_config(args: Mapping[str, Any], model_path: str) -> EngineConfig:
+    """The EngineConfig of `LLM`'s arguments: those named as its fields, by name."""
+    values = {f.name: args[f.name] for f in fields(EngineConfig)}
+    return EngineConfig(**{**values, "model_path": model_path, "dtype": _dtype_name(args["dtype"])})
+
+
 class LLM:
+    """The offline engine: `generate` prompts with `SamplingParams`, or drive `step` yourself.
+
+    The arguments EngineConfig names are its fields (`config.py`). `overlap`: schedule the next
+    step while the device runs this one (default: on, unless
+    `MINISGL_DISABLE_OVERLAP_SCHEDULING=1`; the serial loop for a backend without a pipelined
+    mode). `device_stream`: where steps run then (`engine.stream.make_stream`).
+    `enable_torch_compile`: decode steps through `torch.compile` (`engine/compiled.py`; compiled
+    here, before the first request: a minute or more on a CPU). `threads`: the process's thread
+    budget for torch and the tokenizer (`utils/threads.py`; each tensor-parallel rank's, by
+    default the cores split between the ranks). `deterministic`: batch-invariant kernels (CPU,
+    bfloat16: `engine/deterministic.py`): a request's tokens, for its seed, do not depend on
+    what else is batched, chunked or cached beside it; a ValueError where that cannot be had
+    (fp32, CUDA, compile, TP). `cpu_backend`: the control plane (default `MINISGL_CPU_BACKEND`,
+    else python); `rust_service` starts the server's Rust service for this `LLM` (`close()`
+    stops it). `tp_size`: tensor-parallel ranks, this process rank 0 and one process each for
+    the others (`minisgl.distributed`); `close()` stops them (as does the `LLM` being garbage-
+    collected: then a later one can form its own group). Under `torchrun --nproc-per-node
+    tp_size` the ranks are torchrun's processes instead: on rank 0 this is the `LLM` that
+    generates; on a rank > 0 the constructor runs rank 0's steps until rank 0 closes its `LLM`
+    or exits, then ends the process (`SystemExit`, code 0; 3 when rank 0 vanished), so the code
+    after `LLM(...)` runs on rank 0 only (`distributed/launch.py`). A WORLD_SIZE other than
+    `tp_size` is a ValueError on every rank before anything loads. `warm_up`: run a few prefill
+    and decode shapes before the first request (`Runtime.warm_up`, as a server does; default: on
+    a CUDA device, where each shape's first step compiles Triton kernels). `scheduling_policy`:
+    "fcfs", or "priority" (the waiting queue ordered by `SamplingParams.priority`, lower first,
+    with aging). `chat_template`: a Jinja template (file or text) used instead of the model's.
+    `speculative_algorithm` ("ngram") and `speculative_num_draft_tokens` (k, default 4):
+    speculative decoding (`minisgl.speculative`; greedy rows draft, the python control plane's
+    serial loop); `speculative_stats()` and `last_run` report its acceptance."""
+
     def __init__(
         self,
         model_path: str | Path | None = None,
@@ -64,36 +113,8 @@ class LLM:
         speculative_algorithm: str | None = None,
         speculative_num_draft_tokens: int | None = None,
     ) -> None:
-        """`overlap`: schedule the next step while the device runs this one (default: on,
-        unless `MINISGL_DISABLE_OVERLAP_SCHEDULING=1`; the serial loop for a backend without a
-        pipelined mode). `device_stream`: where steps run then (`engine.stream.make_stream`).
-        `enable_torch_compile`: decode steps through `torch.compile` (`engine/compiled.py`;
-        compiled here, before the first request: a minute or more on a CPU). `threads`: the
-        process's thread budget for torch and the tokenizer (`utils/threads.py`; each
-        tensor-parallel rank's, by default the cores split between the ranks).
-        `deterministic`: batch-invariant kernels (CPU, bfloat16: `engine/deterministic.py`):
-        a request's tokens, for its seed, do not depend on what else is batched, chunked or
-        cached beside it; a ValueError where that cannot be had (fp32, CUDA, compile, TP).
-        `cpu_backend`: the control plane (default `MINISGL_CPU_BACKEND`, else python);
-        `rust_service` starts the server's Rust service for this `LLM` (`close()` stops it).
-        `tp_size`: tensor-parallel ranks, this process rank 0 and one process each for the
-        others (`minisgl.distributed`); `close()` stops them (as does the `LLM` being garbage-
-        collected: then a later one can form its own group). Under `torchrun
-        --nproc-per-node tp_size` the ranks are torchrun's processes instead: on rank 0 this
-        is the `LLM` that generates; on a rank > 0 the constructor runs rank 0's steps until
-        rank 0 closes its `LLM` or exits, then ends the process (`SystemExit`, code 0; 3 when
-        rank 0 vanished), so the code after `LLM(...)` runs on rank 0 only
-        (`distributed/launch.py`). A WORLD_SIZE other than `tp_size` is a ValueError on every
-        rank before anything loads. `warm_up`: run a few prefill and decode shapes before the
-        first request (`Runtime.warm_up`, as a server does; default: on a CUDA device, where
-        each shape's first step compiles Triton kernels). `scheduling_policy`: "fcfs", or
-        "priority" (the waiting queue ordered by `SamplingParams.priority`, lower first, with
-        aging). `chat_template`: a Jinja template (file or text) used instead of the model's. `speculative_algorithm` ("ngram")
-        and `speculative_num_draft_tokens` (k, default 4): speculative decoding
-        (`minisgl.speculative`; greedy rows draft, the python control plane's serial loop);
-        `speculative_stats()` and `last_run` report its acceptance."""
-        from minisgl.speculative import SpecConfig
-
+        """Load the model and start the control plane (the arguments: the class docstring)."""
+        args = dict(locals())  # first: EngineConfig takes its fields from these, by name
         spec = SpecConfig.parse(speculative_algorithm, speculative_num_draft_tokens)
         aging = priority_aging_steps(scheduling_policy)  # bad arguments fail before any load
         template = None
@@ -101,35 +122,8 @@ class LLM:
             template = resolve_chat_template(chat_template, "chat_template")
         if sim_device is None and resolve_device(device).type == "cpu":
             cpu_native.prebuild()  # beside the model's conversion and load
-        if model_path is None:
-            from minisgl.default_model import default_model_path
-
-            model_path = default_model_path()
-        from minisgl.gguf_model import resolve_model_path
-
-        model_path = resolve_model_path(model_path)  # a GGUF file: its converted folder
-        self.config = EngineConfig(
-            model_path=model_path,
-            dtype=_dtype_name(dtype),
-            device=device,
-            max_seq_len_override=max_seq_len_override,
-            max_extend_tokens=max_extend_tokens,
-            max_running_requests=max_running_requests,
-            cuda_graph_max_bs=cuda_graph_max_bs,
-            graph_runner=graph_runner,
-            dummy_weights=dummy_weights,
-            page_size=page_size,
-            num_pages=num_pages,
-            memory_ratio=memory_ratio,
-            cache_type=cache_type,
-            attention_backend=attention_backend,
-            quantization=quantization,
-            sim_device=sim_device,
-            enable_torch_compile=enable_torch_compile,
-            deterministic=deterministic,
-            threads=threads,
-            tp_size=tp_size,
-        )
+        model_path = _resolve_model_path(model_path)
+        self.config = _engine_config(args, model_path)
         self.engine = make_engine(self.config)  # sim_device: no model (engine/sim.py)
         self.tokenizer = load_tokenizer(str(model_path), template)
         eos = self.tokenizer.eos_token_id
