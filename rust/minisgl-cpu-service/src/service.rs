@@ -691,7 +691,7 @@ impl Service {
             return;
         }
         rep.new_for_worker
-            .push(wire::step_req(uid, &ids, &params.raw));
+            .push(wire::add_req(uid, &ids, &params.raw));
         let detok = DecodeState::new(params.stop.clone(), params.skip_special_tokens, ids.len());
         self.reqs.insert(
             uid,

@@ -10,7 +10,7 @@ use std::io::Cursor;
 use rmpv::Value;
 
 /// The schema version this build speaks (`minisgl.message.schema.SCHEMA_VERSION`).
-pub const SCHEMA_VERSION: i64 = 6;
+pub const SCHEMA_VERSION: i64 = 7;
 /// Nesting deeper than this is refused before it is decoded (a chat message list is 3 deep).
 const MAX_DEPTH: usize = 64;
 
@@ -542,9 +542,10 @@ pub fn shutdown(reason: &str) -> Vec<u8> {
     frame(tag::SHUTDOWN, vec![reason.into()])
 }
 
-/// A request the worker has not seen: `[rid, prompt bytes, params]` (`StepReq.pack()`).
-pub fn step_req(rid: i64, prompt: &[i32], params: &Value) -> Value {
-    Value::Array(vec![rid.into(), i32_bytes(prompt), params.clone()])
+/// A request the worker has not seen, as `Step.new` carries it: `[uid, prompt bytes, params]`
+/// (`AddReq.pack()`: the one request message, the tokenizer's to the scheduler too).
+pub fn add_req(uid: i64, prompt: &[i32], params: &Value) -> Value {
+    Value::Array(vec![uid.into(), i32_bytes(prompt), params.clone()])
 }
 
 /// `Step`: the flat plan of `sizes` = (bs, num_tokens, num_kv, num_sample). Written field by
@@ -697,7 +698,7 @@ mod tests {
             n_new in 0usize..3,
         ) {
             let new: Vec<Value> = (0..n_new)
-                .map(|i| step_req(i as i64, &plan[..plan.len().min(i * 7)], &params_value()))
+                .map(|i| add_req(i as i64, &plan[..plan.len().min(i * 7)], &params_value()))
                 .collect();
             let bin32 = |xs: &[i32]| Value::Binary(xs.iter().flat_map(|x| x.to_le_bytes()).collect());
             let bin64 = |xs: &[i64]| Value::Binary(xs.iter().flat_map(|x| x.to_le_bytes()).collect());

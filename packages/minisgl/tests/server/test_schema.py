@@ -25,7 +25,6 @@ from minisgl.message.schema import (
     Shutdown,
     Stats,
     Step,
-    StepReq,
     StepResult,
     TokenizeReq,
     TokenOut,
@@ -61,14 +60,13 @@ SAMPLES = [
     Admitted(np.array([3, 9], dtype=np.int64)),
     WorkerHello(0, 42, {"num_pages": 64, "eos_token_ids": [2]}),
     HelloAck([2, 7]),
-    StepReq(8, np.array([4, 5], dtype=np.int32), PARAMS),
     Step(
         3,
         True,
         [1, 2, 2, 1],
         np.arange(14, dtype=np.int32),
         np.array([8], dtype=np.int64),
-        [StepReq(8, np.array([4, 5], dtype=np.int32), PARAMS).pack()],
+        [AddReq(8, np.array([4, 5], dtype=np.int32), PARAMS).pack()],
         np.array([], dtype=np.int64),
     ),
     StepResult(3, np.array([11], dtype=np.int32), [None], [[-0.5, [11], [-0.5]]]),
@@ -101,6 +99,20 @@ def test_round_trip(msg, typed):
     codec = Codec(typed)
     back = Codec.decode(codec.encode(msg))
     assert same(msg, back), (msg, back)
+
+
+def test_one_request_message_on_every_hop():
+    """Issue 64: the tokenizer's request to the scheduler and the service's new request inside a
+    `Step` are the same message, `AddReq`; no other message carries a prompt's token ids."""
+    req = AddReq(8, np.array([4, 5], dtype=np.int32), PARAMS)
+    no_rows = np.array([], dtype=np.int64)
+    step = Step(
+        1, True, [1, 2, 2, 1], np.arange(14, dtype=np.int32), no_rows, [req.pack()], no_rows
+    )
+    for typed in (True, False):
+        back = Codec.decode(Codec(typed).encode(step))
+        assert same(AddReq.unpack(back.new[0]), req)
+    assert [c for c in MESSAGES.values() if "input_ids" in c.__dataclass_fields__] == [AddReq]
 
 
 @pytest.mark.card(

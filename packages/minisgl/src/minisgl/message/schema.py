@@ -25,8 +25,9 @@ import numpy as np
 
 # 2: penalties, logprobs, prefix_leader, Admitted...; 3: the service step protocol;
 # 4: response_format in the sampling params (a service of another version fails its handshake);
-# 5: the replica of each admitted request (`Admitted.replicas`); 6: `priority` in the params
-SCHEMA_VERSION = 6
+# 5: the replica of each admitted request (`Admitted.replicas`); 6: `priority` in the params;
+# 7: one request message, `AddReq`, on every hop (`Step.new` carries it; `StepReq`, tag 16, gone)
+SCHEMA_VERSION = 7
 
 
 class SchemaError(ValueError):
@@ -145,7 +146,9 @@ class AbortReq(Message):
 
 @dataclass(slots=True)
 class AddReq(Message):
-    """Tokenizer -> scheduler: a tokenized request."""
+    """A tokenized request, on every hop that adds one: tokenizer -> scheduler (tag 3), and in
+    the step protocol the service's `Step.new` (packed, untagged: the requests a worker sees for
+    the first time; their sampling state lives on the worker)."""
 
     TAG: ClassVar[int] = 3
     ARRAYS: ClassVar[dict[str, Any]] = {"input_ids": np.int32}
@@ -266,17 +269,6 @@ class HelloAck(Message):
 
 
 @dataclass(slots=True)
-class StepReq(Message):
-    """A request the worker sees for the first time (sampling state lives on the worker)."""
-
-    TAG: ClassVar[int] = 16
-    ARRAYS: ClassVar[dict[str, Any]] = {"input_ids": np.int32}
-    rid: int
-    input_ids: np.ndarray
-    params: WireParams
-
-
-@dataclass(slots=True)
 class Step(Message):
     """Service -> worker: run one step. `plan` is the flat int32 buffer of
     `step.plan.PLAN_SEGMENTS` for `sizes` (bs, num_tokens, num_kv, num_sample); an
@@ -292,7 +284,7 @@ class Step(Message):
     sizes: list
     plan: np.ndarray
     rids: np.ndarray
-    new: list  # [StepReq.pack(), ...]
+    new: list  # [AddReq.pack(), ...]
     release: np.ndarray
 
 
@@ -327,7 +319,6 @@ MESSAGES: dict[int, type[Message]] = {
         Admitted,
         WorkerHello,
         HelloAck,
-        StepReq,
         Step,
         StepResult,
     )

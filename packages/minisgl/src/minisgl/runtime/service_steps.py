@@ -21,7 +21,7 @@ import numpy as np
 
 from minisgl.core import SamplingParams
 from minisgl.engine.stream import DeviceStream, StepHandle
-from minisgl.message.schema import Step, StepReq, StepResult, wire_logprob
+from minisgl.message.schema import AddReq, Step, StepResult, wire_logprob
 from minisgl.runtime.device_step import DeviceStep
 from minisgl.sampler import SampleResult, TokenLogprob, request_key
 from minisgl.step.plan import FlatStep, PlanLayout, StepPlan
@@ -68,10 +68,10 @@ class ServiceSteps:
             if req is not None and self.keep_released:
                 self.released[rid] = req
         for packed in step.new:
-            r = StepReq.unpack(packed)
+            r = AddReq.unpack(packed)
             params = r.params.to_sampling_params()
             ids = np.asarray(r.input_ids, np.int32)
-            self.reqs[r.rid] = WorkerReq(r.rid, ids, params, request_key(params.seed))
+            self.reqs[r.uid] = WorkerReq(r.uid, ids, params, request_key(params.seed))
         data = np.array(step.plan, dtype=np.int32)
         plan = FlatStep(bool(step.is_prefill), PlanLayout(*step.sizes), data).plan()
         rows = [self.reqs[int(step.rids[r])] for r in plan.sample_rows.tolist()]
