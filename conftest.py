@@ -9,7 +9,8 @@
   `MINISGL_CPU_ISA` level in force); elsewhere it skips, saying why, as missing evidence
   (`minisgl.testing.capability`): the x86-avx2 kind (an AMD EPYC without AVX-512) has neither.
 - `suite_check`: a test that runs the whole suite in a child (minutes); deselected unless
-  `--run-suite-check` (the P1-012 gate passes it).
+  `--run-suite-check` or the gate of a card it is bound to runs it (`--cardgate-card P1-012`:
+  the gate's pytest options come from the commit, not the caller).
 
 Threads under pytest-xdist: each worker gets the cores shared out (at least one) as its torch
 and OpenMP budget (`OMP_NUM_THREADS`, inherited by the servers and ranks a test starts), or
@@ -69,10 +70,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--run-suite-check"):
         return
-    kept = [i for i in items if i.get_closest_marker("suite_check") is None]
+    gated = _option(config, "cardgate_card")  # a card's gate runs the suite checks bound to it
+    kept = [i for i in items if i.get_closest_marker("suite_check") is None or _bound(i, gated)]
     if len(kept) != len(items):
         config.hook.pytest_deselected(items=[i for i in items if i not in kept])
         items[:] = kept
+
+
+def _option(config: pytest.Config, name: str) -> str | None:
+    """A plugin's option, None where the plugin is not loaded."""
+    try:
+        return config.getoption(name)
+    except ValueError:
+        return None
+
+
+def _bound(item: pytest.Item, card: str | None) -> bool:
+    """Whether `item` is bound to `card` (a `card` marker naming it)."""
+    return card is not None and any(m.args[:1] == (card,) for m in item.iter_markers("card"))
 
 
 def _extension_missing() -> bool:
