@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,31 @@ def _engine_config(args: Mapping[str, Any], model_path: str) -> EngineConfig:
     """The EngineConfig of `LLM`'s arguments: those named as its fields, by name."""
     values = {f.name: args[f.name] for f in fields(EngineConfig)}
     return EngineConfig(**{**values, "model_path": model_path, "dtype": _dtype_name(args["dtype"])})
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """`generate`'s prompts as a list (one prompt: a list of it), or a ValueError."""
+    items = None if isinstance(prompts, str) else as_items(prompts)
+    if isinstance(prompts, str) or (items and isinstance(items[0], dict)):
+        items = (prompts,)  # one prompt
+    if items is None:
+        raise ValueError(
+            f"prompts must be a prompt ({PROMPT_KINDS}) or a list of prompts, "
+            f"got {type(prompts).__name__}"
+        )
+    return list(items)
+
+
+@dataclass
+class _Choice:
+    """One sample of a prompt being generated: its tokens so far and how it ended."""
+
+    prompt: int  # the prompt's index
+    ids: list[int] = field(default_factory=list)
+    reason: str | None = None
+    text: str | None = None  # the text cut at a stop string
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
 
 
 class LLM:
@@ -186,104 +211,113 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[dict[str, Any]]:
-        items = None if isinstance(prompts, str) else as_items(prompts)
-        if isinstance(prompts, str) or (items and isinstance(items[0], dict)):
-            items = (prompts,)  # one prompt
-        if items is None:
-            raise ValueError(
-                f"prompts must be a prompt ({PROMPT_KINDS}) or a list of prompts, "
-                f"got {type(prompts).__name__}"
-            )
-        prompts = list(items)
+        prompts = _prompt_list(prompts)
         params = self._params(sampling_params, len(prompts))
         vocab = self.engine.model_config.vocab_size
         for p in params:  # the server's 400 for the same request, before anything is queued
             check_max_tokens(p.max_tokens, self.engine.max_seq_len)
             check_vocab((t for t, _ in p.logit_bias), vocab, "logit_bias")
         encoded = [self.encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
-        # one choice per sample; choice j > 0 of a prompt waits for choice 0's prefill, so the
-        # prefix cache hands it the prompt's KV instead of recomputing it
-        choices = [(i, j) for i, p in enumerate(params) for j in range(p.n)]
-        rt = self.runtime
-        index: dict[int, int] = {}  # rid -> choice
-        leaders: dict[int, int] = {}  # prompt -> the rid of its choice 0
-        try:
-            for c, (i, j) in enumerate(choices):
-                # choice j samples with seed + j: its own params, so every backend sees that
-                # seed (the Rust service takes the params' seed, never a sampling key)
-                rid = rt.add(encoded[i], params[i].for_choice(j), leader=leaders.get(i))
-                leaders.setdefault(i, rid)
-                index[rid] = c
-        except Exception:
-            for rid in index:
-                rt.abort(rid)
-            raise
-        outputs: list[list[int]] = [[] for _ in choices]
-        reasons: list[str | None] = [None] * len(choices)
-        texts: list[str | None] = [None] * len(choices)
-        logprobs: list[list[TokenLogprob] | None] = [
-            [] if params[i].logprobs is not None else None for i, _ in choices
+        index = self._add_choices(encoded, params)
+        choices = [
+            _Choice(i, logprobs=None if p.logprobs is None else [])
+            for i, p in enumerate(params)
+            for _ in range(p.n)
         ]
-        errors: list[str | None] = [None] * len(choices)
         t0 = time.perf_counter()
-        try:
-            while any(r is None for r in reasons):
-                if not rt.has_work():  # never spin: a request vanished without finishing
-                    lost = [rid for rid, c in index.items() if reasons[c] is None]
-                    raise RuntimeError(f"requests {lost} left the scheduler without finishing")
-                batch = rt.step()
-                self.last_batch = batch
-                for rid, err in batch.errors.items():
-                    c = index.get(rid)
-                    if c is not None:
-                        reasons[c], errors[c] = "error", err
-                for out, lp in zip(batch.outputs, batch.logprobs, strict=True):
-                    c = index.get(out.rid)
-                    if c is None or reasons[c] is not None:
-                        continue
-                    outputs[c].append(out.token_id)
-                    reasons[c] = out.finish_reason
-                    if lp is not None and logprobs[c] is not None:
-                        logprobs[c].append(lp)
-                    stops = params[choices[c][0]].stop_strings
-                    if stops:
-                        text, hit = self._check_stop(outputs[c], stops)
-                        # a stop string completed by the max_tokens-th token is still a
-                        # stop: the text is cut and the reason is "stop" (as the server does)
-                        if hit and out.finish_reason in (None, "stop", "length"):
-                            if out.finish_reason != "length":
-                                rt.finish(out.rid, "stop")
-                            reasons[c], texts[c] = "stop", text
-            rt.drain()  # steps after the last finish: their tokens are dropped
-        except BaseException:
-            rt.fail_all()
-            raise
-        elapsed = time.perf_counter() - t0
-        self.last_run = {"elapsed_s": elapsed, "output_tokens": sum(map(len, outputs))}
-        spec = self.speculative_stats()
-        if spec is not None:
-            self.last_run["spec_acceptance_rate"] = float(spec["acceptance_rate"])
-            self.last_run["spec_mean_accepted_length"] = float(spec["mean_accepted_length"])
-        samples = []
-        for c, ids in enumerate(outputs):
-            text = texts[c]
-            if text is None:
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            samples.append(
-                {
-                    "text": text,
-                    "token_ids": ids,
-                    "finish_reason": reasons[c],
-                    "logprobs": logprobs[c],
-                    "error": errors[c],
-                }
-            )
+        self._run_choices(index, choices, params)
+        self._record_run(time.perf_counter() - t0, choices)
+        samples = [self._sample(c) for c in choices]
         results, first = [], 0
         for i, p in enumerate(params):
             outs = samples[first : first + p.n]
             first += p.n
             results.append({**outs[0], "prompt_tokens": len(encoded[i]), "outputs": outs})
         return results
+
+    def _add_choices(
+        self, encoded: list[list[int]], params: list[SamplingParams]
+    ) -> dict[int, int]:
+        """Queue one request per choice (rid -> choice); all aborted when one is refused.
+        Choice j > 0 of a prompt waits for choice 0's prefill, so the prefix cache hands it the
+        prompt's KV instead of recomputing it."""
+        choices = [(i, j) for i, p in enumerate(params) for j in range(p.n)]
+        index: dict[int, int] = {}  # rid -> choice
+        leaders: dict[int, int] = {}  # prompt -> the rid of its choice 0
+        try:
+            for c, (i, j) in enumerate(choices):
+                # choice j samples with seed + j: its own params, so every backend sees that
+                # seed (the Rust service takes the params' seed, never a sampling key)
+                rid = self.runtime.add(encoded[i], params[i].for_choice(j), leader=leaders.get(i))
+                leaders.setdefault(i, rid)
+                index[rid] = c
+        except Exception:
+            for rid in index:
+                self.runtime.abort(rid)
+            raise
+        return index
+
+    def _run_choices(
+        self, index: dict[int, int], choices: list[_Choice], params: list[SamplingParams]
+    ) -> None:
+        """Step until every choice has finished; every live request fails on an exception."""
+        rt = self.runtime
+        try:
+            while any(ch.reason is None for ch in choices):
+                if not rt.has_work():  # never spin: a request vanished without finishing
+                    lost = [rid for rid, c in index.items() if choices[c].reason is None]
+                    raise RuntimeError(f"requests {lost} left the scheduler without finishing")
+                batch = rt.step()
+                self.last_batch = batch
+                for rid, err in batch.errors.items():
+                    c = index.get(rid)
+                    if c is not None:
+                        choices[c].reason, choices[c].error = "error", err
+                for out, lp in zip(batch.outputs, batch.logprobs, strict=True):
+                    c = index.get(out.rid)
+                    if c is not None and choices[c].reason is None:
+                        self._take(choices[c], out, lp, params[choices[c].prompt].stop_strings)
+            rt.drain()  # steps after the last finish: their tokens are dropped
+        except BaseException:
+            rt.fail_all()
+            raise
+
+    def _take(
+        self, ch: _Choice, out: StepOutput, lp: TokenLogprob | None, stops: tuple[str, ...]
+    ) -> None:
+        """Append a step's token to its choice; a completed stop string finishes it."""
+        ch.ids.append(out.token_id)
+        ch.reason = out.finish_reason
+        if lp is not None and ch.logprobs is not None:
+            ch.logprobs.append(lp)
+        if stops:
+            text, hit = self._check_stop(ch.ids, stops)
+            # a stop string completed by the max_tokens-th token is still a
+            # stop: the text is cut and the reason is "stop" (as the server does)
+            if hit and out.finish_reason in (None, "stop", "length"):
+                if out.finish_reason != "length":
+                    self.runtime.finish(out.rid, "stop")
+                ch.reason, ch.text = "stop", text
+
+    def _record_run(self, elapsed: float, choices: list[_Choice]) -> None:
+        self.last_run = {"elapsed_s": elapsed, "output_tokens": sum(len(c.ids) for c in choices)}
+        spec = self.speculative_stats()
+        if spec is not None:
+            self.last_run["spec_acceptance_rate"] = float(spec["acceptance_rate"])
+            self.last_run["spec_mean_accepted_length"] = float(spec["mean_accepted_length"])
+
+    def _sample(self, ch: _Choice) -> dict[str, Any]:
+        """A finished choice as `generate` returns it."""
+        text = ch.text
+        if text is None:
+            text = self.tokenizer.decode(ch.ids, skip_special_tokens=True)
+        return {
+            "text": text,
+            "token_ids": ch.ids,
+            "finish_reason": ch.reason,
+            "logprobs": ch.logprobs,
+            "error": ch.error,
+        }
 
     @staticmethod
     def _params(sampling_params: Any, count: int) -> list[SamplingParams]:
