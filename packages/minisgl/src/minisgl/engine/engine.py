@@ -54,6 +54,7 @@ from minisgl.utils.log import get_logger
 from minisgl.utils.malloc import keep_freed_memory
 
 if TYPE_CHECKING:
+    from minisgl.attention.base import AttentionBackend
     from minisgl.distributed.ranks import Follower, Leader
 
 logger = get_logger(__name__)
@@ -89,22 +90,7 @@ class Engine:
         self.max_seq_len = cfg.max_position_embeddings
         if config.max_seq_len_override is not None:
             self.max_seq_len = min(self.max_seq_len, config.max_seq_len_override)
-        self.model = load_quantized(
-            config.model_path,
-            cfg,
-            self.dtype,
-            self.device,
-            self.max_seq_len,
-            self.quantization,
-            dummy_weights=config.dummy_weights,
-            tp=self.tp_info,
-        )
-        if tp is not None:
-            self.model.set_comm(tp.attach(cfg.vocab_size))
-        if config.deterministic:
-            n = deterministic.make_batch_invariant(self.model)
-            logger.info("deterministic mode: %d batch-invariant linear layers, every attention "
-                        "through the vector C kernel, no C decode step", n)  # fmt: skip
+        self.model = self._load_model(config, cfg)
         self.num_pages = plan_num_pages(config, local, self.dtype, self.device, self.max_seq_len)
         if tp is not None:  # every rank's pool holds the pages rank 0's scheduler hands out
             self.num_pages = tp.agree_min(self.num_pages, "sizing the KV pool")
@@ -121,7 +107,42 @@ class Engine:
             self.device,
         )
         self.attention_backend = resolve_backend(config.attention_backend, self.device)
-        self.backend = create_backend(
+        self.backend = self._attention(config, cfg, local)
+        self.cpu_decode = self._cpu_decode(config, cfg)
+        fused, why = resolve_fused_ops(self.device, compiled=config.enable_torch_compile)
+        self.model.use_fused_ops(fused)  # before the graphs capture the forward
+        logger.info("fused decode-layer ops: %s (%s)", "on" if fused else "off", why)
+        self.stager = PlanStager(self.device)
+        self.graphs: GraphRunner | None = self._graph_runner(config)
+        self.compiled, self.compiled_prefill = self._compiled(config)
+        # a compiled forward cannot run under inference_mode (see engine/compiled.py)
+        self._grad_mode = torch.no_grad if self.compiled is not None else torch.inference_mode
+
+    def _load_model(self, config: EngineConfig, cfg: ModelConfig) -> torch.nn.Module:
+        """The model's weights (this rank's share), batch-invariant in deterministic mode."""
+        model = load_quantized(
+            config.model_path,
+            cfg,
+            self.dtype,
+            self.device,
+            self.max_seq_len,
+            self.quantization,
+            dummy_weights=config.dummy_weights,
+            tp=self.tp_info,
+        )
+        if self.tp is not None:
+            model.set_comm(self.tp.attach(cfg.vocab_size))
+        if config.deterministic:
+            n = deterministic.make_batch_invariant(model)
+            logger.info("deterministic mode: %d batch-invariant linear layers, every attention "
+                        "through the vector C kernel, no C decode step", n)  # fmt: skip
+        return model
+
+    def _attention(
+        self, config: EngineConfig, cfg: ModelConfig, local: ModelConfig
+    ) -> AttentionBackend:
+        """The attention backend over the KV pool (this rank's heads)."""
+        backend = create_backend(
             self.attention_backend,
             pool=self.pool,
             num_heads=local.num_heads,
@@ -131,10 +152,13 @@ class Engine:
             device=self.device,
         )
         if config.deterministic:  # every step, decode too, through the vector prefill kernel
-            self.backend.deterministic = True
+            backend.deterministic = True
+        return backend
 
-        # decode steps of an int4 / w8a8 bf16 model on a CPU: one C call (engine/cpu_decode.py)
-        # (with enable_torch_compile the compiled graphs run every decode step, as asked)
+    def _cpu_decode(self, config: EngineConfig, cfg: ModelConfig) -> CpuDecode | None:
+        """Decode steps of an int4 / w8a8 bf16 model on a CPU as one C call (engine/cpu_decode.py);
+        None (logged on a CPU, with why) where they run as torch modules. With
+        enable_torch_compile the compiled graphs run every decode step, as asked."""
         why_not = (
             "enable_torch_compile"
             if config.enable_torch_compile
@@ -144,37 +168,26 @@ class Engine:
             if self.tp_info.size > 1
             else unsupported(self.model, self.pool, self.device)
         )
-        self.cpu_decode = (
+        cpu_decode = (
             CpuDecode(self.model, self.pool, cfg.sliding_window) if why_not is None else None
         )
         if self.device.type == "cpu":
-            rows = CPU_DECODE_ROWS if self.cpu_decode is None else self.cpu_decode.max_rows
-            how = (
-                "torch modules"
-                if self.cpu_decode is None
-                else f"one C call ({self.cpu_decode.kind})"
-            )
+            rows = CPU_DECODE_ROWS if cpu_decode is None else cpu_decode.max_rows
+            how = "torch modules" if cpu_decode is None else f"one C call ({cpu_decode.kind})"
             logger.info("decode steps of <= %d requests: %s", rows,
                         how if why_not is None else f"{how} ({why_not})")  # fmt: skip
-        fused, why = resolve_fused_ops(self.device, compiled=config.enable_torch_compile)
-        self.model.use_fused_ops(fused)  # before the graphs capture the forward
-        logger.info("fused decode-layer ops: %s (%s)", "on" if fused else "off", why)
-        self.stager = PlanStager(self.device)
-        self.graphs: GraphRunner | None = self._graph_runner(config)
-        self.compiled = (
-            CompiledDecode(self.model, self.device, static=(*self.pool.k, *self.pool.v))
-            if config.enable_torch_compile
-            else None
-        )
-        # prefill layers compiled around attention: CPU only (inductor's CPU code is what the
-        # tests and benchmarks exercise)
-        self.compiled_prefill = (
-            CompiledPrefill(self.model)
-            if config.enable_torch_compile and self.device.type == "cpu"
-            else None
-        )
-        # a compiled forward cannot run under inference_mode (see engine/compiled.py)
-        self._grad_mode = torch.no_grad if self.compiled is not None else torch.inference_mode
+        return cpu_decode
+
+    def _compiled(
+        self, config: EngineConfig
+    ) -> tuple[CompiledDecode | None, CompiledPrefill | None]:
+        """With enable_torch_compile: the compiled decode step, and the prefill layers compiled
+        around attention on a CPU only (inductor's CPU code is what the tests and benchmarks
+        exercise)."""
+        if not config.enable_torch_compile:
+            return None, None
+        compiled = CompiledDecode(self.model, self.device, static=(*self.pool.k, *self.pool.v))
+        return compiled, CompiledPrefill(self.model) if self.device.type == "cpu" else None
 
     def _graph_runner(self, config: EngineConfig) -> GraphRunner | None:
         """The decode graphs, captured here. With tensor parallelism every rank captures the
