@@ -222,13 +222,42 @@ def sample_on_device(
     """`sample` without reading anything back: the tokens stay on the logits' device.
     `grammars`: the matchers of rows with a `response_format` (their allowed tokens); `masks`:
     those already started (`start_masks` on the same rows), else they are computed here."""
-    vocab = logits.shape[-1]
-    dev = logits.device
     raw = logits  # the model's dtype: widened only where arithmetic follows (the argmax and the
     # bad-row check are exact in it; a bf16 -> fp32 copy of [128, 49152] took 1.8 ms)
     params = [r.params for r in rows]
-    x = raw
-    # logit_bias and min_tokens: sparse (row, token) edits gathered on the host
+    x = _penalised(_biased(raw, rows, params, eos_ids), rows, params)
+    cons = [i for i, p in enumerate(params) if p.response_format is not None]
+    csub = cidx = None  # the constrained rows' logits, masked: only those rows pay
+    if cons:  # after the penalties, before any choice: only allowed tokens stay finite
+        job = masks if masks is not None else start_masks(rows, grammars)
+        assert job is not None
+        csub, cidx = _mask_constrained(x, raw, cons, job)
+    tokens, bad = _argmax_and_bad(x, raw)
+    masked = csub is not None and x is raw  # the constrained rows are in `csub` alone
+    if masked:
+        top_c, tokens_c = row_max(csub)
+        tokens = tokens.index_copy(0, cidx, tokens_c)
+        bad = bad.index_copy(0, cidx, bad[cidx] | ~(top_c > float("-inf")))
+    rand = [i for i, p in enumerate(params) if not p.is_greedy]
+    if rand:
+        taken = (cons, csub) if masked else None
+        tokens, bad = _sample_random(x, rows, rand, tokens, bad, taken)
+    lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    ks = [params[i].logprobs or 0 for i in lp_rows]
+    lp_vals, lp_top = _logprobs(raw, tokens, lp_rows, ks) if lp_rows else (None, None)
+    return DeviceSample(tokens, bad, tuple(lp_rows), tuple(ks), lp_vals, lp_top)
+
+
+def _biased(
+    raw: torch.Tensor,
+    rows: Sequence[SampleRow],
+    params: list[SamplingParams],
+    eos_ids: frozenset[int],
+) -> torch.Tensor:
+    """`raw` with logit_bias and min_tokens applied (a row short of its min_tokens gets -inf on
+    its stop tokens): sparse (row, token) edits gathered on the host, into a float32 copy; `raw`
+    itself when no row has any."""
+    vocab, dev = raw.shape[-1], raw.device
     b_rows, b_cols, b_vals = [], [], []
     for i, p in enumerate(params):
         for t, v in p.logit_bias:
@@ -244,84 +273,110 @@ def sample_on_device(
             b_rows.append(i)
             b_cols.append(t)
             b_vals.append(float("-inf"))
-    if b_rows:
-        x = x.float().index_put(
-            (_host(b_rows, torch.int64, dev), _host(b_cols, torch.int64, dev)),
-            _host(b_vals, torch.float32, dev),
-            accumulate=True,
-        )
+    if not b_rows:
+        return raw
+    return raw.float().index_put(
+        (_host(b_rows, torch.int64, dev), _host(b_cols, torch.int64, dev)),
+        _host(b_vals, torch.float32, dev),
+        accumulate=True,
+    )
+
+
+def _penalised(
+    x: torch.Tensor, rows: Sequence[SampleRow], params: list[SamplingParams]
+) -> torch.Tensor:
+    """`x` with the presence, frequency and repetition penalties applied to the rows that have
+    any (a float32 copy); `x` itself when none has."""
     pen = [i for i, p in enumerate(params) if p.has_penalties]
-    if pen:
-        idx = _host(pen, torch.int64, dev)
-        x = x.float()
-        sub = apply_penalties(
-            x[idx],
-            [rows[i].output_ids for i in pen],
-            [rows[i].input_ids if params[i].repetition_penalty != 1.0 else () for i in pen],
-            _host([params[i].presence_penalty for i in pen], torch.float32, dev),
-            _host([params[i].frequency_penalty for i in pen], torch.float32, dev),
-            _host([params[i].repetition_penalty for i in pen], torch.float32, dev),
-        )
-        x = x.index_copy(0, idx, sub)
-    cons = [i for i, p in enumerate(params) if p.response_format is not None]
-    csub = cidx = None  # the constrained rows' logits, masked: only those rows pay
-    if cons:  # after the penalties, before any choice: only allowed tokens stay finite
-        job = masks if masks is not None else start_masks(rows, grammars)
-        assert job is not None
-        forbidden = torch.from_numpy(job.result()).to(dev, non_blocking=True)
-        cidx = _host(cons, torch.int64, dev)
-        csub = x[cidx]  # a copy (advanced indexing); -inf and the argmax are exact in bf16
-        csub.masked_fill_(forbidden[:, :vocab], float("-inf"))
-        if x is not raw:  # then x is this call's own copy
-            x.index_copy_(0, cidx, csub)
-    # a bad row: a NaN or +inf among the raw logits, or nothing above -inf once biased and
-    # penalised (a penalty may make +inf of a finite logit: then that is the row's argmax). A
-    # row's max is finite exactly when it has none of the three (max propagates NaN): one pass
-    # where argmax and three any() took 16 ms at [128, 49152] on 2 threads, a max 1.6
+    if not pen:
+        return x
+    dev = x.device
+    idx = _host(pen, torch.int64, dev)
+    x = x.float()
+    sub = apply_penalties(
+        x[idx],
+        [rows[i].output_ids for i in pen],
+        [rows[i].input_ids if params[i].repetition_penalty != 1.0 else () for i in pen],
+        _host([params[i].presence_penalty for i in pen], torch.float32, dev),
+        _host([params[i].frequency_penalty for i in pen], torch.float32, dev),
+        _host([params[i].repetition_penalty for i in pen], torch.float32, dev),
+    )
+    return x.index_copy(0, idx, sub)
+
+
+def _mask_constrained(
+    x: torch.Tensor, raw: torch.Tensor, cons: list[int], job: MaskJob
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The constrained rows' logits (`cons`) with their forbidden tokens at -inf, and those
+    rows' indices on the device; written back into `x` too when `x` is this call's own copy."""
+    dev = x.device
+    forbidden = torch.from_numpy(job.result()).to(dev, non_blocking=True)
+    cidx = _host(cons, torch.int64, dev)
+    csub = x[cidx]  # a copy (advanced indexing); -inf and the argmax are exact in bf16
+    csub.masked_fill_(forbidden[:, : x.shape[-1]], float("-inf"))
+    if x is not raw:  # then x is this call's own copy
+        x.index_copy_(0, cidx, csub)
+    return csub, cidx
+
+
+def _argmax_and_bad(x: torch.Tensor, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax of `x`, and whether the row is bad: a NaN or +inf among the raw logits,
+    or nothing above -inf once biased and penalised (a penalty may make +inf of a finite logit:
+    then that is the row's argmax). A row's max is finite exactly when it has none of the three
+    (max propagates NaN): one pass where argmax and three any() took 16 ms at [128, 49152] on 2
+    threads, a max 1.6."""
     if x is raw:
-        tokens, bad = greedy_device(raw)
-    else:
-        top, tokens = row_max(x)
-        bad = ~torch.isfinite(raw.amax(dim=-1)) | ~(top > float("-inf"))
-    masked = csub is not None and x is raw  # the constrained rows are in `csub` alone
-    if masked:
-        top_c, tokens_c = row_max(csub)
-        tokens = tokens.index_copy(0, cidx, tokens_c)
-        bad = bad.index_copy(0, cidx, bad[cidx] | ~(top_c > float("-inf")))
-    rand = [i for i, p in enumerate(params) if not p.is_greedy]
-    if rand:
-        idx = _host(rand, torch.int64, dev)
-        ps = [params[i] for i in rand]
-        y = x[idx].float()
-        if masked:
-            y = _take_masked(y, rand, cons, csub)
-        y = y / _host([p.temperature for p in ps], torch.float32, dev)[:, None]
-        cut = [j for j, p in enumerate(ps) if 0 < p.top_k < vocab or p.top_p < 1.0]
-        if cut:  # only the rows that filter pay for the sort
-            cps = [ps[j] for j in cut]
-            k = _host([p.top_k if 0 < p.top_k < vocab else vocab for p in cps], torch.int64, dev)
-            top_p = _host([p.top_p for p in cps], torch.float32, dev)
-            j = _host(cut, torch.int64, dev)
-            bounded = all(0 < p.top_k < vocab for p in cps)
-            bound = max(p.top_k for p in cps) if bounded else 0
-            y = y.index_copy(0, j, filter_top_k_top_p(y[j], k, top_p, bound))
-        if any(p.min_p > 0 for p in ps):
-            y = filter_min_p(y, _host([p.min_p for p in ps], torch.float32, dev))
-        keys = _host([_key(rows[i]) for i in rand], torch.int64, dev)
-        steps = _host([len(rows[i].output_ids) for i in rand], torch.int64, dev)
-        gumbel = -torch.log(-torch.log(uniform_noise(keys, steps, vocab)))
-        tokens = tokens.index_copy(0, idx, torch.argmax(y + gumbel, dim=-1))
-        bad = bad.index_copy(0, idx, bad[idx] | y.isnan().any(dim=-1))
-    lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    lp_vals = lp_top = None
-    ks = [params[i].logprobs or 0 for i in lp_rows]
-    if lp_rows:
-        idx = _host(lp_rows, torch.int64, dev)
-        lps = torch.log_softmax(raw[idx].float(), dim=-1)
-        lp_vals = lps.gather(1, tokens[idx][:, None])[:, 0]
-        if max(ks):
-            lp_top = lps.topk(max(ks), dim=-1)
-    return DeviceSample(tokens, bad, tuple(lp_rows), tuple(ks), lp_vals, lp_top)
+        return greedy_device(raw)
+    top, tokens = row_max(x)
+    return tokens, ~torch.isfinite(raw.amax(dim=-1)) | ~(top > float("-inf"))
+
+
+def _sample_random(
+    x: torch.Tensor,
+    rows: Sequence[SampleRow],
+    rand: list[int],
+    tokens: torch.Tensor,
+    bad: torch.Tensor,
+    masked: tuple[list[int], torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tokens` and `bad` with the rows `rand` (not greedy) sampled: temperature, top-k / top-p
+    and min-p, then the Gumbel-max draw of the row's key and step. `masked`: the constrained
+    rows and their masked logits, where `x` does not hold them."""
+    vocab, dev = x.shape[-1], x.device
+    idx = _host(rand, torch.int64, dev)
+    ps = [rows[i].params for i in rand]
+    y = x[idx].float()
+    if masked is not None:
+        y = _take_masked(y, rand, *masked)
+    y = y / _host([p.temperature for p in ps], torch.float32, dev)[:, None]
+    cut = [j for j, p in enumerate(ps) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    if cut:  # only the rows that filter pay for the sort
+        cps = [ps[j] for j in cut]
+        k = _host([p.top_k if 0 < p.top_k < vocab else vocab for p in cps], torch.int64, dev)
+        top_p = _host([p.top_p for p in cps], torch.float32, dev)
+        j = _host(cut, torch.int64, dev)
+        bounded = all(0 < p.top_k < vocab for p in cps)
+        bound = max(p.top_k for p in cps) if bounded else 0
+        y = y.index_copy(0, j, filter_top_k_top_p(y[j], k, top_p, bound))
+    if any(p.min_p > 0 for p in ps):
+        y = filter_min_p(y, _host([p.min_p for p in ps], torch.float32, dev))
+    keys = _host([_key(rows[i]) for i in rand], torch.int64, dev)
+    steps = _host([len(rows[i].output_ids) for i in rand], torch.int64, dev)
+    gumbel = -torch.log(-torch.log(uniform_noise(keys, steps, vocab)))
+    tokens = tokens.index_copy(0, idx, torch.argmax(y + gumbel, dim=-1))
+    bad = bad.index_copy(0, idx, bad[idx] | y.isnan().any(dim=-1))
+    return tokens, bad
+
+
+def _logprobs(
+    raw: torch.Tensor, tokens: torch.Tensor, lp_rows: list[int], ks: list[int]
+) -> tuple[torch.Tensor, Any]:
+    """The rows `lp_rows`' logprobs of their sampled tokens (of the raw logits), and the top
+    `max(ks)` of each (None when no row asks for any)."""
+    idx = _host(lp_rows, torch.int64, raw.device)
+    lps = torch.log_softmax(raw[idx].float(), dim=-1)
+    lp_vals = lps.gather(1, tokens[idx][:, None])[:, 0]
+    return lp_vals, lps.topk(max(ks), dim=-1) if max(ks) else None
 
 
 def _take_masked(
