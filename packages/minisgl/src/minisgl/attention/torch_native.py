@@ -306,43 +306,58 @@ class TorchNativeBackend(AttentionBackend):
             cpu_native.store_rows(self.pool.v[layer], meta.out_loc, v)
         else:
             self.pool.store(layer, meta.out_loc, k, v)
+        if meta.is_prefill:
+            return self._prefill(layer, q, meta)
+        return self._decode(layer, q, k, v, meta)
+
+    def _prefill(self, layer: int, q: torch.Tensor, meta: _Meta) -> torch.Tensor:
+        """A prefill step's attention: the C kernel's requests, SDPA's per request and in
+        padded groups of requests, written into one output in step order."""
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         kvh, gqa = self.num_kv_heads, self.num_heads // self.num_kv_heads
         d = q.shape[-1]
-        if meta.is_prefill:
-            single = len(meta.groups) == 1 and not meta.requests and meta.kernel is None
-            out = None if single else q.new_empty(q.shape[0], q.shape[1] * d)
-            if meta.kernel is not None:
-                assert out is not None  # rows of the other requests are written below
-                kn, n = meta.kernel, q.shape[0]
-                cpu_native.prefill_attention(
-                    q.reshape(n, kvh, gqa, d), k_cache, v_cache, kn.kv_index, kn.q_starts,
-                    kn.q_lens, kn.kv_starts, kn.kv_lens, self.sliding_window or 0,
-                    out=out.view(n, kvh, gqa, d), amx=kn.amx,
-                )  # fmt: skip
-            for r in meta.requests:
-                rows = slice(r.q_start, r.q_start + r.n_q)
-                qs = q[rows].transpose(0, 1)[None]  # [1, H, Lq, D]
-                ks = _gather(k_cache, r.kv_index).transpose(0, 1)[None]  # [1, KVH, Lkv, D]
-                vs = _gather(v_cache, r.kv_index).transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(
-                    qs, ks, vs, attn_mask=r.mask, is_causal=r.mask is None, enable_gqa=gqa > 1
-                )
-                out[rows] = o[0].transpose(0, 1).reshape(r.n_q, -1)
-            for g in meta.groups:
-                n_b, n_q = g.q_index.shape
-                qs = q[g.q_index].transpose(1, 2)  # [B, H, Lq, D]
-                ks = _gather(k_cache, g.kv_index).transpose(1, 2)  # [B, KVH, Lkv, D]
-                vs = _gather(v_cache, g.kv_index).transpose(1, 2)
-                # GQA in SDPA (head h reads KV head h // gqa, as HF's repeat_kv): the same
-                # values as folding the query heads into the query length with a repeated
-                # mask, 1.6-2.3x faster (bf16, 102 prompts of <= 64 tokens, 2 threads)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask, enable_gqa=gqa > 1)
-                o = o.transpose(1, 2).reshape(n_b * n_q, -1)
-                if out is None:  # the whole step in one call, rows already in step order
-                    return o[g.out_index]
-                out[g.token_rows] = o[g.out_index]
-            return out
+        single = len(meta.groups) == 1 and not meta.requests and meta.kernel is None
+        out = None if single else q.new_empty(q.shape[0], q.shape[1] * d)
+        if meta.kernel is not None:
+            assert out is not None  # rows of the other requests are written below
+            kn, n = meta.kernel, q.shape[0]
+            cpu_native.prefill_attention(
+                q.reshape(n, kvh, gqa, d), k_cache, v_cache, kn.kv_index, kn.q_starts,
+                kn.q_lens, kn.kv_starts, kn.kv_lens, self.sliding_window or 0,
+                out=out.view(n, kvh, gqa, d), amx=kn.amx,
+            )  # fmt: skip
+        for r in meta.requests:
+            rows = slice(r.q_start, r.q_start + r.n_q)
+            qs = q[rows].transpose(0, 1)[None]  # [1, H, Lq, D]
+            ks = _gather(k_cache, r.kv_index).transpose(0, 1)[None]  # [1, KVH, Lkv, D]
+            vs = _gather(v_cache, r.kv_index).transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=r.mask, is_causal=r.mask is None, enable_gqa=gqa > 1
+            )
+            out[rows] = o[0].transpose(0, 1).reshape(r.n_q, -1)
+        for g in meta.groups:
+            n_b, n_q = g.q_index.shape
+            qs = q[g.q_index].transpose(1, 2)  # [B, H, Lq, D]
+            ks = _gather(k_cache, g.kv_index).transpose(1, 2)  # [B, KVH, Lkv, D]
+            vs = _gather(v_cache, g.kv_index).transpose(1, 2)
+            # GQA in SDPA (head h reads KV head h // gqa, as HF's repeat_kv): the same
+            # values as folding the query heads into the query length with a repeated
+            # mask, 1.6-2.3x faster (bf16, 102 prompts of <= 64 tokens, 2 threads)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask, enable_gqa=gqa > 1)
+            o = o.transpose(1, 2).reshape(n_b * n_q, -1)
+            if out is None:  # the whole step in one call, rows already in step order
+                return o[g.out_index]
+            out[g.token_rows] = o[g.out_index]
+        return out
+
+    def _decode(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: _Meta
+    ) -> torch.Tensor:
+        """A decode step's attention: the paged C kernel, or the KV gathered (or kept in the
+        workspace) and the C decode kernel or SDPA over it."""
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        kvh, gqa = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        d = q.shape[-1]
         bs = q.shape[0]
         # the output's width from q's shape (the model's constants): from the backend's head
         # counts it is a symbol of a compiled graph, which inductor's GEMM templates refuse
