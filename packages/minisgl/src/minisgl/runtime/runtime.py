@@ -15,7 +15,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from minisgl.scheduler.factory import make_scheduler
 from minisgl.scheduler.request import StepOutput
 from minisgl.speculative import SpecConfig
 from minisgl.utils.log import get_logger
+
+if TYPE_CHECKING:
+    import torch
 
 logger = get_logger(__name__)
 
@@ -69,6 +72,26 @@ def _serial_for_speculation(backend: str, overlap: bool | None) -> bool:
             "it yet (leave overlap unset or False)"
         )
     return False
+
+
+def _overlap(
+    overlap: bool,
+    sched: SchedulerBackend,
+    name: str,
+    device_stream: str | DeviceStream | None,
+    device: torch.device,
+) -> tuple[int, DeviceStream | None]:
+    """The loop's overlap depth and device stream: 1 and the stream (made here unless given)
+    when `overlap` is asked and the scheduler has a pipelined mode, else 0 and None."""
+    if overlap and pipelined(sched):
+        stream = device_stream
+        if stream is None or isinstance(stream, str):
+            stream = make_stream(stream, device)
+        logger.info("overlap scheduling on (%s device stream)", stream.name)
+        return 1, stream
+    if overlap and name != cpu_backend.SERVICE:
+        logger.info("overlap scheduling off: backend %s has no pipelined mode", sched.backend)
+    return 0, None
 
 
 def _ramp(n: int, vocab: int, start: int = 0) -> list[int]:
@@ -147,15 +170,7 @@ class Runtime:
         sched = remake()
         if overlap is None:
             overlap = not overlap_disabled()
-        depth, stream = 0, None
-        if overlap and pipelined(sched):
-            depth = 1
-            stream = device_stream
-            if stream is None or isinstance(stream, str):
-                stream = make_stream(stream, engine.device)
-            logger.info("overlap scheduling on (%s device stream)", stream.name)
-        elif overlap and name != cpu_backend.SERVICE:
-            logger.info("overlap scheduling off: backend %s has no pipelined mode", sched.backend)
+        depth, stream = _overlap(overlap, sched, name, device_stream, engine.device)
         rt = cls(engine, eos, sched, depth, stream, remake)
         try:
             if warm_up or getattr(engine, "compiled", None) is not None:
