@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import openai
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,28 +53,41 @@ def main(argv: list[str] | None = None) -> int:
             continue
         history.append({"role": "user", "content": text})
         print("assistant> ", end="", flush=True)
-        reply = []
-        try:
-            stream = client.chat.completions.create(
-                model=model,
-                messages=history,
-                max_tokens=args.max_tokens,
-                temperature=args.temperature,
-                stream=True,
-            )
-            for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    piece = chunk.choices[0].delta.content
-                    reply.append(piece)
-                    print(piece, end="", flush=True)
-        except openai.APIError as e:
-            print(f"\n(error: {e})")
+        reply = _stream_reply(client, model, history, args)
+        if reply is None:
             history.pop()
             continue
         print()
-        history.append({"role": "assistant", "content": "".join(reply)})
+        history.append({"role": "assistant", "content": reply})
     print("bye")
     return 0
+
+
+def _stream_reply(
+    client: openai.OpenAI, model: str, history: list[dict], args: argparse.Namespace
+) -> str | None:
+    """The assistant's reply to `history`, printed as it streams; None (the error printed)
+    when the server refuses or fails it."""
+    import openai
+
+    reply = []
+    try:
+        stream = client.chat.completions.create(
+            model=model,
+            messages=history,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            stream=True,
+        )
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                piece = chunk.choices[0].delta.content
+                reply.append(piece)
+                print(piece, end="", flush=True)
+    except openai.APIError as e:
+        print(f"\n(error: {e})")
+        return None
+    return "".join(reply)
 
 
 if __name__ == "__main__":
