@@ -156,3 +156,35 @@ def test_the_seeded_records_read_back_and_name_their_source(kind):
         assert entry.source and len(entry.commit) >= 7
         text = json.dumps(km.entry_json(entry))
         assert "/work/" not in text and "/home/" not in text
+
+
+CI_LOG = """== lint
+nox > Session lint was successful.
+== rust (fmt, clippy, test)
+test result: ok. 61 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 6.39s
+== tests (the README's test command)
+nox > pytest -m 'not rust_ext' -n auto --durations=25
+=========== 2027 passed, 42 skipped, 2 warnings in 950.22s (0:15:50) ===========
+nox > the isa_paths tests again with MINISGL_CPU_ISA=avx512
+======================= 225 passed, 2 skipped in 57.11s ========================
+nox > the isa_paths tests again with MINISGL_CPU_ISA=avx2
+================= 209 passed, 18 skipped in 153.95s (0:02:33) ==================
+nox > pytest -m rust_ext -n auto --durations=25
+======================= {rust_ext} in 61.00s ========================
+nox > Session tests was successful in 1300 seconds.
+== docs (the site: mkdocs build --strict, checked in headless Chromium)
+5 passed in 13.44s
+"""
+
+
+@pytest.mark.parametrize("rust_ext", ["118 passed", "1 failed, 117 passed"])
+def test_a_ci_log_gives_the_test_commands_passes_summed(rust_ext):
+    """`bash .ci/run`'s whole log: the README's test command is several pytest passes (the
+    suite, the isa_paths passes at lower ISA levels, the rust_ext tests), summed; the docs
+    step's own pytest run after it is not the suite (it was read as the suite's 5 tests)."""
+    suite = km.parse_suite_log(CI_LOG.format(rust_ext=rust_ext))
+    failed = rust_ext.startswith("1 failed")
+    assert suite.outcome == ("failed" if failed else "passed")
+    assert (suite.passed, suite.failed, suite.skipped) == (2027 + 225 + 209 + 117 + (not failed),
+                                                           int(failed), 42 + 2 + 18)  # fmt: skip
+    assert suite.duration_s == pytest.approx(950.22 + 57.11 + 153.95 + 61.0)

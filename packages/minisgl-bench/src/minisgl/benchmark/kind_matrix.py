@@ -104,18 +104,35 @@ def parse_summary(line: str) -> SuiteResult | None:
 
 
 def parse_suite_log(text: str) -> SuiteResult:
-    """The last summary line of a suite's log, with the node ids of its FAILED / ERROR lines;
-    outcome 'error' where no summary line was printed."""
+    """The suite's result from its log, with the node ids of its FAILED / ERROR lines; outcome
+    'error' where no summary line was printed. A whole `bash .ci/run` log (its `== tests`
+    step): the README's test command's pytest passes (the suite, the isa_paths passes, the
+    rust_ext tests) summed, the other steps' runs left out; any other log: its last summary."""
     lines = [_ANSI.sub("", ln).rstrip() for ln in text.splitlines()]
-    summary = None
-    for line in reversed(lines):
-        summary = parse_summary(line)
-        if summary is not None:
-            break
-    ids = tuple(dict.fromkeys(m.group(2) for ln in lines if (m := _NODE.match(ln))))
-    if summary is None:
+    section = _ci_tests_step(lines)
+    found = [s for ln in (section or lines) if (s := parse_summary(ln)) is not None]
+    ids = tuple(dict.fromkeys(m.group(2) for ln in section or lines if (m := _NODE.match(ln))))
+    if not found:
         return SuiteResult(outcome="error", failed_ids=ids)
+    summary = _summed(found) if section else found[-1]
     return replace(summary, failed_ids=ids)
+
+
+def _ci_tests_step(lines: list[str]) -> list[str] | None:
+    """The lines of `.ci/run`'s tests step (from its `== tests` header to the next `== `
+    header), None when the log has no such step."""
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("== tests")), None)
+    if start is None:
+        return None
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("== ")), None)
+    return lines[start + 1 : end]
+
+
+def _summed(parts: list[SuiteResult]) -> SuiteResult:
+    counts = {f: sum(getattr(p, f) for p in parts) for f in set(_FIELDS.values())}
+    outcomes = {p.outcome for p in parts}
+    outcome = next(o for o in ("failed", "passed", "no tests") if o in outcomes)
+    return SuiteResult(outcome=outcome, duration_s=sum(p.duration_s for p in parts), **counts)
 
 
 # --- baseline records -----------------------------------------------------------------------
