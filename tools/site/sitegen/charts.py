@@ -168,6 +168,20 @@ def baseline_chart(baseline: Baseline) -> bytes | None:
                 {"speedup": [float(results[k]["speedup"]) for k in labels]},
                 "x",
             )
+    summary = data.get("summary")
+    arms = {k: v for k, v in summary.items() if isinstance(v, dict) and "loaded_s" in v} if (
+        isinstance(summary, dict)) else {}  # fmt: skip
+    if arms:  # benchmark.contention: one request's latency alone and beside spinning processes
+        labels = list(arms)
+        return _bars(
+            f"{baseline.name}: one request's latency",
+            labels,
+            {
+                "quiet s": [float(arms[a].get("quiet_s") or 0.0) for a in labels],
+                "loaded s": [float(arms[a].get("loaded_s") or 0.0) for a in labels],
+            },
+            "s",
+        )
     runs = startup_runs(data)
     if runs:  # benchmark.startup (and an A/B of it): a fresh process, cold and warm
         labels = list(runs)

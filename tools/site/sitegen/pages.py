@@ -418,6 +418,14 @@ def _metric(metrics: dict[str, Any], key: str, q: str | None) -> Any:
 def baseline_table(baseline: Baseline) -> str:
     data = baseline.data
     results = data.get("results")
+    summary = data.get("summary")
+    if isinstance(summary, dict) and isinstance(summary.get("fair_share_ratio"), int | float):
+        arms = {k: v for k, v in summary.items() if isinstance(v, dict)}  # benchmark.contention
+        return table(
+            ["arm", "quiet s", "loaded s", "loaded / quiet", "fair share"],
+            [[a, v.get("quiet_s"), v.get("loaded_s"), v.get("loaded_over_quiet"),
+              summary["fair_share_ratio"]] for a, v in arms.items()],
+        )  # fmt: skip
     engines = {
         str(k): v["metrics"]
         for k, v in (results.items() if isinstance(results, dict) else [])
