@@ -243,7 +243,11 @@ def test_greedy_output_is_token_identical_on_the_embedded_model():
         [{"role": "user", "content": "Name three colours."}],
     ]
     params = [greedy(48), greedy(13), SamplingParams(temperature=0.0, max_tokens=24, stop=",")]
-    ref, got, stats = _reference_and_spec(None, prompts, params, dtype="float32")
+    # float weights (quantization="none"): the int4 layers' packed kernel with fp32 activations
+    # is torch's scalar fallback (an 8.6 s prefill of this prompt, 118 s for the test)
+    ref, got, stats = _reference_and_spec(
+        None, prompts, params, dtype="float32", quantization="none"
+    )
     assert got == ref
     assert stats["accepted_tokens"] > 10, stats
     assert stats["mean_accepted_length"] > 1.5, stats
