@@ -178,24 +178,28 @@ def test_a_gates_rule_naming_an_unknown_item_is_a_lint_error(tmp_path: Path) -> 
     assert any("no-such-item" in e for e in errors), errors
 
 
+# a bench test of the card's "10x" item that records 500 against 1000 (no gates file)
+HALF_OF_TEN_X = """\
+import pytest
+
+@pytest.mark.card("T-001", "child one")
+def test_one():
+    pass
+
+@pytest.mark.card("T-001", "rust path at least 10x the python reference")
+@pytest.mark.bench
+def test_two(metric):
+    metric("ops", 500.0)
+    metric("base_ops", 1000.0)
+"""
+
+
 @pytest.mark.card(CARD, "a-bench-metric-without-an-applicable-rule-holds-the-card", RED, GREEN)
 def test_records_500_against_1000_without_a_gates_file_does_not_pass(repo: Repo) -> None:
     repo.write("kanban/in-progress/T-001-demo.md", NUMBER_CARD)
     repo.write(
         "tests/test_demo.py",
-        """\
-        import pytest
-
-        @pytest.mark.card("T-001", "child one")
-        def test_one():
-            pass
-
-        @pytest.mark.card("T-001", "rust path at least 10x the python reference")
-        @pytest.mark.bench
-        def test_two(metric):
-            metric("ops", 500.0)
-            metric("base_ops", 1000.0)
-        """,
+        HALF_OF_TEN_X,
     )
     repo.commit()
     result = repo.gate()
@@ -207,19 +211,7 @@ def test_a_metric_no_rule_checks_holds_the_card(repo: Repo) -> None:
     repo.write("kanban/in-progress/T-001-demo.md", NUMBER_CARD)
     repo.write(
         "tests/test_demo.py",
-        """\
-        import pytest
-
-        @pytest.mark.card("T-001", "child one")
-        def test_one():
-            pass
-
-        @pytest.mark.card("T-001", "rust path at least 10x the python reference")
-        @pytest.mark.bench
-        def test_two(metric):
-            metric("ops", 500.0)
-            metric("base_ops", 1000.0)
-        """,
+        HALF_OF_TEN_X,
     )
     repo.write(
         "worklog/gates/T-001.yaml",

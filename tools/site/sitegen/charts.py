@@ -81,6 +81,13 @@ def _bars(title: str, labels: list[str], groups: dict[str, list[float]], ylabel:
     return _png(fig)
 
 
+def _pair_bars(title: str, rows: dict[str, dict], *bars: tuple[str, str]) -> bytes:
+    """Bars in seconds of each row's fields: (legend, key) per bar group."""
+    labels = list(rows)
+    groups = {name: [float(rows[k].get(key) or 0.0) for k in labels] for name, key in bars}
+    return _bars(title, labels, groups, "s")
+
+
 def _engine_metrics(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     results = data.get("results")
     if not isinstance(results, dict):
@@ -172,28 +179,12 @@ def baseline_chart(baseline: Baseline) -> bytes | None:
     arms = {k: v for k, v in summary.items() if isinstance(v, dict) and "loaded_s" in v} if (
         isinstance(summary, dict)) else {}  # fmt: skip
     if arms:  # benchmark.contention: one request's latency alone and beside spinning processes
-        labels = list(arms)
-        return _bars(
-            f"{baseline.name}: one request's latency",
-            labels,
-            {
-                "quiet s": [float(arms[a].get("quiet_s") or 0.0) for a in labels],
-                "loaded s": [float(arms[a].get("loaded_s") or 0.0) for a in labels],
-            },
-            "s",
-        )
+        return _pair_bars(f"{baseline.name}: one request's latency", arms,
+                          ("quiet s", "quiet_s"), ("loaded s", "loaded_s"))  # fmt: skip
     runs = startup_runs(data)
     if runs:  # benchmark.startup (and an A/B of it): a fresh process, cold and warm
-        labels = list(runs)
-        return _bars(
-            f"{baseline.name}: LLM() start-up",
-            labels,
-            {
-                "process s": [float(runs[k].get("process_s") or 0.0) for k in labels],
-                "LLM() s": [float(runs[k].get("llm_s") or 0.0) for k in labels],
-            },
-            "s",
-        )
+        return _pair_bars(f"{baseline.name}: LLM() start-up", runs,
+                          ("process s", "process_s"), ("LLM() s", "llm_s"))  # fmt: skip
     sets = parity_sets(data)
     if sets is not None:
         labels = list(sets)
