@@ -167,6 +167,24 @@ def test_noise_is_uniform_and_sampling_follows_softmax():
     np.testing.assert_allclose(freq, torch.softmax(x, -1)[0].numpy(), atol=0.03)
 
 
+# key 194 at step 0 draws 2**24 - 1 of its 24 bits at token 35911: (k + 0.5) / 2**24 rounds to
+# 1.0 in float32, a Gumbel of +inf, and -inf + inf is a NaN that argmax takes (the CI run of
+# 3bf486f sampled a token its grammar forbade, then failed the request with a 500)
+TOP_KEY, TOP_TOKEN = 194, 35911
+
+
+def test_noise_stays_below_one_where_its_24_bits_are_all_ones():
+    u = uniform_noise(torch.tensor([TOP_KEY]), torch.tensor([0]), TOP_TOKEN + 1)
+    assert float(u.max()) < 1.0 and float(u.min()) > 0.0
+
+
+def test_a_forbidden_token_is_never_drawn_even_at_the_top_noise():
+    x = torch.zeros(1, TOP_TOKEN + 1)
+    x[0, TOP_TOKEN] = float("-inf")  # what a grammar's mask or a -inf bias leaves
+    res = sample(x, [Row(SamplingParams(temperature=1.0), generator=TOP_KEY)])
+    assert res.errors == [None] and res.tokens[0] != TOP_TOKEN
+
+
 def test_bad_rows_fail_alone_and_tiny_temperatures_are_greedy():
     x = logits(4, seed=11)
     x[1, 3] = float("nan")

@@ -71,6 +71,9 @@ def _key(row: SampleRow) -> int:
     return key if isinstance(key, int) else request_key(row.params.seed)
 
 
+_BELOW_ONE = 1.0 - 2.0**-24  # float32's largest value below 1
+
+
 def _lshift_right(z: torch.Tensor, s: int) -> torch.Tensor:
     """Logical right shift of int64 (torch's >> is arithmetic)."""
     return (z >> s) & ((1 << (64 - s)) - 1)
@@ -88,7 +91,10 @@ def uniform_noise(keys: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.
     base = _mix(keys ^ _mix(steps * _GOLDEN + 1))
     ids = torch.arange(vocab, device=keys.device, dtype=torch.int64) * _GOLDEN
     z = _mix(base[:, None] + ids[None, :])
-    return (_lshift_right(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    u = (_lshift_right(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # k + 0.5 rounds to 2**24 in float32 at k = 2**24 - 1: 1.0, a Gumbel of +inf, and on a
+    # forbidden (-inf) token a NaN that argmax takes; the largest float32 below 1 instead
+    return u.clamp_(max=_BELOW_ONE)
 
 
 def _host(values, dtype, device) -> torch.Tensor:
