@@ -206,3 +206,50 @@ def test_linear_row_bits_do_not_depend_on_the_row_count(shape: tuple[int, int]) 
         alone = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])
         for start, rows in [(0, 2), (3, 17), (0, 32), (1, 33), (0, 64), (5, 95), (0, 100)]:
             assert torch.equal(lin(x[start : start + rows]), alone[start : start + rows]), rows
+
+
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (576, 1040)])
+def test_int4_rows_do_not_depend_on_the_row_count(shape: tuple[int, int]) -> None:
+    """An int4 layer made batch-invariant runs the C int4 GEMM (`decode_step.c`) at every row
+    count, one row through the tiles of several: a row gets the same bits alone, in the first
+    4-row tile or its tail, at any offset; and the layer keeps no de-quantized copy of its
+    weights (the mode's int4 layers read their 4-bit codes as the default mode's decode does).
+    1040 features: the last 32-feature chunk of a thread is 16 wide."""
+    import torch
+
+    from minisgl.engine.deterministic import make_batch_invariant
+    from minisgl.kernels import cpu as cpu_native
+    from minisgl.quantization.linear import Int4Linear
+    from minisgl.quantization.packed import quantize_int4
+
+    if not cpu_native.available(torch.bfloat16):
+        pytest.skip("no C kernels")
+    torch.manual_seed(0)
+    k, n = shape
+    layer = Int4Linear(quantize_int4(torch.randn(n, k) * 0.05), None, torch.bfloat16)
+    assert make_batch_invariant(layer) == 1
+    held = [t for t in _tensors(layer) if t.is_floating_point() and t.numel() >= n * k]
+    assert held == [], [tuple(t.shape) for t in held]
+    x = torch.randn(70, k, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+        for start, rows in [(0, 2), (3, 3), (0, 4), (1, 5), (0, 33), (5, 65), (0, 70)]:
+            assert torch.equal(layer(x[start : start + rows]), alone[start : start + rows]), rows
+        ref = x.float() @ layer.dequantize().float().t()
+        assert torch.allclose(alone.float(), ref, rtol=0.05, atol=0.05 * float(ref.abs().max()))
+
+
+def _tensors(obj, depth: int = 3) -> list:
+    """The tensors `obj` holds in its attributes (and theirs, `depth` deep)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if depth == 0 or not hasattr(obj, "__dict__"):
+        return []
+    found = []
+    for value in vars(obj).values():
+        values = value.values() if isinstance(value, dict) else [value]
+        for v in values:
+            found += _tensors(v, depth - 1)
+    return found
