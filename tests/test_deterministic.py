@@ -235,6 +235,7 @@ def test_int4_rows_do_not_depend_on_the_row_count(shape: tuple[int, int]) -> Non
         alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
         for start, rows in [(0, 2), (3, 3), (0, 4), (1, 5), (0, 33), (5, 65), (0, 70)]:
             assert torch.equal(layer(x[start : start + rows]), alone[start : start + rows]), rows
+        assert layer(x[:0]).shape == (0, n)  # a step none of whose rows wants logits
         ref = x.float() @ layer.dequantize().float().t()
         assert torch.allclose(alone.float(), ref, rtol=0.05, atol=0.05 * float(ref.abs().max()))
 

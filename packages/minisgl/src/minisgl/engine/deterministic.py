@@ -13,10 +13,14 @@ What varies with the batch outside this mode, and what the mode does instead:
   of at most `ROW_BLOCK` (32) rows, a one-row block as two rows (the row twice), its first
   row kept.
 - Quantized layers switch kernels by row count (the packed int4 / int8 kernel below
-  `dequant_min_rows`, the de-quantized GEMM above): every row count takes the de-quantized
-  bf16 GEMM (`dequant_min_rows = 1`), padded as above, on weights de-quantized once at load
-  (a bf16 copy of every quantized layer beside its codes: the memory of the float model). W8A8 (per-row int8 activations,
-  another kernel) is refused.
+  `dequant_min_rows`, the de-quantized GEMM above). Int4 layers here run the C int4 GEMM of
+  the decode step (`int4_gemv(invariant=True)`, `decode_step.c`) at every row count: each input
+  row is quantized to int8 on its own and its sums are its own (exact int32 dot products of
+  codes, then one fp32 order per row), one row through the same tiles as several, so a row's
+  bits do not depend on the others; the layers keep reading their 4-bit codes (the default
+  mode's decode numbers, not its prefill's). Int8 layers take the de-quantized bf16 GEMM at
+  every row count (`dequant_min_rows = 1`), padded as above, on weights de-quantized once at
+  load (a bf16 copy beside the codes). W8A8 (its int8 GEMM picks kernels by rows) is refused.
 - Decode steps of int4 / w8a8 bf16 models run as one C call (`engine/cpu_decode.py`) whose
   numbers differ from the modules': off. So are the decode graphs (`replay`) and compiled
   graphs (refused: inductor picks its own kernels per shape).
@@ -36,6 +40,7 @@ import torch
 from torch import nn
 
 from minisgl.kernels import cpu as cpu_native
+from minisgl.kernels.cpu import int4
 from minisgl.quantization.linear import Int4Linear, Int8Linear
 from minisgl.utils.cpu import native_bf16
 
@@ -71,10 +76,15 @@ def check(config, device: torch.device, dtype: torch.dtype, quantization: str) -
 
 def make_batch_invariant(model: nn.Module) -> int:
     """Make every linear layer of `model` batch-invariant (one kernel path for every row count:
-    blocks of 2..`ROW_BLOCK` rows, one row padded to two); returns how many layers."""
+    int4 layers the C int4 GEMM, the others blocks of 2..`ROW_BLOCK` rows, one row padded to
+    two); returns how many layers."""
     count = 0
     for m in model.modules():
-        if isinstance(m, (Int4Linear, Int8Linear)):
+        if isinstance(m, Int4Linear):
+            m.forward = _Int4Rows(m)
+            count += 1
+            continue
+        if isinstance(m, Int8Linear):
             m.dequant_min_rows = 1
             # de-quantized once, here: the same bits the layer's every call made (a pass over
             # its codes a call was ~45% of a step), kept beside the codes in the activation dtype
@@ -84,6 +94,21 @@ def make_batch_invariant(model: nn.Module) -> int:
         m.forward = _RowBlocks(m.forward)
         count += 1
     return count
+
+
+class _Int4Rows:
+    """An int4 layer's forward through the C int4 GEMM at every row count, invariant to the
+    other rows (`int4_gemv(invariant=True)`)."""
+
+    def __init__(self, layer: Int4Linear) -> None:
+        self.matrix = int4.Int4Matrix.of(layer.codes, layer.scales_zeros, layer.bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+        if rows.shape[0] == 0:  # e.g. a step none of whose rows wants logits
+            return x.new_empty(*x.shape[:-1], self.matrix.shape[0])
+        y = int4.int4_gemv(rows, self.matrix, invariant=True)
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
 class _Dequantized:

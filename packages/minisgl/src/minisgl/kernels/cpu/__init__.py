@@ -186,7 +186,7 @@ def _library() -> ctypes.CDLL | None:
         [_PTR, _I64, _I64, _PTR, _I64, _I64] + [_PTR] * 4 + [_I64] * 2 + [ctypes.c_int]
     )
     lib.int4_gemv_bf16.restype = ctypes.c_int
-    lib.int4_gemv_bf16.argtypes = [_PTR, _I64] + [_PTR] * 4 + [_I64] * 4 + [ctypes.c_int]
+    lib.int4_gemv_bf16.argtypes = [_PTR, _I64] + [_PTR] * 4 + [_I64] * 4 + [ctypes.c_int] * 2
     lib.decode_layers_bf16.restype = ctypes.c_int
     lib.decode_layers_bf16.argtypes = ([_PTR, _I64] + [_PTR] * 7 + [_I64] + [_PTR] * 2
                                        + [_I64] * 9 + [ctypes.c_float, ctypes.c_int])  # fmt: skip
