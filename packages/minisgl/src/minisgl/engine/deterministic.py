@@ -5,22 +5,22 @@ runs in its steps: other requests batched beside it, how its prompt was chunked,
 prefix came from the cache.
 
 What varies with the batch outside this mode, and what the mode does instead:
-- bf16 `F.linear` (oneDNN) picks its kernel by row count M: M = 1 differs from M >= 2 (e.g.
+- bf16 `F.linear` (oneDNN) picks its kernel by row count: M = 1 differs from M >= 2 (e.g.
   the lm_head's 49152 features), and on a CPU with AMX (intel-amx) M >= 33 runs the AMX tile
   kernel, whose sums round differently from the AVX-512 kernel of 2 <= M <= 32 (most layers
-  of the embedded model from 33 rows; without AMX every M >= 2 agreed). Rows 2..32 agree
-  with each other, row by row, at every row offset, on both: a linear runs its rows in blocks
-  of at most `ROW_BLOCK` (32) rows, a one-row block as two rows (the row twice), its first
-  row kept.
+  of the embedded model from 33 rows; without AMX every M >= 2 agreed; oneDNN's AMX kernel
+  also gives a row other bits at other offsets and row counts). On a CPU with AMX-BF16 every
+  linear runs this project's AMX GEMM instead (`kernels/cpu/amx_gemm.c`): rows in tiles of
+  16, a short tile zero-padded, each output's sum over k in one order from zero, so a row's
+  bits are its own at every row count and offset (as fast as oneDNN's AMX kernel from 16 rows
+  on the embedded model's shapes, faster at 16-64). Elsewhere oneDNN's rows 2..32 agree with
+  each other, row by row, at every row offset: a linear runs its rows in blocks of at most
+  `ROW_BLOCK` (32) rows, a one-row block as two rows (the row twice), its first row kept.
 - Quantized layers switch kernels by row count (the packed int4 / int8 kernel below
-  `dequant_min_rows`, the de-quantized GEMM above). Int4 layers here run the C int4 GEMM of
-  the decode step (`int4_gemv(invariant=True)`, `decode_step.c`) at every row count: each input
-  row is quantized to int8 on its own and its sums are its own (exact int32 dot products of
-  codes, then one fp32 order per row), one row through the same tiles as several, so a row's
-  bits do not depend on the others; the layers keep reading their 4-bit codes (the default
-  mode's decode numbers, not its prefill's). Int8 layers take the de-quantized bf16 GEMM at
-  every row count (`dequant_min_rows = 1`), padded as above, on weights de-quantized once at
-  load (a bf16 copy beside the codes). W8A8 (its int8 GEMM picks kernels by rows) is refused.
+  `dequant_min_rows`, the de-quantized GEMM above): here every row count multiplies weights
+  de-quantized once at load (a bf16 copy of every quantized layer beside its codes: the
+  memory of the float model) through the GEMM above. W8A8 (per-row int8 activations, another
+  kernel) is refused.
 - Decode steps of int4 / w8a8 bf16 models run as one C call (`engine/cpu_decode.py`) whose
   numbers differ from the modules': off. So are the decode graphs (`replay`) and compiled
   graphs (refused: inductor picks its own kernels per shape).
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from minisgl.kernels import cpu as cpu_native
-from minisgl.kernels.cpu import int4
+from minisgl.kernels.cpu import amx_gemm
 from minisgl.quantization.linear import Int4Linear, Int8Linear
 from minisgl.utils.cpu import native_bf16
 
@@ -76,39 +76,39 @@ def check(config, device: torch.device, dtype: torch.dtype, quantization: str) -
 
 def make_batch_invariant(model: nn.Module) -> int:
     """Make every linear layer of `model` batch-invariant (one kernel path for every row count:
-    int4 layers the C int4 GEMM, the others blocks of 2..`ROW_BLOCK` rows, one row padded to
-    two); returns how many layers."""
+    the AMX GEMM where the CPU has AMX-BF16, else oneDNN's in blocks of 2..`ROW_BLOCK` rows, one
+    row padded to two); returns how many layers."""
     count = 0
     for m in model.modules():
-        if isinstance(m, Int4Linear):
-            m.forward = _Int4Rows(m)
-            count += 1
+        quantized = isinstance(m, (Int4Linear, Int8Linear))
+        if not quantized and not isinstance(m, nn.Linear):
             continue
-        if isinstance(m, Int8Linear):
-            m.dequant_min_rows = 1
-            # de-quantized once, here: the same bits the layer's every call made (a pass over
-            # its codes a call was ~45% of a step), kept beside the codes in the activation dtype
-            m.dequantize = _Dequantized(m.dequantize())
-        elif not isinstance(m, nn.Linear):
-            continue
-        m.forward = _RowBlocks(m.forward)
+        # quantized: de-quantized once, here (the same bits the layer's every call made; a pass
+        # over its codes a call was ~45% of a step), kept in the activation dtype
+        weight = m.dequantize() if quantized else m.weight
+        if amx_gemm.supported() and weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0:
+            m.forward = _AmxRows(amx_gemm.AmxWeight.of(weight, m.bias))
+        else:
+            if quantized:
+                m.dequant_min_rows = 1
+                m.dequantize = _Dequantized(weight)
+            m.forward = _RowBlocks(m.forward)
         count += 1
     return count
 
 
-class _Int4Rows:
-    """An int4 layer's forward through the C int4 GEMM at every row count, invariant to the
-    other rows (`int4_gemv(invariant=True)`)."""
+class _AmxRows:
+    """A linear's forward through the AMX GEMM (a row's bits its own at every row count)."""
 
-    def __init__(self, layer: Int4Linear) -> None:
-        self.matrix = int4.Int4Matrix.of(layer.codes, layer.scales_zeros, layer.bias)
+    def __init__(self, weight: amx_gemm.AmxWeight) -> None:
+        self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-        if rows.shape[0] == 0:  # e.g. a step none of whose rows wants logits
-            return x.new_empty(*x.shape[:-1], self.matrix.shape[0])
-        y = int4.int4_gemv(rows, self.matrix, invariant=True)
-        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.dtype != torch.bfloat16 or rows.stride(-1) != 1:
+            rows = rows.to(torch.bfloat16).contiguous()
+        y = amx_gemm.amx_gemm(rows, self.weight)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.weight.n)
 
 
 class _Dequantized:

@@ -46,6 +46,7 @@ SOURCES = tuple(
         "decode_attention",
         "prefill_attention",
         "prefill_amx",
+        "amx_gemm",
         "row_max",
         "kv_store",
         "dequant",
@@ -185,8 +186,11 @@ def _library() -> ctypes.CDLL | None:
     lib.rope_bf16.argtypes = (
         [_PTR, _I64, _I64, _PTR, _I64, _I64] + [_PTR] * 4 + [_I64] * 2 + [ctypes.c_int]
     )
+    lib.amx_gemm_supported.restype = ctypes.c_int
+    lib.amx_gemm_bf16.restype = ctypes.c_int
+    lib.amx_gemm_bf16.argtypes = [_PTR, _I64] + [_PTR] * 3 + [_I64] * 4 + [ctypes.c_int]
     lib.int4_gemv_bf16.restype = ctypes.c_int
-    lib.int4_gemv_bf16.argtypes = [_PTR, _I64] + [_PTR] * 4 + [_I64] * 4 + [ctypes.c_int] * 2
+    lib.int4_gemv_bf16.argtypes = [_PTR, _I64] + [_PTR] * 4 + [_I64] * 4 + [ctypes.c_int]
     lib.decode_layers_bf16.restype = ctypes.c_int
     lib.decode_layers_bf16.argtypes = ([_PTR, _I64] + [_PTR] * 7 + [_I64] + [_PTR] * 2
                                        + [_I64] * 9 + [ctypes.c_float, ctypes.c_int])  # fmt: skip

@@ -382,14 +382,11 @@ static void dots4_avx2(const q4mat *w, int64_t n, const qrow *a, float *out) {
 #define HAVE_DOTS4_AVX2 0
 #endif
 
-/* y [rows, n] (floats rounded to bf16) = the quantized rows times w^T (+ bias). `invariant`:
- * one input row through `gemm`'s tiles too (`dots4` sums in another order), so that a row gets
- * the same bits whatever the other rows of the call (deterministic mode: each row's sums are
- * its own in `tile`, the same at every mr; the AVX2 and plain paths are per row already) */
-static void gemv(const q4mat *w, const qrow *a, int64_t rows, float *y, int threads, int invariant) {
+/* y [rows, n] (floats rounded to bf16) = the quantized rows times w^T (+ bias) */
+static void gemv(const q4mat *w, const qrow *a, int64_t rows, float *y, int threads) {
     const int64_t n = w->n;
 #if HAVE_DOTS4
-    if (rows == 1 && n % 4 == 0 && !invariant) {
+    if (rows == 1 && n % 4 == 0) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t r = 0; r < n; r += 4) {
             float o[4];
@@ -401,7 +398,6 @@ static void gemv(const q4mat *w, const qrow *a, int64_t rows, float *y, int thre
         gemm(w, a, rows, y, threads);
     }
 #else
-    (void)invariant;
 #if HAVE_DOTS4_AVX2
     if (n % 4 == 0) { /* each block of 4 weight rows stays in L1 while every input passes */
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -431,7 +427,7 @@ static int check_mat(const q4mat *w) {
 /* the int4 GEMV alone: x bf16 [rows, k] (rows x_stride apart) -> out bf16 [rows, n] */
 int int4_gemv_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *codes, const uint16_t *sz,
                    const uint16_t *bias, uint16_t *out, int64_t rows, int64_t n, int64_t k, int64_t gp,
-                   int threads, int invariant) {
+                   int threads) {
     const q4mat w = {codes, sz, bias, n, k, gp};
     if (!check_mat(&w)) return 9;
     if (rows < 1) return 9;
@@ -444,7 +440,7 @@ int int4_gemv_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *codes, co
             for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(x[m * x_stride + i]);
             quantize_row(xf, k, &a[m]);
         }
-        gemv(&w, a, rows, y, threads, invariant);
+        gemv(&w, a, rows, y, threads);
         for (int64_t i = 0; i < rows * n; i++) out[i] = f32_to_bf16(y[i]);
     }
     qrows_free(a);
@@ -518,7 +514,7 @@ int decode_layers_bf16(const layer_w *layers, int64_t num_layers, uint16_t *x, c
             rms_norm(xf + m * h, L->in_norm, eps, h, hb + m * kmax);
             quantize_row(hb + m * kmax, h, &a[m]);
         }
-        gemv(&L->qkv, a, rows, y, threads, 0);
+        gemv(&L->qkv, a, rows, y, threads);
         ROWS_PARALLEL
         for (int64_t m = 0; m < rows; m++)
             heads_to_pool(y + m * nqkv, L->q_norm, L->k_norm, eps, cos + m * d, sin + m * d, nh, kvh,
@@ -535,7 +531,7 @@ int decode_layers_bf16(const layer_w *layers, int64_t num_layers, uint16_t *x, c
             for (int64_t i = 0; i < qn; i++) hm[i] = bf16_to_f32(ob[m * qn + i]);
             quantize_row(hm, qn, &a[m]);
         }
-        gemv(&L->o, a, rows, y, threads, 0);
+        gemv(&L->o, a, rows, y, threads);
         /* the residual, then the MLP: norm, gate / up, SiLU x up, down, the residual */
         ROWS_PARALLEL
         for (int64_t m = 0; m < rows; m++) {
@@ -543,14 +539,14 @@ int decode_layers_bf16(const layer_w *layers, int64_t num_layers, uint16_t *x, c
             rms_norm(xf + m * h, L->post_norm, eps, h, hb + m * kmax);
             quantize_row(hb + m * kmax, h, &a[m]);
         }
-        gemv(&L->gate_up, a, rows, y, threads, 0);
+        gemv(&L->gate_up, a, rows, y, threads);
         ROWS_PARALLEL
         for (int64_t m = 0; m < rows; m++) {
             const float *g = y + m * 2 * inter;
             silu_mul(g, g + inter, hb + m * kmax, inter);
             quantize_row(hb + m * kmax, inter, &a[m]);
         }
-        gemv(&L->down, a, rows, y, threads, 0);
+        gemv(&L->down, a, rows, y, threads);
         ROWS_PARALLEL
         for (int64_t i = 0; i < rows * h; i++) xf[i] = rbf(xf[i] + y[i]);
     }

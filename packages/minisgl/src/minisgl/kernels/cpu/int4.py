@@ -68,11 +68,9 @@ class Int4Matrix:
         )
 
 
-def int4_gemv(x: torch.Tensor, w: Int4Matrix, invariant: bool = False) -> torch.Tensor:
-    """bf16 x [rows, K] (rows >= 1, each contiguous) times w^T (+ bias): bf16 [rows, N]. x is
-    quantized per group of 32 to int8 (decode_step.c), so the result is not the packed torch
-    kernel's to the bit; ValueError on other shapes. `invariant`: a row's output the same bits
-    at every row count and position (one row takes the tiles of several: deterministic mode)."""
+def int4_gemv(x: torch.Tensor, w: Int4Matrix) -> torch.Tensor:
+    """bf16 x [rows, K] (rows >= 1, each contiguous) times w^T (+ bias): bf16 [rows, N]. x is quantized per group of 32 to int8 (decode_step.c), so the result is not
+    the packed torch kernel's to the bit; ValueError on other shapes."""
     lib = _library()
     assert lib is not None
     n, k = w.shape
@@ -85,7 +83,7 @@ def int4_gemv(x: torch.Tensor, w: Int4Matrix, invariant: bool = False) -> torch.
     sz = w.scales_zeros  # the lm_head's call, every decode step: no ctypes record built
     rc = lib.int4_gemv_bf16(x.data_ptr(), x.stride(0), w.codes.data_ptr(), sz.data_ptr(),
                             step_layers.ptr(w.bias), out.data_ptr(), rows, n, k, sz.shape[1],
-                            torch.get_num_threads(), int(invariant))  # fmt: skip
+                            torch.get_num_threads())  # fmt: skip
     if rc != 0:
         raise ValueError(f"int4_gemv: {_ERRORS.get(rc, rc)}")
     return out
