@@ -1,8 +1,8 @@
 """The CPU kernels in C, built on first use with the system C compiler (the one inductor uses
 for compiled decode) and called through ctypes: attention (`decode_attention.c`,
 `prefill_attention.c`, `prefill_amx.c`), the KV store, the int4 / int8 de-quantization and
-GEMVs, w8a8's input quantization, the sampler's row argmax and the one-call decode step
-(`decode_step.c`). Used by the attention backends, the quantized linears, the sampler and
+GEMVs, w8a8's input quantization, the sampler's row argmax, the one-call decode step
+(`decode_step.c`) and deterministic mode's batch-invariant AMX GEMM (`amx_gemm.c`). Used by the attention backends, the quantized linears, the sampler and
 the engine's C decode step: the layers above share them from here.
 
 `decode_attention(q, k, v, lens, window)` is a torch custom op (`minisgl::cpu_decode_attention`)
