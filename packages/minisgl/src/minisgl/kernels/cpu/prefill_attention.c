@@ -63,7 +63,9 @@ static void scratch_free(scratch *w) {
 }
 
 /* portable: s[g][l] = q[g] . kt[:, l] for RB rows and l < nk (a multiple of 2 * LW) */
-static void block_scores(const float *q, const float *kt, float *s, int64_t dp, int64_t nk) {
+static void block_scores(const float *q, const float *kt, float *s, int64_t dp, int64_t nk,
+                         int rows) {
+    (void)rows; /* RB rows: the vector path skips the padding */
     for (int64_t l0 = 0; l0 < nk; l0 += 2 * LW) {
         float a[RB][2 * LW] = {{0}};
         for (int64_t c = 0; c < dp; c++) {
@@ -78,7 +80,9 @@ static void block_scores(const float *q, const float *kt, float *s, int64_t dp, 
 }
 
 /* portable: acc[g] += sum over l < n of p[g][l] * vf[l] for RB rows */
-static void block_weighted(const float *p, const float *vf, float *acc, int64_t dp, int64_t n) {
+static void block_weighted(const float *p, const float *vf, float *acc, int64_t dp, int64_t n,
+                           int rows) {
+    (void)rows;
     for (int64_t c0 = 0; c0 < dp; c0 += LW) {
         float a[RB][LW];
         for (int g = 0; g < RB; g++) memcpy(a[g], acc + g * dp + c0, sizeof a[g]);
@@ -94,51 +98,83 @@ static void block_weighted(const float *p, const float *vf, float *acc, int64_t 
 }
 
 #if defined(__AVX512F__)
-/* block_scores on explicit vectors: RB x 2 accumulators in registers */
-static void block_scores_v(const float *q, const float *kt, float *s, int64_t dp, int64_t nk) {
+/* block_scores on explicit vectors: `rows` (<= RB) x 2 accumulators in registers; each row's
+ * sums are its own, the same whatever `rows` (a decode token has gqa rows, not RB) */
+static inline __attribute__((always_inline)) void scores_rows(const float *q, const float *kt,
+                                                              float *s, int64_t dp, int64_t nk,
+                                                              const int rows) {
     for (int64_t l0 = 0; l0 < nk; l0 += 2 * LW) {
         __m512 a[RB][2];
-        for (int g = 0; g < RB; g++) a[g][0] = a[g][1] = _mm512_setzero_ps();
+        for (int g = 0; g < rows; g++) a[g][0] = a[g][1] = _mm512_setzero_ps();
         for (int64_t c = 0; c < dp; c++) {
             const __m512 k0 = _mm512_loadu_ps(kt + c * KB + l0);
             const __m512 k1 = _mm512_loadu_ps(kt + c * KB + l0 + LW);
-            for (int g = 0; g < RB; g++) {
+            for (int g = 0; g < rows; g++) {
                 const __m512 qc = _mm512_set1_ps(q[g * dp + c]);
                 a[g][0] = _mm512_fmadd_ps(qc, k0, a[g][0]);
                 a[g][1] = _mm512_fmadd_ps(qc, k1, a[g][1]);
             }
         }
-        for (int g = 0; g < RB; g++) {
+        for (int g = 0; g < rows; g++) {
             _mm512_storeu_ps(s + g * KB + l0, a[g][0]);
             _mm512_storeu_ps(s + g * KB + l0 + LW, a[g][1]);
         }
     }
 }
 
-/* block_weighted on explicit vectors: RB rows x 2 * LW lanes of accumulators in registers */
-static void block_weighted_v(const float *p, const float *vf, float *acc, int64_t dp,
-                             int64_t n) {
+/* block_weighted on explicit vectors: `rows` (<= RB) x 2 * LW lanes of accumulators */
+static inline __attribute__((always_inline)) void weighted_rows(const float *p, const float *vf,
+                                                                float *acc, int64_t dp, int64_t n,
+                                                                const int rows) {
     for (int64_t c0 = 0; c0 < dp; c0 += 2 * LW) {
         const int two = c0 + 2 * LW <= dp; /* else one chunk of LW lanes */
         __m512 a[RB][2];
-        for (int g = 0; g < RB; g++) {
+        for (int g = 0; g < rows; g++) {
             a[g][0] = _mm512_loadu_ps(acc + g * dp + c0);
             a[g][1] = two ? _mm512_loadu_ps(acc + g * dp + c0 + LW) : _mm512_setzero_ps();
         }
         for (int64_t l = 0; l < n; l++) {
             const __m512 v0 = _mm512_loadu_ps(vf + l * dp + c0);
             const __m512 v1 = two ? _mm512_loadu_ps(vf + l * dp + c0 + LW) : _mm512_setzero_ps();
-            for (int g = 0; g < RB; g++) {
+            for (int g = 0; g < rows; g++) {
                 const __m512 pg = _mm512_set1_ps(p[g * KB + l]);
                 a[g][0] = _mm512_fmadd_ps(pg, v0, a[g][0]);
                 a[g][1] = _mm512_fmadd_ps(pg, v1, a[g][1]);
             }
         }
-        for (int g = 0; g < RB; g++) {
+        for (int g = 0; g < rows; g++) {
             _mm512_storeu_ps(acc + g * dp + c0, a[g][0]);
             if (two) _mm512_storeu_ps(acc + g * dp + c0 + LW, a[g][1]);
         }
     }
+}
+
+/* the two above with a constant row count each (the loops unroll, the accumulators stay in
+ * registers) */
+#define ROWS_SWITCH(CALL)                                                                       \
+    switch (rows) {                                                                             \
+    case 1: CALL(1); break;                                                                     \
+    case 2: CALL(2); break;                                                                     \
+    case 3: CALL(3); break;                                                                     \
+    case 4: CALL(4); break;                                                                     \
+    case 5: CALL(5); break;                                                                     \
+    case 6: CALL(6); break;                                                                     \
+    case 7: CALL(7); break;                                                                     \
+    default: CALL(RB); break;                                                                   \
+    }
+
+static void block_scores_v(const float *q, const float *kt, float *s, int64_t dp, int64_t nk,
+                           int rows) {
+#define SCORES(R) scores_rows(q, kt, s, dp, nk, R)
+    ROWS_SWITCH(SCORES)
+#undef SCORES
+}
+
+static void block_weighted_v(const float *p, const float *vf, float *acc, int64_t dp, int64_t n,
+                             int rows) {
+#define WEIGHTED(R) weighted_rows(p, vf, acc, dp, n, R)
+    ROWS_SWITCH(WEIGHTED)
+#undef WEIGHTED
 }
 #define VECTOR(d) ((d) % LW == 0)
 #else
@@ -146,6 +182,64 @@ static void block_weighted_v(const float *p, const float *vf, float *acc, int64_
 #define block_weighted_v block_weighted
 #define VECTOR(d) 0
 #endif
+
+/* K rows idx[0..n) (head offset `off`, rows `sl` apart) widened into kt[c][KB] (transposed):
+ * the same values whatever the path, only the data movement differs */
+static void kt_fill_f32(float *kt, const float *k, const int64_t *idx, int64_t n, int64_t sl,
+                        int64_t off, int64_t d) {
+    for (int64_t l = 0; l < n; l++)
+        for (int64_t c = 0; c < d; c++) kt[c * KB + l] = k[idx[l] * sl + off + c];
+}
+
+#if defined(__AVX512F__)
+/* a 16 x 16 float transpose in registers: r[i] lane j -> r[j] lane i */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    /* r[4b + m] now holds, per 128-bit lane L, column 4L + m' of rows 4b..4b+3 (m' = m order:
+     * 0, 1, 2, 3 -> columns 0, 1, 2, 3 of the lane) */
+    for (int i = 0; i < 4; i++) {
+        const __m512 a = r[i], b = r[4 + i], c = r[8 + i], e = r[12 + i];
+        const __m512 ab_lo = _mm512_shuffle_f32x4(a, b, 0x44), ab_hi = _mm512_shuffle_f32x4(a, b, 0xEE);
+        const __m512 ce_lo = _mm512_shuffle_f32x4(c, e, 0x44), ce_hi = _mm512_shuffle_f32x4(c, e, 0xEE);
+        t[i] = _mm512_shuffle_f32x4(ab_lo, ce_lo, 0x88);
+        t[4 + i] = _mm512_shuffle_f32x4(ab_lo, ce_lo, 0xDD);
+        t[8 + i] = _mm512_shuffle_f32x4(ab_hi, ce_hi, 0x88);
+        t[12 + i] = _mm512_shuffle_f32x4(ab_hi, ce_hi, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+#endif
+
+static void kt_fill_bf16(float *kt, const uint16_t *k, const int64_t *idx, int64_t n, int64_t sl,
+                         int64_t off, int64_t d) {
+    int64_t l0 = 0;
+#if defined(__AVX512F__)
+    if (d % 16 == 0) {
+        for (; l0 + 16 <= n; l0 += 16)
+            for (int64_t c0 = 0; c0 < d; c0 += 16) {
+                __m512 r[16];
+                for (int i = 0; i < 16; i++) {
+                    const __m256i h = _mm256_loadu_si256((const __m256i *)(k + idx[l0 + i] * sl + off + c0));
+                    r[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                }
+                transpose16(r);
+                for (int j = 0; j < 16; j++) _mm512_storeu_ps(kt + (c0 + j) * KB + l0, r[j]);
+            }
+    }
+#endif
+    for (int64_t l = l0; l < n; l++)
+        for (int64_t c = 0; c < d; c++) kt[c * KB + l] = bf16_to_f32(k[idx[l] * sl + off + c]);
+}
 
 /* one row's scores over tile keys [0, n) -> probabilities, keys outside [lo, hi) zero; the
  * row's running max / sum / accumulator rescaled as in flash attention */
@@ -183,10 +277,12 @@ DEFINE_ROW_SOFTMAX(row_softmax_bf16, bf16_to_f32, f32_to_bf16)
 #define TOKEN_START(i) (window > 0 && TOKEN_END(i) > window ? TOKEN_END(i) - window : 0)
 /* the tile's keys [0, m) that the RB rows from r0 see: up to the block's last token */
 #define BLOCK_LAST(r0) (i0 + ((r0) + RB - 1 < nr ? (r0) + RB - 1 : nr - 1) / gqa)
+/* the query rows of the block from r0 that exist (the last block of a task may be short) */
+#define BLOCK_ROWS(r0) ((int)(nr - (r0) < RB ? nr - (r0) : RB))
 #define BLOCK_KEYS(r0)                                                                          \
     (TOKEN_END(BLOCK_LAST(r0)) - t0 < n ? TOKEN_END(BLOCK_LAST(r0)) - t0 : n)
 
-#define DEFINE_TASK(NAME, T, LOAD, STORE, ROW_SOFTMAX)                                          \
+#define DEFINE_TASK(NAME, T, LOAD, STORE, ROW_SOFTMAX, KT_FILL)                                          \
     static void NAME(const T *q, const T *k, const T *v, T *out, const int64_t *idx,            \
                      int64_t q0, int64_t prefix, int64_t i0, int64_t i1, int64_t h, int64_t kvh, \
                      int64_t gqa, int64_t d, int64_t dp, int64_t k_sh, int64_t k_sl,            \
@@ -204,10 +300,9 @@ DEFINE_ROW_SOFTMAX(row_softmax_bf16, bf16_to_f32, f32_to_bf16)
         const int64_t ks = TOKEN_START(i0), ke = TOKEN_END(i1 - 1);                             \
         for (int64_t t0 = ks / KB * KB; t0 < ke; t0 += KB) { /* tiles at multiples of KB */   \
             const int64_t n = ke - t0 < KB ? ke - t0 : KB, nk = (n + 2 * LW - 1) / (2 * LW) * 2 * LW; \
+            KT_FILL(w->kt, k, idx + t0, n, k_sl, h * k_sh, d);                                  \
             for (int64_t l = 0; l < n; l++) {                                                   \
-                const T *kr = k + idx[t0 + l] * k_sl + h * k_sh;                                \
                 const T *vr = v + idx[t0 + l] * v_sl + h * v_sh;                                \
-                for (int64_t c = 0; c < d; c++) w->kt[c * KB + l] = LOAD(kr[c]);                \
                 for (int64_t c = 0; c < d; c++) w->vf[l * dp + c] = LOAD(vr[c]);                \
             }                                                                                   \
             for (int64_t c = 0; c < d; c++)                                                     \
@@ -215,7 +310,7 @@ DEFINE_ROW_SOFTMAX(row_softmax_bf16, bf16_to_f32, f32_to_bf16)
             for (int64_t r0 = 0; r0 < nrb; r0 += RB) {                                          \
                 const int64_t m = BLOCK_KEYS(r0);                                               \
                 const int64_t mk = m > 0 ? (m + 2 * LW - 1) / (2 * LW) * 2 * LW : 0;            \
-                (vec ? block_scores_v : block_scores)(w->q + r0 * dp, w->kt, w->s + r0 * KB, dp, mk); \
+                (vec ? block_scores_v : block_scores)(w->q + r0 * dp, w->kt, w->s + r0 * KB, dp, mk, BLOCK_ROWS(r0)); \
             }                                                                                   \
             for (int64_t r = 0; r < nr; r++) {                                                  \
                 const int64_t i = i0 + r / gqa, st = TOKEN_START(i), e = TOKEN_END(i);          \
@@ -225,7 +320,7 @@ DEFINE_ROW_SOFTMAX(row_softmax_bf16, bf16_to_f32, f32_to_bf16)
             for (int64_t r = nr; r < nrb; r++) memset(w->s + r * KB, 0, sizeof(float) * KB);    \
             for (int64_t r0 = 0; r0 < nrb; r0 += RB) {                                          \
                 const int64_t m = BLOCK_KEYS(r0);                                               \
-                (vec ? block_weighted_v : block_weighted)(w->s + r0 * KB, w->vf, w->acc + r0 * dp, dp, m); \
+                (vec ? block_weighted_v : block_weighted)(w->s + r0 * KB, w->vf, w->acc + r0 * dp, dp, m, BLOCK_ROWS(r0)); \
             }                                                                                   \
         }                                                                                       \
         for (int64_t r = 0; r < nr; r++) {                                                      \
@@ -235,8 +330,8 @@ DEFINE_ROW_SOFTMAX(row_softmax_bf16, bf16_to_f32, f32_to_bf16)
         }                                                                                       \
     }
 
-DEFINE_TASK(task_f32, float, F32_LOAD, F32_STORE, row_softmax_f32)
-DEFINE_TASK(task_bf16, uint16_t, bf16_to_f32, f32_to_bf16, row_softmax_bf16)
+DEFINE_TASK(task_f32, float, F32_LOAD, F32_STORE, row_softmax_f32, kt_fill_f32)
+DEFINE_TASK(task_bf16, uint16_t, bf16_to_f32, f32_to_bf16, row_softmax_bf16, kt_fill_bf16)
 
 #define DEFINE_KERNEL(NAME, T, TASK)                                                            \
     int NAME(const T *q, const T *k, const T *v, T *out, const int64_t *indices,                \
