@@ -27,15 +27,21 @@ def _cap_onednn() -> None:
 
 
 def _sleeping_openmp() -> None:
-    """Idle OpenMP threads sleep between parallel regions (`OMP_WAIT_POLICY=PASSIVE`) unless the
-    caller chose: libgomp, which torch loads, reads the policy once, and its default (spinning
-    ~300k iterations) took the cores other work and the team's own threads needed on a shared
-    machine: one 64-token request 4.8 s against 1.0 beside other work on 2 cores, 68 s against
-    2.6 with four spinning processes more (`python -m minisgl.benchmark.contention`, amd-epyc).
-    A dedicated machine may set ACTIVE; a process that imported torch first keeps its policy."""
+    """Idle OpenMP threads sleep between parallel regions (`OMP_WAIT_POLICY=PASSIVE`) after a
+    short spin (`GOMP_SPINCOUNT=1000`, libgomp's ~10 us) unless the caller chose: libgomp, which
+    torch loads, reads both once. Its default (spinning ~300k iterations) took the cores other
+    work and the team's own threads needed on a shared machine: one 64-token request 4.8 s
+    against 1.0 beside other work on 2 cores, 68 s against 2.6 with four spinning processes more
+    (`python -m minisgl.benchmark.contention`, amd-epyc). PASSIVE alone spins 0: every parallel
+    region then woke its threads from a futex, and single-stream decode (hundreds of regions a
+    step) fell from 143 to 50.6 tok/s on a quiet intel-amx; the short spin keeps 141.8 and a
+    loaded request's latency (0.47-0.52 s against PASSIVE's 0.48-0.75). A dedicated machine
+    may set ACTIVE; a process that imported torch first keeps its policy."""
     import os
 
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 
 _cap_onednn()
