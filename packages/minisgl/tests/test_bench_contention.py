@@ -34,6 +34,21 @@ def test_arms_parse_by_name_or_environment() -> None:
             parse_arm(bad)
 
 
+def test_an_arm_gets_no_openmp_setting_it_did_not_ask_for(monkeypatch) -> None:
+    """The parent imported minisgl, which set OMP_WAIT_POLICY and GOMP_SPINCOUNT in its own
+    environment: an arm's process must not inherit them (the "passive" arm ran with the
+    parent's 1000 spins, the "active" one would have)."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    monkeypatch.setenv("KEEP_ME", "1")
+    env = contention.arm_env({"OMP_WAIT_POLICY": "ACTIVE"})
+    assert env["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in env
+    assert env["KEEP_ME"] == "1"
+    default = contention.arm_env({})
+    assert "OMP_WAIT_POLICY" not in default and "GOMP_SPINCOUNT" not in default
+    assert contention.arm_env({"GOMP_SPINCOUNT": "0"})["GOMP_SPINCOUNT"] == "0"
+
+
 def test_the_benchmark_runs_each_arm_quiet_and_loaded(tiny_model_dir, tmp_path, capsys) -> None:
     out = tmp_path / "c.json"
     rc = contention.main(["--model-path", str(tiny_model_dir("llama")), "--threads", "2",
