@@ -5,7 +5,7 @@
 
 Each arm is a process of its own holding one `LLM` (the same model and threads), started with
 its environment: the OpenMP runtime reads its wait policy once, when torch loads it. The default
-arms: `default` (minisgl's settings), `active` (`OMP_WAIT_POLICY=ACTIVE`: idle threads spin
+arms: `default` (minisgl's settings: PASSIVE after 1000 spins), `active` (`OMP_WAIT_POLICY=ACTIVE`: idle threads spin
 between parallel regions, libgomp's own default), `passive` (`OMP_WAIT_POLICY=PASSIVE`: they
 sleep at once) and `adapt` (`MINISGL_CPU_THREADS_ADAPT=1`: each step's threads from what the
 other processes leave, `utils/cpu_share.py`). Each repeat times one greedy chat request of
@@ -81,17 +81,26 @@ def spinning(n: int) -> Iterator[None]:
             p.wait()
 
 
+# what `import minisgl` sets unless the caller did (`minisgl._sleeping_openmp`): this process
+# imported minisgl, so its own values must not reach an arm that did not ask for them
+OPENMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def arm_env(env: dict[str, str]) -> dict[str, str]:
+    """An arm's process environment: this one's, less every variable an arm may set and the
+    OpenMP ones, then the arm's own."""
+    controlled = {var for arm in ARMS.values() for var in arm} | set(OPENMP_VARS) | set(env)
+    return {**{k: v for k, v in os.environ.items() if k not in controlled}, **env}
+
+
 class Arm:
     """One arm's process: `time()` runs one request there and returns (seconds, tokens)."""
 
     def __init__(self, name: str, env: dict[str, str], kw: dict[str, Any], max_tokens: int):
         self.name = name
-        # the arm's variables over minisgl's: a caller's OMP_WAIT_POLICY must not leak in
-        controlled = {var for arm in ARMS.values() for var in arm} | set(env)
-        base = {k: v for k, v in os.environ.items() if k not in controlled}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", CHILD, json.dumps(kw), str(max_tokens)],
-            env={**base, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=arm_env(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, text=True,
         )  # fmt: skip
 
