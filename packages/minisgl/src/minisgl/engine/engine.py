@@ -83,9 +83,7 @@ class Engine:
         quantization = config.quantization
         if config.dummy_weights and quantization == "auto":
             quantization = "none"  # random float weights: nothing to take a precision from
-        self.quantization = resolve_quantization(
-            quantization, config.model_path, self.device, config.dtype
-        )
+        self.quantization = resolve_quantization(quantization, config.model_path, self.device)
         self.dtype = resolve_dtype(config.dtype, cfg, self.device, self.quantization)
         if config.deterministic:  # refused before anything loads
             deterministic.check(config, self.device, self.dtype, self.quantization)

@@ -26,15 +26,11 @@ def cpu_has_fast_bf16() -> bool:
     return native_bf16()
 
 
-def resolve_quantization(
-    quantization: str, model_path: str, device: torch.device, dtype: str = "auto"
-) -> str:
+def resolve_quantization(quantization: str, model_path: str, device: torch.device) -> str:
     """`auto`: the model file's precision class on CPU (int4 for the embedded Q4_1 GGUF, none
-    for a safetensors folder), except with an explicit `dtype="float32"`: the file's float
-    values then (the packed kernels with fp32 activations take torch's scalar path, 10-30x
-    slower); the packed kernels are CPU-only."""
+    for a safetensors folder); the packed kernels are CPU-only."""
     if quantization == "auto":
-        if device.type != "cpu" or dtype == "float32":
+        if device.type != "cpu":
             return "none"
         from minisgl.quantization.cache import native_quantization
 

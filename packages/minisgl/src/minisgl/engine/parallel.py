@@ -43,7 +43,7 @@ def tensor_parallel_engine(config: EngineConfig, env: TorchrunEnv | None) -> Eng
     if config.dummy_weights and quantization == "auto":
         quantization = "none"  # as `Engine` decides it
     if config.sim_device is None:
-        quantization = resolve_quantization(quantization, config.model_path, device, config.dtype)
+        quantization = resolve_quantization(quantization, config.model_path, device)
     count = torch.cuda.device_count() if device.type == "cuda" else 0
     check_tp(
         ModelConfig.from_dir(config.model_path),
