@@ -55,25 +55,3 @@ def test_a_bf16_layer_without_native_bf16_multiplies_in_fp32(monkeypatch):
     assert seen == [torch.float32], seen
     want = real(x.float(), layer.dequantize().float()).bfloat16()
     assert out.dtype == torch.bfloat16 and torch.equal(out, want)
-
-
-def test_an_explicit_float32_serves_a_quantized_file_in_float_weights():
-    """`dtype="float32"` with `quantization="auto"`: the file's float values, not its packed
-    class (int4 layers with fp32 activations take torch's scalar kernel: the embedded model
-    prefilled a 40-token chat prompt in 8.6 s and decoded 0.43 s a token on intel-amx, 1
-    thread, against 0.17 s and 0.06 s in float weights). An explicit class stays as asked."""
-    from minisgl.default_model import default_model_path
-
-    path = str(default_model_path())
-    assert memory.resolve_quantization("auto", path, CPU) == "int4"
-    assert memory.resolve_quantization("auto", path, CPU, dtype="auto") == "int4"
-    assert memory.resolve_quantization("auto", path, CPU, dtype="bfloat16") == "int4"
-    assert memory.resolve_quantization("auto", path, CPU, dtype="float32") == "none"
-    assert memory.resolve_quantization("int4", path, CPU, dtype="float32") == "int4"
-    from minisgl import LLM
-
-    llm = LLM(dtype="float32", num_pages=64, max_seq_len_override=256)
-    try:
-        assert (llm.engine.quantization, llm.engine.dtype) == ("none", torch.float32)
-    finally:
-        llm.close()
