@@ -185,6 +185,24 @@ def baseline_chart(baseline: Baseline) -> bytes | None:
     if runs:  # benchmark.startup (and an A/B of it): a fresh process, cold and warm
         return _pair_bars(f"{baseline.name}: LLM() start-up", runs,
                           ("process s", "process_s"), ("LLM() s", "llm_s"))  # fmt: skip
+    workloads = data.get("workloads")
+    if (
+        isinstance(workloads, list)
+        and workloads
+        and all(
+            isinstance(w, dict) and isinstance(w.get("off"), dict) and isinstance(w.get("on"), dict)
+            for w in workloads
+        )
+    ):  # benchmark.speculative: each workload's tok/s with speculation off and on
+        return _bars(
+            f"{baseline.name}: output tok/s, speculation off / on",
+            [str(w.get("workload", "?")) for w in workloads],
+            {
+                arm: [float(w[arm].get("output_tok_s") or 0.0) for w in workloads]
+                for arm in ("off", "on")
+            },
+            "tok/s",
+        )
     sets = parity_sets(data)
     if sets is not None:
         labels = list(sets)
