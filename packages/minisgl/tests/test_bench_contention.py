@@ -72,3 +72,24 @@ def test_bad_arguments_are_usage_errors() -> None:
         with pytest.raises(SystemExit) as e:
             contention.main(argv)
         assert e.value.code == 2
+
+
+def test_the_other_arms_are_stopped_while_one_is_timed() -> None:
+    """The arms' processes live side by side: an ACTIVE arm's idle threads spin for minutes
+    after each request, and took a core from the arm being timed. `paused` stops the others
+    (SIGSTOP) for the duration and resumes them after."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+             for _ in range(2)]  # fmt: skip
+    try:
+        with contention.paused(procs):
+            assert all(psutil.Process(p.pid).status() == psutil.STATUS_STOPPED for p in procs)
+        assert all(psutil.Process(p.pid).status() != psutil.STATUS_STOPPED for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
