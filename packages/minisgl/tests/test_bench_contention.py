@@ -80,15 +80,25 @@ def test_the_other_arms_are_stopped_while_one_is_timed() -> None:
     (SIGSTOP) for the duration and resumes them after."""
     import subprocess
     import sys
+    import time
 
     import psutil
 
     procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
              for _ in range(2)]  # fmt: skip
+    def stopped(want: bool) -> list[bool]:
+        """The processes' states once all are `want`, or after 5 s (signals arrive async)."""
+        deadline = time.monotonic() + 5
+        while True:
+            states = [psutil.Process(p.pid).status() == psutil.STATUS_STOPPED for p in procs]
+            if all(x == want for x in states) or time.monotonic() > deadline:
+                return states
+            time.sleep(0.01)
+
     try:
         with contention.paused(procs):
-            assert all(psutil.Process(p.pid).status() == psutil.STATUS_STOPPED for p in procs)
-        assert all(psutil.Process(p.pid).status() != psutil.STATUS_STOPPED for p in procs)
+            assert stopped(True) == [True, True]
+        assert stopped(False) == [False, False]
     finally:
         for p in procs:
             p.kill()

@@ -11,7 +11,7 @@ sleep at once) and `adapt` (`MINISGL_CPU_THREADS_ADAPT=1`: each step's threads f
 other processes leave, `utils/cpu_share.py`). Each repeat times one greedy chat request of
 `--max-tokens` tokens through every arm on the machine as it is (`quiet`), then with `--load`
 spinning processes beside it (default: twice the cores), the arms in turn (their order rotated
-each repeat). The record gives the medians, each arm's loaded / quiet ratio and the fair share,
+each repeat), the other arms' processes stopped while one is timed. The record gives the medians, each arm's loaded / quiet ratio and the fair share,
 (load + threads) / cores: the slowdown a process that waits for nobody would see. It prints the
 summary as JSON. The load average before each phase is kept: `quiet` is only as quiet as the
 machine was.
@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -91,6 +92,21 @@ def arm_env(env: dict[str, str]) -> dict[str, str]:
     OpenMP ones, then the arm's own."""
     controlled = {var for arm in ARMS.values() for var in arm} | set(OPENMP_VARS) | set(env)
     return {**{k: v for k, v in os.environ.items() if k not in controlled}, **env}
+
+
+@contextlib.contextmanager
+def paused(procs: list[subprocess.Popen]) -> Iterator[None]:
+    """`procs` stopped (SIGSTOP) for the block, resumed after: an idle arm must not take the
+    cores of the arm being timed (an ACTIVE arm's threads spin for minutes after a request)."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        p.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in live:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
 
 
 class Arm:
@@ -175,7 +191,8 @@ def run(args: argparse.Namespace, arms: dict[str, dict[str, str]]) -> dict[str, 
                     la = os.getloadavg()[0]
                     k = r % len(procs)
                     for p in procs[k:] + procs[:k]:
-                        s, n = p.time()
+                        with paused([q.proc for q in procs if q is not p]):
+                            s, n = p.time()
                         timings.append(Timing(p.name, phase, r, s, n, la))
     finally:
         for p in procs:
