@@ -86,6 +86,7 @@ def test_the_other_arms_are_stopped_while_one_is_timed() -> None:
 
     procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
              for _ in range(2)]  # fmt: skip
+
     def stopped(want: bool) -> list[bool]:
         """The processes' states once all are `want`, or after 5 s (signals arrive async)."""
         deadline = time.monotonic() + 5
