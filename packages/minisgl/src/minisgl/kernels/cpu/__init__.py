@@ -56,7 +56,8 @@ SOURCES = tuple(
         "decode_step_w8a8",
     )
 )
-HEADERS = (_HERE / "bf16.h", _HERE / "rowops.h", _HERE / "spans.h", _HERE / "vexp.h")
+HEADERS = (_HERE / "amx_tiles.h", _HERE / "bf16.h", _HERE / "rowops.h", _HERE / "spans.h",
+           _HERE / "vexp.h")  # fmt: skip
 # -ffast-math at compile time only: linked with it, the object would set flush-to-zero for
 # the whole process when loaded (crtfastmath), changing every fp32 op in torch
 # 512-bit vectors where the CPU has them (gcc prefers 256 on most AVX-512 parts): the softmax's

@@ -24,6 +24,8 @@
     defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define AMX_GEMM 1
 #include <immintrin.h>
+
+#include "amx_tiles.h"
 #endif
 
 int prefill_amx_supported(void); /* prefill_amx.c: the process's tile state, granted once */
@@ -38,19 +40,6 @@ int amx_gemm_supported(void) {
 }
 
 #if AMX_GEMM
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
-static void configure(void) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) c.rows[i] = 16, c.colsb[i] = 64;
-    _tile_loadconfig(&c);
-}
 
 /* out rows [m0, m0 + mr) x columns [n0, n0 + nc) (nc <= 32) from the fp32 sums (16 x 32, row
  * stride 32 floats) plus the bias, rounded */
@@ -123,7 +112,7 @@ int amx_gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
         if (sums == NULL) {
             failed = 1;
         } else {
-            configure();
+            tiles_configure();
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < pairs; p++) {
                 const int64_t t = 2 * p, n0 = 32 * p;

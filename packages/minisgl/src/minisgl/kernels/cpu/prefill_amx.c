@@ -28,6 +28,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "amx_tiles.h"
+
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define TOK 16 /* tokens of a task block, rows of a tile */
@@ -46,20 +48,7 @@ int prefill_amx_supported(void) {
 }
 
 #if AMX_PREFILL
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
-/* 8 tiles of 16 rows x 64 bytes: 0-3 fp32 accumulators, 4 A (q or p), 6-7 B (K or V) */
-static void tiles_configure(void) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) c.rows[i] = 16, c.colsb[i] = 64;
-    _tile_loadconfig(&c);
-}
+/* tiles 0-3 fp32 accumulators, 4 A (q or p), 6-7 B (K or V) */
 
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
