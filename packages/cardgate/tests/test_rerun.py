@@ -116,3 +116,52 @@ def test_the_room_leaves_a_virtualenv_inside_the_working_tree_alone(
     monkeypatch.setattr(sys, "path", [str(site), str(tree / "src")])
     roomplugin.redirect(tree.resolve(), room.resolve())
     assert sys.path == [str(site), str((room / "src").resolve())]
+
+
+# The gate that decided a record is the commit's own (its noxfile, its cardgate, its runtime and
+# Rust binary); today's gate judging an old commit mixes two versions of the rules and the code
+# (a re-run of P0-007 at fd2eb16 failed 8 of its 42 tests: today's cardgate plugin loaded beside
+# the commit's cardgate modules). The repository names how its gate is run; the clone runs it.
+RUNGATE = """\
+import os
+import pathlib
+import sys
+
+pathlib.Path({probe!r}).write_text(os.getcwd() + "\\n" + " ".join(sys.argv[1:]))
+os.execv(sys.executable, [sys.executable, "-m", "cardgate", "gate", *sys.argv[1:]])
+"""
+RERUN_CONFIG = '\n[tool.cardgate]\nrerun = ["{python}", "rungate.py"]\n'
+
+
+@pytest.mark.card(CARD, RED, GREEN)
+def test_the_rerun_runs_the_commits_own_gate_as_the_repository_names_it(repo: Repo) -> None:
+    probe = repo.path.parent / "rerun-probe.txt"
+    pyproject = repo.path / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text() + RERUN_CONFIG)
+    repo.write("rungate.py", RUNGATE.format(probe=str(probe)))
+    commit = _done(repo)
+    repo.write("rungate.py", "import sys\n\nsys.exit('a later gate that breaks')\n")
+    repo.commit("HEAD's gate is broken: the re-run runs the commit's")
+    before = repo.snapshot()
+    result = repo.cardgate("verify", "--rerun", "T-001")
+    out = _out(result)
+    assert result.ret == PASS, out
+    assert commit[:10] in out and "agree" in out, out
+    assert probe.exists(), "the re-run did not run the commit's own gate"
+    cwd, argv = probe.read_text().split("\n")
+    assert Path(cwd).resolve() != repo.path.resolve(), "the re-run ran in the repository"
+    assert argv.split()[:4] == ["T-001", "--phase", "green", "--dry-run"], argv
+    assert repo.snapshot() == before and len(repo.evidence()) == 1
+
+
+@pytest.mark.card(CARD, RED, GREEN)
+def test_a_rerun_whose_own_gate_cannot_start_is_a_disagreement(repo: Repo) -> None:
+    pyproject = repo.path / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text() + RERUN_CONFIG)
+    repo.write("rungate.py", "import sys\n\nsys.exit('no gate here')\n")
+    _done(repo)
+    result = repo.cardgate("verify", "--rerun", "T-001")
+    out = _out(result)
+    assert result.ret == DISAGREE, out
+    assert "outcome: recorded pass, re-run absent" in out, out
+    assert "no gate here" in out, out
