@@ -170,7 +170,6 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"cardgate: error: {exc}", file=sys.stderr)
         print(f"cardgate: rerun=usage exit={Decision.USAGE.exit_code}", file=sys.stderr)
         return Decision.USAGE.exit_code
-    say(gate_summary(rerun.report))
     say(rerun_summary(rerun))
     say(f"cardgate: rerun={'agree' if rerun.agrees else 'differ'} exit={rerun.exit_code}")
     return rerun.exit_code

@@ -57,14 +57,20 @@ def _kept(name: str, value: str) -> bool:
     return name in ALLOWED or name.startswith(ALLOWED_PREFIXES)
 
 
+def clean_env(inherited: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The allowlisted variables, and no user site-packages (~/.local is not the interpreter's)."""
+    env = dict(os.environ if inherited is None else inherited)
+    out = {k: v for k, v in env.items() if _kept(k, v)}
+    out["PYTHONNOUSERSITE"] = "1"
+    return out
+
+
 def gate_env(source: Path, inherited: Mapping[str, str] | None = None) -> dict[str, str]:
     """The child's environment: the allowlisted variables, and the working tree the room's
     imports are redirected from (`cardgate.roomplugin`)."""
-    env = dict(os.environ if inherited is None else inherited)
-    out = {k: v for k, v in env.items() if _kept(k, v)}
+    out = clean_env(inherited)
     out[ROOM_SOURCE_ENV] = str(source)
     out["PYTHONDONTWRITEBYTECODE"] = "1"  # the room is thrown away
-    out["PYTHONNOUSERSITE"] = "1"  # ~/.local site-packages is not the interpreter's
     return out
 
 

@@ -3,35 +3,54 @@
 The card's newest passing green record names a commit. The re-run clones the repository into a
 temporary folder (`git clone --shared --no-checkout`: the objects are shared, not copied; none of
 the repository's local config, attributes file, replace refs, hooks or sparse checkout comes
-along), checks that commit out, and runs the gate's own chain there (`gate.run_gate` as a
-`--dry-run`: preflight, a clean room of the commit, run, decide; nothing is recorded), with the
-recorded timeout and `--allow-changed-tests` and the room's imports redirected from this working
-tree as the gate does. The repository's working tree, index, refs and evidence stay as they
-were. The decision and every item's status are then compared with the record.
+along), checks that commit out, and runs there **the commit's own gate**, as the repository
+says its gate is run (`[tool.cardgate] rerun` in HEAD's `pyproject.toml`, e.g. `python3 -m nox
+-s card --`: the commit's noxfile installs the commit's runtime, builds its Rust binary and runs
+its cardgate; without it, the installed `cardgate gate`), as `ID --phase green --dry-run --json`
+(the recorded `--allow-changed-tests` too), in an environment built from an allowlist (the gate's
+own, and what installers need: `RERUN_PREFIXES`). The decision and every item's status it prints
+are compared with the record. The rules are the ones that decided the record: today's gate
+judging an old commit would mix two versions of the rules and of the code. The repository's
+working tree, index, refs and evidence stay as they were.
 
-Exit codes: 0 the re-run agrees with the record, 1 it does not (the differences are listed),
-3 nothing to re-run (an unknown card, a card not in `done/`, no passing green record, a commit
-this repository does not hold).
+Exit codes: 0 the re-run agrees with the record, 1 it does not (the differences are listed; a
+gate that could not start or finish is a difference), 3 nothing to re-run (an unknown card, a
+card not in `done/`, no passing green record, a commit this repository does not hold, a
+malformed `[tool.cardgate] rerun`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+import tomllib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from cardgate import evidence, gitutil
 from cardgate.board import load_board
-from cardgate.gate import run_gate
-from cardgate.outcome import GateOutcome, GateReport, GateUsageError, Phase, Verdict
-from cardgate.preflight import GateOptions
+from cardgate.environ import clean_env
+from cardgate.outcome import GateUsageError
 from cardgate.verify import newest_green
 
 ABSENT = "absent"
+DEFAULT_COMMAND = ("{python}", "-m", "cardgate", "gate")
+# What a gate's installers need beside the gate's own allowlist (`environ.ALLOWED`): package
+# indexes and certificates, the Rust and Python toolchains. None of them reaches a test run of a
+# clean-room gate, which builds its pytest environment again from its own allowlist.
+RERUN_PREFIXES = ("PIP_", "UV_", "CARGO_", "RUSTUP_", "PYENV_", "SSL_CERT_", "REQUESTS_CA_BUNDLE",
+                  "CURL_CA_BUNDLE")  # fmt: skip
+SETUP_ALLOWANCE_S = 1800.0  # installing the commit's runtime and building its Rust binary
+DEFAULT_TIMEOUT_S = 3600.0  # a record without a timeout
 
 
 @dataclass(frozen=True)
@@ -49,11 +68,22 @@ class Difference:
 
 
 @dataclass(frozen=True)
+class GateRun:
+    """What the commit's own gate printed: its decision as JSON (None when it printed none),
+    its exit code and the tail of its output."""
+
+    command: tuple[str, ...]
+    exit_code: int
+    report: dict[str, Any] | None
+    tail: str
+
+
+@dataclass(frozen=True)
 class Rerun:
     card_id: str
     record_dir: str
     commit: str
-    report: GateReport
+    run: GateRun
     differences: tuple[Difference, ...]
     seconds: float
 
@@ -66,23 +96,128 @@ class Rerun:
         return 0 if self.agrees else 1
 
 
-def compare(summary: dict[str, Any], outcome: GateOutcome) -> list[Difference]:
-    """The recorded decision and item statuses against the re-run's."""
+def compare(
+    summary: dict[str, Any], report: dict[str, Any] | None, why: str = ""
+) -> list[Difference]:
+    """The recorded decision and item statuses against the re-run's report (`None`: the gate
+    printed no decision; `why` says what it printed instead)."""
     out: list[Difference] = []
     recorded = str(summary.get("outcome", "?"))
-    if recorded != outcome.verdict.value:
-        bad = [c for c in outcome.checks if c.status is not Verdict.PASS]
-        reason = f"{bad[0].name}: {bad[0].reason}" if bad else ""
-        out.append(Difference("outcome", recorded, outcome.verdict.value, reason[:300]))
+    rerun = str(report.get("outcome", "?")) if report is not None else ABSENT
+    if recorded != rerun:
+        out.append(Difference("outcome", recorded, rerun, why[:300]))
     before = {str(i.get("key")): str(i.get("status")) for i in summary.get("items") or ()}
-    after = {v.key: v for v in outcome.items}
+    after = {
+        str(i.get("key")): i
+        for i in (report or {}).get("items") or ()
+        if isinstance(i, dict) and i.get("key")
+    }
     for key in [*before, *(k for k in after if k not in before)]:
         now = after.get(key)
-        status = now.status.value if now is not None else ABSENT
+        status = str(now.get("status")) if now is not None else ABSENT
         if before.get(key, ABSENT) != status:
-            reason = now.reason[:300] if now is not None else ""
+            reason = str(now.get("reason", ""))[:300] if now is not None else ""
             out.append(Difference(key, before.get(key, ABSENT), status, reason))
     return out
+
+
+def rerun_command(root: Path, python: str) -> tuple[str, ...]:
+    """How the repository runs its gate: `[tool.cardgate] rerun` of HEAD's `pyproject.toml`
+    (`{python}` stands for this interpreter), else the installed gate."""
+    shown = gitutil.git(root, "show", "HEAD:pyproject.toml", check=False)
+    config: Any = None
+    if shown.returncode == 0:
+        try:
+            config = tomllib.loads(shown.stdout).get("tool", {}).get("cardgate", {}).get("rerun")
+        except tomllib.TOMLDecodeError as exc:
+            raise GateUsageError(f"pyproject.toml (HEAD): {exc}") from exc
+    if config is None:
+        config = list(DEFAULT_COMMAND)
+    if not (isinstance(config, list) and config and all(isinstance(a, str) and a for a in config)):
+        raise GateUsageError(
+            "pyproject.toml (HEAD): [tool.cardgate] rerun must be a non-empty list of strings"
+        )
+    return tuple(python if a == "{python}" else a for a in config)
+
+
+def rerun_env(inherited: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The re-run's environment: the gate's allowlist and the installers' variables. A shared
+    Cargo target folder (unless one is set) keeps re-runs from building every crate anew."""
+    env = dict(os.environ if inherited is None else inherited)
+    out = clean_env(env)
+    out.update({k: v for k, v in env.items() if k.startswith(RERUN_PREFIXES)})
+    cache = Path(env.get("XDG_CACHE_HOME") or Path(env.get("HOME", "/tmp")) / ".cache")
+    out.setdefault("CARGO_TARGET_DIR", str(cache / "cardgate" / "rerun-cargo-target"))
+    return out
+
+
+def last_json_object(text: str) -> dict[str, Any] | None:
+    """The last top-level JSON object in `text` (the gate prints it with indent=2: a `{` line,
+    indented lines, a `}` line)."""
+    lines = text.splitlines()
+    for start in range(len(lines) - 1, -1, -1):
+        if lines[start] != "{":
+            continue
+        end = next((i for i in range(start + 1, len(lines)) if lines[i] == "}"), None)
+        if end is None:
+            continue
+        try:
+            value = json.loads("\n".join(lines[start : end + 1]))
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return None
+
+
+def run_own_gate(
+    clone: Path,
+    command: tuple[str, ...],
+    args: list[str],
+    timeout_s: float,
+    out: Callable[[str], None],
+) -> GateRun:
+    """Run `command + args` in `clone`, echo its output, and read the decision it printed."""
+    argv = (*command, *args)
+    out(f"cardgate: {' '.join(argv)}")
+    lines: list[str] = []
+    try:
+        proc = subprocess.Popen(
+            argv,
+            cwd=clone,
+            env=rerun_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
+    except OSError as exc:
+        return GateRun(argv, 127, None, f"{argv[0]}: {exc}")
+    timed_out = threading.Event()
+
+    def kill() -> None:  # a gate that hangs without a word is stopped too
+        timed_out.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    watchdog = threading.Timer(timeout_s, kill)
+    watchdog.start()
+    assert proc.stdout is not None
+    try:
+        with proc:
+            for line in proc.stdout:
+                lines.append(line.rstrip("\n"))
+                out(f"| {lines[-1]}")
+            code = proc.wait()
+    finally:
+        watchdog.cancel()
+    text = "\n".join(lines)
+    tail = "\n".join(lines[-12:])
+    if timed_out.is_set():
+        return GateRun(argv, code, None, f"did not finish in {timeout_s:.0f} s\n{tail}")
+    return GateRun(argv, code, last_json_object(text), tail)
 
 
 def _clone(root: Path, commit: str, dest: Path) -> None:
@@ -117,10 +252,9 @@ def rerun_card(
     workers: str | None = None,
     python: str = "",
     out: Callable[[str], None] = print,
-    stream: TextIO | None = None,
 ) -> Rerun:
-    """Re-run the newest passing green record of a done card; raises `GateUsageError` (exit 3)
-    when there is nothing to re-run."""
+    """Re-run the newest passing green record of a done card with the commit's own gate;
+    raises `GateUsageError` (exit 3) when there is nothing to re-run."""
     root = root.resolve()
     board = load_board(root)
     card = board.cards.get(card_id)
@@ -134,39 +268,35 @@ def rerun_card(
     commit = gitutil.resolve(root, record.commit)
     if commit is None:
         raise GateUsageError(f"{record.path.name} names commit {record.commit!r}, unknown here")
+    command = rerun_command(root, python or sys.executable)
     timeout, allow_changed = _recorded_options(record)
+    args = [card_id, "--phase", "green", "--dry-run", "--json"]
+    args += ["--allow-changed-tests"] if allow_changed else []
+    args += ["-n", workers] if workers else []
     rel = record.path.relative_to(root).as_posix()
-    out(f"cardgate: re-running {rel} (commit {commit[:10]}) in a fresh clone")
+    out(f"cardgate: re-running {rel} (commit {commit[:10]}) in a fresh clone with its own gate")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cardgate-rerun-") as tmp:
         clone = Path(tmp) / "clone"
         _clone(root, commit, clone)
-        opts = GateOptions(
-            card_id=card_id,
-            root=clone,
-            phase=Phase.GREEN,
-            dry_run=True,
-            workers=workers,
-            timeout=timeout,
-            python=python or sys.executable,
-            allow_changed_tests=allow_changed,
-            source=root,
-        )
-        report = run_gate(opts, out, stream)
+        limit = (timeout or DEFAULT_TIMEOUT_S) + SETUP_ALLOWANCE_S
+        run = run_own_gate(clone, command, args, limit, out)
+    why = "" if run.report is not None else f"exit {run.exit_code}, no decision printed: {run.tail}"
     return Rerun(
         card_id=card_id,
         record_dir=rel,
         commit=commit,
-        report=report,
-        differences=tuple(compare(record.summary, report.outcome)),
+        run=run,
+        differences=tuple(compare(record.summary, run.report, why)),
         seconds=time.monotonic() - started,
     )
 
 
 def rerun_summary(rerun: Rerun) -> str:
+    decision = (rerun.run.report or {}).get("outcome", ABSENT)
     head = (
-        f"re-run of {rerun.record_dir} at {rerun.commit[:10]}: decision "
-        f"{rerun.report.outcome.verdict.value} ({rerun.seconds:.1f} s)"
+        f"re-run of {rerun.record_dir} at {rerun.commit[:10]}: decision {decision} "
+        f"({rerun.seconds:.1f} s, the commit's own gate: {' '.join(rerun.run.command)})"
     )
     if rerun.agrees:
         return f"{head}\nagree: the decision and every item match the record"
