@@ -172,6 +172,32 @@ def test_red_must_fail_by_assertion(repo: Repo, body: str) -> None:
     result.stdout.fnmatch_lines(["*red must fail by assertion*"])
 
 
+@P("P0-000", "red-record-required-at-an-earlier-commit")
+@pytest.mark.parametrize(
+    "body",
+    [
+        "def test_one():\n    with pytest.raises(ValueError):\n        int('1')",
+        "def test_one():\n    pytest.fail('the behaviour is not there yet')",
+    ],
+    ids=["did-not-raise", "pytest-fail"],
+)
+def test_a_pytest_check_that_fails_is_red_by_assertion(repo: Repo, body: str) -> None:
+    """`pytest.raises` that sees nothing raised and `pytest.fail` are the test's own checks, as
+    an assert is (they raise pytest's `Failed`, not AssertionError): a red they give is a red.
+    Found gating P0-008's red phase: `DID NOT RAISE GateUsageError` was refused as an error."""
+    repo.card()
+    repo.tests()
+    test_file = repo.path / "tests/test_demo.py"
+    text = test_file.read_text()
+    start = text.index("def test_one")
+    end = text.index("\n\n", start)
+    test_file.write_text(text[:start] + body + text[end:])
+    repo.commit("red by a pytest check")
+    result = repo.gate("--phase", "red")
+    assert result.ret == PASS, result.stdout.str()
+    result.stdout.fnmatch_lines(["*failing-test-first*failing by assertion as expected*"])
+
+
 @P("P0-000", "hold-on-missing-evidence-nothing-moves")
 def test_other_cards_lint_errors_hold(repo: Repo) -> None:
     _ready(repo)
