@@ -296,6 +296,9 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
 
 
 _NOT_FAILURES = (pytest.skip.Exception, pytest.xfail.Exception)
+# The test's own checks: an assert, and pytest's `Failed` (`pytest.fail`, a `pytest.raises` that
+# saw nothing raised). Any other exception is an error (a crash, a missing name or fixture).
+_CHECKS = (AssertionError, pytest.fail.Exception)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -307,7 +310,7 @@ def pytest_runtest_makereport(
     report = yield
     excinfo = call.excinfo
     if excinfo is not None and not excinfo.errisinstance(_NOT_FAILURES):
-        kind = "assertion" if excinfo.errisinstance(AssertionError) else "error"
+        kind = "assertion" if excinfo.errisinstance(_CHECKS) else "error"
         if report.passed:
             kind += "; the report says passed"
         report.user_properties = [*report.user_properties, (FAILURE_PROP, kind)]
