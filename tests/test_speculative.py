@@ -156,22 +156,37 @@ def test_verify_rows_of_different_k_share_one_step(page_size):
     assert_scheduler_clean(sched)
 
 
-@pytest.mark.card(CARD, "sampled-rows-are-not-speculated", RED, GREEN)
-def test_sampled_rows_are_not_speculated():
+@pytest.mark.card(CARD, "sampled-rows-draft-with-the-draws-of-their-own-positions", GREEN)
+def test_sampled_rows_draft_with_the_draws_of_their_own_positions():
+    """A drafting request's verify row j is what the sampler reads at output position
+    len(outputs) + j: its outputs extended by the drafts before it (the draw's step, penalties'
+    counts, min_tokens). Rows with logprobs or a grammar feed one token."""
     sched = _spec_scheduler(4)
     prompt = [10, 11, 12, 13, 14, 10, 11]
-    sampled = [
+    drafting = [
+        greedy(9),
         SamplingParams(temperature=0.7, seed=1, max_tokens=9),
-        greedy(9, logprobs=2),
         greedy(9, min_tokens=3),
         greedy(9, presence_penalty=0.5),
     ]
-    for p in [greedy(9), *sampled]:
+    plain = [
+        greedy(9, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=9, response_format={"type": "json_object"}),
+    ]
+    for p in [*drafting, *plain]:
         sched.add_request(prompt, p)
     plan, reqs = sched.schedule()
-    sched.commit(reqs, plan, [12] * 5)
-    plan, reqs = sched.schedule()
-    assert [r.params for r in reqs] == [greedy(9)] * 5 + sampled
+    sched.commit(reqs, plan, [12] * 6)
+    plan, rows = sched.schedule()
+    assert len(rows) == plan.num_tokens == 5 * len(drafting) + len(plain)
+    want = [[12], [12, 13], [12, 13, 14], [12, 13, 14, 10], [12, 13, 14, 10, 11]]
+    for k, p in enumerate(drafting):
+        mine = rows[5 * k : 5 * k + 5]
+        assert [list(r.output_ids) for r in mine] == want, p
+        assert {r.rid for r in mine} == {mine[0].rid} and all(r.params == p for r in mine)
+        assert len({r.generator for r in mine}) == 1
+    tail = rows[5 * len(drafting) :]
+    assert [r.params for r in tail] == plain and [list(r.output_ids) for r in tail] == [[12]] * 2
     for rid in list(sched.requests):
         sched.abort(rid)
     assert_scheduler_clean(sched)
@@ -226,6 +241,27 @@ def test_greedy_output_is_token_identical_on_a_tiny_model(tiny, page_size):
     ref, got, stats = _reference_and_spec(tiny, prompts, params, runs=2, **kw)
     assert got == ref
     assert ref[0][0][2] == "stop"
+    assert stats["verify_rows"] > 0 and stats["accepted_tokens"] > 0, stats
+
+
+@pytest.mark.card(CARD, "seeded-sampled-output-is-token-identical-to-no-speculation", GREEN)
+@pytest.mark.card(CARD, "every-kv-page-returns-after-speculative-scenarios", RED, GREEN)
+def test_seeded_sampled_output_is_token_identical_on_a_tiny_model(tiny):
+    """Each verify row draws with its own position's noise (and penalties over the outputs
+    before it), so a seeded sampled request gives the tokens it gives without speculation:
+    the target distribution, exactly."""
+    prompts = [_grounded(1, 40), _grounded(2, 24), [5, 6, 7] * 12, _grounded(4, 16)]
+    params = [
+        SamplingParams(temperature=0.3, seed=11, max_tokens=100, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=12, max_tokens=60, ignore_eos=True,
+                       frequency_penalty=0.3),
+        SamplingParams(temperature=0.2, top_k=5, seed=13, max_tokens=90, min_tokens=20),
+        SamplingParams(temperature=0.5, seed=14, max_tokens=80, repetition_penalty=1.1,
+                       ignore_eos=True),
+    ]  # fmt: skip
+    kw = dict(dtype="float32", max_extend_tokens=64)
+    ref, got, stats = _reference_and_spec(tiny, prompts, params, runs=2, **kw)
+    assert got == ref
     assert stats["verify_rows"] > 0 and stats["accepted_tokens"] > 0, stats
 
 
