@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from minisgl import SamplingParams
 from minisgl.config import ModelConfig
-from minisgl.runtime.loop import SampleView
 from minisgl.sampler import sample
+from minisgl.scheduler.backend import SampleView
 from minisgl.structured import GrammarBank
 
 SCHEMA = {

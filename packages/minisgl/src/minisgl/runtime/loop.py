@@ -28,13 +28,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-import numpy as np
-
-from minisgl.core import SamplingParams
 from minisgl.engine.stream import DeviceStream, InlineStream, StepHandle
 from minisgl.runtime.device_step import DeviceStep
 from minisgl.sampler import SampleResult, TokenLogprob
-from minisgl.scheduler.backend import ScheduledReq, SchedulerBackend
+from minisgl.scheduler.backend import SampleView, ScheduledReq, SchedulerBackend
 from minisgl.scheduler.request import DROPPED, StepOutput
 
 ENV_DISABLE = "MINISGL_DISABLE_OVERLAP_SCHEDULING"
@@ -89,17 +86,6 @@ class _Outputs(Sequence[int]):
 
     def __iter__(self) -> Iterator[int]:
         raise LookupError("an output token is still on the device")
-
-
-@dataclass(frozen=True)
-class SampleView:
-    """What the sampler reads of a request, as of the step's submission."""
-
-    rid: int
-    params: SamplingParams
-    generator: Any
-    input_ids: np.ndarray
-    output_ids: Sequence[int]
 
 
 @dataclass(frozen=True)

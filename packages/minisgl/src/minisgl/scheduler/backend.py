@@ -75,6 +75,20 @@ class ScheduledReq(Protocol):
     def finish_reason(self) -> str | None: ...
 
 
+@dataclass(frozen=True)
+class SampleView:
+    """A scheduled request as the sampler reads it at one moment: a step in flight (outputs
+    still on the device), or a speculative verify row (outputs extended by the drafts before
+    it). Never finished."""
+
+    rid: int
+    params: SamplingParams
+    generator: Any
+    input_ids: np.ndarray
+    output_ids: Sequence[int]
+    finish_reason: str | None = None
+
+
 class ScheduledStep(NamedTuple):
     """One scheduled step: the plan the engine runs and the batch's requests, in batch order
     (`plan.sample_rows` index into `reqs`)."""

@@ -13,9 +13,14 @@ advances by the tokens appended: the KV written for rejected drafts lies past it
 the request owns (reserved at admission), overwritten by the next step and freed with the
 request; the radix cache only ever sees positions below `kv_len`.
 
-Only rows whose choice is the raw argmax (`SamplingParams.argmax_only`, no `min_tokens`) draft;
-the others feed one token, as in a plain decode step. A step where no row drafts is a plain
-decode step.
+Verify row j of a request is sampled as its output position `len(outputs) + j`: the sampler
+reads it as a `SampleView` whose outputs are extended by the drafts before it, so the draw's
+noise (keyed by the position), the penalties' counts and `min_tokens` are those a one-token
+decode would see there. A seeded sampled request therefore gives exactly the tokens it gives
+without speculation (its target distribution, with no rejection step: an n-gram draft is a
+point guess, accepted where the draw equals it). Rows with logprobs or a grammar feed one
+token (their per-token logprobs and matcher state are not laid out per verify row). A step
+where no row drafts is a plain decode step.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minisgl.scheduler.backend import ScheduledStep, SchedulerConfig
+from minisgl.scheduler.backend import SampleView, ScheduledStep, SchedulerConfig
 from minisgl.scheduler.request import Req, StepOutput
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.speculative import DraftSource, SpecConfig, make_draft_source
@@ -116,7 +121,7 @@ class SpecScheduler(Scheduler):
         p = req.params
         t, slot = self.table, req.slot
         budget = min(self.spec.num_draft_tokens, int(t.out_limit[slot] - t.out_len[slot]) - 1)
-        if budget <= 0 or not p.argmax_only or p.min_tokens:
+        if budget <= 0 or p.logprobs is not None or p.response_format is not None:
             return np.zeros(0, dtype=np.int32)
         return self.draft.propose(req.all_tokens(), budget)
 
@@ -139,7 +144,7 @@ class SpecScheduler(Scheduler):
         plan = verify_plan(self.alloc.page_table, slots, starts, lens, ids)
         self._last_decode = None
         self._verify = VerifyStep(plan, reqs, slots.astype(np.int64), drafts)
-        return ScheduledStep(plan, [r for r, n in zip(reqs, lens.tolist()) for _ in range(n)])
+        return ScheduledStep(plan, [row for r, d in zip(reqs, drafts) for row in _rows(r, d)])
 
     # ------------------------------------------------------------------ commit
     def commit(
@@ -206,3 +211,16 @@ class SpecScheduler(Scheduler):
             "acceptance_rate": s.acceptance_rate,
             "mean_accepted_length": s.mean_accepted_length,
         }
+
+
+def _rows(req: Req, drafts: np.ndarray) -> list[Req | SampleView]:
+    """A request's sample rows in a verify step: itself when it feeds one token, else one view
+    per position, row j's outputs extended by the drafts before it."""
+    if len(drafts) == 0:
+        return [req]
+    out = tuple(req.output_ids)
+    ahead = drafts.tolist()
+    return [
+        SampleView(req.rid, req.params, req.generator, req.input_ids, (*out, *ahead[:j]))
+        for j in range(len(ahead) + 1)
+    ]
