@@ -165,3 +165,33 @@ def test_a_rerun_whose_own_gate_cannot_start_is_a_disagreement(repo: Repo) -> No
     assert result.ret == DISAGREE, out
     assert "outcome: recorded pass, re-run absent" in out, out
     assert "no gate here" in out, out
+
+
+# Written after its fix: re-running P0-007 through nox, the gate's `}` line and its stderr
+# summary arrived on one merged line, and a passing re-run read as "no decision printed".
+SPLIT_GATE = """\
+import subprocess
+import sys
+
+done = subprocess.run([sys.executable, "-m", "cardgate", "gate", *sys.argv[1:]],
+                      capture_output=True, text=True)
+sys.stderr.write(done.stderr)
+body = done.stdout.rstrip("\\n")
+sys.stdout.write(body[:-1])
+sys.stdout.flush()
+sys.stderr.write("cardgate: a stderr line written while the JSON is half printed\\n")
+sys.stderr.flush()
+sys.stdout.write(body[-1:] + "\\n")
+sys.exit(done.returncode)
+"""
+
+
+@pytest.mark.card(CARD, RED, GREEN)
+def test_the_gates_json_is_read_from_its_stdout_whatever_its_stderr_says(repo: Repo) -> None:
+    pyproject = repo.path / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text() + RERUN_CONFIG)
+    repo.write("rungate.py", SPLIT_GATE)
+    _done(repo)
+    result = repo.cardgate("verify", "--rerun", "T-001")
+    out = _out(result)
+    assert result.ret == PASS and "agree" in out, out

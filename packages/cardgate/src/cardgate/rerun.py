@@ -180,14 +180,15 @@ def run_own_gate(
     """Run `command + args` in `clone`, echo its output, and read the decision it printed."""
     argv = (*command, *args)
     out(f"cardgate: {' '.join(argv)}")
-    lines: list[str] = []
+    lines: list[str] = []  # stdout: where the gate prints its JSON
+    echoed: list[str] = []  # both streams, in the order they came
     try:
         proc = subprocess.Popen(
             argv,
             cwd=clone,
             env=rerun_env(),
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             text=True,
             errors="replace",
@@ -202,22 +203,28 @@ def run_own_gate(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
 
+    def echo(line: str) -> None:
+        echoed.append(line.rstrip("\n"))
+        out(f"| {echoed[-1]}")
+
+    assert proc.stdout is not None and proc.stderr is not None
+    errors = threading.Thread(target=lambda: [echo(x) for x in proc.stderr], daemon=True)
     watchdog = threading.Timer(timeout_s, kill)
     watchdog.start()
-    assert proc.stdout is not None
+    errors.start()
     try:
         with proc:
             for line in proc.stdout:
                 lines.append(line.rstrip("\n"))
-                out(f"| {lines[-1]}")
+                echo(line)
+            errors.join()
             code = proc.wait()
     finally:
         watchdog.cancel()
-    text = "\n".join(lines)
-    tail = "\n".join(lines[-12:])
+    tail = "\n".join(echoed[-12:])
     if timed_out.is_set():
         return GateRun(argv, code, None, f"did not finish in {timeout_s:.0f} s\n{tail}")
-    return GateRun(argv, code, last_json_object(text), tail)
+    return GateRun(argv, code, last_json_object("\n".join(lines)), tail)
 
 
 def _clone(root: Path, commit: str, dest: Path) -> None:
