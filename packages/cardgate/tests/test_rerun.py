@@ -167,27 +167,29 @@ def test_a_rerun_whose_own_gate_cannot_start_is_a_disagreement(repo: Repo) -> No
     assert "no gate here" in out, out
 
 
-# Written after its fix: re-running P0-007 through nox, the gate's `}` line and its stderr
-# summary arrived on one merged line, and a passing re-run read as "no decision printed".
+# Re-running P0-007 through nox: the gate writes its JSON (over 8 KiB: straight through the
+# buffer) and its newline (buffered until exit) to stdout, its summary to stderr, and nox merges
+# the two: the JSON's last line came as "}cardgate: decision=pass exit=0", and a passing re-run
+# read as "no decision printed". This gate does the same on one stream, and half the JSON
+# before its stderr line on two.
 SPLIT_GATE = """\
 import subprocess
 import sys
 
 done = subprocess.run([sys.executable, "-m", "cardgate", "gate", *sys.argv[1:]],
                       capture_output=True, text=True)
-sys.stderr.write(done.stderr)
 body = done.stdout.rstrip("\\n")
-sys.stdout.write(body[:-1])
+sys.stdout.write(body[: len(body) // 2])
 sys.stdout.flush()
-sys.stderr.write("cardgate: a stderr line written while the JSON is half printed\\n")
+sys.stderr.write(done.stderr + "a stderr line written while the JSON is half printed\\n")
 sys.stderr.flush()
-sys.stdout.write(body[-1:] + "\\n")
+sys.stdout.write(body[len(body) // 2 :] + "cardgate: decision=pass exit=0 (merged as nox does)\\n")
 sys.exit(done.returncode)
 """
 
 
 @pytest.mark.card(CARD, RED, GREEN)
-def test_the_gates_json_is_read_from_its_stdout_whatever_its_stderr_says(repo: Repo) -> None:
+def test_the_gates_json_is_read_whatever_follows_it_on_its_last_line(repo: Repo) -> None:
     pyproject = repo.path / "pyproject.toml"
     pyproject.write_text(pyproject.read_text() + RERUN_CONFIG)
     repo.write("rungate.py", SPLIT_GATE)

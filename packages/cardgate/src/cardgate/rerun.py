@@ -152,17 +152,18 @@ def rerun_env(inherited: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def last_json_object(text: str) -> dict[str, Any] | None:
-    """The last top-level JSON object in `text` (the gate prints it with indent=2: a `{` line,
-    indented lines, a `}` line)."""
-    lines = text.splitlines()
-    for start in range(len(lines) - 1, -1, -1):
-        if lines[start] != "{":
-            continue
-        end = next((i for i in range(start + 1, len(lines)) if lines[i] == "}"), None)
-        if end is None:
+    """The last top-level JSON object in `text`: the gate prints it with indent=2, from a `{`
+    line; whatever follows its closing brace (a merged stderr line, nox's log) is not JSON."""
+    lines = text.splitlines(keepends=True)
+    offsets = [0]
+    for line in lines:
+        offsets.append(offsets[-1] + len(line))
+    decoder = json.JSONDecoder()
+    for k in range(len(lines) - 1, -1, -1):
+        if lines[k].rstrip("\r\n") != "{":
             continue
         try:
-            value = json.loads("\n".join(lines[start : end + 1]))
+            value, _ = decoder.raw_decode(text, offsets[k])
         except json.JSONDecodeError:
             continue
         if isinstance(value, dict):
