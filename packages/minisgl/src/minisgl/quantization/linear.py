@@ -152,6 +152,15 @@ class Int4Linear(nn.Module):
         self.fp32_gemm = dtype == torch.bfloat16 and not native_bf16()
         if self.fp32_gemm:
             self.dequant_min_rows = 1
+        # fp32 activations: the packed kernel is torch's scalar loop (~1 s a token of the
+        # embedded model); the weights are de-quantized once, in fp32, and every row count
+        # is one GEMM on them (fp32 memory for fp32 arithmetic, as the dtype asks)
+        self.register_buffer(
+            "dense",
+            dequantize_int4(self.codes, self.scales_zeros) if dtype == torch.float32 else None,
+        )
+        if self.dense is not None:
+            self.dequant_min_rows = 1
 
     @property
     def row_thresholds(self) -> tuple[int, ...]:
@@ -161,6 +170,8 @@ class Int4Linear(nn.Module):
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
         """[N, K] weights (`rows` of them) in the activation dtype: what the packed kernel
         multiplies."""
+        if self.dense is not None:
+            return self.dense[rows]
         return torch.ops.minisgl.int4_dequant(self.codes[rows], self.scales_zeros[:, rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
