@@ -38,15 +38,16 @@ def _out(result: pytest.RunResult) -> str:
     return result.stdout.str() + result.stderr.str()
 
 
-def _done(repo: Repo, flag: Path | None = None) -> str:
-    """A card gated to done (committed); its first test needs `flag` when one is given."""
+def _done(repo: Repo, flag: Path | None = None, *gate_args: str) -> str:
+    """A card gated to done (committed, with `gate_args`); its first test needs `flag` when one
+    is given."""
     repo.card(tdd=False)
     if flag is None:
         repo.write("tests/test_demo.py", OUTSIDE_TESTS.format(flag="/"))
     else:
         repo.write("tests/test_demo.py", OUTSIDE_TESTS.format(flag=str(flag)))
     commit = repo.commit("a card whose tests pass")
-    result = repo.gate("--commit")
+    result = repo.gate("--commit", *gate_args)
     assert result.ret == PASS, _out(result)
     return commit
 
@@ -139,7 +140,7 @@ def test_the_rerun_runs_the_commits_own_gate_as_the_repository_names_it(repo: Re
     pyproject = repo.path / "pyproject.toml"
     pyproject.write_text(pyproject.read_text() + RERUN_CONFIG)
     repo.write("rungate.py", RUNGATE.format(probe=str(probe)))
-    commit = _done(repo)
+    commit = _done(repo, None, "--", "-q")  # the caller's pytest arguments, recorded in the manifest
     repo.write("rungate.py", "import sys\n\nsys.exit('a later gate that breaks')\n")
     repo.commit("HEAD's gate is broken: the re-run runs the commit's")
     before = repo.snapshot()
@@ -151,6 +152,9 @@ def test_the_rerun_runs_the_commits_own_gate_as_the_repository_names_it(repo: Re
     cwd, argv = probe.read_text().split("\n")
     assert Path(cwd).resolve() != repo.path.resolve(), "the re-run ran in the repository"
     assert argv.split()[:4] == ["T-001", "--phase", "green", "--dry-run"], argv
+    # the recorded gate's pytest arguments go with it (P1-012's record ran --run-suite-check:
+    # without it its re-run held a deselected bound test)
+    assert argv.split()[-1] == "-q", argv
     assert repo.snapshot() == before and len(repo.evidence()) == 1
 
 
