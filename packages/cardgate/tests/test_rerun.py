@@ -140,7 +140,9 @@ def test_the_rerun_runs_the_commits_own_gate_as_the_repository_names_it(repo: Re
     pyproject = repo.path / "pyproject.toml"
     pyproject.write_text(pyproject.read_text() + RERUN_CONFIG)
     repo.write("rungate.py", RUNGATE.format(probe=str(probe)))
-    commit = _done(repo, None, "--", "-q")  # the caller's pytest arguments, recorded in the manifest
+    commit = _done(
+        repo, None, "--", "-q"
+    )  # the caller's pytest arguments, recorded in the manifest
     repo.write("rungate.py", "import sys\n\nsys.exit('a later gate that breaks')\n")
     repo.commit("HEAD's gate is broken: the re-run runs the commit's")
     before = repo.snapshot()

@@ -7,7 +7,7 @@ along), checks that commit out, and runs there **the commit's own gate**, as the
 says its gate is run (`[tool.cardgate] rerun` in HEAD's `pyproject.toml`, e.g. `python3 -m nox
 -s card --`: the commit's noxfile installs the commit's runtime, builds its Rust binary and runs
 its cardgate; without it, the installed `cardgate gate`), as `ID --phase green --dry-run --json`
-(the recorded `--allow-changed-tests` too), in an environment built from an allowlist (the gate's
+(the recorded `--allow-changed-tests` and pytest arguments too), in an environment built from an allowlist (the gate's
 own, and what installers need: `RERUN_PREFIXES`). The decision and every item's status it prints
 are compared with the record. The rules are the ones that decided the record: today's gate
 judging an old commit would mix two versions of the rules and of the code. The repository's
@@ -243,14 +243,31 @@ def _clone(root: Path, commit: str, dest: Path) -> None:
     )
 
 
-def _recorded_options(record: evidence.Record) -> tuple[float | None, bool]:
-    """The recorded gate's timeout and `--allow-changed-tests` (from its manifest)."""
-    manifest = record.manifest()
-    timeout = manifest.get("timeout_s")
-    return (
-        float(timeout) if isinstance(timeout, int | float) and timeout > 0 else None,
-        bool(manifest.get("allow_changed_tests")),
-    )
+@dataclass(frozen=True)
+class RecordedOptions:
+    """What the recorded gate was run with (its manifest): its timeout, whether it took
+    `--allow-changed-tests`, and the caller's pytest arguments (after `--`)."""
+
+    timeout_s: float | None
+    allow_changed_tests: bool
+    pytest_args: tuple[str, ...]
+
+    @classmethod
+    def of(cls, record: evidence.Record) -> RecordedOptions:
+        manifest = record.manifest()
+        timeout = manifest.get("timeout_s")
+        args = manifest.get("pytest_args") or []
+        return cls(
+            float(timeout) if isinstance(timeout, int | float) and timeout > 0 else None,
+            bool(manifest.get("allow_changed_tests")),
+            tuple(str(a) for a in args) if isinstance(args, list) else (),
+        )
+
+    def gate_args(self, card_id: str, workers: str | None) -> list[str]:
+        args = [card_id, "--phase", "green", "--dry-run", "--json"]
+        args += ["--allow-changed-tests"] if self.allow_changed_tests else []
+        args += ["-n", workers] if workers else []
+        return args + (["--", *self.pytest_args] if self.pytest_args else [])
 
 
 def rerun_card(
@@ -277,17 +294,15 @@ def rerun_card(
     if commit is None:
         raise GateUsageError(f"{record.path.name} names commit {record.commit!r}, unknown here")
     command = rerun_command(root, python or sys.executable)
-    timeout, allow_changed = _recorded_options(record)
-    args = [card_id, "--phase", "green", "--dry-run", "--json"]
-    args += ["--allow-changed-tests"] if allow_changed else []
-    args += ["-n", workers] if workers else []
+    recorded = RecordedOptions.of(record)
+    args = recorded.gate_args(card_id, workers)
     rel = record.path.relative_to(root).as_posix()
     out(f"cardgate: re-running {rel} (commit {commit[:10]}) in a fresh clone with its own gate")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cardgate-rerun-") as tmp:
         clone = Path(tmp) / "clone"
         _clone(root, commit, clone)
-        limit = (timeout or DEFAULT_TIMEOUT_S) + SETUP_ALLOWANCE_S
+        limit = (recorded.timeout_s or DEFAULT_TIMEOUT_S) + SETUP_ALLOWANCE_S
         run = run_own_gate(clone, command, args, limit, out)
     why = "" if run.report is not None else f"exit {run.exit_code}, no decision printed: {run.tail}"
     return Rerun(
