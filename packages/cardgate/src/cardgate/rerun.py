@@ -7,11 +7,11 @@ along), checks that commit out, and runs there **the commit's own gate**, as the
 says its gate is run (`[tool.cardgate] rerun` in HEAD's `pyproject.toml`, e.g. `python3 -m nox
 -s card --`: the commit's noxfile installs the commit's runtime, builds its Rust binary and runs
 its cardgate; without it, the installed `cardgate gate`), as `ID --phase green --dry-run --json`
-(the recorded `--allow-changed-tests` and pytest arguments too), in an environment built from an allowlist (the gate's
-own, and what installers need: `RERUN_PREFIXES`). The decision and every item's status it prints
-are compared with the record. The rules are the ones that decided the record: today's gate
-judging an old commit would mix two versions of the rules and of the code. The repository's
-working tree, index, refs and evidence stay as they were.
+with the recorded `--allow-changed-tests` and pytest arguments, in an environment built from an
+allowlist (the gate's own, and what installers need: `RERUN_PREFIXES`). The decision and every
+item's status it prints are compared with the record. The rules are the ones that decided the
+record: today's gate judging an old commit would mix two versions of the rules and of the code.
+The repository's working tree, index, refs and evidence stay as they were.
 
 Exit codes: 0 the re-run agrees with the record, 1 it does not (the differences are listed; a
 gate that could not start or finish is a difference), 3 nothing to re-run (an unknown card, a
