@@ -264,3 +264,32 @@ def test_amx_gemm_rows_are_their_own_and_match_fp32(n: int) -> None:
     assert torch.allclose(alone.float(), ref, rtol=0.01, atol=0.01)
     with pytest.raises(ValueError, match="amx_gemm"):
         amx_gemm.amx_gemm(x[:, :64], weight)
+
+
+def test_a_linear_on_the_amx_gemm_keeps_one_copy_of_its_weights() -> None:
+    """Where the AMX GEMM takes a float linear, its packed copy is the layer's only copy: the
+    nn.Linear's own bf16 weight is released (a bf16 model in deterministic mode held every
+    linear twice); a weight another module shares (a tied lm_head) stays with that module.
+    Elsewhere (oneDNN in row blocks) the layer keeps its weight and runs on it."""
+    import torch
+
+    from minisgl.engine.deterministic import make_batch_invariant
+    from minisgl.kernels.cpu import amx_gemm
+    from minisgl.utils.cpu import native_bf16
+
+    if not native_bf16():
+        pytest.skip("deterministic mode needs a CPU with native bf16")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 64)).bfloat16()
+    tied = torch.nn.Embedding(64, 96).bfloat16()
+    model[1].weight = tied.weight  # [64, 96]: shared, as a tied lm_head's
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = model(x)
+        assert make_batch_invariant(model) == 2
+        got = model(x)
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+    on_amx = amx_gemm.supported()
+    kept = [m.weight.numel() for m in model]
+    assert kept == ([0, 0] if on_amx else [64 * 96, 96 * 64]), kept
+    assert tied.weight.shape == (64, 96)
