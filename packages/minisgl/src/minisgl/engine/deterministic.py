@@ -88,6 +88,10 @@ def make_batch_invariant(model: nn.Module) -> int:
         weight = m.dequantize() if quantized else m.weight
         if amx_gemm.supported() and weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0:
             m.forward = _AmxRows(amx_gemm.AmxWeight.of(weight, m.bias))
+            if (
+                not quantized
+            ):  # the packed copy is the layer's only one (a tied module keeps its own)
+                m.weight = nn.Parameter(weight.new_empty(0, weight.shape[1]), requires_grad=False)
         else:
             if quantized:
                 m.dequant_min_rows = 1
