@@ -98,13 +98,17 @@ def test_unknown_algorithms_and_bad_k_are_clear_errors(tiny):
 
 
 # ---------------------------------------------------------------------------- verification
-def _spec_scheduler(k: int = 4, page_size: int = 1):
+def _spec_scheduler(k: int = 4, page_size: int = 1, max_step_rows: int = 64):
     spec = spec_module("")
     from minisgl.scheduler.backend import SchedulerConfig
 
     cfg = SchedulerConfig(num_pages=512 // page_size, page_size=page_size, max_seq_len=128,
                           max_running_requests=8, max_extend_tokens=512)  # fmt: skip
-    return spec_module("scheduler").SpecScheduler.of(cfg, spec.SpecConfig("ngram", k))
+    try:
+        config = spec.SpecConfig("ngram", k, max_step_rows=max_step_rows)
+    except TypeError as exc:
+        raise AssertionError(f"SpecConfig has no step budget: {exc}") from None
+    return spec_module("scheduler").SpecScheduler.of(cfg, config)
 
 
 @pytest.mark.card(CARD, "verify-rows-of-different-k-share-one-step", RED, GREEN)
@@ -154,6 +158,47 @@ def test_verify_rows_of_different_k_share_one_step(page_size):
     for rid in list(sched.requests):
         sched.abort(rid)
     assert_scheduler_clean(sched)
+
+
+@pytest.mark.card(
+    CARD, "drafts-fit-a-step-budget-given-first-to-the-requests-that-accept-most", GREEN
+)
+def test_drafts_fit_a_step_budget_given_first_to_the_requests_that_accept_most():
+    """A verify row costs arithmetic (the int4 GEMM's cost grows with its rows once the weights
+    are read): a step holds at most `max_step_rows` rows, drafts filling what the running
+    requests leave, first for the requests whose recent drafts were accepted most; a step
+    already full (a large batch) drafts nothing and is a plain decode step."""
+    sched = _spec_scheduler(4, max_step_rows=8)
+    prompt = [10, 11, 12, 13, 14, 10, 11]
+    rids = [sched.add_request(prompt, greedy(30)) for _ in range(3)]
+    plan, reqs = sched.schedule()
+    sched.commit(reqs, plan, [12] * 3)
+    plan, reqs = sched.schedule()  # each proposes [13, 14, 10, 11]: 5 of the 8 rows to share
+    lens = [sum(r.rid == rid for r in reqs) for rid in rids]
+    assert plan.num_tokens == 8 and sorted(lens) == [1, 2, 5], lens
+    # the first request accepts nothing, the others everything: next step the budget is theirs
+    tokens = []
+    for rid, n in zip(rids, lens, strict=True):
+        drafts = [13, 14, 10, 11][: n - 1]
+        tokens += [99] * n if rid == rids[lens.index(5)] else [*drafts, 12]
+    sched.commit(reqs, plan, tokens)
+    plan, reqs = sched.schedule()
+    after = [sum(r.rid == rid for r in reqs) for rid in rids]
+    assert plan.num_tokens <= 8 and after[lens.index(5)] < 5, (lens, after)
+    for rid in list(sched.requests):
+        sched.abort(rid)
+    assert_scheduler_clean(sched)
+    # eight running requests fill the step: no drafts, a plain decode step
+    full = _spec_scheduler(4, max_step_rows=8)
+    for _ in range(8):
+        full.add_request(prompt, greedy(30))
+    plan, reqs = full.schedule()
+    full.commit(reqs, plan, [12] * 8)
+    plan, reqs = full.schedule()
+    assert plan.num_tokens == 8 and full.spec_stats.verify_rows == 0
+    for rid in list(full.requests):
+        full.abort(rid)
+    assert_scheduler_clean(full)
 
 
 @pytest.mark.card(CARD, "sampled-rows-draft-with-the-draws-of-their-own-positions", GREEN)
