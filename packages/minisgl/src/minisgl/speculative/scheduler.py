@@ -26,6 +26,7 @@ where no row drafts is a plain decode step.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -108,6 +109,7 @@ class SpecScheduler(Scheduler):
         self.draft: DraftSource = make_draft_source(speculative)
         self.spec_stats = SpecStats()
         self._verify: VerifyStep | None = None
+        self._acceptance: dict[int, float] = {}  # rid -> recent acceptance (EMA), 1 at first
 
     @classmethod
     def of(cls, config: SchedulerConfig, speculative: SpecConfig) -> SpecScheduler:
@@ -127,10 +129,12 @@ class SpecScheduler(Scheduler):
 
     def _decode_plan(self, keep: np.ndarray | None = None) -> ScheduledStep | None:
         self._verify = None
+        if not self.running:
+            self._acceptance.clear()
         if keep is not None or not self.running:
             return super()._decode_plan(keep)
         reqs = list(self.running)
-        drafts = [self._drafts(r) for r in reqs]
+        drafts = self._within_budget(reqs, [self._drafts(r) for r in reqs])
         lens = np.array([1 + len(d) for d in drafts], dtype=np.int32)
         if (lens == 1).all():
             return super()._decode_plan()
@@ -145,6 +149,25 @@ class SpecScheduler(Scheduler):
         self._last_decode = None
         self._verify = VerifyStep(plan, reqs, slots.astype(np.int64), drafts)
         return ScheduledStep(plan, [row for r, d in zip(reqs, drafts) for row in _rows(r, d)])
+
+    def _within_budget(self, reqs: list[Req], proposed: list[np.ndarray]) -> list[np.ndarray]:
+        """The drafts the step takes: at most `max_step_rows` rows in all, the free rows given
+        first to the requests whose recent drafts were accepted most, each at most
+        ceil(k x its acceptance) (at least one: a probe)."""
+        live = {r.rid for r in reqs}
+        for rid in [r for r in self._acceptance if r not in live]:
+            del self._acceptance[rid]
+        free = self.spec.max_step_rows - len(reqs)
+        out = [d[:0] for d in proposed]
+        order = sorted(range(len(reqs)), key=lambda i: -self._acceptance.get(reqs[i].rid, 1.0))
+        k = self.spec.num_draft_tokens
+        for i in order:
+            if free <= 0:
+                break
+            cap = max(1, math.ceil(k * self._acceptance.get(reqs[i].rid, 1.0) - 1e-9))
+            out[i] = proposed[i][: min(cap, free)]
+            free -= len(out[i])
+        return out
 
     # ------------------------------------------------------------------ commit
     def commit(
@@ -166,7 +189,7 @@ class SpecScheduler(Scheduler):
         offsets = np.cumsum(lens) - lens
         targets = [tokens[o : o + n] for o, n in zip(offsets.tolist(), lens.tolist())]
         accepted = accepted_lengths(verify.drafts, targets)
-        self._count(verify.drafts, accepted)
+        self._count(reqs, verify.drafts, accepted)
         emit = accepted + 1
         slots = verify.slots
         ended = np.zeros(len(reqs), dtype=bool)
@@ -191,8 +214,15 @@ class SpecScheduler(Scheduler):
         self._finish_rows(reqs, np.where(ended, codes_of, 0))
         return self._close_step(t0, outputs)
 
-    def _count(self, drafts: Sequence[np.ndarray], accepted: np.ndarray) -> None:
+    def _count(
+        self, reqs: Sequence[Req], drafts: Sequence[np.ndarray], accepted: np.ndarray
+    ) -> None:
+        """The stats, and each drafting request's recent acceptance (EMA, weight 1/2)."""
         n = np.array([len(d) for d in drafts])
+        for req, drafted, kept in zip(reqs, n.tolist(), accepted.tolist(), strict=True):
+            if drafted:
+                rate = kept / drafted
+                self._acceptance[req.rid] = 0.5 * self._acceptance.get(req.rid, 1.0) + 0.5 * rate
         s = self.spec_stats
         s.verify_steps += 1
         s.verify_rows += int((n > 0).sum())
