@@ -477,3 +477,34 @@ def test_a_verify_step_keeps_no_decode_workspace():
     assert ws.mode(np.array([0, 0, 1]), np.array([7, 8, 9])) is None
     assert ws.mode(np.array([0, 0, 1]), np.array([8, 9, 10])) is None
     assert ws.mode(np.array([0, 1]), np.array([8, 10])) == "rebuild"
+
+
+@pytest.mark.card(CARD, "benchmark-prints-both-arms-and-the-ratio", GREEN)
+def test_the_offline_harness_runs_a_profile_with_speculation(tiny, tmp_path):
+    """`harness offline --speculative-algorithm ngram` serves any profile with drafts and puts
+    the drafts' counts, acceptance and mean accepted length in the record and its gate
+    metrics (issue 62 item 6: batched profiles measured with and without)."""
+    from minisgl.benchmark import harness
+
+    def run(argv: list[str]) -> int:
+        try:
+            return harness.main(argv)
+        except SystemExit as exc:  # argparse: an unknown flag
+            raise AssertionError(f"the harness refused its flags (exit {exc.code})") from None
+
+    out = tmp_path / "spec.json"
+    rc = run(["offline", "--model-path", str(tiny), "--out", str(out), "--no-progress",
+                       "--profile", "many-short", "--set", "num_requests=6",
+                       "--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "3",
+                       "--set", "llm.num_pages=2048"])  # fmt: skip
+    assert rc == 0
+    record = json.loads(out.read_text())
+    spec = record["speculative"]
+    assert spec["algorithm"] == "ngram" and spec["num_draft_tokens"] == 3, spec
+    assert spec["verify_steps"] >= 0 and 0.0 <= spec["acceptance_rate"] <= 1.0, spec
+    assert record["gate_metrics"]["speculative.acceptance_rate"] == spec["acceptance_rate"]
+    off = tmp_path / "off.json"
+    rc = run(["offline", "--model-path", str(tiny), "--out", str(off), "--no-progress",
+                       "--profile", "many-short", "--set", "num_requests=6",
+                       "--set", "llm.num_pages=2048"])  # fmt: skip
+    assert rc == 0 and json.loads(off.read_text())["speculative"] is None
