@@ -119,6 +119,10 @@ def run_offline(args: argparse.Namespace) -> int:
         llm_kwargs.setdefault("dummy_weights", True)
     if args.sim_device is not None:
         llm_kwargs.setdefault("sim_device", args.sim_device)
+    if args.speculative_algorithm is not None:
+        llm_kwargs.setdefault("speculative_algorithm", args.speculative_algorithm)
+    if args.speculative_num_draft_tokens is not None:
+        llm_kwargs.setdefault("speculative_num_draft_tokens", args.speculative_num_draft_tokens)
     requested = os.environ.get(ENV, "python").strip() or "python"
     check_cpu_backend(requested)
     record = base_record("offline", args, profile)
@@ -186,6 +190,12 @@ def run_offline(args: argparse.Namespace) -> int:
         ratio_tables[f"minisgl / {base} (median of paired repeats)"] = {
             k: v for k, v in paired.items() if not k.endswith("_per_repeat")
         }
+    record["speculative"] = llm.speculative_stats()  # None without speculation
+    if record["speculative"] is not None:
+        gate_metrics.update(common.flatten(
+            {k: v for k, v in record["speculative"].items() if isinstance(v, int | float)},
+            "speculative.",
+        ))  # fmt: skip
     record["gate_metrics"] = gate_metrics
     if args.observations:
         record["observations"] = str(write_jsonl(args.observations, observed))
@@ -436,6 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--ab", help="comma-separated CPU backends, e.g. python,rust_hotpath")
     off.add_argument("--ignore-arrivals", action="store_true", help="submit all at t=0")
     off.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    off.add_argument("--speculative-algorithm", default=None, help="minisgl: ngram")
+    off.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="minisgl: k")
     off.add_argument(
         "--dummy-weights",
         action="store_true",
