@@ -153,12 +153,8 @@ def test_red_by_env_then_empty_commit_is_rejected(
     result.stdout.fnmatch_lines(["*FAIL*child-one*"])
 
 
-@P("P0-000", "red-record-required-at-an-earlier-commit")
-@pytest.mark.parametrize(
-    "body",
-    ["def test_one(missing_fixture):\n    pass", "def test_one():\n    undefined_name"],
-)
-def test_red_must_fail_by_assertion(repo: Repo, body: str) -> None:
+def _red_run_with_test_one(repo: Repo, body: str) -> pytest.RunResult:
+    """A red gate of the demo card whose bound `test_one` is `body`."""
     repo.card()
     repo.tests()
     test_file = repo.path / "tests/test_demo.py"
@@ -166,8 +162,17 @@ def test_red_must_fail_by_assertion(repo: Repo, body: str) -> None:
     start = text.index("def test_one")
     end = text.index("\n\n", start)
     test_file.write_text(text[:start] + body + text[end:])
-    repo.commit("red by error")
-    result = repo.gate("--phase", "red")
+    repo.commit("red")
+    return repo.gate("--phase", "red")
+
+
+@P("P0-000", "red-record-required-at-an-earlier-commit")
+@pytest.mark.parametrize(
+    "body",
+    ["def test_one(missing_fixture):\n    pass", "def test_one():\n    undefined_name"],
+)
+def test_red_must_fail_by_assertion(repo: Repo, body: str) -> None:
+    result = _red_run_with_test_one(repo, body)
     assert result.ret == FAIL, result.stdout.str()
     result.stdout.fnmatch_lines(["*red must fail by assertion*"])
 
@@ -185,15 +190,7 @@ def test_a_pytest_check_that_fails_is_red_by_assertion(repo: Repo, body: str) ->
     """`pytest.raises` that sees nothing raised and `pytest.fail` are the test's own checks, as
     an assert is (they raise pytest's `Failed`, not AssertionError): a red they give is a red.
     Found gating P0-008's red phase: `DID NOT RAISE GateUsageError` was refused as an error."""
-    repo.card()
-    repo.tests()
-    test_file = repo.path / "tests/test_demo.py"
-    text = test_file.read_text()
-    start = text.index("def test_one")
-    end = text.index("\n\n", start)
-    test_file.write_text(text[:start] + body + text[end:])
-    repo.commit("red by a pytest check")
-    result = repo.gate("--phase", "red")
+    result = _red_run_with_test_one(repo, body)
     assert result.ret == PASS, result.stdout.str()
     result.stdout.fnmatch_lines(["*failing-test-first*failing by assertion as expected*"])
 
