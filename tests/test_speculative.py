@@ -201,6 +201,43 @@ def test_drafts_fit_a_step_budget_given_first_to_the_requests_that_accept_most()
     assert_scheduler_clean(full)
 
 
+@pytest.mark.card(
+    CARD, "drafts-fit-a-step-budget-given-first-to-the-requests-that-accept-most", GREEN
+)
+def test_the_step_budget_is_a_user_option_offline_and_at_the_server(tiny, monkeypatch, capsys):
+    """`speculative_max_step_rows` (LLM) / `--speculative-max-step-rows` (server): the budget,
+    validated as k is (an int >= 2, and only with an algorithm)."""
+    spec = spec_module("")
+    try:
+        assert spec.SpecConfig.parse("ngram", 3, 12) == spec.SpecConfig("ngram", 3, 12)
+    except TypeError as exc:
+        raise AssertionError(f"no max_step_rows option: {exc}") from None
+    assert spec.SpecConfig.parse("ngram", None, None).max_step_rows == spec.DEFAULT_MAX_STEP_ROWS
+    for args, message in [(("ngram", 4, 1), "max_step_rows"), (("ngram", 4, True), "max_step_rows"),
+                          ((None, None, 8), "speculative_algorithm")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            spec.SpecConfig.parse(*args)
+    llm = spec_llm(tiny, speculative_algorithm="ngram", speculative_max_step_rows=3)
+    try:
+        assert llm.runtime.sched.spec.max_step_rows == 3
+    finally:
+        llm.close()
+    from minisgl.server.args import parse_args
+
+    monkeypatch.delenv("MINISGL_CPU_BACKEND", raising=False)
+    try:
+        args = parse_args(["--model-path", "m", "--speculative-algorithm", "ngram",
+                           "--speculative-max-step-rows", "16"])  # fmt: skip
+    except SystemExit as exc:
+        raise AssertionError(f"the server refused --speculative-max-step-rows ({exc})") from None
+    assert args.llm_kwargs()["speculative_max_step_rows"] == 16
+    assert "speculative_max_step_rows" not in args.engine_kwargs()
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--model-path", "m", "--speculative-algorithm", "ngram",
+                    "--speculative-max-step-rows", "1"])  # fmt: skip
+    assert exc.value.code == 2 and "max_step_rows" in capsys.readouterr().err
+
+
 @pytest.mark.card(CARD, "sampled-rows-draft-with-the-draws-of-their-own-positions", GREEN)
 def test_sampled_rows_draft_with_the_draws_of_their_own_positions():
     """A drafting request's verify row j is what the sampler reads at output position
