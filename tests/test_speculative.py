@@ -219,7 +219,7 @@ def test_the_step_budget_is_a_user_option_offline_and_at_the_server(tiny, monkey
             spec.SpecConfig.parse(*args)
     llm = spec_llm(tiny, speculative_algorithm="ngram", speculative_max_step_rows=3)
     try:
-        assert llm.runtime.sched.spec.max_step_rows == 3
+        assert llm.runtime.scheduler.spec.max_step_rows == 3
     finally:
         llm.close()
     from minisgl.server.args import parse_args

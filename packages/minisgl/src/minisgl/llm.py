@@ -102,9 +102,10 @@ class LLM:
     a CUDA device, where each shape's first step compiles Triton kernels). `scheduling_policy`:
     "fcfs", or "priority" (the waiting queue ordered by `SamplingParams.priority`, lower first,
     with aging). `chat_template`: a Jinja template (file or text) used instead of the model's.
-    `speculative_algorithm` ("ngram") and `speculative_num_draft_tokens` (k, default 4):
-    speculative decoding (`minisgl.speculative`; greedy rows draft, the python control plane's
-    serial loop); `speculative_stats()` and `last_run` report its acceptance."""
+    `speculative_algorithm` ("ngram"), `speculative_num_draft_tokens` (k, default 4) and
+    `speculative_max_step_rows` (the most rows a verify step holds, default 8): speculative
+    decoding (`minisgl.speculative`; rows without logprobs or a grammar draft, the python control
+    plane's serial loop); `speculative_stats()` and `last_run` report its acceptance."""
 
     def __init__(
         self,
@@ -137,10 +138,13 @@ class LLM:
         chat_template: str | None = None,
         speculative_algorithm: str | None = None,
         speculative_num_draft_tokens: int | None = None,
+        speculative_max_step_rows: int | None = None,
     ) -> None:
         """Load the model and start the control plane (the arguments: the class docstring)."""
         args = dict(locals())  # first: EngineConfig takes its fields from these, by name
-        spec = SpecConfig.parse(speculative_algorithm, speculative_num_draft_tokens)
+        spec = SpecConfig.parse(
+            speculative_algorithm, speculative_num_draft_tokens, speculative_max_step_rows
+        )
         aging = priority_aging_steps(scheduling_policy)  # bad arguments fail before any load
         template = None
         if chat_template is not None:

@@ -43,6 +43,7 @@ class ServerArgs:
     deterministic: bool = False  # batch-invariant CPU kernels (EngineConfig.deterministic)
     speculative_algorithm: str | None = None  # ngram (minisgl.speculative), None: off
     speculative_num_draft_tokens: int | None = None  # k (default 4 with an algorithm)
+    speculative_max_step_rows: int | None = None  # a verify step's rows (default 8)
     threads: int | None = None
     tp_size: int = 1
     dp_size: int = 1
@@ -83,6 +84,7 @@ class ServerArgs:
             deterministic=self.deterministic,
             speculative_algorithm=self.speculative_algorithm,
             speculative_num_draft_tokens=self.speculative_num_draft_tokens,
+            speculative_max_step_rows=self.speculative_max_step_rows,
             threads=self.threads,
             tp_size=self.tp_size,
         )
@@ -102,7 +104,7 @@ class ServerArgs:
 
 
 API_KEY_ENV = "MINISGL_API_KEY"
-LLM_ONLY = ("speculative_algorithm", "speculative_num_draft_tokens")
+LLM_ONLY = ("speculative_algorithm", "speculative_num_draft_tokens", "speculative_max_step_rows")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -243,8 +245,8 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
         "--speculative-algorithm",
         default=None,
         metavar="ngram",
-        help="speculative decoding: ngram drafts copied from the prompt and output (greedy "
-        "requests; python backend; docs/speculative.md); default: off",
+        help="speculative decoding: ngram drafts copied from the prompt and output (python "
+        "backend; docs/speculative.md); default: off",
     )
     p.add_argument(
         "--speculative-num-draft-tokens",
@@ -252,6 +254,14 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="K",
         help="the most draft tokens a request verifies a step (default 4)",
+    )
+    p.add_argument(
+        "--speculative-max-step-rows",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the most rows a verify step holds: drafts fill what the running requests leave, "
+        "first for the requests that accept most (default 8)",
     )
     p.add_argument(
         "--threads",
@@ -466,7 +476,11 @@ def feature_errors(args: ServerArgs) -> list[str]:
 
     errors = []
     try:
-        spec = SpecConfig.parse(args.speculative_algorithm, args.speculative_num_draft_tokens)
+        spec = SpecConfig.parse(
+            args.speculative_algorithm,
+            args.speculative_num_draft_tokens,
+            args.speculative_max_step_rows,
+        )
     except ValueError as e:
         spec = None
         errors.append(str(e))

@@ -75,20 +75,26 @@ class SpecConfig:
             raise ValueError(f"max_step_rows must be an int >= 2, got {rows!r}")
 
     @classmethod
-    def parse(cls, algorithm: str | None, num_draft_tokens: int | None) -> SpecConfig | None:
-        """The configuration the two user options ask for; None for no speculation."""
+    def parse(
+        cls,
+        algorithm: str | None,
+        num_draft_tokens: int | None,
+        max_step_rows: int | None = None,
+    ) -> SpecConfig | None:
+        """The configuration the user options ask for; None for no speculation."""
         if algorithm is None:
-            if num_draft_tokens is not None:
-                raise ValueError(
-                    "speculative_num_draft_tokens needs a speculative_algorithm (ngram)"
-                )
+            for name, value in (("speculative_num_draft_tokens", num_draft_tokens),
+                                ("speculative_max_step_rows", max_step_rows)):  # fmt: skip
+                if value is not None:
+                    raise ValueError(f"{name} needs a speculative_algorithm (ngram)")
             return None
         if not isinstance(algorithm, str):
             raise ValueError(
                 f"speculative_algorithm must be a string, got {type(algorithm).__name__}"
             )
         k = DEFAULT_DRAFT_TOKENS if num_draft_tokens is None else num_draft_tokens
-        return cls(algorithm.strip().lower(), k)
+        rows = DEFAULT_MAX_STEP_ROWS if max_step_rows is None else max_step_rows
+        return cls(algorithm.strip().lower(), k, rows)
 
 
 def make_draft_source(config: SpecConfig) -> DraftSource:
