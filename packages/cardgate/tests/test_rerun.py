@@ -203,3 +203,18 @@ def test_the_gates_json_is_read_whatever_follows_it_on_its_last_line(repo: Repo)
     result = repo.cardgate("verify", "--rerun", "T-001")
     out = _out(result)
     assert result.ret == PASS and "agree" in out, out
+
+
+@pytest.mark.card(CARD, RED, GREEN)
+def test_the_rerun_environment_keeps_installers_variables_and_adds_no_build_folder() -> None:
+    """The commit's build decides where its outputs go: a shared CARGO_TARGET_DIR set by the
+    re-run moved P1-011's binary away from the `rust/target/release/` its noxfile copies from
+    (FileNotFoundError, no decision). Inherited installer settings pass; PYTHONPATH does not."""
+    from cardgate.rerun import rerun_env
+
+    env = rerun_env({"PATH": "/bin", "HOME": "/h", "PIP_INDEX_URL": "https://mirror/simple",
+                     "PYTHONPATH": "/elsewhere", "CARGO_HOME": "/c"})  # fmt: skip
+    assert "CARGO_TARGET_DIR" not in env
+    assert env["PIP_INDEX_URL"] == "https://mirror/simple" and env["CARGO_HOME"] == "/c"
+    assert "PYTHONPATH" not in env and env["PATH"] == "/bin"
+    assert rerun_env({"PATH": "/bin", "CARGO_TARGET_DIR": "/t"})["CARGO_TARGET_DIR"] == "/t"
