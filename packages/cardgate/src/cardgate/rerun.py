@@ -141,13 +141,12 @@ def rerun_command(root: Path, python: str) -> tuple[str, ...]:
 
 
 def rerun_env(inherited: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The re-run's environment: the gate's allowlist and the installers' variables. A shared
-    Cargo target folder (unless one is set) keeps re-runs from building every crate anew."""
+    """The re-run's environment: the gate's allowlist and the installers' variables. No build
+    folder of its own: the commit's build puts its outputs where it expects them (a shared
+    CARGO_TARGET_DIR had moved P1-011's binary away from the path its noxfile copies from)."""
     env = dict(os.environ if inherited is None else inherited)
     out = clean_env(env)
     out.update({k: v for k, v in env.items() if k.startswith(RERUN_PREFIXES)})
-    cache = Path(env.get("XDG_CACHE_HOME") or Path(env.get("HOME", "/tmp")) / ".cache")
-    out.setdefault("CARGO_TARGET_DIR", str(cache / "cardgate" / "rerun-cargo-target"))
     return out
 
 
