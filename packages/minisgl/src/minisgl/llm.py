@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -102,10 +102,12 @@ class LLM:
     a CUDA device, where each shape's first step compiles Triton kernels). `scheduling_policy`:
     "fcfs", or "priority" (the waiting queue ordered by `SamplingParams.priority`, lower first,
     with aging). `chat_template`: a Jinja template (file or text) used instead of the model's.
-    `speculative_algorithm` ("ngram"), `speculative_num_draft_tokens` (k, default 4) and
-    `speculative_max_step_rows` (the most rows a verify step holds, default 8): speculative
-    decoding (`minisgl.speculative`; rows without logprobs or a grammar draft, the python control
-    plane's serial loop); `speculative_stats()` and `last_run` report its acceptance."""
+    `speculative_algorithm` ("ngram"; "draft" with `speculative_draft_model_path`, a model
+    sharing the target's tokenizer: an HF folder or a GGUF file), `speculative_num_draft_tokens`
+    (k, default 4) and `speculative_max_step_rows` (the most rows a verify step holds, default
+    8): speculative decoding (`minisgl.speculative`; rows without logprobs or a grammar draft,
+    the python control plane's serial loop); `speculative_stats()` and `last_run` report its
+    acceptance."""
 
     def __init__(
         self,
@@ -139,12 +141,14 @@ class LLM:
         speculative_algorithm: str | None = None,
         speculative_num_draft_tokens: int | None = None,
         speculative_max_step_rows: int | None = None,
+        speculative_draft_model_path: str | Path | None = None,
     ) -> None:
         """Load the model and start the control plane (the arguments: the class docstring)."""
         args = dict(locals())  # first: EngineConfig takes its fields from these, by name
         spec = SpecConfig.parse(
-            speculative_algorithm, speculative_num_draft_tokens, speculative_max_step_rows
-        )
+            speculative_algorithm, speculative_num_draft_tokens, speculative_max_step_rows,
+            speculative_draft_model_path,
+        )  # fmt: skip
         aging = priority_aging_steps(scheduling_policy)  # bad arguments fail before any load
         template = None
         if chat_template is not None:
@@ -152,6 +156,8 @@ class LLM:
         if sim_device is None and resolve_device(device).type == "cpu":
             cpu_native.prebuild()  # beside the model's conversion and load
         model_path = _resolve_model_path(model_path)
+        if spec is not None and spec.draft_model_path is not None:  # a GGUF draft: its folder
+            spec = replace(spec, draft_model_path=_resolve_model_path(spec.draft_model_path))
         self.config = _engine_config(args, model_path)
         self.engine = make_engine(self.config)  # sim_device: no model (engine/sim.py)
         self.tokenizer = load_tokenizer(str(model_path), template)

@@ -123,6 +123,8 @@ def run_offline(args: argparse.Namespace) -> int:
         llm_kwargs.setdefault("speculative_algorithm", args.speculative_algorithm)
     if args.speculative_num_draft_tokens is not None:
         llm_kwargs.setdefault("speculative_num_draft_tokens", args.speculative_num_draft_tokens)
+    if args.speculative_draft_model_path is not None:
+        llm_kwargs.setdefault("speculative_draft_model_path", args.speculative_draft_model_path)
     requested = os.environ.get(ENV, "python").strip() or "python"
     check_cpu_backend(requested)
     record = base_record("offline", args, profile)
@@ -446,7 +448,10 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--ab", help="comma-separated CPU backends, e.g. python,rust_hotpath")
     off.add_argument("--ignore-arrivals", action="store_true", help="submit all at t=0")
     off.add_argument("--cuda-graph-max-bs", type=int, default=None)
-    off.add_argument("--speculative-algorithm", default=None, help="minisgl: ngram")
+    off.add_argument("--speculative-algorithm", default=None, help="minisgl: ngram / draft")
+    off.add_argument(
+        "--speculative-draft-model-path", default=None, help="minisgl: the draft algorithm's model"
+    )
     off.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="minisgl: k")
     off.add_argument(
         "--dummy-weights",

@@ -34,7 +34,7 @@ from minisgl.scheduler import cpu_backend
 from minisgl.scheduler.backend import SchedulerBackend, SchedulerConfig
 from minisgl.scheduler.factory import make_scheduler
 from minisgl.scheduler.request import StepOutput
-from minisgl.speculative import SpecConfig
+from minisgl.speculative import DRAFT_MODEL, SpecConfig
 from minisgl.utils.log import get_logger
 
 if TYPE_CHECKING:
@@ -108,9 +108,12 @@ class Runtime:
         depth: int,
         stream: DeviceStream | None,
         remake: Callable[[], SchedulerBackend] | None = None,
+        draft: Any = None,
     ) -> None:
-        """`remake`: a new scheduler of `sched`'s config (the one serving after a warm-up)."""
+        """`remake`: a new scheduler of `sched`'s config (the one serving after a warm-up).
+        `draft`: a draft model the schedulers share (closed with this runtime)."""
         self.engine = engine
+        self.draft = draft
         self.eos_token_ids = eos_token_ids
         self.device = DeviceStep(engine, eos_token_ids, engine.config.max_running_requests)
         self.scheduler = sched
@@ -159,19 +162,24 @@ class Runtime:
             priority_aging_steps=priority_aging_steps,
         )
         sched_name = "python" if name == cpu_backend.SERVICE else name
+        draft = None
+        if speculative is not None and speculative.algorithm == DRAFT_MODEL:
+            from minisgl.runtime.draft_model import DraftModel
+
+            draft = DraftModel.load(speculative, engine, warm_up=warm_up)
 
         def remake() -> SchedulerBackend:
             if speculative is not None:
                 from minisgl.speculative.scheduler import SpecScheduler
 
-                return SpecScheduler.of(sched_config, speculative)
+                return SpecScheduler.of(sched_config, speculative, draft)
             return make_scheduler(sched_config, sched_name)
 
         sched = remake()
         if overlap is None:
             overlap = not overlap_disabled()
         depth, stream = _overlap(overlap, sched, name, device_stream, engine.device)
-        rt = cls(engine, eos, sched, depth, stream, remake)
+        rt = cls(engine, eos, sched, depth, stream, remake, draft)
         try:
             if warm_up or getattr(engine, "compiled", None) is not None:
                 rt.warm_up()
@@ -256,6 +264,8 @@ class Runtime:
         if self.plane is not self.local:
             self.plane.close()
         self.local.close()
+        if self.draft is not None:
+            self.draft.close()
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()

@@ -44,6 +44,7 @@ class ServerArgs:
     speculative_algorithm: str | None = None  # ngram (minisgl.speculative), None: off
     speculative_num_draft_tokens: int | None = None  # k (default 4 with an algorithm)
     speculative_max_step_rows: int | None = None  # a verify step's rows (default 8)
+    speculative_draft_model_path: str | None = None  # the draft algorithm's model
     threads: int | None = None
     tp_size: int = 1
     dp_size: int = 1
@@ -85,6 +86,7 @@ class ServerArgs:
             speculative_algorithm=self.speculative_algorithm,
             speculative_num_draft_tokens=self.speculative_num_draft_tokens,
             speculative_max_step_rows=self.speculative_max_step_rows,
+            speculative_draft_model_path=self.speculative_draft_model_path,
             threads=self.threads,
             tp_size=self.tp_size,
         )
@@ -104,7 +106,12 @@ class ServerArgs:
 
 
 API_KEY_ENV = "MINISGL_API_KEY"
-LLM_ONLY = ("speculative_algorithm", "speculative_num_draft_tokens", "speculative_max_step_rows")
+LLM_ONLY = (
+    "speculative_algorithm",
+    "speculative_num_draft_tokens",
+    "speculative_max_step_rows",
+    "speculative_draft_model_path",
+)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -244,9 +251,16 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative-algorithm",
         default=None,
-        metavar="ngram",
-        help="speculative decoding: ngram drafts copied from the prompt and output (python "
-        "backend; docs/speculative.md); default: off",
+        metavar="ngram|draft",
+        help="speculative decoding: ngram drafts copied from the prompt and output, or draft "
+        "(standalone) from a draft model (python backend; docs/speculative.md); default: off",
+    )
+    p.add_argument(
+        "--speculative-draft-model-path",
+        default=None,
+        metavar="PATH",
+        help="the draft model of --speculative-algorithm draft (an HF folder or a GGUF file "
+        "sharing the model's tokenizer)",
     )
     p.add_argument(
         "--speculative-num-draft-tokens",
@@ -480,6 +494,7 @@ def feature_errors(args: ServerArgs) -> list[str]:
             args.speculative_algorithm,
             args.speculative_num_draft_tokens,
             args.speculative_max_step_rows,
+            args.speculative_draft_model_path,
         )
     except ValueError as e:
         spec = None

@@ -4,6 +4,8 @@ them. No weights: a draft is a pure function of the prompt and the output so far
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 MAX_N = 3
@@ -35,6 +37,10 @@ class NgramDraft:
     """The `ngram` draft source."""
 
     name = "ngram"
+    exact = False  # a lookup may find fewer than k tokens; proposing costs nothing
+
+    def propose_many(self, tokens: Sequence[np.ndarray], ks: Sequence[int]) -> list[np.ndarray]:
+        return [self.propose(t, k) for t, k in zip(tokens, ks, strict=True)]
 
     def __init__(self, max_n: int = MAX_N, min_n: int = MIN_N) -> None:
         self.max_n, self.min_n = max_n, min_n

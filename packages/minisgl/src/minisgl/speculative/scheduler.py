@@ -30,6 +30,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -38,6 +39,8 @@ from minisgl.scheduler.request import Req, StepOutput
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.speculative import DraftSource, SpecConfig, make_draft_source
 from minisgl.step.plan import StepPlan, build_step_plan
+
+_NONE = np.zeros(0, dtype=np.int32)
 
 
 @dataclass
@@ -103,29 +106,51 @@ def verify_plan(
 class SpecScheduler(Scheduler):
     backend = "python"
 
-    def __init__(self, *, speculative: SpecConfig, **kwargs) -> None:
+    def __init__(
+        self, *, speculative: SpecConfig, draft: DraftSource | None = None, **kwargs
+    ) -> None:
+        """`draft`: the draft source (default: `speculative`'s weightless one); a draft model
+        is built and closed by its runtime, which outlives this scheduler (a warm-up's)."""
         super().__init__(**kwargs)
         self.spec = speculative
-        self.draft: DraftSource = make_draft_source(speculative)
+        self.draft: DraftSource = make_draft_source(speculative) if draft is None else draft
         self.spec_stats = SpecStats()
         self._verify: VerifyStep | None = None
         self._acceptance: dict[int, float] = {}  # rid -> recent acceptance (EMA), 1 at first
 
     @classmethod
-    def of(cls, config: SchedulerConfig, speculative: SpecConfig) -> SpecScheduler:
-        return cls(speculative=speculative, **dataclasses.asdict(config))
+    def of(
+        cls, config: SchedulerConfig, speculative: SpecConfig, draft: DraftSource | None = None
+    ) -> SpecScheduler:
+        return cls(speculative=speculative, draft=draft, **dataclasses.asdict(config))
 
     def schedule_ahead(self):  # type: ignore[override]
         raise RuntimeError("speculative decoding runs the serial loop (no overlap scheduling)")
 
     # ------------------------------------------------------------------ plans
-    def _drafts(self, req: Req) -> np.ndarray:
+    def _budget(self, req: Req) -> int:
+        """The most drafts a request may take: k, less than its output room, 0 for rows with
+        logprobs or a grammar."""
         p = req.params
         t, slot = self.table, req.slot
         budget = min(self.spec.num_draft_tokens, int(t.out_limit[slot] - t.out_len[slot]) - 1)
         if budget <= 0 or p.logprobs is not None or p.response_format is not None:
-            return np.zeros(0, dtype=np.int32)
-        return self.draft.propose(req.all_tokens(), budget)
+            return 0
+        return budget
+
+    def _step_drafts(self, reqs: list[Req]) -> list[np.ndarray]:
+        """The drafts a decode step carries, within the step budget. An `exact` source (a
+        draft model) is asked only for what the budget takes; a cheap one proposes in full,
+        then the budget trims (a request with no match leaves its rows to the others)."""
+        if len(reqs) >= self.spec.max_step_rows:  # no free row: nothing to propose
+            return [_NONE] * len(reqs)
+        budgets = [self._budget(r) for r in reqs]
+        tokens = [r.all_tokens() if b else _NONE for r, b in zip(reqs, budgets)]
+        if self.draft.exact:
+            return self.draft.propose_many(tokens, self._within_budget(reqs, budgets))
+        proposed = self.draft.propose_many(tokens, budgets)
+        takes = self._within_budget(reqs, [len(d) for d in proposed])
+        return [d[:n] for d, n in zip(proposed, takes, strict=True)]
 
     def _decode_plan(self, keep: np.ndarray | None = None) -> ScheduledStep | None:
         self._verify = None
@@ -134,7 +159,7 @@ class SpecScheduler(Scheduler):
         if keep is not None or not self.running:
             return super()._decode_plan(keep)
         reqs = list(self.running)
-        drafts = self._within_budget(reqs, [self._drafts(r) for r in reqs])
+        drafts = self._step_drafts(reqs)
         lens = np.array([1 + len(d) for d in drafts], dtype=np.int32)
         if (lens == 1).all():
             return super()._decode_plan()
@@ -150,24 +175,24 @@ class SpecScheduler(Scheduler):
         self._verify = VerifyStep(plan, reqs, slots.astype(np.int64), drafts)
         return ScheduledStep(plan, [row for r, d in zip(reqs, drafts) for row in _rows(r, d)])
 
-    def _within_budget(self, reqs: list[Req], proposed: list[np.ndarray]) -> list[np.ndarray]:
-        """The drafts the step takes: at most `max_step_rows` rows in all, the free rows given
-        first to the requests whose recent drafts were accepted most, each at most
-        ceil(k x its acceptance) (at least one: a probe)."""
+    def _within_budget(self, reqs: list[Req], available: list[int]) -> list[int]:
+        """How many of its `available` drafts each request takes: at most `max_step_rows` rows
+        in all, the free rows given first to the requests whose recent drafts were accepted
+        most, each at most ceil(k x its acceptance) (at least one: a probe)."""
         live = {r.rid for r in reqs}
         for rid in [r for r in self._acceptance if r not in live]:
             del self._acceptance[rid]
         free = self.spec.max_step_rows - len(reqs)
-        out = [d[:0] for d in proposed]
+        takes = [0] * len(reqs)
         order = sorted(range(len(reqs)), key=lambda i: -self._acceptance.get(reqs[i].rid, 1.0))
         k = self.spec.num_draft_tokens
         for i in order:
             if free <= 0:
                 break
             cap = max(1, math.ceil(k * self._acceptance.get(reqs[i].rid, 1.0) - 1e-9))
-            out[i] = proposed[i][: min(cap, free)]
-            free -= len(out[i])
-        return out
+            takes[i] = min(available[i], cap, free)
+            free -= takes[i]
+        return takes
 
     # ------------------------------------------------------------------ commit
     def commit(
@@ -231,8 +256,10 @@ class SpecScheduler(Scheduler):
 
     def speculative_stats(self) -> dict[str, float | int | str]:
         s = self.spec_stats
+        draft = self.spec.draft_model_path
         return {
             "algorithm": self.spec.algorithm,
+            **({"draft_model": Path(draft).name} if draft is not None else {}),  # no local path
             "num_draft_tokens": self.spec.num_draft_tokens,
             "verify_steps": s.verify_steps,
             "verify_rows": s.verify_rows,
