@@ -44,6 +44,14 @@ def _resolve_model_path(model_path: str | Path | None) -> str:
     return resolve_model_path(model_path)
 
 
+def _spec_config(args: Mapping[str, Any]) -> SpecConfig | None:
+    """The speculative decoding of `LLM`'s arguments (None: off), or a ValueError."""
+    return SpecConfig.parse(
+        args["speculative_algorithm"], args["speculative_num_draft_tokens"],
+        args["speculative_max_step_rows"], args["speculative_draft_model_path"],
+    )  # fmt: skip
+
+
 def _engine_config(args: Mapping[str, Any], model_path: str) -> EngineConfig:
     """The EngineConfig of `LLM`'s arguments: those named as its fields, by name."""
     values = {f.name: args[f.name] for f in fields(EngineConfig)}
@@ -145,10 +153,7 @@ class LLM:
     ) -> None:
         """Load the model and start the control plane (the arguments: the class docstring)."""
         args = dict(locals())  # first: EngineConfig takes its fields from these, by name
-        spec = SpecConfig.parse(
-            speculative_algorithm, speculative_num_draft_tokens, speculative_max_step_rows,
-            speculative_draft_model_path,
-        )  # fmt: skip
+        spec = _spec_config(args)
         aging = priority_aging_steps(scheduling_policy)  # bad arguments fail before any load
         template = None
         if chat_template is not None:

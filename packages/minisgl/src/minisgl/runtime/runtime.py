@@ -74,6 +74,15 @@ def _serial_for_speculation(backend: str, overlap: bool | None) -> bool:
     return False
 
 
+def _draft_model(speculative: SpecConfig | None, engine: Any, warm_up: bool) -> Any:
+    """The draft model of the `draft` algorithm (`runtime/draft_model.py`), else None."""
+    if speculative is None or speculative.algorithm != DRAFT_MODEL:
+        return None
+    from minisgl.runtime.draft_model import DraftModel
+
+    return DraftModel.load(speculative, engine, warm_up=warm_up)
+
+
 def _overlap(
     overlap: bool,
     sched: SchedulerBackend,
@@ -162,11 +171,7 @@ class Runtime:
             priority_aging_steps=priority_aging_steps,
         )
         sched_name = "python" if name == cpu_backend.SERVICE else name
-        draft = None
-        if speculative is not None and speculative.algorithm == DRAFT_MODEL:
-            from minisgl.runtime.draft_model import DraftModel
-
-            draft = DraftModel.load(speculative, engine, warm_up=warm_up)
+        draft = _draft_model(speculative, engine, warm_up)
 
         def remake() -> SchedulerBackend:
             if speculative is not None:

@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_model_args,
         add_engine_args,
         add_batch_args,
+        add_speculative_args,
         add_parallel_args,
         add_process_args,
         add_request_args,
@@ -246,8 +247,8 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_parallel_args(p: argparse.ArgumentParser) -> None:
-    """Speculative decoding, threads, tensor- and data-parallel replicas."""
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding (docs/speculative.md)."""
     p.add_argument(
         "--speculative-algorithm",
         default=None,
@@ -277,6 +278,10 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
         help="the most rows a verify step holds: drafts fill what the running requests leave, "
         "first for the requests that accept most (default 8)",
     )
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Threads, tensor- and data-parallel replicas."""
     p.add_argument(
         "--threads",
         type=int,
