@@ -52,6 +52,18 @@ def _spec_config(args: Mapping[str, Any]) -> SpecConfig | None:
     )  # fmt: skip
 
 
+def _chat_template(value: str | None) -> str | None:
+    """`LLM`'s `chat_template` (a file or the text), read and checked; None: the model's."""
+    return None if value is None else resolve_chat_template(value, "chat_template")
+
+
+def _with_draft_folder(spec: SpecConfig | None) -> SpecConfig | None:
+    """`spec` with a GGUF draft model's converted folder as its draft model path."""
+    if spec is None or spec.draft_model_path is None:
+        return spec
+    return replace(spec, draft_model_path=_resolve_model_path(spec.draft_model_path))
+
+
 def _engine_config(args: Mapping[str, Any], model_path: str) -> EngineConfig:
     """The EngineConfig of `LLM`'s arguments: those named as its fields, by name."""
     values = {f.name: args[f.name] for f in fields(EngineConfig)}
@@ -155,14 +167,11 @@ class LLM:
         args = dict(locals())  # first: EngineConfig takes its fields from these, by name
         spec = _spec_config(args)
         aging = priority_aging_steps(scheduling_policy)  # bad arguments fail before any load
-        template = None
-        if chat_template is not None:
-            template = resolve_chat_template(chat_template, "chat_template")
+        template = _chat_template(chat_template)
         if sim_device is None and resolve_device(device).type == "cpu":
             cpu_native.prebuild()  # beside the model's conversion and load
         model_path = _resolve_model_path(model_path)
-        if spec is not None and spec.draft_model_path is not None:  # a GGUF draft: its folder
-            spec = replace(spec, draft_model_path=_resolve_model_path(spec.draft_model_path))
+        spec = _with_draft_folder(spec)
         self.config = _engine_config(args, model_path)
         self.engine = make_engine(self.config)  # sim_device: no model (engine/sim.py)
         self.tokenizer = load_tokenizer(str(model_path), template)
