@@ -142,7 +142,7 @@ def test_the_mode_s_prefix_cache_holds_prompts_only() -> None:
         sched.add_request(list(range(3, 25)), SamplingParams(max_tokens=10, ignore_eos=True))
         while sched.requests:
             plan, reqs = sched.schedule()
-            sched.commit(reqs, plan, [40 + i for i in range(plan.num_tokens)])
+            sched.commit(reqs, plan, [40 + i for i in range(len(plan.sample_rows))])
         sched.check_integrity()
         return sched.kv_usage()["cached_tokens"]
 

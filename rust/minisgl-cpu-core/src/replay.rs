@@ -318,6 +318,7 @@ pub fn replay(w: &Workload, enable_priority: bool) -> Result<ReplayReport, Strin
         eos_token_ids: Vec::new(),
         priority_aging_steps: enable_priority.then_some(c.priority_aging_steps),
         in_batch_prefix_min: IN_BATCH_PREFIX_MIN,
+        cache_outputs: true,
     });
     let mut run = Runner::new(w, core);
     let reqs = &w.requests;
@@ -631,6 +632,7 @@ mod tests {
             eos_token_ids: vec![],
             priority_aging_steps: None,
             in_batch_prefix_min: IN_BATCH_PREFIX_MIN,
+            cache_outputs: true,
         });
         assert!(replay(&w, false).unwrap().pages_returned());
         assert_eq!(drain(&core).error, None);

@@ -45,6 +45,10 @@ pub struct SchedConfig {
     /// prefill step being built waits for the next step, where they are cached (SGLang's
     /// in-batch prefix check; the Python `SchedulerConfig.in_batch_prefix_min`); 0: no check.
     pub in_batch_prefix_min: usize,
+    /// `true`: a finished request's computed tokens, its outputs included, join the prefix
+    /// cache; `false`: its prompt's only (the deterministic mode: a decode step's K / V are not
+    /// the prefill path's to the bit; the Python `SchedulerConfig.cache_outputs`).
+    pub cache_outputs: bool,
 }
 
 /// The default of [`SchedConfig::in_batch_prefix_min`] (the Python `IN_BATCH_PREFIX_MIN`).
@@ -889,10 +893,15 @@ impl SchedCore {
         let ps = self.cfg.page_size;
         let (slot, aligned, cache_len, alloc_len, node) = {
             let r = self.req(idx);
+            let known = if self.cfg.cache_outputs {
+                r.tokens.len()
+            } else {
+                r.prompt_len
+            };
             let aligned = if abort {
                 r.cache_len
             } else {
-                r.kv_len.min(r.tokens.len()) / ps * ps
+                r.kv_len.min(known) / ps * ps
             };
             (
                 r.slot as usize,
@@ -1010,6 +1019,7 @@ mod tests {
             eos_token_ids: vec![0],
             priority_aging_steps: None,
             in_batch_prefix_min: IN_BATCH_PREFIX_MIN,
+            cache_outputs: true,
         })
     }
 
@@ -1045,6 +1055,44 @@ mod tests {
         }
     }
 
+    /// Without `cache_outputs` a finished request caches its prompt's full pages only: a
+    /// prompt that extends its answer hits the prompt, not the answer (deterministic mode).
+    #[test]
+    fn cache_outputs_off_caches_prompts_only() {
+        for (cache_outputs, hit) in [(true, 12), (false, 8)] {
+            let mut c = SchedCore::new(SchedConfig {
+                cache_outputs,
+                ..core(true).config().clone()
+            });
+            let p = ReqParams {
+                max_tokens: 6,
+                ignore_eos: true,
+                stop_token_ids: vec![],
+            };
+            let prompt: Vec<i32> = (1..=10).collect();
+            c.add_request(1, &prompt, 16, p.clone()).unwrap();
+            let mut buf = PlanBuf::default();
+            let (mut codes, mut rids) = (Vec::new(), Vec::new());
+            while c.has_work() {
+                c.schedule_step(&mut buf).unwrap();
+                let ns = buf.layout.num_sample;
+                c.commit_step(&vec![5; ns], &mut codes, &mut rids).unwrap();
+                c.check_integrity().unwrap();
+            }
+            // 10 prompt tokens and 5 fed outputs computed: pages of 4 cover 12, the prompt 8
+            let next: Vec<i32> = prompt.iter().copied().chain([5, 5, 5, 5, 5, 9]).collect();
+            c.add_request(2, &next, 20, p).unwrap();
+            c.schedule_step(&mut buf).unwrap();
+            assert_eq!(
+                c.request_info(2).unwrap().2,
+                hit,
+                "cache_outputs={cache_outputs}"
+            );
+            c.finish(2, true).unwrap();
+            c.check_integrity().unwrap();
+        }
+    }
+
     /// B, admitted while A (same 12-token prefix) is still prefilling / decoding, hits the
     /// prefix A cached after its chunks; a concurrent duplicate is swapped for the cache's KV.
     #[test]
@@ -1059,6 +1107,7 @@ mod tests {
             eos_token_ids: vec![0],
             priority_aging_steps: None,
             in_batch_prefix_min: IN_BATCH_PREFIX_MIN,
+            cache_outputs: true,
         });
         let p = ReqParams {
             max_tokens: 5,
@@ -1107,6 +1156,7 @@ mod tests {
             eos_token_ids: vec![0],
             priority_aging_steps: None,
             in_batch_prefix_min: IN_BATCH_PREFIX_MIN,
+            cache_outputs: true,
         });
         let prompt: Vec<i32> = (40..50).collect();
         c.add_request(1, &prompt, 15, p.clone()).unwrap();
@@ -1141,6 +1191,7 @@ mod tests {
             eos_token_ids: vec![],
             priority_aging_steps: aging,
             in_batch_prefix_min: IN_BATCH_PREFIX_MIN,
+            cache_outputs: true,
         })
     }
 

@@ -25,6 +25,7 @@ fn core(ps: usize, radix: bool, pages: usize, max_running: usize, ext: usize) ->
         eos_token_ids: vec![0],
         priority_aging_steps: None,
         in_batch_prefix_min: minisgl_cpu_core::IN_BATCH_PREFIX_MIN,
+        cache_outputs: true,
     })
 }
 

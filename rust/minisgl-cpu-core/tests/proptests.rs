@@ -67,6 +67,7 @@ proptest! {
             eos_token_ids: vec![0],
             priority_aging_steps: None,
             in_batch_prefix_min: minisgl_cpu_core::IN_BATCH_PREFIX_MIN,
+            cache_outputs: true,
         });
         let mut buf = PlanBuf::default();
         let (mut codes, mut rids) = (Vec::new(), Vec::new());
@@ -122,6 +123,7 @@ proptest! {
             eos_token_ids: vec![0],
             priority_aging_steps: None,
             in_batch_prefix_min: minisgl_cpu_core::IN_BATCH_PREFIX_MIN,
+            cache_outputs: true,
         });
         let mut buf = PlanBuf::default();
         let (mut codes, mut rids) = (Vec::new(), Vec::new());

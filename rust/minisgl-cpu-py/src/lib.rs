@@ -233,6 +233,7 @@ impl SchedulerCore {
                 eos_token_ids,
                 priority_aging_steps,
                 in_batch_prefix_min,
+                cache_outputs: true,
             }),
             codes: Vec::new(),
             rids: Vec::new(),

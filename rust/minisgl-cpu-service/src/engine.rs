@@ -25,6 +25,8 @@ pub struct EngineConfig {
     /// `Some(k)`: priority scheduling (a request's `priority`, one level gained every `k`
     /// steps waited); `None`: FIFO.
     pub priority_aging_steps: Option<usize>,
+    /// A finished request's outputs join the prefix cache (`false`: its prompt only).
+    pub cache_outputs: bool,
     /// Steps in flight at once (1: serial).
     pub depth: usize,
     pub trace: Option<PathBuf>,
@@ -117,6 +119,7 @@ fn new_core(cfg: &EngineConfig) -> SchedCore {
         eos_token_ids: cfg.eos_token_ids.clone(),
         priority_aging_steps: cfg.priority_aging_steps,
         in_batch_prefix_min: IN_BATCH_PREFIX_MIN,
+        cache_outputs: cfg.cache_outputs,
     });
     // the service checks integrity only with nothing in flight: no step needs its read pages
     // recorded (a copy of the batch's whole KV mapping a step)

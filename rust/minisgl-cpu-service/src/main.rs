@@ -16,7 +16,7 @@ use minisgl_cpu_service::text::run_text_cli;
 const USAGE: &str = "usage: minisgl-cpu-service serve --ipc-dir DIR --model-path DIR \
 [--num-workers N] [--dp-routing prefix|round_robin] [--page-size N] [--max-running-requests N] [--max-prefill-length N] \
 [--cache-type radix|naive] [--parent-pid PID] [--trace FILE] [--depth 1|2] \
-[--startup-timeout S] [--priority-aging-steps K]\n       minisgl-cpu-service text --model DIR\n       \
+[--startup-timeout S] [--priority-aging-steps K] [--no-cache-outputs]\n       minisgl-cpu-service text --model DIR\n       \
 minisgl-cpu-service replay --input W.json --output R.json [--enable-priority]";
 
 fn parse_serve(args: &[String]) -> Result<Config, String> {
@@ -34,6 +34,7 @@ fn parse_serve(args: &[String]) -> Result<Config, String> {
         startup_timeout: Duration::from_secs(600),
         routing: Policy::Prefix,
         priority_aging_steps: None,
+        cache_outputs: true,
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -71,6 +72,7 @@ fn parse_serve(args: &[String]) -> Result<Config, String> {
                 0 => return Err("--priority-aging-steps must be >= 1".into()),
                 k => cfg.priority_aging_steps = Some(k),
             },
+            "--no-cache-outputs" => cfg.cache_outputs = false,
             "--startup-timeout" => cfg.startup_timeout = Duration::from_secs(num(value()?)? as u64),
             other => return Err(format!("unknown flag {other:?}")),
         }

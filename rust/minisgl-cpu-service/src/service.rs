@@ -73,6 +73,9 @@ pub struct Config {
     pub routing: Policy,
     /// `--priority-aging-steps K`: priority scheduling; `None`: FIFO.
     pub priority_aging_steps: Option<usize>,
+    /// `--no-cache-outputs` sets it false: finished requests cache their prompts only (the
+    /// deterministic mode).
+    pub cache_outputs: bool,
 }
 
 fn log(msg: &str) {
@@ -422,6 +425,7 @@ pub fn run(cfg: Config) -> Exit {
             radix: cfg.radix,
             eos_token_ids: eos.clone(),
             priority_aging_steps: cfg.priority_aging_steps,
+            cache_outputs: cfg.cache_outputs,
             depth: cfg.depth.max(1),
             trace: if i == 0 { cfg.trace.clone() } else { None },
         };

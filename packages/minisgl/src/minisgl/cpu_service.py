@@ -68,6 +68,9 @@ class ServiceLimits:
     max_prefill_length: int
     cache_type: str
     dp_routing: str | None = None  # data-parallel replicas: prefix | round_robin (the default)
+    cache_outputs: bool = (
+        True  # False: finished requests cache their prompts only (--deterministic)
+    )
 
 
 def service_command(
@@ -88,6 +91,8 @@ def service_command(
     ]  # fmt: skip
     if limits.dp_routing is not None:
         cmd += ["--dp-routing", limits.dp_routing]
+    if not limits.cache_outputs:
+        cmd += ["--no-cache-outputs"]
     trace = os.environ.get("MINISGL_SERVICE_TRACE")
     if trace:
         cmd += ["--trace", trace]

@@ -310,10 +310,13 @@ class RustScheduler:
         eos_token_ids: Sequence[int] = (),
         in_batch_prefix_min: int = IN_BATCH_PREFIX_MIN,
         priority_aging_steps: int | None = None,
+        cache_outputs: bool = True,
     ) -> None:
         # the PyO3 binding has no priority scheduling (the service's `--priority-aging-steps` has)
         if priority_aging_steps is not None:
             raise ValueError(f"{NAME} has no priority scheduling (priority_aging_steps)")
+        if not cache_outputs:  # the service's `--no-cache-outputs` has it
+            raise ValueError(f"{NAME} always caches outputs (cache_outputs)")
         if cache_type not in ("radix", "naive"):
             raise ValueError(f"unknown cache_type {cache_type!r} (expected 'radix' or 'naive')")
         self.page_size = page_size

@@ -129,9 +129,12 @@ class TorchNativeBackend(AttentionBackend):
         self.prefill_amx = self.native and cpu_native.prefill_amx(dtype, self.head_dim)
         self.workspace = DecodeWorkspace(len(pool.k), self.num_kv_heads, self.head_dim, dtype,
                                          self.device)  # fmt: skip
-        # deterministic mode (`engine/deterministic.py`): every step, decode included, through
-        # the vector C prefill kernel (a query's result its own row's, in one fixed order)
+        # deterministic mode (`engine/deterministic.py`): every prefill step, and every decode
+        # step unless the batch-invariant C decode step runs it (`decode_in_c`: paged
+        # metadata), through the vector C prefill kernel (a query's result its own row's, in
+        # one fixed order)
         self.deterministic = False
+        self.decode_in_c = False
         self.prefill_alone_rows = 0  # prefill tokens attended one request at a time
         self.prefill_kernel_rows = 0  # prefill tokens attended by the C kernel
 
@@ -142,7 +145,7 @@ class TorchNativeBackend(AttentionBackend):
         out_loc = staged.out_loc.long()
         kv_indices = staged.kv_indices.long()
         ext = plan.extend_lens
-        if plan.is_prefill or self.deterministic:
+        if plan.is_prefill or (self.deterministic and not self.decode_in_c):
             self.workspace.invalidate()
             alone = np.zeros(len(ext), dtype=bool)
             kernel = np.zeros(len(ext), dtype=bool)

@@ -21,6 +21,7 @@ every model it can here; `modules` none (an A/B switch and the reference of the 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from torch import nn
@@ -141,9 +142,14 @@ def _w8a8_layer(layer: nn.Module) -> w8a8_step.LayerWeights:
 
 
 class CpuDecode:
-    """The C decode step of one model and KV pool (`unsupported` first); `kind` int4 or w8a8."""
+    """The C decode step of one model and KV pool (`unsupported` first); `kind` int4 or w8a8.
+    `invariant` (deterministic mode, int4): a row's bits do not depend on the other rows of its
+    step (one row through the GEMM's multi-row tiles), and every decode step runs here, however
+    many rows (a step through the modules would compute other numbers)."""
 
-    def __init__(self, model: nn.Module, pool: KVPool, window: int | None) -> None:
+    def __init__(
+        self, model: nn.Module, pool: KVPool, window: int | None, invariant: bool = False
+    ) -> None:
         cfg = model.config
         kind = kind_of(model)
         assert kind is not None
@@ -163,7 +169,12 @@ class CpuDecode:
                               cfg.intermediate_size, float(cfg.rms_norm_eps))  # fmt: skip
         self.pool_rows, self.row_stride = pool.k[0].shape[0], pool.k[0].stride(0)
         self.window = window or 0
+        if invariant and kind != "int4":
+            raise ValueError(f"the C decode step of a {kind} model is not batch-invariant")
+        self.invariant = invariant
         self.max_rows = MAX_ROWS if kind == "int4" else W8A8_MAX_ROWS
+        if invariant:
+            self.max_rows = sys.maxsize
         self.steps = 0  # decode steps run here (tests read it)
 
     def runs(self, num_tokens: int, meta: object) -> bool:
@@ -187,6 +198,8 @@ class CpuDecode:
             w8a8_step.decode_layers(self.structs, self.dims, x, *args)
             h = model.model.norm(x[logits_indices])
             return model.logits(h) if self.head8 is None else w8a8_step.int8_head(h, self.head8)
-        normed = int4.decode_layers(self.structs, self.dims, x, self.final_norm, *args)
+        normed = int4.decode_layers(
+            self.structs, self.dims, x, self.final_norm, *args, invariant=self.invariant
+        )
         assert self.head is not None
-        return int4.int4_gemv(normed[logits_indices], self.head)
+        return int4.int4_gemv(normed[logits_indices], self.head, invariant=self.invariant)

@@ -21,12 +21,19 @@ What varies with the batch outside this mode, and what the mode does instead:
   de-quantized once at load (a bf16 copy of every quantized layer beside its codes: the
   memory of the float model) through the GEMM above. W8A8 (per-row int8 activations, another
   kernel) is refused.
-- Decode steps of int4 / w8a8 bf16 models run as one C call (`engine/cpu_decode.py`) whose
-  numbers differ from the modules': off. So are the decode graphs (`replay`) and compiled
-  graphs (refused: inductor picks its own kernels per shape).
+- Decode steps of an int4 model run the one-call C decode step (`engine/cpu_decode.py`), made
+  batch-invariant: its int4 GEMM runs one row through the multi-row tiles too (whose per-row
+  arithmetic and reduction order do not depend on the other rows), and every decode step runs
+  there, however many rows. Its numbers differ from the prefill path's (int8 activations), so
+  a decode step's K / V are not what a prefill of the same tokens writes: the prefix cache
+  holds prompts only (`SchedulerConfig.cache_outputs` off, the Rust service's
+  `--no-cache-outputs`), and a prompt that extends an earlier answer is prefilled, as alone on
+  a fresh engine. Other models decode through the modules below. The decode graphs (`replay`)
+  are off and compiled graphs refused (inductor picks its own kernels per shape).
 - Attention: a prefill step picks SDPA, the vector C kernel or the AMX kernel by request
-  length, and decode its own split kernel. Here every step, prefill and decode, attends through
-  the vector C kernel (`prefill_attention.c`): a query's scores, softmax tiles (anchored at
+  length, and decode its own split kernel. Here every prefill step, and every decode step the
+  C decode step does not run (its paged decode attention: one task a request and KV head),
+  attends through the vector C kernel (`prefill_attention.c`): a query's scores, softmax tiles (anchored at
   absolute key positions) and weighted sum are its own row's, in one fixed order, whatever the
   other query rows of the call, however the KV was split between the cache and the step.
 - fp32 `F.linear` (MKL) is batch-variant at every row count (M = 1, 2, 3, 7... differ for the

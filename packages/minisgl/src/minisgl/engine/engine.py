@@ -134,8 +134,8 @@ class Engine:
             model.set_comm(self.tp.attach(cfg.vocab_size))
         if config.deterministic:
             n = deterministic.make_batch_invariant(model)
-            logger.info("deterministic mode: %d batch-invariant linear layers, every attention "
-                        "through the vector C kernel, no C decode step", n)  # fmt: skip
+            logger.info("deterministic mode: %d batch-invariant linear layers, every prefill "
+                        "attention through the vector C kernel", n)  # fmt: skip
         return model
 
     def _attention(
@@ -162,15 +162,16 @@ class Engine:
         why_not = (
             "enable_torch_compile"
             if config.enable_torch_compile
-            else "deterministic"
-            if config.deterministic
             else "tensor parallel"
             if self.tp_info.size > 1
             else unsupported(self.model, self.pool, self.device)
         )
-        cpu_decode = (
-            CpuDecode(self.model, self.pool, cfg.sliding_window) if why_not is None else None
-        )
+        cpu_decode = None
+        if why_not is None:
+            cpu_decode = CpuDecode(self.model, self.pool, cfg.sliding_window,
+                                   invariant=config.deterministic)  # fmt: skip
+            # the mode's decode steps read the KV pool in place, through the step's attention
+            self.backend.decode_in_c = config.deterministic
         if self.device.type == "cpu":
             rows = CPU_DECODE_ROWS if cpu_decode is None else cpu_decode.max_rows
             how = "torch modules" if cpu_decode is None else f"one C call ({cpu_decode.kind})"

@@ -169,6 +169,7 @@ class Runtime:
             cache_type=config.cache_type,
             eos_token_ids=tuple(eos),
             priority_aging_steps=priority_aging_steps,
+            cache_outputs=not config.deterministic,  # its decode K / V: not the prefill path's
         )
         sched_name = "python" if name == cpu_backend.SERVICE else name
         draft = _draft_model(speculative, engine, warm_up)
@@ -208,7 +209,7 @@ class Runtime:
 
         limits = ServiceLimits(
             config.page_size, config.max_running_requests, config.max_extend_tokens,
-            config.cache_type,
+            config.cache_type, cache_outputs=not config.deterministic,
         )  # fmt: skip
         self.steps = ServiceSteps(self.device, keep_released=True)
         self.plane = ServicePlane(

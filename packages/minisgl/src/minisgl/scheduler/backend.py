@@ -37,6 +37,9 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     in_batch_prefix_min: int = IN_BATCH_PREFIX_MIN  # 0: no check
     priority_aging_steps: int | None = None  # priority scheduling (params.priority); None: FIFO
+    # a finished request's generated tokens join the prefix cache (False: its prompt only, the
+    # deterministic mode's rule: a decode step's K / V are not the prefill path's to the bit)
+    cache_outputs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_seq_len", "max_running_requests",

@@ -54,12 +54,13 @@ class PrefixCache(SchedulerState):
 
     def _release(self, req: Req) -> None:
         """Free a request's slot and pages, its computed page-aligned KV going to the cache
-        (only the cached prefix on abort). Pipelined, `kv_len` may count a position whose
-        token was dropped: the insert is clamped to the known tokens."""
+        (only the cached prefix on abort; the prompt's only without `cache_outputs`).
+        Pipelined, `kv_len` may count a position whose token was dropped: the insert is
+        clamped to the known tokens."""
         ps, slot = self.page_size, req.slot
         row = self.alloc.page_table[slot]
         all_tokens = req.all_tokens()
-        known = min(req.kv_len, len(all_tokens))
+        known = min(req.kv_len, len(all_tokens) if self.cache_outputs else len(req.input_ids))
         aligned = known // ps * ps if req.finish_reason != "abort" else req.cache_len
         tokens = all_tokens[:aligned]
         present = self.cache.insert(tokens, row[:aligned].copy())

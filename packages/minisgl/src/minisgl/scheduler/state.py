@@ -48,6 +48,7 @@ class SchedulerState:
         eos_token_ids: Sequence[int] = (),
         priority_aging_steps: int | None = None,
         in_batch_prefix_min: int = IN_BATCH_PREFIX_MIN,
+        cache_outputs: bool = True,
     ) -> None:
         if priority_aging_steps is not None and (
             isinstance(priority_aging_steps, bool)
@@ -64,6 +65,7 @@ class SchedulerState:
         self.max_running = max_running_requests
         self.max_extend_tokens = max_extend_tokens
         self.in_batch_prefix_min = in_batch_prefix_min
+        self.cache_outputs = cache_outputs  # False: a finished request caches its prompt only
         self.eos_token_ids = frozenset(eos_token_ids)
         self._eos = sorted(self.eos_token_ids)
         self.alloc = PageAllocator(num_pages, page_size, max_running_requests, max_seq_len)

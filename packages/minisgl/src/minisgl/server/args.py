@@ -99,7 +99,8 @@ class ServerArgs:
     def service_limits(self) -> ServiceLimits:
         """The scheduler limits the Rust service is started with (rust_service)."""
         return ServiceLimits(self.page_size, self.max_running_requests, self.max_prefill_length,
-                             self.cache_type, self.dp_routing)  # fmt: skip
+                             self.cache_type, self.dp_routing,
+                             cache_outputs=not self.deterministic)  # fmt: skip
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -191,10 +191,10 @@ def _library() -> ctypes.CDLL | None:
     lib.amx_gemm_bf16.restype = ctypes.c_int
     lib.amx_gemm_bf16.argtypes = [_PTR, _I64] + [_PTR] * 3 + [_I64] * 4 + [ctypes.c_int]
     lib.int4_gemv_bf16.restype = ctypes.c_int
-    lib.int4_gemv_bf16.argtypes = [_PTR, _I64] + [_PTR] * 4 + [_I64] * 4 + [ctypes.c_int]
+    lib.int4_gemv_bf16.argtypes = [_PTR, _I64] + [_PTR] * 4 + [_I64] * 4 + [ctypes.c_int] * 2
     lib.decode_layers_bf16.restype = ctypes.c_int
     lib.decode_layers_bf16.argtypes = ([_PTR, _I64] + [_PTR] * 7 + [_I64] + [_PTR] * 2
-                                       + [_I64] * 9 + [ctypes.c_float, ctypes.c_int])  # fmt: skip
+                                       + [_I64] * 9 + [ctypes.c_float] + [ctypes.c_int] * 2)  # fmt: skip
     lib.w8a8_gemm_bf16.restype = ctypes.c_int
     lib.w8a8_gemm_bf16.argtypes = [_PTR, _I64] + [_PTR] * 4 + [_I64] * 3 + [ctypes.c_int]
     lib.int8_head_bf16.restype = ctypes.c_int

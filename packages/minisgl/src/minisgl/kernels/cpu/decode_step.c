@@ -419,11 +419,14 @@ static void dots4_avx2(const q4mat *w, int64_t n, const qrow *a, float *out) {
 #define HAVE_DOTS4_AVX2 0
 #endif
 
-/* y [rows, n] (floats rounded to bf16) = the quantized rows times w^T (+ bias) */
-static void gemv(const q4mat *w, const qrow *a, int64_t rows, float *y, int threads) {
+/* y [rows, n] (floats rounded to bf16) = the quantized rows times w^T (+ bias). `invariant`
+ * (deterministic mode): one row through `gemm`'s tiles too, so a row's bits are the same at
+ * every row count (the single-stream `dots4` accumulates in another order: ~18% more time for a
+ * one-row step of the embedded model, intel-amx) */
+static void gemv(const q4mat *w, const qrow *a, int64_t rows, float *y, int threads, int invariant) {
     const int64_t n = w->n;
 #if HAVE_DOTS4
-    if (rows == 1 && n % 4 == 0) {
+    if (rows == 1 && n % 4 == 0 && !invariant) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t r = 0; r < n; r += 4) {
             float o[4];
@@ -448,6 +451,7 @@ static void gemv(const q4mat *w, const qrow *a, int64_t rows, float *y, int thre
         return;
     }
 #endif
+    (void)invariant; /* every row by itself on these paths */
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < n; r++) {
         const float b = w->bias != NULL ? bf16_to_f32(w->bias[r]) : 0.0f;
@@ -464,7 +468,7 @@ static int check_mat(const q4mat *w) {
 /* the int4 GEMV alone: x bf16 [rows, k] (rows x_stride apart) -> out bf16 [rows, n] */
 int int4_gemv_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *codes, const uint16_t *sz,
                    const uint16_t *bias, uint16_t *out, int64_t rows, int64_t n, int64_t k, int64_t gp,
-                   int threads) {
+                   int threads, int invariant) {
     const q4mat w = {codes, sz, bias, n, k, gp};
     if (!check_mat(&w)) return 9;
     if (rows < 1) return 9;
@@ -477,7 +481,7 @@ int int4_gemv_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *codes, co
             for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(x[m * x_stride + i]);
             quantize_row(xf, k, &a[m]);
         }
-        gemv(&w, a, rows, y, threads);
+        gemv(&w, a, rows, y, threads, invariant);
         for (int64_t i = 0; i < rows * n; i++) out[i] = f32_to_bf16(y[i]);
     }
     qrows_free(a);
@@ -518,7 +522,7 @@ int decode_layers_bf16(const layer_w *layers, int64_t num_layers, uint16_t *x, c
                        const int64_t *indices, int64_t num_indices, const int64_t *indptr,
                        const int64_t *lens, int64_t rows, int64_t h, int64_t nh, int64_t kvh,
                        int64_t d, int64_t inter, int64_t num_rows, int64_t row_stride, int64_t window,
-                       float eps, int threads) {
+                       float eps, int threads, int invariant) {
     if (rows < 1 || d > MAX_D || d % 2 || nh % kvh) return 9;
     for (int64_t l = 0; l < num_layers; l++) {
         const layer_w *L = &layers[l];
@@ -551,7 +555,7 @@ int decode_layers_bf16(const layer_w *layers, int64_t num_layers, uint16_t *x, c
             rms_norm(xf + m * h, L->in_norm, eps, h, hb + m * kmax);
             quantize_row(hb + m * kmax, h, &a[m]);
         }
-        gemv(&L->qkv, a, rows, y, threads);
+        gemv(&L->qkv, a, rows, y, threads, invariant);
         ROWS_PARALLEL
         for (int64_t m = 0; m < rows; m++)
             heads_to_pool(y + m * nqkv, L->q_norm, L->k_norm, eps, cos + m * d, sin + m * d, nh, kvh,
@@ -568,7 +572,7 @@ int decode_layers_bf16(const layer_w *layers, int64_t num_layers, uint16_t *x, c
             for (int64_t i = 0; i < qn; i++) hm[i] = bf16_to_f32(ob[m * qn + i]);
             quantize_row(hm, qn, &a[m]);
         }
-        gemv(&L->o, a, rows, y, threads);
+        gemv(&L->o, a, rows, y, threads, invariant);
         /* the residual, then the MLP: norm, gate / up, SiLU x up, down, the residual */
         ROWS_PARALLEL
         for (int64_t m = 0; m < rows; m++) {
@@ -576,14 +580,14 @@ int decode_layers_bf16(const layer_w *layers, int64_t num_layers, uint16_t *x, c
             rms_norm(xf + m * h, L->post_norm, eps, h, hb + m * kmax);
             quantize_row(hb + m * kmax, h, &a[m]);
         }
-        gemv(&L->gate_up, a, rows, y, threads);
+        gemv(&L->gate_up, a, rows, y, threads, invariant);
         ROWS_PARALLEL
         for (int64_t m = 0; m < rows; m++) {
             const float *g = y + m * 2 * inter;
             silu_mul(g, g + inter, hb + m * kmax, inter);
             quantize_row(hb + m * kmax, inter, &a[m]);
         }
-        gemv(&L->down, a, rows, y, threads);
+        gemv(&L->down, a, rows, y, threads, invariant);
         ROWS_PARALLEL
         for (int64_t i = 0; i < rows * h; i++) xf[i] = rbf(xf[i] + y[i]);
     }

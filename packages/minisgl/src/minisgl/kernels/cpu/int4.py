@@ -68,9 +68,12 @@ class Int4Matrix:
         )
 
 
-def int4_gemv(x: torch.Tensor, w: Int4Matrix) -> torch.Tensor:
-    """bf16 x [rows, K] (rows >= 1, each contiguous) times w^T (+ bias): bf16 [rows, N]. x is quantized per group of 32 to int8 (decode_step.c), so the result is not
-    the packed torch kernel's to the bit; ValueError on other shapes."""
+def int4_gemv(x: torch.Tensor, w: Int4Matrix, invariant: bool = False) -> torch.Tensor:
+    """bf16 x [rows, K] (rows >= 1, each contiguous) times w^T (+ bias): bf16 [rows, N]. x is
+    quantized per group of 32 to int8 (decode_step.c), so the result is not the packed torch
+    kernel's to the bit; ValueError on other shapes. A row's bits do not depend on the other
+    rows from 2 rows on; `invariant` (deterministic mode): one row alone too (it runs the
+    multi-row tiles instead of the single-stream kernel)."""
     lib = _library()
     assert lib is not None
     n, k = w.shape
@@ -83,7 +86,7 @@ def int4_gemv(x: torch.Tensor, w: Int4Matrix) -> torch.Tensor:
     sz = w.scales_zeros  # the lm_head's call, every decode step: no ctypes record built
     rc = lib.int4_gemv_bf16(x.data_ptr(), x.stride(0), w.codes.data_ptr(), sz.data_ptr(),
                             step_layers.ptr(w.bias), out.data_ptr(), rows, n, k, sz.shape[1],
-                            torch.get_num_threads())  # fmt: skip
+                            torch.get_num_threads(), int(invariant))  # fmt: skip
     if rc != 0:
         raise ValueError(f"int4_gemv: {_ERRORS.get(rc, rc)}")
     return out
@@ -115,12 +118,14 @@ def decode_layers(
     pool_rows: int,
     row_stride: int,
     window: int,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Every decoder layer of a decode step and the final norm (`decode_step.c`): x bf16
     [rows, hidden] (the tokens' embeddings, contiguous) is updated in place to the residual
     stream after the last layer; returns its final RMSNorm [rows, hidden]. cos / sin bf16
     [rows, head_dim] at the tokens' positions; K / V of token m go to pool row out_loc[m];
-    request m attends pool rows kv_index[kv_indptr[m] + l], l < kv_lens[m] (int64)."""
+    request m attends pool rows kv_index[kv_indptr[m] + l], l < kv_lens[m] (int64).
+    `invariant`: a row's bits do not depend on the number of rows (`int4_gemv`'s)."""
     lib = _library()
     assert lib is not None and x.is_contiguous() and x.dtype == torch.bfloat16
     rows = x.shape[0]
@@ -130,7 +135,7 @@ def decode_layers(
         out.data_ptr(), cos.data_ptr(), sin.data_ptr(), out_loc.data_ptr(), kv_index.data_ptr(),
         kv_index.numel(), kv_indptr.data_ptr(), kv_lens.data_ptr(), rows, dims.hidden,
         dims.num_heads, dims.num_kv_heads, dims.head_dim, dims.intermediate, pool_rows,
-        row_stride, window, dims.eps, torch.get_num_threads(),
+        row_stride, window, dims.eps, torch.get_num_threads(), int(invariant),
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"decode_layers: {_ERRORS.get(rc, rc)}")
