@@ -107,6 +107,7 @@ def install_extension(session: nox.Session) -> None:
 # (the tests that need W8A8's int8 GEMM are marked `int8_matrix_unit`: missing evidence at avx2)
 ISA_PATH_FILES = ("tests/test_cpu_decode_step.py", "tests/test_cpu_kernel_numerics.py",
                   "tests/test_cpu_prefill_kernel.py", "tests/test_cpu_prefill_ops.py",
+                  "tests/test_deterministic_decode.py", "tests/test_int4_gemm_rows.py",
                   "tests/test_w8a8.py", "tests/test_w8a8_decode_step.py")  # fmt: skip
 ISA_PASS_TESTS = {"avx512": ISA_PATH_FILES, "avx2": ISA_PATH_FILES}
 
