@@ -8,25 +8,15 @@ use std::path::PathBuf;
 
 use minisgl_cpu_core::{
     validate_request, PlanBuf, ReqParams, SchedConfig, SchedCore, FINISH_DROPPED, FINISH_LENGTH,
-    FINISH_STOP, IN_BATCH_PREFIX_MIN,
+    FINISH_STOP,
 };
 
 use crate::wire::WireParams;
 
+/// The scheduler core's configuration (`SchedConfig`, its one owner) and the service's own.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
-    pub num_pages: usize,
-    pub page_size: usize,
-    pub max_seq_len: usize,
-    pub max_running: usize,
-    pub max_extend_tokens: usize,
-    pub radix: bool,
-    pub eos_token_ids: Vec<i32>,
-    /// `Some(k)`: priority scheduling (a request's `priority`, one level gained every `k`
-    /// steps waited); `None`: FIFO.
-    pub priority_aging_steps: Option<usize>,
-    /// A finished request's outputs join the prefix cache (`false`: its prompt only).
-    pub cache_outputs: bool,
+    pub sched: SchedConfig,
     /// Steps in flight at once (1: serial).
     pub depth: usize,
     pub trace: Option<PathBuf>,
@@ -109,18 +99,7 @@ pub struct Engine {
 }
 
 fn new_core(cfg: &EngineConfig) -> SchedCore {
-    let mut core = SchedCore::new(SchedConfig {
-        num_pages: cfg.num_pages,
-        page_size: cfg.page_size,
-        max_seq_len: cfg.max_seq_len,
-        max_running: cfg.max_running,
-        max_extend_tokens: cfg.max_extend_tokens,
-        radix: cfg.radix,
-        eos_token_ids: cfg.eos_token_ids.clone(),
-        priority_aging_steps: cfg.priority_aging_steps,
-        in_batch_prefix_min: IN_BATCH_PREFIX_MIN,
-        cache_outputs: cfg.cache_outputs,
-    });
+    let mut core = SchedCore::new(cfg.sched.clone());
     // the service checks integrity only with nothing in flight: no step needs its read pages
     // recorded (a copy of the batch's whole KV mapping a step)
     core.set_inflight_audit(false);
@@ -129,7 +108,8 @@ fn new_core(cfg: &EngineConfig) -> SchedCore {
 
 impl Engine {
     pub fn new(cfg: EngineConfig) -> Result<Self, String> {
-        if cfg.num_pages == 0 || cfg.page_size == 0 || cfg.max_seq_len == 0 || cfg.depth == 0 {
+        let c = &cfg.sched;
+        if c.num_pages == 0 || c.page_size == 0 || c.max_seq_len == 0 || cfg.depth == 0 {
             return Err(format!("bad engine limits: {cfg:?}"));
         }
         let mut core = new_core(&cfg);
@@ -174,7 +154,7 @@ impl Engine {
 
     /// Validate (empty, longer than the context, more KV than the pool) and queue.
     pub fn add(&mut self, rid: i64, ids: &[i32], params: &WireParams) -> Result<(), AddError> {
-        let c = &self.cfg;
+        let c = &self.cfg.sched;
         let max_total = validate_request(
             ids.len(),
             params.max_tokens,
@@ -323,7 +303,7 @@ impl Engine {
         Snapshot {
             running: self.core.num_running(),
             waiting: self.core.num_waiting(),
-            total_pages: self.cfg.num_pages,
+            total_pages: self.cfg.sched.num_pages,
             free_pages: self.core.alloc.num_free_pages(),
             cached_tokens: self.core.evictable_size() + self.core.protected_size(),
             steps: self.steps,

@@ -23,6 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use minisgl_cpu_core::{SchedConfig, IN_BATCH_PREFIX_MIN};
 use rmpv::Value;
 
 use crate::engine::{Commit, Engine, EngineConfig, Snapshot};
@@ -417,15 +418,18 @@ pub fn run(cfg: Config) -> Exit {
         eos.sort_unstable();
         eos.dedup();
         let engine_cfg = EngineConfig {
-            num_pages: info.num_pages,
-            page_size: cfg.page_size,
-            max_seq_len: info.max_seq_len,
-            max_running: cfg.max_running,
-            max_extend_tokens: cfg.max_prefill,
-            radix: cfg.radix,
-            eos_token_ids: eos.clone(),
-            priority_aging_steps: cfg.priority_aging_steps,
-            cache_outputs: cfg.cache_outputs,
+            sched: SchedConfig {
+                num_pages: info.num_pages,
+                page_size: cfg.page_size,
+                max_seq_len: info.max_seq_len,
+                max_running: cfg.max_running,
+                max_extend_tokens: cfg.max_prefill,
+                radix: cfg.radix,
+                eos_token_ids: eos.clone(),
+                priority_aging_steps: cfg.priority_aging_steps,
+                in_batch_prefix_min: IN_BATCH_PREFIX_MIN,
+                cache_outputs: cfg.cache_outputs,
+            },
             depth: cfg.depth.max(1),
             trace: if i == 0 { cfg.trace.clone() } else { None },
         };
