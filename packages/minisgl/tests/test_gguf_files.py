@@ -171,8 +171,6 @@ def _bad_file(tmp_path: Path, what: str) -> Path:
                           raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)  # fmt: skip
     elif what == "moe":
         writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((4, 8, 32), np.float32))
-    elif what == "rope_freqs":
-        writer.add_tensor("rope_freqs.weight", np.ones(16, np.float32))
     else:
         writer.add_tensor("token_embd.weight", w)
     writer.write_header_to_file()
@@ -187,7 +185,6 @@ BAD = {
     "arch": "architecture 'gpt2' is not supported",
     "type": "type IQ4_NL, which is not supported",
     "moe": "'blk.0.ffn_gate_exps.weight' is not part of a dense llama model",
-    "rope_freqs": "Llama 3.1\\+ RoPE scaling factors\\) is not supported yet",
 }
 
 
@@ -198,6 +195,65 @@ def test_a_bad_file_is_a_valueerror_offline(what, tmp_path):
     with pytest.raises(ValueError, match=BAD[what]) as e:
         LLM(_bad_file(tmp_path, what), num_pages=64)
     assert isinstance(e.value, GGUFError)
+
+
+# Llama 3.1+ files: HF's `llama3` rope scaling, stored by llama.cpp as `rope_freqs.weight` (a
+# divisor per frequency); a short original context so that most of a 48-token prompt's
+# frequencies are scaled
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}  # fmt: skip
+
+
+def _hf_logits(folder: str | Path, rope_scaling: dict | None = None) -> torch.Tensor:
+    """fp32 logits of an HF folder over IDS (`rope_scaling`: replace the config's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(folder))
+    if rope_scaling is not None:
+        cfg.rope_parameters = {**rope_scaling, "rope_theta": cfg.rope_parameters["rope_theta"]}
+    model = AutoModelForCausalLM.from_pretrained(str(folder), config=cfg, dtype=torch.float32)
+    with torch.inference_mode():
+        return model.eval()(torch.tensor([IDS])).logits[0, :-1]
+
+
+@pytest.mark.card(CARD, "failing-tests-a-llama-3-1-file-s-rope-factors")
+@pytest.mark.card(CARD, "a-llama-3-1-file-s-rope-factors-serve-as-hf-s-llama3-scaling")
+@pytest.mark.parametrize("factor", [8.0, 32.0])  # Llama 3.1 / 3.3, Llama 3.2
+def test_a_llama3_files_rope_factors_serve_as_hfs_llama3_scaling(factor, tmp_path):
+    """`rope_freqs.weight` is read back into the converted config as HF's `llama3` parameters
+    (fitted to the factors, then checked to reproduce them) and served as the HF model the file
+    came from: fp32 logits within 1e-5. Without the scaling they are far off."""
+    import json
+
+    scaling = {**LLAMA3, "factor": factor}
+    path = write_tiny_gguf("llama", tmp_path / "llama3.gguf", "F32", rope_scaling=scaling)
+    cfg = json.loads((Path(resolve_model_path(path)) / "config.json").read_text())
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    assert rope.get("rope_type") == "llama3", cfg
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+        assert rope[key] == pytest.approx(scaling[key], rel=1e-4), key
+    assert rope["original_max_position_embeddings"] == 64
+    ref = _hf_logits(str(path) + ".hf")
+    got = prompt_logits(_llm(path, "none"), IDS)
+    assert _relative_error(got, ref) <= 1e-5
+    plain = _hf_logits(str(path) + ".hf", {"rope_type": "default"})
+    assert _relative_error(plain, ref) >= 1e-2  # the scaling matters at these positions
+
+
+@pytest.mark.card(CARD, "failing-tests-a-llama-3-1-file-s-rope-factors")
+@pytest.mark.card(CARD, "a-llama-3-1-file-s-rope-factors-serve-as-hf-s-llama3-scaling")
+@pytest.mark.parametrize("bad", ["shape", "values"])
+def test_rope_factors_no_llama3_scaling_gives_are_refused(bad, tmp_path):
+    """Factors of the wrong length, or values no `llama3` parameters reproduce (here rising
+    and falling), are a GGUFError naming the tensor, offline and before any conversion."""
+    import numpy as np
+
+    factors = np.ones(7, np.float32) if bad == "shape" else np.array([1, 2, 4, 2] * 8, np.float32)
+    path = write_tiny_gguf("llama", tmp_path / f"{bad}.gguf", "F32", rope_factors=factors)
+    with pytest.raises(GGUFError, match="rope_freqs.weight") as e:
+        LLM(path, num_pages=64)
+    want = "32 values (one per frequency of a 64-dim head)" if bad == "shape" else "llama3"
+    assert want in str(e.value)
 
 
 @pytest.mark.card(CARD, "a-bad-file-is-a-valueerror-offline-and-exit-2-at-a-server-s-start")

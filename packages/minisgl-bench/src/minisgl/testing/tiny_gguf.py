@@ -112,20 +112,50 @@ def _tokenizer_metadata(writer: Any, folder: Path) -> int:
     return len(tokens)
 
 
+def llama3_rope_factors(head_dim: int, theta: float, scaling: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's converter (`LlamaModel.generate_extra_tensors`): the `rope_freqs.weight` a
+    Llama 3.1+ model with HF's `llama3` rope scaling gets, one divisor per frequency."""
+    import math
+
+    factor = float(scaling.get("factor", 8.0))
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old = float(scaling.get("original_max_position_embeddings", 8192))
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
 def write_tiny_gguf(
     family: str, path: str | Path, tensor_type: str = "Q8_0", seed: int = 0,
-    types: dict[str, str] | None = None,
+    types: dict[str, str] | None = None, rope_scaling: dict[str, Any] | None = None,
+    rope_factors: np.ndarray | None = None,
 ) -> Path:  # fmt: skip
     """Write a tiny random `family` model as the GGUF file `path` with its linears and
     embedding in `tensor_type` (`types`: a type per GGUF tensor name instead, e.g. Q6_K for
-    `ffn_down` as in llama.cpp's _M mixes); the HF folder it came from is `path` + `.hf`."""
+    `ffn_down` as in llama.cpp's _M mixes); the HF folder it came from is `path` + `.hf`.
+
+    `rope_scaling` (HF's `llama3` dict) goes into the HF folder's config and, as llama.cpp
+    stores it, into the file as the `rope_freqs.weight` tensor (`rope_factors`: that tensor's
+    values instead, e.g. ones no `llama3` parameters produce)."""
     import gguf
     from safetensors.numpy import load_file
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
     path = Path(path)
-    folder = write_tiny_model(family, path.with_name(path.name + ".hf"), seed=seed, **SHAPE)
+    extra = {"rope_scaling": rope_scaling} if rope_scaling else {}
+    folder = write_tiny_model(
+        family, path.with_name(path.name + ".hf"), seed=seed, **SHAPE, **extra
+    )
     hf = json.loads((folder / "config.json").read_text())
     arch = "llama" if family in ("llama", "mistral") else family
     writer = gguf.GGUFWriter(str(path), arch)
@@ -159,6 +189,11 @@ def write_tiny_gguf(
         else:
             data = gguf.quants.quantize(w, qtype)
         writer.add_tensor(g, data, raw_dtype=qtype)  # byte shapes: gguf derives the shape
+    if rope_scaling and rope_factors is None:
+        theta = float(hf.get("rope_theta") or 10000.0)
+        rope_factors = llama3_rope_factors(hf["head_dim"], theta, rope_scaling)
+    if rope_factors is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_factors, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
