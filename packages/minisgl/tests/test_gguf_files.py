@@ -240,6 +240,23 @@ def test_a_llama3_files_rope_factors_serve_as_hfs_llama3_scaling(factor, tmp_pat
     assert _relative_error(plain, ref) >= 1e-2  # the scaling matters at these positions
 
 
+@pytest.mark.card(CARD, "a-llama-3-1-file-s-rope-factors-serve-as-hf-s-llama3-scaling")
+@pytest.mark.parametrize(
+    ("head_dim", "theta", "scaling"),
+    [(128, 5e5, {**LLAMA3, "original_max_position_embeddings": 8192}),  # Llama 3.1 8B / 70B
+     (64, 5e5, {**LLAMA3, "factor": 32.0, "original_max_position_embeddings": 8192}),  # 3.2 1B
+     (128, 5e5, {**LLAMA3, "factor": 32.0, "original_max_position_embeddings": 8192})],  # 3.2 3B
+)  # fmt: skip
+def test_the_llama3_releases_divisors_fit_back_to_their_parameters(head_dim, theta, scaling):
+    """The divisors llama.cpp writes for the released Llama 3 configs fit back exactly."""
+    from minisgl.gguf_rope import llama3_scaling
+    from minisgl.testing.tiny_gguf import llama3_rope_factors
+
+    got = llama3_scaling(llama3_rope_factors(head_dim, theta, scaling), head_dim, theta)
+    assert got == {**scaling, "rope_theta": theta}
+    assert llama3_scaling([1.0] * (head_dim // 2), head_dim, theta) is None  # no scaling
+
+
 @pytest.mark.card(CARD, "failing-tests-a-llama-3-1-file-s-rope-factors")
 @pytest.mark.card(CARD, "a-llama-3-1-file-s-rope-factors-serve-as-hf-s-llama3-scaling")
 @pytest.mark.parametrize("bad", ["shape", "values"])

@@ -43,6 +43,7 @@ TYPE_CLASSES = {
     "Q2_K": "int4",  # 2-bit codes, 16-value sub-blocks: re-quantized into int4 groups of 32
 }
 _MAGIC = b"GGUF"
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's Llama 3.1+ RoPE scaling, one divisor a frequency
 
 
 GGUF_HINT = (
@@ -90,17 +91,26 @@ def check_gguf(path: str | Path):
                 f"{path.name}: tensor {t.name!r} has GGUF type {kind}, which is not supported; "
                 f"supported: {', '.join(TYPE_CLASSES)}"
             )
-        if t.name == "rope_freqs.weight":  # llama.cpp's Llama 3.1+ RoPE frequency factors
-            raise GGUFError(
-                f"{path.name}: tensor 'rope_freqs.weight' (Llama 3.1+ RoPE scaling factors) is "
-                "not supported yet; serve the model's HF folder instead"
-            )
+        if t.name == ROPE_FREQS:  # Llama 3.1+ RoPE scaling: checked below
+            continue
         if float_name(t.name, tied=False) is None:
             raise GGUFError(
                 f"{path.name}: tensor {t.name!r} is not part of a dense {arch} model "
                 "(mixture-of-experts GGUF files are not supported)"
             )
+    rope_parameters(index)
     return index
+
+
+def rope_parameters(index) -> dict | None:
+    """HF's `llama3` rope parameters of a Llama 3.1+ file (`gguf_rope`), None without scaling;
+    GGUFError naming the tensor when its values are not that scaling."""
+    from minisgl.gguf_rope import rope_scaling_of
+
+    try:
+        return rope_scaling_of(index)
+    except ValueError as e:
+        raise GGUFError(f"{index.path.name}: tensor {ROPE_FREQS!r} {e}") from None
 
 
 def native_class(index) -> str:
@@ -144,17 +154,20 @@ def resolve_model_path(model_path: str | Path) -> str:
     with FileLock(str(target) + ".lock"):
         if not (target / "config.json").is_file():
             logger.warning("first use of %s: converting it once into %s", path.name, target)
-            convert(path, target, index.scalars)
+            convert(path, target, index.scalars, rope_parameters(index))
         if manifest(target) is None:
             write_manifest(target, path.resolve(), native_class(index))
     return str(target)
 
 
-def convert(gguf: Path, target: Path, scalars: dict | None = None) -> None:
+def convert(
+    gguf: Path, target: Path, scalars: dict | None = None, rope: dict | None = None
+) -> None:
     """The GGUF as an fp32 HF folder, published by an atomic rename: config and tokenizer
     through transformers' GGUF loader, the weights through one read of our own
     (`quantization.gguf.read_gguf_float`). `scalars`: the file's scalar metadata, for the
-    head size transformers leaves out (qwen3's `attention.key_length`)."""
+    head size transformers leaves out (qwen3's `attention.key_length`); `rope`: the rope
+    parameters read from `rope_freqs.weight` (`rope_parameters`), which transformers skips."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
@@ -171,6 +184,8 @@ def convert(gguf: Path, target: Path, scalars: dict | None = None) -> None:
         head_dim = (scalars or {}).get(f"{arch}.attention.key_length")
         if head_dim is not None:
             config.head_dim = int(head_dim)
+        if rope is not None:
+            config.rope_parameters = dict(rope)
         weights = read_gguf_float(gguf, config.num_attention_heads, config.num_key_value_heads,
                                   bool(config.tie_word_embeddings))  # fmt: skip
     tmp.mkdir(parents=True)

@@ -124,6 +124,8 @@ def read_gguf_float(path: Path, num_heads: int, num_kv_heads: int, tied: bool):
     permuted = bytes(arch_field.parts[arch_field.data[0]]).decode() == "llama"
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # RoPE scaling, read into the config (gguf_rope)
+            continue
         name = float_name(t.name, tied)
         if name is None:
             raise ValueError(f"{path.name}: no HF name for the GGUF tensor {t.name!r}")
