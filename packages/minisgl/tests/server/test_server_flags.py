@@ -244,3 +244,82 @@ def test_a_bad_regex_or_choice_is_a_400(flagged, fmt, match):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "response_format" and match in err["message"], err
+
+
+# ------------------------------------------------------------- both control planes
+PLANES_ITEM = "the-chat-template-and-priority-hold-on-both-control-planes"
+PLANES_RED = "failing-tests-the-flags-on-the-rust-service"
+
+
+@pytest.fixture(scope="module", params=["python", "rust_service"])
+def planes(request, tiny_model_dir, tmp_path_factory):
+    """A server on each control plane with `--chat-template` and `--scheduling-policy
+    priority`, one request running at a time, so that the waiting queue's order shows."""
+    from minisgl.testing.server import start
+
+    d = tmp_path_factory.mktemp(f"planes-{request.param}")
+    template = d / "template.jinja"
+    template.write_text(TEMPLATE)
+    with start(request.param, tiny_model_dir("llama"), "--chat-template", str(template),
+               "--scheduling-policy", "priority", "--max-running-requests", "1",
+               "--served-model-name", "m", log_dir=d, backend=request.param) as s:  # fmt: skip
+        if s.handle is not None:
+            s.handle.model = "m"
+        yield s  # a server that did not start fails each test by assertion (`s.get()`)
+
+
+@pytest.mark.card(CARD, PLANES_ITEM, PLANES_RED)
+def test_the_chat_template_flag_renders_the_chat_on_both_planes(planes):
+    from minisgl.tokenizer.load import load_tokenizer
+
+    planes = planes.get()
+    tok = load_tokenizer(str(planes.model_dir))
+    body = {"model": "m", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hello"}, {"role": "user", "content": "there"}]}  # fmt: skip
+    r = post(planes, "chat/completions", body, headers=None)
+    assert r.status_code == 200, r.text
+    expected = len(tok("[hello][there]", add_special_tokens=False)["input_ids"])
+    assert r.json()["usage"]["prompt_tokens"] == expected
+    body["messages"] = [{"role": "user", "content": "boom"}]
+    r = post(planes, "chat/completions", body, headers=None)
+    assert r.status_code == 400 and "custom template used" in r.json()["error"]["message"]
+
+
+@pytest.mark.card(CARD, PLANES_ITEM, PLANES_RED)
+def test_a_lower_priority_number_is_served_first_on_both_planes(planes):
+    """One request runs (a 240-token stream); then two 4-token requests wait, priority 1000
+    sent first and -1000 after it: the second is served first (FIFO would serve the first).
+    Aging (one level every 16 steps) cannot close a gap of 2000 levels in 240 steps."""
+    import threading
+    import time
+
+    planes = planes.get()
+    done: dict[str, float] = {}
+    long_body = completion(planes, max_tokens=240, ignore_eos=True, stream=True, priority=0)
+    first_token = threading.Event()
+
+    def long_run() -> None:
+        with httpx.stream("POST", f"{planes.base_url}/v1/completions", json=long_body,
+                          timeout=120) as r:  # fmt: skip
+            for line in r.iter_lines():
+                if line.startswith("data: ") and '"text"' in line:
+                    first_token.set()
+        done["long"] = time.monotonic()
+
+    def short(name: str, priority: int) -> None:
+        r = post(planes, "completions", four_tokens(planes, priority=priority), headers=None)
+        assert r.status_code == 200, r.text
+        done[name] = time.monotonic()
+
+    runner = threading.Thread(target=long_run)
+    runner.start()
+    assert first_token.wait(60), "the long request never streamed"
+    late = threading.Thread(target=short, args=("late", 1000))
+    late.start()
+    time.sleep(0.05)
+    urgent = threading.Thread(target=short, args=("urgent", -1000))
+    urgent.start()
+    for t in (runner, late, urgent):
+        t.join(120)
+    assert set(done) == {"long", "late", "urgent"}, done
+    assert done["urgent"] < done["late"], done
