@@ -44,6 +44,34 @@ def test_the_waiting_queue_follows_the_policy(tiny_model_dir, policy):
     assert order == ([4, 1, 3, 2, 0] if policy == "priority" else [0, 1, 2, 3, 4])
 
 
+PLANES_ITEM = "the-chat-template-and-priority-hold-on-both-control-planes"
+PLANES_RED = "failing-tests-the-flags-on-the-rust-service"
+
+
+@pytest.mark.card(CARD, PLANES_ITEM, PLANES_RED)
+@pytest.mark.parametrize("backend", ["python", "rust_service"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_one_slot_serves_in_the_policys_order_on_both_planes(tiny_model_dir, backend, policy):
+    """One request running at a time: the order requests finish in is the waiting queue's,
+    whichever process holds it (the Rust service's offline too)."""
+    from minisgl import LLM
+
+    llm = LLM(tiny_model_dir("llama"), num_pages=512, max_seq_len_override=128,
+              scheduling_policy=policy, cpu_backend=backend, max_running_requests=1)  # fmt: skip
+    try:
+        params = [SamplingParams(max_tokens=2, ignore_eos=True, priority=p)
+                  for p in (5, 0, 3, 0, -2)]  # fmt: skip
+        rids = [llm.runtime.add([5 + i, 6, 7], sp) for i, sp in enumerate(params)]
+        finished: list[int] = []
+        while llm.has_work():
+            finished += [o.rid for o in llm.step() if o.finish_reason is not None]
+        finished += [o.rid for o in llm.sync() if o.finish_reason is not None]
+    finally:
+        llm.close()
+    order = [rids.index(rid) for rid in finished]
+    assert order == ([4, 1, 3, 2, 0] if policy == "priority" else [0, 1, 2, 3, 4])
+
+
 @pytest.mark.card(CARD, PRIORITY_ITEM, RED, GREEN)
 def test_priority_travels_in_the_wire_params():
     for typed in (True, False):
