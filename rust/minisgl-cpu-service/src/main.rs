@@ -16,7 +16,7 @@ use minisgl_cpu_service::text::run_text_cli;
 const USAGE: &str = "usage: minisgl-cpu-service serve --ipc-dir DIR --model-path DIR \
 [--num-workers N] [--dp-routing prefix|round_robin] [--page-size N] [--max-running-requests N] [--max-prefill-length N] \
 [--cache-type radix|naive] [--parent-pid PID] [--trace FILE] [--depth 1|2] \
-[--startup-timeout S] [--priority-aging-steps K] [--no-cache-outputs]\n       minisgl-cpu-service text --model DIR\n       \
+[--startup-timeout S] [--priority-aging-steps K] [--no-cache-outputs] [--chat-template-file F]\n       minisgl-cpu-service text --model DIR\n       \
 minisgl-cpu-service replay --input W.json --output R.json [--enable-priority]";
 
 fn parse_serve(args: &[String]) -> Result<Config, String> {
@@ -35,6 +35,7 @@ fn parse_serve(args: &[String]) -> Result<Config, String> {
         routing: Policy::Prefix,
         priority_aging_steps: None,
         cache_outputs: true,
+        chat_template_file: None,
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -73,6 +74,7 @@ fn parse_serve(args: &[String]) -> Result<Config, String> {
                 k => cfg.priority_aging_steps = Some(k),
             },
             "--no-cache-outputs" => cfg.cache_outputs = false,
+            "--chat-template-file" => cfg.chat_template_file = Some(PathBuf::from(value()?)),
             "--startup-timeout" => cfg.startup_timeout = Duration::from_secs(num(value()?)? as u64),
             other => return Err(format!("unknown flag {other:?}")),
         }

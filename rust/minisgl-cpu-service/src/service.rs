@@ -77,6 +77,8 @@ pub struct Config {
     /// `--no-cache-outputs` sets it false: finished requests cache their prompts only (the
     /// deterministic mode).
     pub cache_outputs: bool,
+    /// `--chat-template-file F`: the chat template used instead of the model's.
+    pub chat_template_file: Option<PathBuf>,
 }
 
 fn log(msg: &str) {
@@ -399,7 +401,14 @@ pub fn run(cfg: Config) -> Exit {
         Err(Exit::Failed(msg)) => return fail(&sock, msg),
         Err(e) => return e,
     };
-    let text = match TextModel::load(&cfg.model_path) {
+    let template = match &cfg.chat_template_file {
+        Some(p) => match std::fs::read_to_string(p) {
+            Ok(src) => Some(src),
+            Err(e) => return fail(&sock, format!("--chat-template-file {}: {e}", p.display())),
+        },
+        None => None,
+    };
+    let text = match TextModel::load_with(&cfg.model_path, template.as_deref()) {
         Ok(t) => t,
         Err(e) => return fail(&sock, format!("tokenizer: {e}")),
     };

@@ -71,12 +71,19 @@ class ServiceLimits:
     cache_outputs: bool = (
         True  # False: finished requests cache their prompts only (--deterministic)
     )
+    priority_aging_steps: int | None = None  # priority scheduling (params.priority); None: FIFO
 
 
 def service_command(
-    limits: ServiceLimits, model_path: str, ipc_dir: str, num_workers: int, depth: int = 2
+    limits: ServiceLimits,
+    model_path: str,
+    ipc_dir: str,
+    num_workers: int,
+    depth: int = 2,
+    chat_template_file: str | None = None,
 ) -> list:
-    """`depth`: steps in flight at once (1: serial, 2: one step ahead)."""
+    """`depth`: steps in flight at once (1: serial, 2: one step ahead); `chat_template_file`:
+    a chat template the service renders chats with instead of the model's."""
     cmd = [
         str(service_binary()), "serve",
         "--ipc-dir", ipc_dir,
@@ -93,6 +100,10 @@ def service_command(
         cmd += ["--dp-routing", limits.dp_routing]
     if not limits.cache_outputs:
         cmd += ["--no-cache-outputs"]
+    if limits.priority_aging_steps is not None:
+        cmd += ["--priority-aging-steps", str(limits.priority_aging_steps)]
+    if chat_template_file is not None:
+        cmd += ["--chat-template-file", chat_template_file]
     trace = os.environ.get("MINISGL_SERVICE_TRACE")
     if trace:
         cmd += ["--trace", trace]

@@ -14,8 +14,20 @@ pub struct TextModel {
 
 impl TextModel {
     pub fn load(dir: impl AsRef<Path>) -> Result<Self, TextError> {
+        Self::load_with(dir, None)
+    }
+
+    /// `template`: a chat template used instead of the model's (a server's `--chat-template`),
+    /// rendered with the tokenizer's special tokens as the model's own would be.
+    pub fn load_with(dir: impl AsRef<Path>, template: Option<&str>) -> Result<Self, TextError> {
         let tokenizer = Tokenizer::from_dir(dir)?;
-        let chat = ChatTemplate::for_tokenizer(&tokenizer);
+        let chat = match template {
+            Some(src) => ChatTemplate::from_source(src, tokenizer.special_tokens_map().to_vec()),
+            None => ChatTemplate::for_tokenizer(&tokenizer),
+        };
+        if let (Some(_), Some(e)) = (template, chat.load_error()) {
+            return Err(TextError::new(format!("--chat-template-file: {e}")));
+        }
         Ok(Self { tokenizer, chat })
     }
 
@@ -37,6 +49,29 @@ mod tests {
     use crate::text::detok::{DecodeState, Detokenizer};
     use crate::text::fixture::ModelDir;
     use serde_json::json;
+
+    #[test]
+    fn a_given_template_replaces_the_models_and_a_malformed_one_is_an_error() {
+        let dir = ModelDir::new("template");
+        let own = TextModel::load(dir.path()).expect("load");
+        let src = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}{{ eos_token }}";
+        let m = TextModel::load_with(dir.path(), Some(src)).expect("load");
+        let msgs = json!([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]);
+        let (_, text) = m.chat_ids(&msgs, true).expect("render");
+        let eos = own
+            .tokenizer
+            .special_tokens_map()
+            .iter()
+            .find(|(k, _)| *k == "eos_token");
+        assert_eq!(text, format!("[a][b]{}", eos.expect("eos").1));
+        assert_ne!(own.chat_ids(&msgs, true).expect("render").1, text);
+        let bad = TextModel::load_with(dir.path(), Some("{% for m in messages %}"));
+        let err = bad
+            .err()
+            .expect("a malformed template fails the load")
+            .to_string();
+        assert!(err.contains("--chat-template-file"), "{err}");
+    }
 
     #[test]
     fn encode_decode_and_names_on_a_byte_level_bpe() {

@@ -190,7 +190,7 @@ class Runtime:
             if warm_up or getattr(engine, "compiled", None) is not None:
                 rt.warm_up()
             if name == cpu_backend.SERVICE:
-                rt.use_service(config, depth=1 if overlap else 0)
+                rt.use_service(config, 1 if overlap else 0, priority_aging_steps)
         except BaseException:
             rt.close()
             raise
@@ -202,14 +202,18 @@ class Runtime:
         stats = getattr(self.scheduler, "speculative_stats", None)
         return stats() if stats is not None else None
 
-    def use_service(self, config: EngineConfig, depth: int) -> None:
-        """Hand scheduling to a Rust service started now, this process its worker."""
+    def use_service(
+        self, config: EngineConfig, depth: int, priority_aging_steps: int | None = None
+    ) -> None:
+        """Hand scheduling to a Rust service started now, this process its worker (with the
+        scheduling policy `build` gave the python scheduler)."""
         from minisgl.cpu_service import ServiceLimits
         from minisgl.runtime.service_plane import ServicePlane
 
         limits = ServiceLimits(
             config.page_size, config.max_running_requests, config.max_extend_tokens,
             config.cache_type, cache_outputs=not config.deterministic,
+            priority_aging_steps=priority_aging_steps,
         )  # fmt: skip
         self.steps = ServiceSteps(self.device, keep_released=True)
         self.plane = ServicePlane(

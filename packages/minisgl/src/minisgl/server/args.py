@@ -98,9 +98,12 @@ class ServerArgs:
 
     def service_limits(self) -> ServiceLimits:
         """The scheduler limits the Rust service is started with (rust_service)."""
+        from minisgl.scheduler.policy import priority_aging_steps
+
         return ServiceLimits(self.page_size, self.max_running_requests, self.max_prefill_length,
                              self.cache_type, self.dp_routing,
-                             cache_outputs=not self.deterministic)  # fmt: skip
+                             cache_outputs=not self.deterministic,
+                             priority_aging_steps=priority_aging_steps(self.scheduling_policy))  # fmt: skip
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -431,18 +434,10 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
 
 
 def backend_errors(args: ServerArgs) -> list[str]:
-    """MINISGL_CPU_BACKEND: a known one, and what rust_service does not serve yet."""
+    """MINISGL_CPU_BACKEND: a known one."""
     from minisgl.scheduler.cpu_backend import BACKENDS, SERVICE
 
     errors = []
-    if args.cpu_backend == SERVICE:
-        for on, flag in ((args.chat_template, "--chat-template"),
-                         (args.scheduling_policy == "priority", "--scheduling-policy priority")):  # fmt: skip
-            if on:
-                errors.append(
-                    f"{flag} is not supported with MINISGL_CPU_BACKEND={SERVICE} yet (the "
-                    "python backend serves it)"
-                )
     if args.cpu_backend not in (*BACKENDS, SERVICE):
         errors.append(
             f"MINISGL_CPU_BACKEND={args.cpu_backend!r}: expected one of "

@@ -137,11 +137,14 @@ class Launcher:
         # here: it loads torch): the service's serial loop, depth 1, as it does offline
         serial = os.environ.get("MINISGL_DISABLE_OVERLAP_SCHEDULING", "").strip().lower()
         depth = 1 if serial in ("1", "true", "yes", "on") else 2
-        self.procs[ipc.SERVICE] = ServiceProcess(
-            service_command(
-                args.service_limits(), model_path, self.ipc_dir, args.dp_size, depth=depth
-            )
-        )
+        template = None
+        if args.chat_template is not None:  # the service renders chats: it reads it from a file
+            template = os.path.join(self.ipc_dir, "chat_template.jinja")
+            with open(template, "w", encoding="utf-8") as f:
+                f.write(args.chat_template)
+        limits = args.service_limits()
+        cmd = service_command(limits, model_path, self.ipc_dir, args.dp_size, depth, template)
+        self.procs[ipc.SERVICE] = ServiceProcess(cmd)
         for i, name in enumerate(self.replica_names):
             self.procs[name] = ctx.Process(
                 target=run_gpu_worker,
