@@ -92,12 +92,29 @@ def _tiny_dir(root: Path) -> Path:
     return root
 
 
-@pytest.fixture(scope="module", params=["smollm", "tiny"])
+def _spm_dir(root: Path) -> Path:
+    """The tokenizer a SentencePiece GGUF file converts to (Llama 2 / Mistral 7B style: Metaspace
+    pieces, byte fallback, BOS added), as `gguf_model.convert` saves it."""
+    from transformers import AutoTokenizer
+
+    from minisgl.testing.tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf("mistral", root / "spm.gguf", "Q8_0", tokenizer="spm")
+    tok = AutoTokenizer.from_pretrained(str(root), gguf_file=path.name)
+    out = root / "spm-tok"
+    tok.save_pretrained(str(out))
+    (out / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    return out
+
+
+@pytest.fixture(scope="module", params=["smollm", "tiny", "spm"])
 def model(request, service_bin, tmp_path_factory):
     if request.param == "smollm":
         from minisgl.default_model import default_model_path
 
         path = default_model_path()
+    elif request.param == "spm":
+        path = _spm_dir(tmp_path_factory.mktemp("spm-tok"))
     else:
         path = _tiny_dir(tmp_path_factory.mktemp("tiny-tok"))
     m = Model(path, service_bin)

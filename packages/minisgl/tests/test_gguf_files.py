@@ -147,6 +147,35 @@ def test_each_family_generates_with_the_files_tokenizer_and_template(kind, files
     assert len(chat[0]["token_ids"]) == 4
 
 
+@pytest.mark.card(CARD, "config-and-tokenizer-with-its-chat-template-come-from-the-file")
+def test_a_sentencepiece_file_serves_with_its_tokenizer(tmp_path):
+    """A Mistral-style file with a SentencePiece vocabulary (`tokenizer.ggml.model` llama: pieces
+    with scores, byte fallback, BOS added): prompts encode as transformers' own tokenizer of the
+    file encodes them (BOS first, unknown characters as bytes), chats render with the file's
+    template, and greedy decoding from text equals the reference's."""
+    from transformers import AutoTokenizer
+
+    from minisgl.testing.tiny_gguf import SPM_TEMPLATE
+
+    path = write_tiny_gguf("mistral", tmp_path / "spm.gguf", "Q8_0", tokenizer="spm")
+    llm = _llm(path, "none")
+    want = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    texts = ["hello the Paris is capital of France.", "  naïve 你好 [x]\n", ""]
+    for text in texts:
+        ids = llm.tokenizer.encode(text)
+        assert ids == want(text)["input_ids"] and ids[:1] == [1], text
+        assert llm.tokenizer.decode(ids, skip_special_tokens=True) == want.decode(
+            ids, skip_special_tokens=True
+        )
+    assert llm.tokenizer.chat_template == SPM_TEMPLATE
+    msgs = [{"role": "user", "content": "hello Paris"}]
+    text = llm.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text == "<s>[INST] hello Paris [/INST]"
+    prompts = [want(t)["input_ids"] for t in texts[:2]]
+    got = llm.generate(texts[:2], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert [o["token_ids"] for o in got] == hf_greedy(_reference(path), prompts, 6)
+
+
 @pytest.mark.card(CARD, "a-q4-k-m-style-mix-serves-int4")
 def test_a_q4_k_m_style_mix_serves_int4(tmp_path):
     """llama.cpp's _M mixes: Q4_K with Q6_K ffn_down -> int4, the class of most values."""

@@ -134,10 +134,50 @@ def llama3_rope_factors(head_dim: int, theta: float, scaling: dict[str, Any]) ->
     return np.array(out, np.float32)
 
 
+# SentencePiece files (Llama 2, Mistral 7B): `tokenizer.ggml.model` "llama", pieces with scores,
+# byte-fallback tokens <0x00>..<0xFF>, BOS added; a handful of word pieces, the rest in bytes
+SPM_PIECES = (
+    "▁", "e", "t", "h", "a", "o", "l", "r", "s", "i", "n", "c", "p", "f", "P", "F", ".",
+    "▁t", "he", "▁the", "▁a", "ll", "el", "hel", "▁h", "▁he", "▁hel", "▁hell", "▁hello",
+    "is", "▁is", "▁in", "ar", "▁P", "▁Pa", "▁Par", "▁Pari", "▁Paris", "ca", "▁c", "▁ca",
+    "▁cap", "it", "al", "▁of", "▁F", "▁Fr", "an", "ce", "▁France", "▁[", "INST", "]", "▁[/",
+)  # fmt: skip
+SPM_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
+    " [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+_SPM_TYPES = {"normal": 1, "unknown": 2, "control": 3, "byte": 6}
+
+
+def spm_vocabulary() -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, token types) of the tiny SentencePiece vocabulary: <unk> <s> </s>, the
+    256 byte tokens, then SPM_PIECES (scores falling in that order)."""
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *SPM_PIECES]
+    kinds = ["unknown", "control", "control", *["byte"] * 256, *["normal"] * len(SPM_PIECES)]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))]
+    return tokens, scores, [_SPM_TYPES[k] for k in kinds]
+
+
+def _spm_tokenizer_metadata(writer: Any) -> int:
+    """The tiny SentencePiece vocabulary as `tokenizer.ggml.*` keys; its size."""
+    tokens, scores, types = spm_vocabulary()
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_chat_template(SPM_TEMPLATE)
+    return len(tokens)
+
+
 def write_tiny_gguf(
     family: str, path: str | Path, tensor_type: str = "Q8_0", seed: int = 0,
     types: dict[str, str] | None = None, rope_scaling: dict[str, Any] | None = None,
-    rope_factors: np.ndarray | None = None,
+    rope_factors: np.ndarray | None = None, tokenizer: str = "bpe",
 ) -> Path:  # fmt: skip
     """Write a tiny random `family` model as the GGUF file `path` with its linears and
     embedding in `tensor_type` (`types`: a type per GGUF tensor name instead, e.g. Q6_K for
@@ -145,14 +185,20 @@ def write_tiny_gguf(
 
     `rope_scaling` (HF's `llama3` dict) goes into the HF folder's config and, as llama.cpp
     stores it, into the file as the `rope_freqs.weight` tensor (`rope_factors`: that tensor's
-    values instead, e.g. ones no `llama3` parameters produce)."""
+    values instead, e.g. ones no `llama3` parameters produce). `tokenizer="spm"`: the tiny
+    SentencePiece vocabulary (`spm_vocabulary`, Mistral's [INST] template) instead of the HF
+    folder's byte-level BPE, whose tokenizer then is not the file's."""
     import gguf
     from safetensors.numpy import load_file
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
     path = Path(path)
-    extra = {"rope_scaling": rope_scaling} if rope_scaling else {}
+    if tokenizer not in ("bpe", "spm"):
+        raise ValueError(f"tokenizer: bpe or spm, got {tokenizer!r}")
+    extra: dict[str, Any] = {"rope_scaling": rope_scaling} if rope_scaling else {}
+    if tokenizer == "spm":
+        extra["vocab_size"] = len(spm_vocabulary()[0])
     folder = write_tiny_model(
         family, path.with_name(path.name + ".hf"), seed=seed, **SHAPE, **extra
     )
@@ -171,7 +217,10 @@ def write_tiny_gguf(
     writer.add_value_length(hf["head_dim"])
     writer.add_rope_freq_base(float(hf.get("rope_theta") or 10000.0))
     writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
-    writer.add_vocab_size(_tokenizer_metadata(writer, folder))
+    if tokenizer == "spm":
+        writer.add_vocab_size(_spm_tokenizer_metadata(writer))
+    else:
+        writer.add_vocab_size(_tokenizer_metadata(writer, folder))
     heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
     tensors = load_file(str(folder / "model.safetensors"))
     for i, (name, w) in enumerate(sorted(tensors.items())):
