@@ -53,22 +53,31 @@ PLANES_RED = "failing-tests-the-flags-on-the-rust-service"
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_one_slot_serves_in_the_policys_order_on_both_planes(tiny_model_dir, backend, policy):
     """One request running at a time: the order requests finish in is the waiting queue's,
-    whichever process holds it (the Rust service's offline too)."""
+    whichever process holds it (the Rust service's offline too). A 48-token blocker is
+    admitted first, so the five arrive while it runs: the Rust service schedules as requests
+    come in over its socket and would otherwise admit the first of them alone (CI at a102498)."""
     from minisgl import LLM
 
     llm = LLM(tiny_model_dir("llama"), num_pages=512, max_seq_len_override=128,
               scheduling_policy=policy, cpu_backend=backend, max_running_requests=1)  # fmt: skip
     try:
+        blocker = llm.runtime.add([1, 2, 3], SamplingParams(max_tokens=48, ignore_eos=True))
+        finished: list[int] = []
+        while not finished and llm.has_work():  # until the blocker has produced a token
+            outs = llm.step()
+            finished += [o.rid for o in outs if o.finish_reason is not None]
+            if any(o.rid == blocker for o in outs):
+                break
         params = [SamplingParams(max_tokens=2, ignore_eos=True, priority=p)
                   for p in (5, 0, 3, 0, -2)]  # fmt: skip
         rids = [llm.runtime.add([5 + i, 6, 7], sp) for i, sp in enumerate(params)]
-        finished: list[int] = []
         while llm.has_work():
             finished += [o.rid for o in llm.step() if o.finish_reason is not None]
         finished += [o.rid for o in llm.sync() if o.finish_reason is not None]
     finally:
         llm.close()
-    order = [rids.index(rid) for rid in finished]
+    assert finished[0] == blocker, finished
+    order = [rids.index(rid) for rid in finished[1:]]
     assert order == ([4, 1, 3, 2, 0] if policy == "priority" else [0, 1, 2, 3, 4])
 
 
