@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 from minisgl.config import ModelLoadError
+from minisgl.gguf_rope import TENSOR as ROPE_FREQS  # Llama 3.1+ RoPE scaling, a divisor a frequency
 from minisgl.utils.log import get_logger
 
 logger = get_logger(__name__)
@@ -43,7 +44,6 @@ TYPE_CLASSES = {
     "Q2_K": "int4",  # 2-bit codes, 16-value sub-blocks: re-quantized into int4 groups of 32
 }
 _MAGIC = b"GGUF"
-ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's Llama 3.1+ RoPE scaling, one divisor a frequency
 
 
 GGUF_HINT = (

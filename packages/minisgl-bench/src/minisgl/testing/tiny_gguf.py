@@ -113,25 +113,18 @@ def _tokenizer_metadata(writer: Any, folder: Path) -> int:
 
 
 def llama3_rope_factors(head_dim: int, theta: float, scaling: dict[str, Any]) -> np.ndarray:
-    """llama.cpp's converter (`LlamaModel.generate_extra_tensors`): the `rope_freqs.weight` a
-    Llama 3.1+ model with HF's `llama3` rope scaling gets, one divisor per frequency."""
-    import math
+    """The `rope_freqs.weight` llama.cpp's converter writes for HF's `llama3` rope scaling (one
+    divisor per frequency, fp32), with its defaults for missing keys."""
+    from minisgl.gguf_rope import llama3_divisors
 
-    factor = float(scaling.get("factor", 8.0))
-    low = float(scaling.get("low_freq_factor", 1.0))
-    high = float(scaling.get("high_freq_factor", 4.0))
-    old = float(scaling.get("original_max_position_embeddings", 8192))
-    out = []
-    for i in range(0, head_dim, 2):
-        wavelen = 2 * math.pi * theta ** (i / head_dim)
-        if wavelen < old / high:
-            out.append(1.0)
-        elif wavelen > old / low:
-            out.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(out, np.float32)
+    return llama3_divisors(
+        head_dim,
+        theta,
+        float(scaling.get("factor", 8.0)),
+        float(scaling.get("low_freq_factor", 1.0)),
+        float(scaling.get("high_freq_factor", 4.0)),
+        float(scaling.get("original_max_position_embeddings", 8192)),
+    ).astype(np.float32)
 
 
 # SentencePiece files (Llama 2, Mistral 7B): `tokenizer.ggml.model` "llama", pieces with scores,

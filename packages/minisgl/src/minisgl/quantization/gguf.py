@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from minisgl.gguf_rope import TENSOR as ROPE_FREQS
 from minisgl.quantization.packed import (
     Int4Weight,
     Int8Weight,
@@ -124,7 +125,7 @@ def read_gguf_float(path: Path, num_heads: int, num_kv_heads: int, tied: bool):
     permuted = bytes(arch_field.parts[arch_field.data[0]]).decode() == "llama"
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":  # RoPE scaling, read into the config (gguf_rope)
+        if t.name == ROPE_FREQS:  # RoPE scaling, read into the config (gguf_rope)
             continue
         name = float_name(t.name, tied)
         if name is None:
