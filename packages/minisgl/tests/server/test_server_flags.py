@@ -6,6 +6,8 @@ choice. One server holds every flag; the shared `server` fixture is the server w
 from __future__ import annotations
 
 import re
+import threading
+import time
 
 import httpx
 import pytest
@@ -262,7 +264,7 @@ def planes(request, tiny_model_dir, tmp_path_factory):
     template.write_text(TEMPLATE)
     with start(request.param, tiny_model_dir("llama"), "--chat-template", str(template),
                "--scheduling-policy", "priority", "--max-running-requests", "1",
-               "--served-model-name", "m", log_dir=d, backend=request.param) as s:  # fmt: skip
+               "--max-seq-len-override", "512", "--served-model-name", "m", log_dir=d, backend=request.param) as s:  # fmt: skip
         if s.handle is not None:
             s.handle.model = "m"
         yield s  # a server that did not start fails each test by assertion (`s.get()`)
@@ -285,18 +287,33 @@ def test_the_chat_template_flag_renders_the_chat_on_both_planes(planes):
     assert r.status_code == 400 and "custom template used" in r.json()["error"]["message"]
 
 
+def queued(server) -> int:
+    """The scheduler's waiting queue as `/metrics` reports it (refreshed every 0.1 s busy)."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    line = next(x for x in text.splitlines() if x.startswith("minisgl_num_queued_requests "))
+    return int(float(line.split()[1]))
+
+
+def wait_queued(server, n: int, alive: threading.Thread) -> None:
+    deadline = time.monotonic() + 60
+    while queued(server) < n:
+        assert alive.is_alive(), "the long request ended before the others were queued"
+        assert time.monotonic() < deadline, f"never {n} requests queued"
+        time.sleep(0.02)
+
+
 @pytest.mark.card(CARD, PLANES_ITEM, PLANES_RED)
 def test_a_lower_priority_number_is_served_first_on_both_planes(planes):
-    """One request runs (a 240-token stream); then two 4-token requests wait, priority 1000
-    sent first and -1000 after it: the second is served first (FIFO would serve the first).
-    Aging (one level every 16 steps) cannot close a gap of 2000 levels in 240 steps."""
-    import threading
-    import time
-
+    """One request runs (a stream of up to 500 tokens); two 4-token requests queue behind it,
+    priority 1000 first and -1000 after it (each seen in the queue before the next step); then
+    the long one is ended by its client: the second is served first (FIFO would serve the
+    first). Aging (one level every 16 steps) cannot close a gap of 2000 levels in 500 steps.
+    Without the queue checks, a busy machine could send `urgent` after the slot freed (CI at
+    081f6c7)."""
     planes = planes.get()
     done: dict[str, float] = {}
-    long_body = completion(planes, max_tokens=240, ignore_eos=True, stream=True, priority=0)
-    first_token = threading.Event()
+    long_body = completion(planes, max_tokens=500, ignore_eos=True, stream=True, priority=0)
+    first_token, both_queued = threading.Event(), threading.Event()
 
     def long_run() -> None:
         with httpx.stream("POST", f"{planes.base_url}/v1/completions", json=long_body,
@@ -304,7 +321,8 @@ def test_a_lower_priority_number_is_served_first_on_both_planes(planes):
             for line in r.iter_lines():
                 if line.startswith("data: ") and '"text"' in line:
                     first_token.set()
-        done["long"] = time.monotonic()
+                if both_queued.is_set():
+                    break  # the client goes away: the server aborts it and frees the slot
 
     def short(name: str, priority: int) -> None:
         r = post(planes, "completions", four_tokens(planes, priority=priority), headers=None)
@@ -316,10 +334,12 @@ def test_a_lower_priority_number_is_served_first_on_both_planes(planes):
     assert first_token.wait(60), "the long request never streamed"
     late = threading.Thread(target=short, args=("late", 1000))
     late.start()
-    time.sleep(0.05)
+    wait_queued(planes, 1, runner)
     urgent = threading.Thread(target=short, args=("urgent", -1000))
     urgent.start()
+    wait_queued(planes, 2, runner)
+    both_queued.set()
     for t in (runner, late, urgent):
         t.join(120)
-    assert set(done) == {"long", "late", "urgent"}, done
+    assert set(done) == {"late", "urgent"}, done
     assert done["urgent"] < done["late"], done
