@@ -193,12 +193,16 @@ def _bad_file(tmp_path: Path, what: str) -> Path:
     if what == "text":
         path.write_text("this is no GGUF file\n")
         return path
-    writer = gguf.GGUFWriter(str(path), "gpt2" if what == "arch" else "llama")
+    arch = {"arch": "gpt2", "experts": "qwen3moe"}.get(what, "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     w = np.zeros((8, 32), np.float32)
     if what == "type":  # IQ4_NL: 18 bytes a block of 32
         writer.add_tensor("blk.0.attn_q.weight", np.zeros((8, 18), np.uint8),
                           raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)  # fmt: skip
     elif what == "moe":
+        writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((4, 8, 32), np.float32))
+    elif what == "experts":  # a qwen3moe file whose stacked experts disagree with its keys
+        writer.add_expert_count(8)
         writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((4, 8, 32), np.float32))
     else:
         writer.add_tensor("token_embd.weight", w)
@@ -214,6 +218,7 @@ BAD = {
     "arch": "architecture 'gpt2' is not supported",
     "type": "type IQ4_NL, which is not supported",
     "moe": "'blk.0.ffn_gate_exps.weight' is not part of a dense llama model",
+    "experts": "'blk.0.ffn_gate_exps.weight' stacks 4 experts, but qwen3moe.expert_count is 8",
 }
 
 
@@ -328,3 +333,91 @@ def test_the_embedded_model_from_its_gguf_path_equals_the_default():
     got = prompt_logits(own, ids)
     assert torch.equal(got, want)
     assert perplexity_of(got, ids[1:]) == perplexity_of(want, ids[1:])
+
+
+# Qwen3-MoE files (`qwen3moe`: Qwen3-30B-A3B's GGUF): each layer's experts stacked in one tensor
+# per projection, the router in F32, the expert shape in `expert_*` keys
+MOE_ITEM = "a-qwen3-moe-file-serves-its-experts"
+MOE_RED = "failing-tests-a-qwen3-moe-file"
+MOE_CLASS = {"Q8_0": "int8", "Q4_K": "int4"}
+# measured (amd-epyc): Q8_0 ..., Q4_K ...; bounds about twice these
+MOE_PACKED_ERROR = {"Q8_0": 0.06, "Q4_K": 0.04}
+
+
+@pytest.fixture(scope="module")
+def moe_files(tmp_path_factory):
+    """moe_files(type) -> a tiny Qwen3-MoE GGUF in that type (written once)."""
+    root = tmp_path_factory.mktemp("gguf-moe")
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = write_tiny_gguf("qwen3_moe", root / f"moe-{kind}.gguf", kind)
+        return made[kind]
+
+    return get
+
+
+def _served(path: Path) -> Path:
+    """The file's converted folder; a refusal of the file fails the test with its message."""
+    try:
+        return Path(resolve_model_path(path))
+    except GGUFError as e:
+        pytest.fail(f"{path.name} was refused: {e}")
+
+
+@pytest.mark.card(CARD, MOE_RED)
+@pytest.mark.card(CARD, MOE_ITEM)
+def test_a_qwen3_moe_files_config_has_its_experts(moe_files):
+    """The expert count, top-k and expert rows come from the `expert_*` keys (transformers
+    leaves the rows at Qwen3MoeConfig's default, 768); every layer is sparse and the top-k
+    weights renormalised, as llama.cpp's qwen3moe runs them."""
+    import json
+
+    from minisgl.config import ModelConfig
+
+    folder = _served(moe_files("Q4_K"))
+    cfg = ModelConfig.from_dir(folder)
+    assert cfg.architecture == "Qwen3MoeForCausalLM"
+    assert cfg.moe is not None
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.intermediate_size) == (4, 2, 512)
+    assert cfg.moe.norm_topk_prob and cfg.moe.sparse_layers == (0, 1)
+    assert (cfg.head_dim, cfg.num_heads, cfg.num_kv_heads) == (64, 4, 2)
+    manifest = json.loads((folder / "packed" / "manifest.json").read_text())
+    assert manifest["native"] == "int4"  # the experts hold most of the values
+
+
+@pytest.mark.card(CARD, MOE_RED)
+@pytest.mark.card(CARD, MOE_ITEM)
+@pytest.mark.parametrize("kind", list(MOE_CLASS))
+def test_a_qwen3_moe_file_serves_its_dequantized_values_at_fp32(kind, moe_files):
+    """fp32 logits equal transformers' own load of the file (its stacked experts, split into
+    gate and up by its tensor processor) within 1e-5; greedy decoding of a batch gives its
+    tokens."""
+    path = moe_files(kind)
+    _served(path)
+    llm = _llm(path, "none")
+    assert llm.engine.quantization == "none"
+    torch.testing.assert_close(prompt_logits(llm, IDS), _reference_logits(path),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    prompts = random_prompts(3, 4, 20, vocab=380, seed=5)
+    got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert [o["token_ids"] for o in got] == hf_greedy(_reference(path), prompts, 8)
+
+
+@pytest.mark.card(CARD, MOE_RED)
+@pytest.mark.card(CARD, MOE_ITEM)
+@pytest.mark.parametrize("kind", list(MOE_CLASS))
+def test_auto_serves_a_qwen3_moe_file_in_its_class(kind, moe_files):
+    """`quantization="auto"`: the file's class, the experts packed in it (`QuantizedExperts`),
+    the router float; logits within the class's error of the de-quantized reference."""
+    from minisgl.quantization.experts import QuantizedExperts
+
+    path = moe_files(kind)
+    _served(path)
+    llm = _llm(path, "auto")
+    assert llm.engine.quantization == MOE_CLASS[kind]
+    packed = [m for m in llm.engine.model.modules() if isinstance(m, QuantizedExperts)]
+    assert len(packed) == 2
+    err = _relative_error(prompt_logits(llm, IDS), _reference_logits(path))
+    assert err <= MOE_PACKED_ERROR[kind], f"{kind}: relative logits error {err:.4f}"

@@ -1,4 +1,5 @@
-"""Tiny GGUF files of the four dense families, written as llama.cpp's converter writes them.
+"""Tiny GGUF files of the four dense families and Qwen3-MoE, written as llama.cpp's converter
+writes them.
 
 `write_tiny_gguf("qwen3", path, "Q4_K")` writes a tiny random model (`tiny_models`, widened so
 every linear's rows are whole 256-value K-quant super-blocks) as one GGUF file: the
@@ -6,7 +7,10 @@ every linear's rows are whole 256-value K-quant super-blocks) as one GGUF file: 
 `tokenizer.ggml.*` / `tokenizer.chat_template`, norms in F32 and every linear and the
 embedding in `tensor_type`. Llama and Mistral are stored as llama.cpp stores them: architecture
 `llama` (Mistral's `general.name` says `mistral`, as transformers reads it), Q and K rows
-permuted into llama.cpp's interleaved RoPE order.
+permuted into llama.cpp's interleaved RoPE order. Qwen3-MoE (`qwen3moe`, as Qwen3-30B-A3B's
+files): every layer a MoE block, each layer's experts stacked into one 3-D tensor per projection
+(`ffn_{gate,up,down}_exps`, [experts, rows, columns]), the router `ffn_gate_inp` kept in F32 (as
+llama.cpp's quantizer keeps it) and the `expert_*` keys.
 
 Types gguf-py quantizes (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are quantized from the
 model's weights; the K-quants (Q2_K..Q6_K), which gguf-py only de-quantizes, are random valid
@@ -26,6 +30,9 @@ import numpy as np
 from minisgl.testing.tiny_models import write_tiny_model
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+MOE_FAMILIES = ("qwen3_moe",)
+_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+         "qwen3_moe": "qwen3moe"}  # fmt: skip
 QUANTIZED_BY_GGUF = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 TENSOR_TYPES = QUANTIZED_BY_GGUF + K_QUANTS
@@ -33,6 +40,11 @@ TENSOR_TYPES = QUANTIZED_BY_GGUF + K_QUANTS
 _K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 # widened so every linear's input dimension is a multiple of 256 (K-quant super-blocks)
 SHAPE = dict(hidden_size=256, intermediate_size=512, head_dim=64, initializer_range=0.05)
+# Qwen3-MoE: every layer sparse (llama.cpp's qwen3moe has no dense layers); experts of 512 rows, not
+# the hidden size, so that a transposed down projection cannot pass
+MOE_SHAPE = dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=512, mlp_only_layers=[], decoder_sparse_step=1)  # fmt: skip
+_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
 _LEAVES = {
     "self_attn.q_proj": "attn_q",
@@ -44,6 +56,7 @@ _LEAVES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",  # a MoE block's router
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
@@ -58,6 +71,25 @@ def gguf_name(hf: str) -> str:
     _, _, layer, rest = hf.split(".", 3)
     module, kind = rest.rsplit(".", 1)
     return f"blk.{layer}.{_LEAVES[module]}.{kind}"
+
+
+def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`tensors` with each layer's per-expert projections (`model.layers.{i}.mlp.experts.{e}.
+    {gate,up,down}_proj.weight`) stacked in expert order under their GGUF names
+    (`blk.{i}.ffn_{gate,up,down}_exps.weight`, [experts, rows, columns]), as llama.cpp's
+    converter stacks them; the other tensors keep their HF names."""
+    out: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, w in tensors.items():
+        parts = name.split(".")
+        if len(parts) == 8 and parts[3:5] == ["mlp", "experts"]:
+            g = f"blk.{parts[2]}.{_EXPERTS[parts[6]]}.weight"
+            stacks.setdefault(g, {})[int(parts[5])] = w
+        else:
+            out[name] = w
+    for g, experts in stacks.items():
+        out[g] = np.stack([experts[e] for e in range(len(experts))])
+    return out
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -172,7 +204,8 @@ def write_tiny_gguf(
     types: dict[str, str] | None = None, rope_scaling: dict[str, Any] | None = None,
     rope_factors: np.ndarray | None = None, tokenizer: str = "bpe",
 ) -> Path:  # fmt: skip
-    """Write a tiny random `family` model as the GGUF file `path` with its linears and
+    """Write a tiny random `family` model (one of FAMILIES, or `qwen3_moe`) as the GGUF file
+    `path` with its linears and
     embedding in `tensor_type` (`types`: a type per GGUF tensor name instead, e.g. Q6_K for
     `ffn_down` as in llama.cpp's _M mixes); the HF folder it came from is `path` + `.hf`.
 
@@ -184,19 +217,21 @@ def write_tiny_gguf(
     import gguf
     from safetensors.numpy import load_file
 
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+    if family not in FAMILIES + MOE_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES + MOE_FAMILIES}")
     path = Path(path)
     if tokenizer not in ("bpe", "spm"):
         raise ValueError(f"tokenizer: bpe or spm, got {tokenizer!r}")
     extra: dict[str, Any] = {"rope_scaling": rope_scaling} if rope_scaling else {}
+    if family in MOE_FAMILIES:
+        extra.update(MOE_SHAPE)
     if tokenizer == "spm":
         extra["vocab_size"] = len(spm_vocabulary()[0])
     folder = write_tiny_model(
         family, path.with_name(path.name + ".hf"), seed=seed, **SHAPE, **extra
     )
     hf = json.loads((folder / "config.json").read_text())
-    arch = "llama" if family in ("llama", "mistral") else family
+    arch = _ARCH[family]
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(family if family == "mistral" else f"tiny-{family}")
     writer.add_context_length(hf["max_position_embeddings"])
@@ -210,22 +245,29 @@ def write_tiny_gguf(
     writer.add_value_length(hf["head_dim"])
     writer.add_rope_freq_base(float(hf.get("rope_theta") or 10000.0))
     writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    if family in MOE_FAMILIES:
+        writer.add_expert_count(hf.get("num_experts") or hf["num_local_experts"])
+        writer.add_expert_used_count(hf["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(hf["moe_intermediate_size"])
     if tokenizer == "spm":
         writer.add_vocab_size(_spm_tokenizer_metadata(writer))
     else:
         writer.add_vocab_size(_tokenizer_metadata(writer, folder))
     heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
-    tensors = load_file(str(folder / "model.safetensors"))
+    tensors = stack_experts(load_file(str(folder / "model.safetensors")))
     for i, (name, w) in enumerate(sorted(tensors.items())):
-        g = gguf_name(name)
+        g = name if name.startswith("blk.") else gguf_name(name)
         w = w.astype(np.float32)
         leaf = g.split(".")[-2]
         if arch == "llama" and leaf in heads:
             w = _permute(w, heads[leaf])
-        kind = (types or {}).get(g, tensor_type) if w.ndim == 2 else "F32"
+        kind = (types or {}).get(g, tensor_type) if w.ndim >= 2 else "F32"
+        kind = "F32" if leaf == "ffn_gate_inp" else kind  # llama.cpp keeps the router float
         qtype = gguf.GGMLQuantizationType[kind]
         if kind in K_QUANTS:
-            data = k_quant_blocks(*w.shape, kind, float(w.std()), seed * 1000 + i)
+            rows = int(np.prod(w.shape[:-1]))
+            data = k_quant_blocks(rows, w.shape[-1], kind, float(w.std()), seed * 1000 + i)
+            data = data.reshape(*w.shape[:-1], -1)
         elif kind == "F32":
             data = w
         else:
