@@ -340,8 +340,10 @@ def test_the_embedded_model_from_its_gguf_path_equals_the_default():
 MOE_ITEM = "a-qwen3-moe-file-serves-its-experts"
 MOE_RED = "failing-tests-a-qwen3-moe-file"
 MOE_CLASS = {"Q8_0": "int8", "Q4_K": "int4"}
-# measured (amd-epyc): Q8_0 ..., Q4_K ...; bounds about twice these
-MOE_PACKED_ERROR = {"Q8_0": 0.06, "Q4_K": 0.04}
+# measured (amd-epyc): Q8_0 0.099 (as the HF folder the file came from, int8 against its own
+# float: 0.099; a 4-expert top-2 router turns small errors into other experts), Q4_K 0.0105;
+# bounds about twice these
+MOE_PACKED_ERROR = {"Q8_0": 0.2, "Q4_K": 0.02}
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,12 @@
 """A GGUF file as a model path: `LLM("model.gguf")`, `--model-path model.gguf`.
 
-The file is checked first (a GGUF v2 / v3 of one of the four dense families, every tensor of a
-type below), then converted once, under a file lock, into an HF folder in the user cache
+The file is checked first (a GGUF v2 / v3 of one of the four dense families or Qwen3-MoE, every
+tensor of a type below), then converted once, under a file lock, into an HF folder in the user cache
 (`<cache>/models/gguf/<key>/<file stem>/`, the key from the file's path, size and mtime, so a
 changed file converts again): config and tokenizer (chat template included) from the file's
 metadata through transformers' GGUF support, the weights de-quantized by gguf-py into fp32
-safetensors (Q / K rows of `llama` files un-permuted, as transformers does). The folder's
+safetensors (Q / K rows of `llama` files un-permuted, as transformers does; a MoE file's stacked
+experts split per expert, the expert shape from its `expert_*` keys). The folder's
 `packed/manifest.json` names the file and its precision class, so `quantization="auto"` serves
 it in the project's packed format of that class, converted from the file's blocks
 (`quantization/gguf.py`, cached in `packed/`); `quantization="none"` serves the de-quantized
@@ -26,7 +27,8 @@ from minisgl.utils.log import get_logger
 logger = get_logger(__name__)
 
 # general.architecture -> served as; llama.cpp stores Mistral models as `llama`
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe")
+MOE_ARCHITECTURES = ("qwen3moe",)  # every layer a MoE block, as llama.cpp runs it
 # tensor type -> the precision class `quantization="auto"` serves a file of that type in
 TYPE_CLASSES = {
     "F32": "none",
@@ -70,7 +72,7 @@ def is_gguf(path: str | Path) -> bool:
 
 def check_gguf(path: str | Path):
     """The file's index (`quantization.gguf_index.GGUFIndex`) once it is known servable."""
-    from minisgl.quantization.gguf import float_name
+    from minisgl.quantization.gguf import expert_names, float_name, is_moe_tensor
     from minisgl.quantization.gguf_index import read_index
 
     path = Path(path)
@@ -93,11 +95,24 @@ def check_gguf(path: str | Path):
             )
         if t.name == ROPE_FREQS:  # Llama 3.1+ RoPE scaling: checked below
             continue
-        if float_name(t.name, tied=False) is None:
+        moe = is_moe_tensor(t.name)
+        known = arch in MOE_ARCHITECTURES if moe else float_name(t.name, False) is not None
+        if not known:
             raise GGUFError(
                 f"{path.name}: tensor {t.name!r} is not part of a dense {arch} model "
-                "(mixture-of-experts GGUF files are not supported)"
+                f"(mixture-of-experts GGUF files: {', '.join(MOE_ARCHITECTURES)} only)"
             )
+        if len(t.shape) == 3 and expert_names(t.name, 0) is not None:
+            count = index.scalars.get(f"{arch}.expert_count")
+            if count != int(t.shape[-1]):
+                raise GGUFError(
+                    f"{path.name}: tensor {t.name!r} stacks {int(t.shape[-1])} experts, but "
+                    f"{arch}.expert_count is {count}"
+                )
+    if arch in MOE_ARCHITECTURES:
+        for key in ("expert_count", "expert_used_count", "expert_feed_forward_length"):
+            if not isinstance(index.scalars.get(f"{arch}.{key}"), int):
+                raise GGUFError(f"{path.name}: a {arch} file needs the integer key {arch}.{key}")
     rope_parameters(index)
     return index
 
@@ -116,9 +131,13 @@ def rope_parameters(index) -> dict | None:
 def native_class(index) -> str:
     """The precision class of the file's linears: that of the type holding most of their
     values (a Q4_K_M file, Q4_K with some Q6_K: int4)."""
+    from minisgl.quantization.gguf import ROUTER
+
     sizes: dict[str, int] = {}
     for t in index.tensors:
-        if len(t.shape) == 2 and t.name not in ("token_embd.weight", "output.weight"):
+        if t.name in ("token_embd.weight", "output.weight") or t.name.endswith(f".{ROUTER}.weight"):
+            continue  # the router stays float whatever the class
+        if len(t.shape) in (2, 3):  # linears, stacked experts
             n = 1
             for d in t.shape:
                 n *= int(d)
@@ -186,6 +205,10 @@ def convert(
             config.head_dim = int(head_dim)
         if rope is not None:
             config.rope_parameters = dict(rope)
+        if arch in MOE_ARCHITECTURES:  # llama.cpp's qwen3moe: every layer sparse, renormalised
+            config.moe_intermediate_size = int(scalars[f"{arch}.expert_feed_forward_length"])
+            config.mlp_only_layers, config.decoder_sparse_step = [], 1
+            config.norm_topk_prob = True
         weights = read_gguf_float(gguf, config.num_attention_heads, config.num_key_value_heads,
                                   bool(config.tie_word_embeddings))  # fmt: skip
     tmp.mkdir(parents=True)

@@ -42,6 +42,11 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK = 32
+# a MoE block: the router, and each projection's experts stacked in one [experts, rows, columns]
+ROUTER = "ffn_gate_inp"
+_ROUTER_NAMES = {ROUTER: "mlp.gate"}
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}  # fmt: skip
 
 
 _NORM_NAMES = {
@@ -71,9 +76,9 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def float_name(gguf_name: str, tied: bool) -> str | None:
-    """HF name of any tensor of a Llama-family GGUF file: linears and their biases (qwen2),
-    the embedding (as `lm_head.weight` when tied: the name transformers' tied save keeps), the
-    norms (qwen3's Q / K norms too)."""
+    """HF name of any 2-D or 1-D tensor of a Llama-family GGUF file: linears and their biases
+    (qwen2), the embedding (as `lm_head.weight` when tied: the name transformers' tied save
+    keeps), the norms (qwen3's Q / K norms too), a MoE block's router."""
     if gguf_name == "token_embd.weight" and tied:
         return "lm_head.weight"
     if gguf_name == "output_norm.weight":
@@ -81,8 +86,24 @@ def float_name(gguf_name: str, tied: bool) -> str | None:
     return (
         _layer_name(gguf_name, _NORM_NAMES)
         or _layer_name(gguf_name, _LAYER_NAMES, "bias")
+        or _layer_name(gguf_name, _ROUTER_NAMES)
         or hf_name(gguf_name)
     )
+
+
+def expert_names(gguf_name: str, count: int) -> list[str] | None:
+    """HF names of the `count` experts a stacked `blk.{i}.ffn_{gate,up,down}_exps.weight`
+    holds, in its order (None for any other tensor)."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    if m is None or m.group(2) not in _EXPERT_NAMES:
+        return None
+    proj = _EXPERT_NAMES[m.group(2)]
+    return [f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.weight" for e in range(count)]
+
+
+def is_moe_tensor(gguf_name: str) -> bool:
+    """A MoE block's router or stacked experts."""
+    return expert_names(gguf_name, 0) is not None or gguf_name.endswith(f".{ROUTER}.weight")
 
 
 @contextmanager
@@ -117,7 +138,8 @@ def one_parse_per_file() -> Iterator[None]:
 def read_gguf_float(path: Path, num_heads: int, num_kv_heads: int, tied: bool):
     """{HF name: fp32 tensor} of every tensor of a Llama-family GGUF file, de-quantized by
     gguf's own `dequantize` and Q / K rows un-permuted as transformers' GGUF loader does (the
-    same numbers its conversion writes, in one read of the file instead of its three)."""
+    same numbers its conversion writes, in one read of the file instead of its three); stacked
+    experts split into one tensor per expert, the names of an HF MoE folder."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -127,12 +149,16 @@ def read_gguf_float(path: Path, num_heads: int, num_kv_heads: int, tied: bool):
     for t in reader.tensors:
         if t.name == ROPE_FREQS:  # RoPE scaling, read into the config (gguf_rope)
             continue
-        name = float_name(t.name, tied)
-        if name is None:
-            raise ValueError(f"{path.name}: no HF name for the GGUF tensor {t.name!r}")
         shape = [int(x) for x in reversed(t.shape)]  # GGUF lists dims innermost first
+        name = float_name(t.name, tied)
+        experts = expert_names(t.name, shape[0]) if len(shape) == 3 else None
+        if name is None and experts is None:
+            raise ValueError(f"{path.name}: no HF name for the GGUF tensor {t.name!r}")
         w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         f = torch.from_numpy(w.reshape(shape).copy())
+        if experts is not None:
+            out.update((n, e.clone()) for n, e in zip(experts, f, strict=True))
+            continue
         heads = {"q_proj": num_heads, "k_proj": num_kv_heads}.get(name.split(".")[-2])
         if permuted and heads is not None:
             f = f[_unpermute_rows(f.shape[0], heads)].contiguous()
