@@ -199,15 +199,72 @@ def _spm_tokenizer_metadata(writer: Any) -> int:
     return len(tokens)
 
 
+def _model_metadata(writer: Any, family: str, hf: dict[str, Any]) -> None:
+    """The `<arch>.*` keys of an HF config (`expert_*` too for a MoE family)."""
+    writer.add_name(family if family == "mistral" else f"tiny-{family}")
+    writer.add_context_length(hf["max_position_embeddings"])
+    writer.add_embedding_length(hf["hidden_size"])
+    writer.add_block_count(hf["num_hidden_layers"])
+    writer.add_feed_forward_length(hf["intermediate_size"])
+    writer.add_head_count(hf["num_attention_heads"])
+    writer.add_head_count_kv(hf["num_key_value_heads"])
+    writer.add_rope_dimension_count(hf["head_dim"])
+    writer.add_key_length(hf["head_dim"])
+    writer.add_value_length(hf["head_dim"])
+    writer.add_rope_freq_base(float(hf.get("rope_theta") or 10000.0))
+    writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    if family in MOE_FAMILIES:
+        writer.add_expert_count(hf.get("num_experts") or hf["num_local_experts"])
+        writer.add_expert_used_count(hf["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(hf["moe_intermediate_size"])
+
+
+def _tensor_data(w: np.ndarray, kind: str, seed: int) -> np.ndarray:
+    """`w` as GGUF `kind` data (K-quants: random valid blocks of `w`'s spread)."""
+    import gguf
+
+    if kind in K_QUANTS:
+        rows = int(np.prod(w.shape[:-1]))
+        data = k_quant_blocks(rows, w.shape[-1], kind, float(w.std()), seed)
+        return data.reshape(*w.shape[:-1], -1)
+    if kind == "F32":
+        return w
+    return gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
+
+
+def _add_tensors(
+    writer: Any, folder: Path, arch: str, hf: dict[str, Any], tensor_type: str,
+    types: dict[str, str] | None, seed: int,
+) -> None:  # fmt: skip
+    """The folder's weights under their GGUF names: Q / K rows permuted for `llama`, experts
+    stacked, norms and the router in F32, the rest in `tensor_type` (or `types[name]`)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
+    tensors = stack_experts(load_file(str(folder / "model.safetensors")))
+    for i, (name, w) in enumerate(sorted(tensors.items())):
+        g = name if name.startswith("blk.") else gguf_name(name)
+        w = w.astype(np.float32)
+        leaf = g.split(".")[-2]
+        if arch == "llama" and leaf in heads:
+            w = _permute(w, heads[leaf])
+        kind = (types or {}).get(g, tensor_type) if w.ndim >= 2 else "F32"
+        kind = "F32" if leaf == "ffn_gate_inp" else kind  # llama.cpp keeps the router float
+        data = _tensor_data(w, kind, seed * 1000 + i)
+        # byte shapes: gguf derives the shape
+        writer.add_tensor(g, data, raw_dtype=gguf.GGMLQuantizationType[kind])
+
+
 def write_tiny_gguf(
     family: str, path: str | Path, tensor_type: str = "Q8_0", seed: int = 0,
     types: dict[str, str] | None = None, rope_scaling: dict[str, Any] | None = None,
     rope_factors: np.ndarray | None = None, tokenizer: str = "bpe",
 ) -> Path:  # fmt: skip
     """Write a tiny random `family` model (one of FAMILIES, or `qwen3_moe`) as the GGUF file
-    `path` with its linears and
-    embedding in `tensor_type` (`types`: a type per GGUF tensor name instead, e.g. Q6_K for
-    `ffn_down` as in llama.cpp's _M mixes); the HF folder it came from is `path` + `.hf`.
+    `path` with its linears and embedding in `tensor_type` (`types`: a type per GGUF tensor
+    name instead, e.g. Q6_K for `ffn_down` as in llama.cpp's _M mixes); the HF folder it came
+    from is `path` + `.hf`.
 
     `rope_scaling` (HF's `llama3` dict) goes into the HF folder's config and, as llama.cpp
     stores it, into the file as the `rope_freqs.weight` tensor (`rope_factors`: that tensor's
@@ -215,7 +272,6 @@ def write_tiny_gguf(
     SentencePiece vocabulary (`spm_vocabulary`, Mistral's [INST] template) instead of the HF
     folder's byte-level BPE, whose tokenizer then is not the file's."""
     import gguf
-    from safetensors.numpy import load_file
 
     if family not in FAMILIES + MOE_FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose from {FAMILIES + MOE_FAMILIES}")
@@ -233,46 +289,12 @@ def write_tiny_gguf(
     hf = json.loads((folder / "config.json").read_text())
     arch = _ARCH[family]
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(family if family == "mistral" else f"tiny-{family}")
-    writer.add_context_length(hf["max_position_embeddings"])
-    writer.add_embedding_length(hf["hidden_size"])
-    writer.add_block_count(hf["num_hidden_layers"])
-    writer.add_feed_forward_length(hf["intermediate_size"])
-    writer.add_head_count(hf["num_attention_heads"])
-    writer.add_head_count_kv(hf["num_key_value_heads"])
-    writer.add_rope_dimension_count(hf["head_dim"])
-    writer.add_key_length(hf["head_dim"])
-    writer.add_value_length(hf["head_dim"])
-    writer.add_rope_freq_base(float(hf.get("rope_theta") or 10000.0))
-    writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
-    if family in MOE_FAMILIES:
-        writer.add_expert_count(hf.get("num_experts") or hf["num_local_experts"])
-        writer.add_expert_used_count(hf["num_experts_per_tok"])
-        writer.add_expert_feed_forward_length(hf["moe_intermediate_size"])
+    _model_metadata(writer, family, hf)
     if tokenizer == "spm":
         writer.add_vocab_size(_spm_tokenizer_metadata(writer))
     else:
         writer.add_vocab_size(_tokenizer_metadata(writer, folder))
-    heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}
-    tensors = stack_experts(load_file(str(folder / "model.safetensors")))
-    for i, (name, w) in enumerate(sorted(tensors.items())):
-        g = name if name.startswith("blk.") else gguf_name(name)
-        w = w.astype(np.float32)
-        leaf = g.split(".")[-2]
-        if arch == "llama" and leaf in heads:
-            w = _permute(w, heads[leaf])
-        kind = (types or {}).get(g, tensor_type) if w.ndim >= 2 else "F32"
-        kind = "F32" if leaf == "ffn_gate_inp" else kind  # llama.cpp keeps the router float
-        qtype = gguf.GGMLQuantizationType[kind]
-        if kind in K_QUANTS:
-            rows = int(np.prod(w.shape[:-1]))
-            data = k_quant_blocks(rows, w.shape[-1], kind, float(w.std()), seed * 1000 + i)
-            data = data.reshape(*w.shape[:-1], -1)
-        elif kind == "F32":
-            data = w
-        else:
-            data = gguf.quants.quantize(w, qtype)
-        writer.add_tensor(g, data, raw_dtype=qtype)  # byte shapes: gguf derives the shape
+    _add_tensors(writer, folder, arch, hf, tensor_type, types, seed)
     if rope_scaling and rope_factors is None:
         theta = float(hf.get("rope_theta") or 10000.0)
         rope_factors = llama3_rope_factors(hf["head_dim"], theta, rope_scaling)
