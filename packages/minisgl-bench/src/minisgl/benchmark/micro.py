@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -68,10 +69,35 @@ def _median(xs: list[float]) -> float:
 
 
 # ---------------------------------------------------------------------- radix
-def bench_radix(seqs: list[np.ndarray], page_size: int, repeats: int) -> list[dict]:
-    from minisgl.testing.rust_hotpath import RustRadixCache
+EVICT_CHUNKS = 20  # radix evict: the whole cache in this many calls
 
-    ps = page_size
+
+@dataclass(frozen=True)
+class RadixInputs:
+    """A radix workload at one page size: the sequences, the same cut to whole pages with
+    their KV locations, half-matching variants, and the flat arrays + offsets of the batched
+    calls."""
+
+    seqs: list[np.ndarray]
+    aligned: list[np.ndarray]
+    locs: list[np.ndarray]
+    partial: list[np.ndarray]
+    flat_t: np.ndarray
+    flat_l: np.ndarray
+    offs: np.ndarray
+    flat_p: np.ndarray
+    offs_p: np.ndarray
+
+
+def _offsets(seqs: list[np.ndarray]) -> np.ndarray:
+    """The batched calls' offsets of `seqs` concatenated: [0, len0, len0 + len1, ...]."""
+    offs = np.zeros(len(seqs) + 1, dtype=np.int64)
+    np.cumsum([len(s) for s in seqs], out=offs[1:])
+    return offs
+
+
+def _radix_inputs(seqs: list[np.ndarray], ps: int) -> RadixInputs:
+    """The `RadixInputs` of `seqs` at page size `ps` (the partial suffixes from seed 1)."""
     aligned = [s[: len(s) // ps * ps] for s in seqs]
     rng = np.random.default_rng(1)
     partial = [
@@ -83,55 +109,72 @@ def bench_radix(seqs: list[np.ndarray], page_size: int, repeats: int) -> list[di
     for s in aligned:
         locs.append(np.arange(off, off + len(s), dtype=np.int32))
         off += len(s)
-    flat_t = np.concatenate(aligned)
-    flat_l = np.concatenate(locs)
-    offs = np.zeros(len(aligned) + 1, dtype=np.int64)
-    np.cumsum([len(s) for s in aligned], out=offs[1:])
-    flat_p = np.concatenate(partial)
-    offs_p = np.zeros(len(partial) + 1, dtype=np.int64)
-    np.cumsum([len(s) for s in partial], out=offs_p[1:])
+    return RadixInputs(
+        seqs=seqs,
+        aligned=aligned,
+        locs=locs,
+        partial=partial,
+        flat_t=np.concatenate(aligned),
+        flat_l=np.concatenate(locs),
+        offs=_offsets(aligned),
+        flat_p=np.concatenate(partial),
+        offs_p=_offsets(partial),
+    )
+
+
+def _time_radix(w: RadixInputs, ps: int, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Seconds of every radix op (insert, match_hit, match_partial, evict) by implementation
+    (python, rust per call, rust_batch), one entry a repeat."""
+    from minisgl.testing.rust_hotpath import RustRadixCache
 
     res: dict[str, dict[str, list[float]]] = {}
 
     def rec(op: str, impl: str, secs: float) -> None:
         res.setdefault(op, {}).setdefault(impl, []).append(secs)
 
-    evict_chunks = 20
     for _ in range(repeats):
         for impl in ("python", "rust", "rust_batch"):
             c = RadixCache(ps) if impl == "python" else RustRadixCache(ps)
             if impl == "rust_batch":
-                rec("insert", impl, _time(lambda c=c: c.insert_batch(flat_t, offs, flat_l)))
-                rec("match_hit", impl, _time(lambda c=c: c.match_batch(flat_t, offs)))
-                rec("match_partial", impl, _time(lambda c=c: c.match_batch(flat_p, offs_p)))
+                rec("insert", impl, _time(lambda c=c: c.insert_batch(w.flat_t, w.offs, w.flat_l)))
+                rec("match_hit", impl, _time(lambda c=c: c.match_batch(w.flat_t, w.offs)))
+                rec("match_partial", impl, _time(lambda c=c: c.match_batch(w.flat_p, w.offs_p)))
             else:
-                rec("insert", impl, _time(lambda c=c: [c.insert(s, v) for s, v in zip(aligned, locs)]))  # fmt: skip
-                rec("match_hit", impl, _time(lambda c=c: [c.match_prefix(s) for s in seqs]))
-                rec("match_partial", impl, _time(lambda c=c: [c.match_prefix(s) for s in partial]))
-            chunk = -(-c.evictable_size // evict_chunks)
+                rec("insert", impl, _time(lambda c=c: [c.insert(s, v) for s, v in zip(w.aligned, w.locs)]))  # fmt: skip
+                rec("match_hit", impl, _time(lambda c=c: [c.match_prefix(s) for s in w.seqs]))
+                rec("match_partial", impl, _time(lambda c=c: [c.match_prefix(s) for s in w.partial]))  # fmt: skip
+            chunk = -(-c.evictable_size // EVICT_CHUNKS)
             rec(
-                "evict", impl, _time(lambda c=c, k=chunk: [c.evict(k) for _ in range(evict_chunks)])
+                "evict", impl, _time(lambda c=c, k=chunk: [c.evict(k) for _ in range(EVICT_CHUNKS)])
             )
             assert c.evictable_size == 0
-    rows = []
-    for op, by in res.items():
-        py = _median(by["python"])
-        rs = _median(by["rust"])
-        row = {
-            "workload": f"radix_{op}",
-            "page_size": ps,
-            "n": len(seqs) if op != "evict" else evict_chunks,
-            "unit": "s per 10k sequences" if op != "evict" else f"s per {evict_chunks} evicts",
-            "python_s": py,
-            "rust_s": rs,
-            "ratio": py / rs,
-        }
-        if "rust_batch" in by:
-            rb = _median(by["rust_batch"])
-            row |= {"rust_batch_s": rb, "ratio_batch": py / rb}
-        row["python_ops_per_s"] = len(seqs) / py if op != "evict" else None
-        rows.append(row)
-    return rows
+    return res
+
+
+def _radix_row(op: str, by: dict[str, list[float]], n_seqs: int, ps: int) -> dict:
+    """The table row of one radix op: each implementation's median seconds and the ratios."""
+    py = _median(by["python"])
+    rs = _median(by["rust"])
+    row = {
+        "workload": f"radix_{op}",
+        "page_size": ps,
+        "n": n_seqs if op != "evict" else EVICT_CHUNKS,
+        "unit": "s per 10k sequences" if op != "evict" else f"s per {EVICT_CHUNKS} evicts",
+        "python_s": py,
+        "rust_s": rs,
+        "ratio": py / rs,
+    }
+    if "rust_batch" in by:
+        rb = _median(by["rust_batch"])
+        row |= {"rust_batch_s": rb, "ratio_batch": py / rb}
+    row["python_ops_per_s"] = n_seqs / py if op != "evict" else None
+    return row
+
+
+def bench_radix(seqs: list[np.ndarray], page_size: int, repeats: int) -> list[dict]:
+    """One row per radix op (`_radix_row`) over `seqs` at `page_size`, medians of `repeats`."""
+    res = _time_radix(_radix_inputs(seqs, page_size), page_size, repeats)
+    return [_radix_row(op, by, len(seqs), page_size) for op, by in res.items()]
 
 
 # ---------------------------------------------------------------------- scheduler

@@ -113,10 +113,9 @@ def _is_num(v: Any) -> bool:
     return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
 
-def from_dict(data: Any) -> Observation:
-    """Validate one decoded JSON object; raises `ValueError` naming the bad field."""
-    if not isinstance(data, dict):
-        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+def _check_scalars(data: dict[str, Any]) -> None:
+    """Returns None; raises `ValueError` naming the first unknown field or the first string,
+    integer or number field of the wrong type."""
     unknown = sorted(set(data) - _KNOWN)
     if unknown:
         raise ValueError(f"unknown field(s) {unknown} (put free-form data under 'extra')")
@@ -134,6 +133,11 @@ def from_dict(data: Any) -> Observation:
         v = data.get(key)
         if v is not None and (not _is_num(v) or v < 0):
             raise ValueError(f"{key!r} must be a non-negative number or null, got {v!r}")
+
+
+def _check_structured(data: dict[str, Any]) -> None:
+    """Returns None; raises `ValueError` naming the first bad one of `replicas` / `replica`,
+    `repeat`, `output_token_ids`, `itl_s` and `extra`."""
     replicas = data.get("replicas")
     if replicas is not None and (not _is_int(replicas) or replicas < 1):
         raise ValueError(f"'replicas' must be a positive integer or null, got {replicas!r}")
@@ -149,31 +153,39 @@ def from_dict(data: Any) -> Observation:
     itl = data.get("itl_s", [])
     if not isinstance(itl, list) or not all(_is_num(x) and x >= 0 for x in itl):
         raise ValueError("'itl_s' must be a list of non-negative numbers")
-    extra = data.get("extra", {})
-    if not isinstance(extra, dict):
+    if not isinstance(data.get("extra", {}), dict):
         raise ValueError("'extra' must be an object")
+
+
+def from_dict(data: Any) -> Observation:
+    """Validate one decoded JSON object; raises `ValueError` naming the bad field."""
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    _check_scalars(data)
+    _check_structured(data)
+    ids = data.get("output_token_ids")
     return Observation(
         request_id=data["request_id"],
         backend=data["backend"],
         device=data["device"],
         model=data["model"],
         index=data.get("index"),
-        repeat=repeat,
+        repeat=data.get("repeat", 0),
         output_token_ids=tuple(ids) if ids is not None else None,
         output_text=data.get("output_text"),
         output_fingerprint=data.get("output_fingerprint"),
         workload_fingerprint=data.get("workload_fingerprint"),
         error=data.get("error"),
         ttft_s=data.get("ttft_s"),
-        itl_s=tuple(float(x) for x in itl),
+        itl_s=tuple(float(x) for x in data.get("itl_s", [])),
         e2e_s=data.get("e2e_s"),
         prompt_tokens=data.get("prompt_tokens"),
         output_tokens=data.get("output_tokens"),
         kv_pages_in_use=data.get("kv_pages_in_use"),
         source=str(data.get("source", "minisgl")),
-        extra=extra,
-        replica=replica,
-        replicas=replicas,
+        extra=data.get("extra", {}),
+        replica=data.get("replica"),
+        replicas=data.get("replicas"),
     )
 
 
