@@ -244,7 +244,8 @@ def _bandwidth(args: argparse.Namespace, machine: dict[str, Any]) -> float | Non
     return next((bw for key, bw in BANDWIDTH_GB_S.items() if key in name), None)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m minisgl.benchmark.decode_step`."""
     p = argparse.ArgumentParser(prog="python -m minisgl.benchmark.decode_step")
     p.add_argument("--model-path", required=True)
     p.add_argument("--dummy-weights", action="store_true")
@@ -278,6 +279,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bandwidth-gb-s", type=float, default=None,
                    help="memory bandwidth for the floor (default: by GPU name)")  # fmt: skip
     p.add_argument("--out", help="result JSON path")
+    return p
+
+
+def _tunings(args: argparse.Namespace) -> list[Tuning]:
+    """Every combination of the swept triton knobs (`--kv-programs-per-sm`, `--decode-tiles`);
+    one `Tuning()` (the backend's own) without a sweep."""
+    pps: list[int | None] = [int(x) for x in args.kv_programs_per_sm.split(",") if x.strip()]
+    tiles: list[tuple[int, int] | None] = [
+        _tile(x) for x in args.decode_tiles.split(",") if x.strip()
+    ]
+    return [Tuning(n, t) for n in pps or [None] for t in tiles or [None]]
+
+
+def _measure(
+    args: argparse.Namespace, arm: str, tuning: Tuning, bandwidth: float | None
+) -> dict[str, Any]:
+    """One arm's result under `tuning` (`run_arm`), with its memory floor when the bandwidth
+    is known; `{"error": ...}` when the arm cannot run."""
+    try:
+        res = _tuned(tuning, run_arm, args, ARM_SETTINGS[arm])
+    except Exception as e:  # an arm that cannot run is recorded, the others still run
+        return {"error": f"{type(e).__name__}: {e}"[:2000]}
+    if "step_ms" in res and bandwidth:
+        floor_ms = sum(res["bytes"].values()) / (bandwidth * 1e9) * 1e3
+        res["floor_ms"] = float(f"{floor_ms:.4g}")
+        res["fraction_of_floor"] = float(f"{floor_ms / res['step_ms']['p50']:.4g}")
+    return res
+
+
+def _ratios(results: dict[str, Any]) -> dict[str, float]:
+    """`<run>_vs_torch_step`: the torch arm's median step over each other run's."""
+    base = results.get("torch", {}).get("step_ms", {}).get("p50")
+    return {
+        f"{name}_vs_torch_step": round(base / res["step_ms"]["p50"], 3)
+        for name, res in results.items()
+        if name != "torch" and base and "step_ms" in res
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = sorted(set(arms) - set(ARMS))
@@ -285,32 +327,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown arms {unknown}: choose from {', '.join(ARMS)}")
     machine = common.machine_info()
     bandwidth = _bandwidth(args, machine)
-    pps: list[int | None] = [int(x) for x in args.kv_programs_per_sm.split(",") if x.strip()]
-    tiles: list[tuple[int, int] | None] = [
-        _tile(x) for x in args.decode_tiles.split(",") if x.strip()
-    ]
-    tunings = [Tuning(n, t) for n in pps or [None] for t in tiles or [None]]
-    runs = [(a, t, a + t.suffix) for a in arms for t in tunings]
+    runs = [(a, t, a + t.suffix) for a in arms for t in _tunings(args)]
     results: dict[str, Any] = {}
     for arm, tuning, name in runs:
-        try:
-            results[name] = _tuned(tuning, run_arm, args, ARM_SETTINGS[arm])
-        except Exception as e:  # an arm that cannot run is recorded, the others still run
-            results[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-        res = results[name]
-        if "step_ms" in res and bandwidth:
-            floor_ms = sum(res["bytes"].values()) / (bandwidth * 1e9) * 1e3
-            res["floor_ms"] = float(f"{floor_ms:.4g}")
-            res["fraction_of_floor"] = float(f"{floor_ms / res['step_ms']['p50']:.4g}")
+        results[name] = res = _measure(args, arm, tuning, bandwidth)
         print(f"{name}: {res.get('step_ms', {}).get('p50')} ms p50, "
               f"{res.get('kernels', {}).get('total')} kernels a step"
               + (f" [{res['error']}]" if "error" in res else ""), file=sys.stderr)  # fmt: skip
-    base = results.get("torch", {}).get("step_ms", {}).get("p50")
-    ratios = {
-        f"{name}_vs_torch_step": round(base / res["step_ms"]["p50"], 3)
-        for name, res in results.items()
-        if name != "torch" and base and "step_ms" in res
-    }
+    ratios = _ratios(results)
     record = {
         "schema_version": common.SCHEMA_VERSION,
         "tool": "decode_step",

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from minisgl.benchmark.workload import (
+    Capacity,
     Workload,
     WorkloadError,
     WorkloadRequest,
@@ -245,6 +246,60 @@ def _ratio(a: int, b: int) -> float:
     return a / b if b else 0.0
 
 
+def _totals(
+    records: Sequence[TickRecord],
+    steps: Sequence[TickRecord],
+    requests: Sequence[dict[str, Any]],
+    prompt_tokens: int,
+    cached_prompt_tokens: int,
+) -> dict[str, int]:
+    """The report's `totals`: requests by outcome, tokens, and ticks by kind."""
+    prefill_steps = sum(r.kind == "prefill" for r in steps)
+    ticks = records[-1].tick + 1 if records else 0
+    return {
+        "requests": len(requests),
+        "finished": sum(r["status"] == "finished" for r in requests),
+        "rejected": sum(r["status"] == "rejected" for r in requests),
+        "prompt_tokens": prompt_tokens,
+        "cached_prompt_tokens": cached_prompt_tokens,
+        "output_tokens": sum(len(r.decoded) for r in records),
+        "ticks": ticks,
+        "steps": len(steps),
+        "prefill_steps": prefill_steps,
+        "decode_steps": len(steps) - prefill_steps,
+        "idle_ticks": ticks - len(steps),
+    }
+
+
+def _pressure(steps: Sequence[TickRecord], c: Capacity) -> dict[str, int]:
+    """The report's `pressure`: step ticks with requests queued, by what held them back, and
+    step ticks with the KV pool at least 90 % used."""
+    queued = [r for r in steps if r.queued > 0]
+    slot = sum(r.running == c.max_running for r in queued)
+    kv_blocked = sum(r.running < c.max_running and r.prefill_tokens < c.prefill_budget
+                     for r in queued)  # fmt: skip
+    return {
+        "queue_ticks": slot + kv_blocked,
+        "queue_slot_ticks": slot,
+        "queue_kv_ticks": kv_blocked,
+        "queue_budget_ticks": len(queued) - slot - kv_blocked,
+        "kv_ticks": sum(10 * r.kv_pages >= 9 * c.num_pages for r in steps),
+    }
+
+
+def _utilisation(steps: Sequence[TickRecord], c: Capacity) -> dict[str, float]:
+    """The report's `utilisation`: mean KV pages, running requests and prefill tokens over
+    the step ticks, each as a fraction of its capacity."""
+    prefills = [r for r in steps if r.kind == "prefill"]
+    return {
+        "kv": _ratio(sum(r.kv_pages for r in steps), len(steps) * c.num_pages),
+        "running": _ratio(sum(r.running for r in steps), len(steps) * c.max_running),
+        "prefill_budget": _ratio(
+            sum(r.prefill_tokens for r in prefills), len(prefills) * c.prefill_budget
+        ),
+    }
+
+
 def build_report(
     w: Workload,
     backend: str,
@@ -256,53 +311,23 @@ def build_report(
     drain: dict[str, Any],
     wall_s: float,
 ) -> dict[str, Any]:
-    c = w.capacity
+    """The replay's report (module docs), summed up from its tick records."""
     steps = [r for r in records if r.kind != "idle"]
-    prefills = [r for r in steps if r.kind == "prefill"]
-    queued = [r for r in steps if r.queued > 0]
-    slot = sum(r.running == c.max_running for r in queued)
-    kv_blocked = sum(r.running < c.max_running and r.prefill_tokens < c.prefill_budget
-                     for r in queued)  # fmt: skip
-    ticks = records[-1].tick + 1 if records else 0
     return {
         "schema": SCHEMA,
         "backend": backend,
         "workload": w.name,
         "enable_priority": enable_priority,
-        "capacity": asdict(c),
+        "capacity": asdict(w.capacity),
         "fingerprint": fingerprint(records),
-        "totals": {
-            "requests": len(requests),
-            "finished": sum(r["status"] == "finished" for r in requests),
-            "rejected": sum(r["status"] == "rejected" for r in requests),
-            "prompt_tokens": prompt_tokens,
-            "cached_prompt_tokens": cached_prompt_tokens,
-            "output_tokens": sum(len(r.decoded) for r in records),
-            "ticks": ticks,
-            "steps": len(steps),
-            "prefill_steps": len(prefills),
-            "decode_steps": len(steps) - len(prefills),
-            "idle_ticks": ticks - len(steps),
-        },
+        "totals": _totals(records, steps, requests, prompt_tokens, cached_prompt_tokens),
         "peaks": {
             "queued": max((r.queued for r in records), default=0),
             "running": max((r.running for r in records), default=0),
             "kv_pages": max((r.kv_pages for r in records), default=0),
         },
-        "pressure": {
-            "queue_ticks": slot + kv_blocked,
-            "queue_slot_ticks": slot,
-            "queue_kv_ticks": kv_blocked,
-            "queue_budget_ticks": len(queued) - slot - kv_blocked,
-            "kv_ticks": sum(10 * r.kv_pages >= 9 * c.num_pages for r in steps),
-        },
-        "utilisation": {
-            "kv": _ratio(sum(r.kv_pages for r in steps), len(steps) * c.num_pages),
-            "running": _ratio(sum(r.running for r in steps), len(steps) * c.max_running),
-            "prefill_budget": _ratio(
-                sum(r.prefill_tokens for r in prefills), len(prefills) * c.prefill_budget
-            ),
-        },
+        "pressure": _pressure(steps, w.capacity),
+        "utilisation": _utilisation(steps, w.capacity),
         "pages_returned": drain["error"] is None,
         "drain": drain,
         "requests": list(requests),

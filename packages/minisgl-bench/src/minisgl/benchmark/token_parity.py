@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -246,67 +247,89 @@ def _worker(spec_path: str, out_path: str) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.worker:
-        return _worker(args.worker, args.worker_out)
+@dataclass(frozen=True)
+class SideRun:
+    """One side of the comparison: its settings (`make_side`) and its run (`run_side`:
+    outputs, elapsed_s, env, active_backend)."""
+
+    side: dict[str, Any]
+    run: dict[str, Any]
+
+    def record(self) -> dict[str, Any]:
+        """The record's entry of this side: its settings, elapsed seconds and env, and the
+        backend that served it when the run said."""
+        out = {**self.side, "elapsed_s": self.run["elapsed_s"], "env": self.run.get("env")}
+        if self.run.get("active_backend"):
+            out["active_backend"] = self.run["active_backend"]
+        return out
+
+
+def _cannot_run(args: argparse.Namespace, sides: tuple[dict[str, Any], ...]) -> str | None:
+    """The error line when the flags are inconsistent, a model folder has no config.json or a
+    side's backend is unavailable (exit 2); None when both sides can run."""
     if not 1 <= args.min_input_len <= args.max_input_len:
-        print("error: need 1 <= --min-input-len <= --max-input-len", file=sys.stderr)
-        return 2
-    side_a, side_b = make_side(args, "a"), make_side(args, "b")
+        return "error: need 1 <= --min-input-len <= --max-input-len"
     for path in (args.model_path, args.model_path_b):
         if path and not Path(path, "config.json").is_file():
-            print(f"error: --model-path {path}: no config.json there", file=sys.stderr)
-            return 2
+            return f"error: --model-path {path}: no config.json there"
     try:
-        for side in (side_a, side_b):
+        for side in sides:
             if side["backend"] != "hf":
                 check_cpu_backend(side["backend"])
     except BackendUnavailable as exc:
-        print(f"error: cannot run token parity: {exc}", file=sys.stderr)
-        return 2
+        return f"error: cannot run token parity: {exc}"
+    return None
+
+
+def _parity_passed(result_sets: dict[str, Any]) -> bool:
+    """True when no prompt of any set mismatched."""
+    return all(s["mismatch_count"] == 0 for s in result_sets.values())
+
+
+def _config(args: argparse.Namespace, text_prompt_count: int) -> dict[str, Any]:
+    """The record's `config`: the run's settings, and the GPU-only flags ignored on CPU."""
     import torch
 
     on_gpu = torch.cuda.is_available()
-    sets, texts = build_sets(args)
-    try:
-        res_a = run_side(side_a, sets, args.max_tokens, args.isolation)
-        res_b = run_side(side_b, sets, args.max_tokens, args.isolation)
-    except (RuntimeError, BackendUnavailable) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    result_sets = compare(res_a["outputs"], res_b["outputs"])
-    passed = all(s["mismatch_count"] == 0 for s in result_sets.values())
-    record = {
+    return {
+        "max_tokens": args.max_tokens,
+        "token_prompt_count": args.token_prompt_count,
+        "text_prompt_count": text_prompt_count,
+        "min_input_len": args.min_input_len,
+        "max_input_len": args.max_input_len,
+        "seed": args.seed,
+        "isolation": args.isolation,
+        "cuda_graph_max_bs": args.cuda_graph_max_bs,
+        "master_port": args.master_port,
+        "ignored_flags": [] if on_gpu else [f for f in CPU_IGNORED if getattr(args, f)],
+    }
+
+
+def _record(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    a: SideRun,
+    b: SideRun,
+    result_sets: dict[str, Any],
+    text_prompt_count: int,
+) -> dict[str, Any]:
+    """The run's JSON record: both sides, the per-set comparison and every output."""
+    return {
         **common.record_header("token_parity", argv),
         "backend_env": common.backend_env(),
         "model": Path(resolve_model(args.model_path)).name,
-        "parity_passed": passed,
+        "parity_passed": _parity_passed(result_sets),
         "mismatches": sum(s["mismatch_count"] for s in result_sets.values()),
-        "sides": {
-            "a": {**side_a, "elapsed_s": res_a["elapsed_s"], "env": res_a.get("env")},
-            "b": {**side_b, "elapsed_s": res_b["elapsed_s"], "env": res_b.get("env")},
-        },
-        "config": {
-            "max_tokens": args.max_tokens,
-            "token_prompt_count": args.token_prompt_count,
-            "text_prompt_count": len(texts["text_prompts"]),
-            "min_input_len": args.min_input_len,
-            "max_input_len": args.max_input_len,
-            "seed": args.seed,
-            "isolation": args.isolation,
-            "cuda_graph_max_bs": args.cuda_graph_max_bs,
-            "master_port": args.master_port,
-            "ignored_flags": [] if on_gpu else [f for f in CPU_IGNORED if getattr(args, f)],
-        },
+        "sides": {"a": a.record(), "b": b.record()},
+        "config": _config(args, text_prompt_count),
         "sets": result_sets,
-        "outputs": {"a": res_a["outputs"], "b": res_b["outputs"]},
+        "outputs": {"a": a.run["outputs"], "b": b.run["outputs"]},
     }
-    for key in ("a", "b"):
-        res = res_a if key == "a" else res_b
-        if res.get("active_backend"):
-            record["sides"][key]["active_backend"] = res["active_backend"]
-    print(f"parity_passed={passed}  ({side_a['label']} vs {side_b['label']})")
+
+
+def _print_result(passed: bool, labels: tuple[str, str], result_sets: dict[str, Any]) -> None:
+    """Prints the verdict and every set's mismatches; returns None."""
+    print(f"parity_passed={passed}  ({labels[0]} vs {labels[1]})")
     for name, s in result_sets.items():
         print(f"{name} mismatch count: {s['mismatch_count']} / {s['prompts']}")
         for m in s["mismatches"]:
@@ -314,6 +337,28 @@ def main(argv: list[str] | None = None) -> int:
                 f"  prompt {m['index']}: first difference at token {m['first_diff_pos']} "
                 f"({m['a_token']} vs {m['b_token']})"
             )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        return _worker(args.worker, args.worker_out)
+    side_a, side_b = make_side(args, "a"), make_side(args, "b")
+    error = _cannot_run(args, (side_a, side_b))
+    if error is not None:
+        print(error, file=sys.stderr)
+        return 2
+    sets, texts = build_sets(args)
+    try:
+        a = SideRun(side_a, run_side(side_a, sets, args.max_tokens, args.isolation))
+        b = SideRun(side_b, run_side(side_b, sets, args.max_tokens, args.isolation))
+    except (RuntimeError, BackendUnavailable) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    result_sets = compare(a.run["outputs"], b.run["outputs"])
+    record = _record(args, argv, a, b, result_sets, len(texts["text_prompts"]))
+    passed = _parity_passed(result_sets)
+    _print_result(passed, (side_a["label"], side_b["label"]), result_sets)
     if args.out:
         common.write_json(args.out, record)
         print(f"wrote {args.out}")
