@@ -347,6 +347,40 @@ def test_seeded_sampled_output_is_token_identical_on_a_tiny_model(tiny):
     assert stats["verify_rows"] > 0 and stats["accepted_tokens"] > 0, stats
 
 
+LOGPROBS_ITEM = "rows-with-logprobs-draft-and-give-the-logprobs-of-no-speculation"
+LOGPROBS_RED = "failing-tests-logprob-rows-draft"
+
+
+@pytest.mark.card(CARD, LOGPROBS_ITEM)
+@pytest.mark.card(CARD, LOGPROBS_RED)
+def test_rows_with_logprobs_draft_and_give_the_logprobs_of_no_speculation(tiny):
+    """Requests with logprobs (greedy and seeded sampled, top 0 / 1 / 3) draft like any other
+    row: the same tokens as without speculation, and each token's logprob and top list those of
+    the verify row that sampled it (within 1e-5 at fp32: a verify step batches more rows)."""
+    prompts = [_grounded(1, 40), [5, 6, 7] * 12, _grounded(4, 16)]
+    params = [greedy(80, logprobs=0), greedy(60, logprobs=3),
+              SamplingParams(temperature=0.4, seed=21, max_tokens=70, ignore_eos=True,
+                             logprobs=1)]  # fmt: skip
+    runs = []
+    for spec in ({}, {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 4}):
+        llm = spec_llm(tiny, dtype="float32", max_extend_tokens=64, **spec)
+        try:
+            runs.append((llm.generate(prompts, params), llm.speculative_stats()))
+            assert_kv_clean(llm)
+        finally:
+            llm.close()
+    (ref, _), (got, stats) = runs
+    assert stats["verify_rows"] > 0 and stats["accepted_tokens"] > 0, stats
+    for want, have in zip(ref, got, strict=True):
+        assert have["token_ids"] == want["token_ids"]
+        assert len(have["logprobs"]) == len(have["token_ids"])
+        for a, b in zip(want["logprobs"], have["logprobs"], strict=True):
+            assert b.token_id == a.token_id
+            assert b.logprob == pytest.approx(a.logprob, abs=1e-5)
+            assert [t for t, _ in b.top] == [t for t, _ in a.top]
+            assert [v for _, v in b.top] == pytest.approx([v for _, v in a.top], abs=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.card(CARD, "on-the-embedded-model", RED, GREEN)
 def test_greedy_output_is_token_identical_on_the_embedded_model():
