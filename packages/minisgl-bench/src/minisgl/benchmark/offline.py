@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from minisgl.benchmark.common import CpuMeter, percentiles
 from minisgl.benchmark.profiles import Profile, WorkItem
+
+if TYPE_CHECKING:
+    from minisgl.scheduler.request import StepOutput
+    from minisgl.scheduler.stats import SchedulerStats
 
 Progress = Callable[[int], None]  # called with the number of requests just finished
 
@@ -146,6 +151,141 @@ def _service(llm) -> _ServiceMeter | None:
     return _ServiceMeter(plane) if llm.runtime.service_pid is not None else None
 
 
+@dataclass(frozen=True)
+class _StatsMark:
+    """Where the scheduler's cumulative stats stood when a run began: the run's share is what
+    came after."""
+
+    schedule: int
+    commit: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+
+    @classmethod
+    def of(cls, stats: SchedulerStats) -> _StatsMark:
+        """The mark of `stats` now."""
+        return cls(
+            schedule=len(stats.schedule_s),
+            commit=len(stats.commit_s),
+            prompt_tokens=stats.prompt_tokens,
+            cached_prompt_tokens=stats.cached_prompt_tokens,
+        )
+
+    def scheduler_metrics(self, stats: SchedulerStats, duration: float) -> dict[str, Any]:
+        """The run's scheduler CPU time: its steps, the schedule + commit time a step and
+        each part's, and their share of the run's wall time."""
+        sched_s = stats.schedule_s[self.schedule :]
+        commit_s = stats.commit_s[self.commit :]
+        steps = [a + b for a, b in zip(sched_s, commit_s, strict=False)]
+        return {
+            "steps": len(steps),
+            "sched_step_cpu_ms": percentiles(steps, 1e3),
+            "schedule_cpu_ms": percentiles(sched_s, 1e3),
+            "commit_cpu_ms": percentiles(commit_s, 1e3),
+            "sched_cpu_share_pct": 100.0 * sum(steps) / max(duration, 1e-9),
+        }
+
+    def prefix_hit_rate(self, stats: SchedulerStats) -> float:
+        """The run's cached prompt tokens over its prompt tokens (0.0 without prompts)."""
+        prompt_tokens = stats.prompt_tokens - self.prompt_tokens
+        cached = stats.cached_prompt_tokens - self.cached_prompt_tokens
+        return cached / prompt_tokens if prompt_tokens else 0.0
+
+
+class _RunLog:
+    """What one `run_minisgl` run records as it steps: every request's token times (seconds
+    from the start), ids and count, the KV pages used after every step, every step's wall
+    time, and the peaks of KV pages, running and waiting requests."""
+
+    def __init__(self, n_items: int, total_pages: int) -> None:
+        self.token_times: list[list[float]] = [[] for _ in range(n_items)]
+        self.token_ids: list[list[int]] = [[] for _ in range(n_items)]
+        self.out_tokens = [0] * n_items
+        self.kv_samples: list[tuple[float, int]] = []  # (time, KV pages used) after every step
+        self.step_s: list[float] = []  # wall time of every `llm.step()`
+        self.total_pages = total_pages
+        self.peak_used = self.peak_running = self.peak_waiting = 0
+
+    def record_step(self, t: float, wall_s: float, usage: Mapping[str, int]) -> None:
+        """Adds one step that ended at `t` and took `wall_s`, with the KV usage after it."""
+        used = usage["total_pages"] - usage["free_pages"]
+        self.step_s.append(wall_s)
+        self.kv_samples.append((t, used))
+        self.peak_used = max(self.peak_used, used)
+        self.peak_running = max(self.peak_running, usage["running"])
+        self.peak_waiting = max(self.peak_waiting, usage["waiting"])
+
+    def record_outputs(self, outs: Sequence[StepOutput], index: dict[int, int], t: float) -> int:
+        """Adds a step's tokens (at `t`) to their requests (`index`: rid -> item); returns how
+        many requests finished. Outputs of requests not in `index` are left out."""
+        finished = 0
+        for out in outs:
+            i = index.get(out.rid)
+            if i is None:
+                continue
+            self.token_times[i].append(t)
+            self.token_ids[i].append(out.token_id)
+            self.out_tokens[i] += 1
+            if out.finish_reason is not None:
+                finished += 1
+        return finished
+
+    def step_metrics(self) -> dict[str, Any]:
+        """The run's step wall times, its longest steps and its peaks."""
+        return {
+            "step_wall_ms": percentiles(self.step_s, 1e3),
+            "longest_steps": longest_steps(self.step_s),
+            "peak_kv_usage": self.peak_used / self.total_pages,
+            "peak_kv_pages": self.peak_used,
+            "kv_total_pages": self.total_pages,
+            "peak_running": self.peak_running,
+            "peak_waiting": self.peak_waiting,
+        }
+
+
+def _submit(llm, item: WorkItem) -> int:
+    """Adds `item` as a greedy request of `max_tokens` tokens (EOS ignored); returns its rid."""
+    from minisgl.core import SamplingParams
+    from minisgl.sampler import request_key
+
+    params = SamplingParams(temperature=0.0, max_tokens=item.max_tokens, ignore_eos=True)
+    return llm.runtime.add(item.prompt_ids, params, generator=request_key(params.seed))
+
+
+def _step_until_done(
+    llm,
+    items: Sequence[WorkItem],
+    log: _RunLog,
+    progress: Progress | None,
+    honor_arrivals: bool,
+    service: _ServiceMeter | None,
+) -> float:
+    """Submits `items` at their arrival times (all at once without `honor_arrivals`) and steps
+    until every one finished, into `log`; returns the seconds that took."""
+    order = sorted(range(len(items)), key=lambda i: items[i].arrival_s)
+    index: dict[int, int] = {}
+    pos, done = 0, 0
+    t0 = time.perf_counter()
+    while done < len(items):
+        now = time.perf_counter() - t0
+        while pos < len(order) and (not honor_arrivals or items[order[pos]].arrival_s <= now):
+            index[_submit(llm, items[order[pos]])] = order[pos]
+            pos += 1
+        if not llm.has_work():  # requests, or steps in flight (overlap scheduling)
+            time.sleep(max(0.0, min(items[order[pos]].arrival_s - now, 0.05)))
+            continue
+        t_step = time.perf_counter()
+        outs = llm.step()
+        t_done = time.perf_counter()
+        usage = llm.scheduler.kv_usage() if service is None else service.kv_usage()
+        log.record_step(t_done - t0, t_done - t_step, usage)
+        finished = log.record_outputs(outs, index, t_done - t0)
+        done += finished
+        if finished and progress:
+            progress(finished)
+    return time.perf_counter() - t0
+
+
 def run_minisgl(
     llm,
     items: Sequence[WorkItem],
@@ -153,90 +293,22 @@ def run_minisgl(
     honor_arrivals: bool = True,
 ) -> dict[str, Any]:
     """Feed `items` into the scheduler at their arrival times and step until all finish."""
-    from minisgl.core import SamplingParams
-    from minisgl.sampler import request_key
-
     flushed = flush_prefix_cache(llm)
-    sched = llm.scheduler
+    stats = llm.scheduler.stats
     service = _service(llm)
     svc0 = service.counters() if service is not None else None
-    stats = sched.stats
-    s0, c0 = len(stats.schedule_s), len(stats.commit_s)
-    p0, cp0 = stats.prompt_tokens, stats.cached_prompt_tokens
-    order = sorted(range(len(items)), key=lambda i: items[i].arrival_s)
-    token_times: list[list[float]] = [[] for _ in items]
-    token_ids: list[list[int]] = [[] for _ in items]
-    kv_samples: list[tuple[float, int]] = []  # (time, KV pages used) after every step
-    step_s: list[float] = []  # wall time of every `llm.step()`
-    out_tokens = [0] * len(items)
-    index: dict[int, int] = {}
-    peak_used = peak_running = peak_waiting = 0
-    total_pages = max(sched.kv_usage()["total_pages"], 1)
-    pos, done = 0, 0
+    mark = _StatsMark.of(stats)
+    log = _RunLog(len(items), max(llm.scheduler.kv_usage()["total_pages"], 1))
     meter = CpuMeter()
     with meter:
-        t0 = time.perf_counter()
-        while done < len(items):
-            now = time.perf_counter() - t0
-            while pos < len(order) and (not honor_arrivals or items[order[pos]].arrival_s <= now):
-                item = items[order[pos]]
-                params = SamplingParams(
-                    temperature=0.0, max_tokens=item.max_tokens, ignore_eos=True
-                )
-                key = request_key(params.seed)
-                rid = llm.runtime.add(item.prompt_ids, params, generator=key)
-                index[rid] = order[pos]
-                pos += 1
-            if not llm.has_work():  # requests, or steps in flight (overlap scheduling)
-                time.sleep(max(0.0, min(items[order[pos]].arrival_s - now, 0.05)))
-                continue
-            t_step = time.perf_counter()
-            outs = llm.step()
-            t_done = time.perf_counter()
-            t = t_done - t0
-            step_s.append(t_done - t_step)
-            usage = sched.kv_usage() if service is None else service.kv_usage()
-            used = usage["total_pages"] - usage["free_pages"]
-            kv_samples.append((t, used))
-            peak_used = max(peak_used, used)
-            peak_running = max(peak_running, usage["running"])
-            peak_waiting = max(peak_waiting, usage["waiting"])
-            finished = 0
-            for out in outs:
-                i = index.get(out.rid)
-                if i is None:
-                    continue
-                token_times[i].append(t)
-                token_ids[i].append(out.token_id)
-                out_tokens[i] += 1
-                if out.finish_reason is not None:
-                    finished += 1
-            done += finished
-            if finished and progress:
-                progress(finished)
-        duration = time.perf_counter() - t0
+        duration = _step_until_done(llm, items, log, progress, honor_arrivals, service)
         llm.sync()  # overlap scheduling: commit the steps after the last finish (all dropped)
-    sched_s = stats.schedule_s[s0:]
-    commit_s = stats.commit_s[c0:]
-    steps = [a + b for a, b in zip(sched_s, commit_s, strict=False)]
-    prompt_tokens = stats.prompt_tokens - p0
-    cached = stats.cached_prompt_tokens - cp0
-    metrics = request_metrics(items, token_times, out_tokens, duration)
+    metrics = request_metrics(items, log.token_times, log.out_tokens, duration)
     metrics.update(
         {
-            "steps": len(steps),
-            "sched_step_cpu_ms": percentiles(steps, 1e3),
-            "schedule_cpu_ms": percentiles(sched_s, 1e3),
-            "commit_cpu_ms": percentiles(commit_s, 1e3),
-            "sched_cpu_share_pct": 100.0 * sum(steps) / max(duration, 1e-9),
-            "step_wall_ms": percentiles(step_s, 1e3),
-            "longest_steps": longest_steps(step_s),
-            "peak_kv_usage": peak_used / total_pages,
-            "peak_kv_pages": peak_used,
-            "kv_total_pages": total_pages,
-            "peak_running": peak_running,
-            "peak_waiting": peak_waiting,
-            "prefix_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
+            **mark.scheduler_metrics(stats, duration),
+            **log.step_metrics(),
+            "prefix_hit_rate": mark.prefix_hit_rate(stats),
             "prefix_cache_flushed": flushed,
             "cpu": meter.result,
         }
@@ -246,10 +318,41 @@ def run_minisgl(
     add_cpu_efficiency(metrics)
     return {
         "metrics": metrics,
-        "token_times": token_times,
-        "token_ids": token_ids,
-        "kv_samples": kv_samples,
+        "token_times": log.token_times,
+        "token_ids": log.token_ids,
+        "kv_samples": log.kv_samples,
     }
+
+
+def _generate_stamped(
+    model, batch: list[WorkItem], pad_token_id: int, device: Any, stamp: Any
+) -> list[float]:
+    """HF greedy `generate` of one batch, left-padded, every request the batch's longest
+    `max_tokens`; returns the clock of every decoding step (`stamp`'s; [end] when none)."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    width = max(len(i.prompt_ids) for i in batch)
+    ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, item in enumerate(batch):
+        n = len(item.prompt_ids)
+        ids[row, width - n :] = torch.tensor(item.prompt_ids)
+        mask[row, width - n :] = 1
+    new = max(i.max_tokens for i in batch)
+    model.generate(
+        ids.to(device),
+        attention_mask=mask.to(device),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        use_cache=True,
+        pad_token_id=pad_token_id,
+        logits_processor=LogitsProcessorList([stamp]),
+    )
+    end = time.perf_counter()
+    # the processor runs right after the forward that yields token k (argmax follows)
+    return stamp.times or [end]
 
 
 def run_hf(
@@ -265,7 +368,7 @@ def run_hf(
     decoding step so TTFT / ITL come from the same clock as minisgl's.
     """
     import torch
-    from transformers import LogitsProcessor, LogitsProcessorList
+    from transformers import LogitsProcessor
 
     class Stamp(LogitsProcessor):
         def __init__(self) -> None:
@@ -283,28 +386,7 @@ def run_hf(
         t0 = time.perf_counter()
         for start in range(0, len(items), batch_size):
             batch = list(items[start : start + batch_size])
-            width = max(len(i.prompt_ids) for i in batch)
-            ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, item in enumerate(batch):
-                n = len(item.prompt_ids)
-                ids[row, width - n :] = torch.tensor(item.prompt_ids)
-                mask[row, width - n :] = 1
-            new = max(i.max_tokens for i in batch)
-            stamp = Stamp()
-            model.generate(
-                ids.to(device),
-                attention_mask=mask.to(device),
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                use_cache=True,
-                pad_token_id=pad_token_id,
-                logits_processor=LogitsProcessorList([stamp]),
-            )
-            end = time.perf_counter()
-            # the processor runs right after the forward that yields token k (argmax follows)
-            stamps = stamp.times or [end]
+            stamps = _generate_stamped(model, batch, pad_token_id, device, Stamp())
             for k, item in enumerate(batch):
                 n = min(item.max_tokens, len(stamps))
                 token_times[start + k] = [s - t0 for s in stamps[:n]]
