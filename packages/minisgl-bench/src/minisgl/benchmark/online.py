@@ -8,9 +8,11 @@ and records the replica that served it when the server names one (`sse.Served`, 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from minisgl.benchmark.profiles import Profile, WorkItem, build_workload
 from minisgl.benchmark.sse import LeanClient, OpenAIClient, Served
 
 KV_POLL_S = 0.2  # /metrics polling period for observations' KV pages (only with --observations)
+Client = LeanClient | OpenAIClient  # the load generator (`make_client`)
 
 
 @dataclass(frozen=True)
@@ -143,93 +146,128 @@ def prepare(args, profile: Profile) -> PreparedRun:
     return PreparedRun(model, Path(tok_path).name, items, msgs)
 
 
+@dataclass(frozen=True)
+class MeasuredWindow:
+    """The measured requests as they streamed (in workload order), the window's seconds and
+    the KV pages polled from /metrics in it (only with --observations)."""
+
+    requests: list[StreamOutcome]
+    duration: float
+    kv_samples: list[tuple[float, int]]
+
+
+def _outcome(
+    times: list[float], usage: Any, error: str | None, text: str, served: Served
+) -> StreamOutcome:
+    """The `StreamOutcome` of one `_one` result (`usage`: the stream's, None when it sent
+    none)."""
+    return StreamOutcome(
+        times,
+        text,
+        error,
+        usage.prompt_tokens if usage else None,
+        usage.completion_tokens if usage else None,
+        served.replica,
+        served.replicas,
+    )
+
+
+async def _warm_up(client: Client, prep: PreparedRun, n: int, sem: asyncio.Semaphore) -> None:
+    """Streams `n` short requests (4 tokens, the first `n` messages) outside the measurement;
+    returns None."""
+    if n:
+        await asyncio.gather(
+            *[
+                _one(
+                    client,
+                    prep.model,
+                    WorkItem(-1, [], 4),
+                    prep.messages[i],
+                    time.perf_counter(),
+                    sem,
+                    lambda n: None,
+                )
+                for i in range(n)
+            ]
+        )
+
+
+async def _measure(
+    args: argparse.Namespace,
+    client: Client,
+    prep: PreparedRun,
+    sem: asyncio.Semaphore,
+    advance: Callable[[int], None],
+    meter: Any,  # a CpuMeter, or the client process's RoleCpuMeter
+) -> MeasuredWindow:
+    """Streams every request of `prep` at its arrival time inside `meter` (polling /metrics
+    for KV pages with --observations); returns the `MeasuredWindow`."""
+    kv_samples: list[tuple[float, int]] = []
+    with meter:
+        t0 = time.perf_counter()
+        poller = None
+        if getattr(args, "observations", None):
+            poller = asyncio.create_task(poll_kv(args.base_url.rstrip("/"), t0, kv_samples))
+        outs = await asyncio.gather(
+            *[
+                _one(client, prep.model, it, m, t0, sem, advance)
+                for it, m in zip(prep.items, prep.messages, strict=True)
+            ]
+        )
+        duration = time.perf_counter() - t0
+        if poller is not None:
+            poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poller
+    return MeasuredWindow([_outcome(*o) for o in outs], duration, kv_samples)
+
+
+def _stream_metrics(
+    items: list[WorkItem], requests: list[StreamOutcome], duration: float, cpu: dict[str, Any]
+) -> dict[str, Any]:
+    """`request_metrics` of the streamed requests, the input tokens the server counted (chat
+    template included) when it said, the CPU figures, the errors and the content chunks."""
+    token_times = [r.times for r in requests]
+    out_tokens = [len(r.times) if r.completion_tokens is None else r.completion_tokens
+                  for r in requests]  # fmt: skip
+    in_tokens = sum(r.prompt_tokens or 0 for r in requests)
+    metrics = request_metrics(items, token_times, out_tokens, duration)
+    if in_tokens:  # what the server counted (chat template included)
+        metrics["input_tokens"] = in_tokens
+        metrics["total_tok_s"] = (in_tokens + metrics["output_tokens"]) / max(duration, 1e-9)
+    metrics["cpu"] = dict(cpu)
+    metrics["errors"] = sum(1 for r in requests if r.error)
+    metrics["chunks"] = sum(len(t) for t in token_times)  # SSE events with content
+    if metrics["chunks"]:
+        metrics["tokens_per_chunk"] = metrics["output_tokens"] / metrics["chunks"]
+    return metrics
+
+
 async def _run(args, profile: Profile, prep: PreparedRun, prog, meter=None) -> dict[str, Any]:
     """Stream `prep`'s requests (after `profile.warmup_requests` unmeasured ones); `meter`: a
     CPU meter for the measured window (default: `CpuMeter` of --server-pid)."""
-    base = args.base_url.rstrip("/")
     client = make_client(args)
-    model, items, msgs = prep.model, prep.items, prep.messages
+    items = prep.items
     async with client:
         sem = asyncio.Semaphore(profile.concurrency or len(items))
         # the connections the measured requests will use, opened outside the measurement (a
         # pooled client's steady state: no measured request pays a TCP handshake)
         await client.connect(min(profile.concurrency or len(items), len(items)))
-        # warmup: a few requests outside the measurement
-        warm = min(profile.warmup_requests, len(items))
-        if warm:
-            await asyncio.gather(
-                *[
-                    _one(
-                        client,
-                        model,
-                        WorkItem(-1, [], 4),
-                        msgs[i],
-                        time.perf_counter(),
-                        sem,
-                        lambda n: None,
-                    )
-                    for i in range(warm)
-                ]
-            )
+        await _warm_up(client, prep, min(profile.warmup_requests, len(items)), sem)
         advance = prog.task(f"online {profile.name}", len(items))
         if meter is None:
             meter = common.CpuMeter([args.server_pid] if args.server_pid else [])
-        kv_samples: list[tuple[float, int]] = []
-        with meter:
-            t0 = time.perf_counter()
-            poller = None
-            if getattr(args, "observations", None):
-                poller = asyncio.create_task(poll_kv(base, t0, kv_samples))
-            outs = await asyncio.gather(
-                *[
-                    _one(client, model, it, m, t0, sem, advance)
-                    for it, m in zip(items, msgs, strict=True)
-                ]
-            )
-            duration = time.perf_counter() - t0
-            if poller is not None:
-                poller.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await poller
-    token_times, out_tokens, errors, texts = [], [], [], []
-    requests: list[StreamOutcome] = []
-    in_tokens = 0
-    for times, usage, error, text, served in outs:
-        token_times.append(times)
-        texts.append(text)
-        out_tokens.append(usage.completion_tokens if usage else len(times))
-        in_tokens += usage.prompt_tokens if usage else 0
-        if error:
-            errors.append(error)
-        requests.append(
-            StreamOutcome(
-                times,
-                text,
-                error,
-                usage.prompt_tokens if usage else None,
-                usage.completion_tokens if usage else None,
-                served.replica,
-                served.replicas,
-            )
-        )
-    metrics = request_metrics(items, token_times, out_tokens, duration)
-    if in_tokens:  # what the server counted (chat template included)
-        metrics["input_tokens"] = in_tokens
-        metrics["total_tok_s"] = (in_tokens + metrics["output_tokens"]) / max(duration, 1e-9)
-    metrics["cpu"] = dict(meter.result)
-    metrics["errors"] = len(errors)
-    metrics["chunks"] = sum(len(t) for t in token_times)  # SSE events with content
-    if metrics["chunks"]:
-        metrics["tokens_per_chunk"] = metrics["output_tokens"] / metrics["chunks"]
+        window = await _measure(args, client, prep, sem, advance, meter)
+    requests = window.requests
     return {
-        "metrics": metrics,
-        "token_times": token_times,
-        "model": model,
+        "metrics": _stream_metrics(items, requests, window.duration, meter.result),
+        "token_times": [r.times for r in requests],
+        "model": prep.model,
         "tokenizer": prep.tokenizer,
-        "error_samples": errors[:5],
-        "texts": texts,
+        "error_samples": [r.error for r in requests if r.error][:5],
+        "texts": [r.text for r in requests],
         "requests": requests,
-        "kv_samples": kv_samples,
+        "kv_samples": window.kv_samples,
     }
 
 
