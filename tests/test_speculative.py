@@ -242,7 +242,7 @@ def test_the_step_budget_is_a_user_option_offline_and_at_the_server(tiny, monkey
 def test_sampled_rows_draft_with_the_draws_of_their_own_positions():
     """A drafting request's verify row j is what the sampler reads at output position
     len(outputs) + j: its outputs extended by the drafts before it (the draw's step, penalties'
-    counts, min_tokens). Rows with logprobs or a grammar feed one token."""
+    counts, min_tokens), rows with logprobs too. Rows with a grammar feed one token."""
     sched = _spec_scheduler(4)
     prompt = [10, 11, 12, 13, 14, 10, 11]
     drafting = [
@@ -250,15 +250,16 @@ def test_sampled_rows_draft_with_the_draws_of_their_own_positions():
         SamplingParams(temperature=0.7, seed=1, max_tokens=9),
         greedy(9, min_tokens=3),
         greedy(9, presence_penalty=0.5),
+        greedy(9, logprobs=2),
     ]
     plain = [
-        greedy(9, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=9, response_format={"type": "json_object"}),
         SamplingParams(temperature=0.0, max_tokens=9, response_format={"type": "json_object"}),
     ]
     for p in [*drafting, *plain]:
         sched.add_request(prompt, p)
     plan, reqs = sched.schedule()
-    sched.commit(reqs, plan, [12] * 6)
+    sched.commit(reqs, plan, [12] * (len(drafting) + len(plain)))
     plan, rows = sched.schedule()
     assert len(rows) == plan.num_tokens == 5 * len(drafting) + len(plain)
     want = [[12], [12, 13], [12, 13, 14], [12, 13, 14, 10], [12, 13, 14, 10, 11]]

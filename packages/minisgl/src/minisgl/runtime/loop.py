@@ -101,6 +101,20 @@ class StepBatch:
 EMPTY = StepBatch([], [], {})
 
 
+def _row_logprobs(
+    rows: Sequence[Any], logprobs: Sequence[TokenLogprob | None], outs: Sequence[StepOutput]
+) -> list[TokenLogprob | None]:
+    """Each output's logprobs: a request's outputs, in order, came from its sample rows in order
+    (one row a request in a decode step; a speculative verify row per emitted token)."""
+    per_rid: dict[int, deque[TokenLogprob | None]] = {}
+    for row, lp in zip(rows, logprobs, strict=True):
+        if lp is not None:
+            per_rid.setdefault(row.rid, deque()).append(lp)
+    if not per_rid:
+        return [None] * len(outs)
+    return [per_rid[o.rid].popleft() if per_rid.get(o.rid) else None for o in outs]
+
+
 @dataclass
 class _Step:
     handle: StepHandle
@@ -168,10 +182,9 @@ class StepLoop:
         rows = [reqs[r] for r in plan.sample_rows.tolist()]
         res = self.device.run(plan, rows)
         outs = list(self.sched.commit(reqs, plan, res.tokens))
-        lps = {r.rid: lp for r, lp in zip(rows, res.logprobs, strict=True) if lp is not None}
         return StepBatch(
             outs,
-            [lps.get(o.rid) for o in outs] if lps else [None] * len(outs),
+            _row_logprobs(rows, res.logprobs, outs),
             {r.rid: e for r, e in zip(rows, res.errors, strict=True) if e},
         )
 

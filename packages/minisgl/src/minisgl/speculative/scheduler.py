@@ -18,9 +18,10 @@ reads it as a `SampleView` whose outputs are extended by the drafts before it, s
 noise (keyed by the position), the penalties' counts and `min_tokens` are those a one-token
 decode would see there. A seeded sampled request therefore gives exactly the tokens it gives
 without speculation (its target distribution, with no rejection step: an n-gram draft is a
-point guess, accepted where the draw equals it). Rows with logprobs or a grammar feed one
-token (their per-token logprobs and matcher state are not laid out per verify row). A step
-where no row drafts is a plain decode step.
+point guess, accepted where the draw equals it). A row with logprobs drafts too: the token
+emitted from verify row j carries row j's logprobs (the loop pairs a request's outputs with its
+rows in order). Rows with a grammar feed one token (their matcher state is not laid out per
+verify row). A step where no row drafts is a plain decode step.
 """
 
 from __future__ import annotations
@@ -129,12 +130,12 @@ class SpecScheduler(Scheduler):
 
     # ------------------------------------------------------------------ plans
     def _budget(self, req: Req) -> int:
-        """The most drafts a request may take: k, less than its output room, 0 for rows with
-        logprobs or a grammar."""
+        """The most drafts a request may take: k, less than its output room, 0 for rows with a
+        grammar."""
         p = req.params
         t, slot = self.table, req.slot
         budget = min(self.spec.num_draft_tokens, int(t.out_limit[slot] - t.out_len[slot]) - 1)
-        if budget <= 0 or p.logprobs is not None or p.response_format is not None:
+        if budget <= 0 or p.response_format is not None:
             return 0
         return budget
 
