@@ -382,6 +382,72 @@ def test_rows_with_logprobs_draft_and_give_the_logprobs_of_no_speculation(tiny):
             assert [v for _, v in b.top] == pytest.approx([v for _, v in a.top], abs=1e-5)
 
 
+GRAMMAR_ITEM = "rows-with-a-grammar-draft-and-give-the-tokens-of-no-speculation"
+GRAMMAR_RED = "failing-tests-grammar-rows-draft"
+AB = {"type": "regex", "regex": "[ab]{24,60}"}
+
+
+def _draft_row(rid: int, params: SamplingParams, outputs: tuple, drafts: int):
+    """A verify row whose last `drafts` outputs are drafts (`SampleView.drafts`)."""
+    from minisgl.scheduler.backend import SampleView
+
+    try:
+        return SampleView(rid, params, 0, np.arange(1, 5, dtype=np.int32), outputs,
+                          drafts=drafts)  # fmt: skip
+    except TypeError as exc:
+        pytest.fail(f"a sample row does not say how many of its outputs are drafts: {exc}")
+
+
+@pytest.mark.card(CARD, GRAMMAR_ITEM)
+@pytest.mark.card(CARD, GRAMMAR_RED)
+def test_the_grammar_masks_each_verify_row_after_the_drafts_before_it(tiny):
+    """Verify row j of a constrained request is masked as if its j drafts had been sampled; a
+    row past a draft the grammar rejects may sample anything (its token is never kept: the
+    draft cannot equal a masked draw), without failing the request; the next step's outputs
+    (fewer than the drafts consumed) mask as a fresh matcher fed them; a rejected token among
+    the request's own outputs still fails its row."""
+    from minisgl.config import ModelConfig
+    from minisgl.structured import GrammarBank
+
+    vocab = ModelConfig.from_dir(tiny).vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=40, response_format=AB)
+    fmt = params.response_format
+    a, b, bang = 67, 68, 3  # "a", "b", "!" in the tiny tokenizer
+
+    def fresh(outputs: tuple) -> np.ndarray:
+        return GrammarBank(tiny, vocab).allowed([_draft_row(9, params, outputs, 0)], [fmt])[0]
+
+    bank = GrammarBank(tiny, vocab)
+    out, drafts = (a, b), (a, bang, b)
+    rows = [_draft_row(1, params, out + drafts[:j], j) for j in range(4)]
+    masks = bank.allowed(rows, [fmt] * 4)
+    assert masks[0][a] and masks[0][b] and not masks[0][bang]
+    np.testing.assert_array_equal(masks[0], fresh(out))
+    np.testing.assert_array_equal(masks[1], fresh((*out, a)))
+    assert masks[2].all() and masks[3].all()  # past the rejected "!": a don't-care row
+    # the step kept "a" and sampled "b": the matcher rolls back past the drafts it consumed
+    nxt = bank.allowed([_draft_row(1, params, (*out, a, b), 0)], [fmt])[0]
+    np.testing.assert_array_equal(nxt, fresh((*out, a, b)))
+    bad = bank.allowed([_draft_row(2, params, (a, bang), 0)], [fmt])[0]
+    assert not bad.any()  # a real output the grammar rejects: the sampler fails this row
+
+
+@pytest.mark.card(CARD, GRAMMAR_ITEM)
+@pytest.mark.card(CARD, GRAMMAR_RED)
+def test_rows_with_a_grammar_draft_and_give_the_tokens_of_no_speculation(tiny):
+    """Constrained requests (a regex over two letters, greedy and seeded sampled) draft: the
+    same tokens and text as without speculation, with drafts verified and accepted."""
+    prompts = [_grounded(1, 40), [67, 68, 67, 3, 3, 68] * 6, _grounded(4, 16)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=60, response_format=AB),
+        SamplingParams(temperature=0.0, max_tokens=40, response_format=AB),
+        SamplingParams(temperature=0.5, seed=3, max_tokens=50, response_format=AB),
+    ]
+    ref, got, stats = _reference_and_spec(tiny, prompts, params, dtype="float32")
+    assert got == ref
+    assert stats["verify_rows"] > 0 and stats["accepted_tokens"] > 0, stats
+
+
 @pytest.mark.slow
 @pytest.mark.card(CARD, "on-the-embedded-model", RED, GREEN)
 def test_greedy_output_is_token_identical_on_the_embedded_model():
