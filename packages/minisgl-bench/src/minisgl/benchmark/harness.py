@@ -33,6 +33,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,56 +103,85 @@ def offline_observations(
 
 
 # --------------------------------------------------------------------------- offline
-def run_offline(args: argparse.Namespace) -> int:
-    profile_sets, llm_sets = split_sets(args.set)
-    profile = get_profile(args.profile, profile_sets)
-    if args.ab:
-        return run_ab(args, profile)
-    from minisgl.benchmark.offline import make_llm, run_minisgl
+@dataclass(frozen=True)
+class OfflineRuns:
+    """The repeats of an offline run: each engine's metrics a repeat (minisgl, then the
+    baseline engine's), the latency samples of each one's last repeat, and minisgl's
+    observations (--observations)."""
 
+    runs: dict[str, list[dict[str, Any]]]
+    samples: dict[str, Any]
+    observed: list[Observation]
+
+
+def _llm_kwargs(args: argparse.Namespace, llm_sets: dict[str, Any]) -> dict[str, Any]:
+    """The LLM constructor arguments: the `--set llm.*` overrides, then the flags that name
+    one (an override of the same argument wins)."""
+    flags = {
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "cuda_graph_max_bs": args.cuda_graph_max_bs,
+        "dummy_weights": True if args.dummy_weights else None,
+        "sim_device": args.sim_device,
+        "speculative_algorithm": args.speculative_algorithm,
+        "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
+        "speculative_draft_model_path": args.speculative_draft_model_path,
+    }
     llm_kwargs = dict(llm_sets)
-    if args.dtype is not None:
-        llm_kwargs.setdefault("dtype", args.dtype)
-    if args.quantization is not None:
-        llm_kwargs.setdefault("quantization", args.quantization)
-    if args.cuda_graph_max_bs is not None:
-        llm_kwargs.setdefault("cuda_graph_max_bs", args.cuda_graph_max_bs)
-    if args.dummy_weights:
-        llm_kwargs.setdefault("dummy_weights", True)
-    if args.sim_device is not None:
-        llm_kwargs.setdefault("sim_device", args.sim_device)
-    if args.speculative_algorithm is not None:
-        llm_kwargs.setdefault("speculative_algorithm", args.speculative_algorithm)
-    if args.speculative_num_draft_tokens is not None:
-        llm_kwargs.setdefault("speculative_num_draft_tokens", args.speculative_num_draft_tokens)
-    if args.speculative_draft_model_path is not None:
-        llm_kwargs.setdefault("speculative_draft_model_path", args.speculative_draft_model_path)
-    requested = os.environ.get(ENV, "python").strip() or "python"
-    check_cpu_backend(requested)
-    record = base_record("offline", args, profile)
-    record["engine"] = args.engine
-    record["simulated_device"] = llm_kwargs.get("sim_device") is not None
-    record["model"] = model_info(args.model_path)
-    record["llm_kwargs"] = llm_kwargs
+    for key, value in flags.items():
+        if value is not None:
+            llm_kwargs.setdefault(key, value)
+    return llm_kwargs
+
+
+def _start_llm(
+    args: argparse.Namespace,
+    profile: Profile,
+    llm_kwargs: dict[str, Any],
+    requested: str,
+    record: dict[str, Any],
+):
+    """The run's minisgl `LLM` on the `requested` CPU backend; `record` gets its init time,
+    backend, dtype, device and engine config."""
+    from minisgl.benchmark.offline import make_llm
+
     t0 = time.perf_counter()
     llm = make_llm(args.model_path, profile, llm_kwargs)
     record["init_s"] = time.perf_counter() - t0
     ensure_backend(llm, requested)
     record["cpu_backend"] = scheduler_backend(llm)
-    vocab = llm.engine.model_config.vocab_size
     record["model"].update({"dtype": str(llm.engine.dtype), "device": str(llm.engine.device)})
     record["engine_config"] = {
         k: getattr(llm.config, k) for k in vars(llm.config) if not k.startswith("_")
     }
     record["engine_config"]["model_path"] = Path(llm.config.model_path).name  # no abs. paths
+    return llm
+
+
+def _base_runner(
+    args: argparse.Namespace, profile: Profile, record: dict[str, Any], llm
+) -> Callable[..., dict[str, Any]] | None:
+    """The baseline engine's `run(items, progress)` (--engine hf / llamacpp); None for
+    --engine minisgl."""
+    if args.engine == "hf":
+        return _hf_runner(args, profile, record, llm)
+    if args.engine == "llamacpp":
+        return _llamacpp_runner(args, profile, record)
+    return None
+
+
+def _run_repeats(
+    args: argparse.Namespace, profile: Profile, record: dict[str, Any], llm
+) -> OfflineRuns:
+    """The warm-up, then `--repeats` repeats of the workload through minisgl (at its arrival
+    times unless --ignore-arrivals) and the baseline engine (all at t=0)."""
+    from minisgl.benchmark.offline import run_minisgl
+
+    vocab = llm.engine.model_config.vocab_size
     items = build_workload(profile, vocab)
     at_zero = [dataclasses.replace(i, arrival_s=0.0) for i in items]  # baselines: all at t=0
     warm = warmup_workload(profile, vocab)
-    run_base = None  # the baseline engine's run(items, progress): --engine hf / llamacpp
-    if args.engine == "hf":
-        run_base = _hf_runner(args, profile, record, llm)
-    elif args.engine == "llamacpp":
-        run_base = _llamacpp_runner(args, profile, record)
+    run_base = _base_runner(args, profile, record, llm)
     base = args.engine
     runs: dict[str, list[dict[str, Any]]] = {"minisgl": []}
     if run_base is not None:
@@ -172,52 +203,101 @@ def run_offline(args: argparse.Namespace) -> int:
                 out = run_base(at_zero, prog.task(f"{base} #{rep + 1}", len(items)))
                 runs[base].append(out["metrics"])
                 samples[base] = latency_samples(at_zero, out["token_times"])
-    results = {
-        name: {"metrics": median_nested(reps), "repeats": reps, "samples": samples[name]}
-        for name, reps in runs.items()
-    }
-    record["results"] = results
-    gate_metrics = common.flatten(results["minisgl"]["metrics"])
-    ratio_tables: dict[str, dict[str, float]] = {}
-    if base in results:
-        base_m = results[base]["metrics"]
-        gate_metrics.update(common.flatten(base_m, f"{base}."))
-        speed = common.ratios(base_m, results["minisgl"]["metrics"], RATIO_KEYS)
-        record[f"speedup_vs_{base}"] = speed
-        paired = common.paired_ratios(runs[base], runs["minisgl"], PAIRED_KEYS)
-        record[f"speedup_vs_{base}_paired"] = paired
-        gate_metrics.update(common.flatten(speed, f"speedup_vs_{base}."))
-        gate_metrics.update(common.flatten(paired, f"speedup_vs_{base}_paired."))
-        ratio_tables[f"minisgl / {base} (ratio of medians)"] = speed
-        ratio_tables[f"minisgl / {base} (median of paired repeats)"] = {
+    return OfflineRuns(runs, samples, observed)
+
+
+def _speedups(
+    record: dict[str, Any], runs: OfflineRuns, results: dict[str, Any], base: str
+) -> dict[str, dict[str, float]]:
+    """The ratio tables of minisgl against the baseline engine (none without one); `record`
+    gets `speedup_vs_<base>` (ratio of medians) and `speedup_vs_<base>_paired`."""
+    if base not in results:
+        return {}
+    speed = common.ratios(results[base]["metrics"], results["minisgl"]["metrics"], RATIO_KEYS)
+    record[f"speedup_vs_{base}"] = speed
+    paired = common.paired_ratios(runs.runs[base], runs.runs["minisgl"], PAIRED_KEYS)
+    record[f"speedup_vs_{base}_paired"] = paired
+    return {
+        f"minisgl / {base} (ratio of medians)": speed,
+        f"minisgl / {base} (median of paired repeats)": {
             k: v for k, v in paired.items() if not k.endswith("_per_repeat")
-        }
-    record["speculative"] = llm.speculative_stats()  # None without speculation
+        },
+    }
+
+
+def _offline_gate_metrics(
+    record: dict[str, Any], results: dict[str, Any], base: str
+) -> dict[str, Any]:
+    """The gated metrics of an offline run: minisgl's; with a baseline engine, its metrics
+    (`<base>.`) and the speedups; with speculation, its numeric counters (`speculative.`)."""
+    gate_metrics = common.flatten(results["minisgl"]["metrics"])
+    if base in results:
+        gate_metrics.update(common.flatten(results[base]["metrics"], f"{base}."))
+        for key in (f"speedup_vs_{base}", f"speedup_vs_{base}_paired"):
+            gate_metrics.update(common.flatten(record[key], f"{key}."))
     if record["speculative"] is not None:
         gate_metrics.update(common.flatten(
             {k: v for k, v in record["speculative"].items() if isinstance(v, int | float)},
             "speculative.",
         ))  # fmt: skip
-    record["gate_metrics"] = gate_metrics
-    if args.observations:
-        record["observations"] = str(write_jsonl(args.observations, observed))
-    try:
-        from minisgl.scheduler import cpu_backend
+    return gate_metrics
 
-        record["cpu_backend_stats"] = cpu_backend.stats()
-    except ImportError:
-        pass
+
+def _print_offline(
+    args: argparse.Namespace,
+    profile: Profile,
+    record: dict[str, Any],
+    results: dict[str, Any],
+    ratio_tables: dict[str, dict[str, float]],
+) -> None:
+    """Prints the summary table and, against a baseline engine, the paired speedup line;
+    returns None."""
     print_summary(
         f"offline {profile.name} ({record['model']['name']}, {args.repeats} repeat(s), median)",
         {k: v["metrics"] for k, v in results.items()},
         ratio_tables,
     )
+    base = args.engine
     if base in results:
         s = record[f"speedup_vs_{base}_paired"].get("output_tok_s")
         c = record[f"speedup_vs_{base}_paired"].get("output_tok_per_cpu_s")
         if s:
             print(f"minisgl / {base} output tok/s = {s:.2f}x (median of paired repeats)", end="")
             print(f"; per CPU-second {c:.2f}x" if c else "")
+
+
+def run_offline(args: argparse.Namespace) -> int:
+    profile_sets, llm_sets = split_sets(args.set)
+    profile = get_profile(args.profile, profile_sets)
+    if args.ab:
+        return run_ab(args, profile)
+    llm_kwargs = _llm_kwargs(args, llm_sets)
+    requested = os.environ.get(ENV, "python").strip() or "python"
+    check_cpu_backend(requested)
+    record = base_record("offline", args, profile)
+    record["engine"] = args.engine
+    record["simulated_device"] = llm_kwargs.get("sim_device") is not None
+    record["model"] = model_info(args.model_path)
+    record["llm_kwargs"] = llm_kwargs
+    llm = _start_llm(args, profile, llm_kwargs, requested, record)
+    runs = _run_repeats(args, profile, record, llm)
+    results = {
+        name: {"metrics": median_nested(reps), "repeats": reps, "samples": runs.samples[name]}
+        for name, reps in runs.runs.items()
+    }
+    record["results"] = results
+    ratio_tables = _speedups(record, runs, results, args.engine)
+    record["speculative"] = llm.speculative_stats()  # None without speculation
+    record["gate_metrics"] = _offline_gate_metrics(record, results, args.engine)
+    if args.observations:
+        record["observations"] = str(write_jsonl(args.observations, runs.observed))
+    try:
+        from minisgl.scheduler import cpu_backend
+
+        record["cpu_backend_stats"] = cpu_backend.stats()
+    except ImportError:
+        pass
+    _print_offline(args, profile, record, results, ratio_tables)
     return finish(record, args, results)
 
 
@@ -401,39 +481,37 @@ def run_online(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- CLI
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m minisgl.benchmark.harness")
-    sub = parser.add_subparsers(dest="mode", required=True)
+def _add_common_args(p: argparse.ArgumentParser, default_profile: str) -> None:
+    """Adds the flags of both modes to `p`; returns None."""
+    p.add_argument("--out", help="result JSON path")
+    p.add_argument("--gate", action="append", help="gates YAML (repeatable)")
+    p.add_argument("--baseline", help="result JSON for relative gates on the same metric")
+    p.add_argument("--allow-missing", action="store_true", help="missing metrics pass")
+    p.add_argument("--profile", default=default_profile, choices=sorted(PROFILES))
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--plot", help="PNG with latency CDFs and throughput bars")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--model-path", default=None, help="model dir (default: embedded)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument(
+        "--observations",
+        metavar="F.jsonl",
+        default=None,
+        help="per-request observations for the release gate (--ab: F.<arm>.jsonl per arm)",
+    )
+    p.add_argument(
+        "--sim-device",
+        nargs="?",
+        const="default",
+        default=None,
+        metavar="BASE_MS[,TOKEN_MS]",
+        help="simulated device: no model, fixed step time (default 0.5,0.002 ms)",
+    )
 
-    def common_args(p: argparse.ArgumentParser, default_profile: str) -> None:
-        p.add_argument("--out", help="result JSON path")
-        p.add_argument("--gate", action="append", help="gates YAML (repeatable)")
-        p.add_argument("--baseline", help="result JSON for relative gates on the same metric")
-        p.add_argument("--allow-missing", action="store_true", help="missing metrics pass")
-        p.add_argument("--profile", default=default_profile, choices=sorted(PROFILES))
-        p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override")
-        p.add_argument("--repeats", type=int, default=1)
-        p.add_argument("--plot", help="PNG with latency CDFs and throughput bars")
-        p.add_argument("--no-progress", action="store_true")
-        p.add_argument("--model-path", default=None, help="model dir (default: embedded)")
-        p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-        p.add_argument(
-            "--observations",
-            metavar="F.jsonl",
-            default=None,
-            help="per-request observations for the release gate (--ab: F.<arm>.jsonl per arm)",
-        )
-        p.add_argument(
-            "--sim-device",
-            nargs="?",
-            const="default",
-            default=None,
-            metavar="BASE_MS[,TOKEN_MS]",
-            help="simulated device: no model, fixed step time (default 0.5,0.002 ms)",
-        )
 
-    off = sub.add_parser("offline", help="in-process LLM benchmark")
-    common_args(off, "seed-offline")
+def _add_offline_args(off: argparse.ArgumentParser) -> None:
+    """Adds the flags of the offline mode only to `off`; returns None."""
     off.add_argument(
         "--engine",
         choices=["minisgl", "hf", "llamacpp"],
@@ -459,8 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="random weights of config.json's shapes (LLM dummy_weights=True; HF: its own init)",
     )
 
-    on = sub.add_parser("online", help="OpenAI-API benchmark against a running server")
-    common_args(on, "seed-online")
+
+def _add_online_args(on: argparse.ArgumentParser) -> None:
+    """Adds the flags of the online mode only to `on`; returns None."""
     on.add_argument("--base-url", default="http://127.0.0.1:1919")
     on.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
     on.add_argument(
@@ -503,6 +582,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"a run whose client saturated fails (exit {REFUSED_EXIT}) instead of a warning",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m minisgl.benchmark.harness`: the offline and online
+    modes."""
+    parser = argparse.ArgumentParser(prog="python -m minisgl.benchmark.harness")
+    sub = parser.add_subparsers(dest="mode", required=True)
+    off = sub.add_parser("offline", help="in-process LLM benchmark")
+    _add_common_args(off, "seed-offline")
+    _add_offline_args(off)
+    on = sub.add_parser("online", help="OpenAI-API benchmark against a running server")
+    _add_common_args(on, "seed-online")
+    _add_online_args(on)
     return parser
 
 
