@@ -242,7 +242,8 @@ def test_the_step_budget_is_a_user_option_offline_and_at_the_server(tiny, monkey
 def test_sampled_rows_draft_with_the_draws_of_their_own_positions():
     """A drafting request's verify row j is what the sampler reads at output position
     len(outputs) + j: its outputs extended by the drafts before it (the draw's step, penalties'
-    counts, min_tokens), rows with logprobs too. Rows with a grammar feed one token."""
+    counts, min_tokens), rows with logprobs or a grammar too, each view saying how many of its
+    outputs are drafts. A request with one token of room left feeds one token."""
     sched = _spec_scheduler(4)
     prompt = [10, 11, 12, 13, 14, 10, 11]
     drafting = [
@@ -251,11 +252,9 @@ def test_sampled_rows_draft_with_the_draws_of_their_own_positions():
         greedy(9, min_tokens=3),
         greedy(9, presence_penalty=0.5),
         greedy(9, logprobs=2),
-    ]
-    plain = [
-        SamplingParams(temperature=0.0, max_tokens=9, response_format={"type": "json_object"}),
         SamplingParams(temperature=0.0, max_tokens=9, response_format={"type": "json_object"}),
     ]
+    plain = [greedy(2)]
     for p in [*drafting, *plain]:
         sched.add_request(prompt, p)
     plan, reqs = sched.schedule()
@@ -266,10 +265,12 @@ def test_sampled_rows_draft_with_the_draws_of_their_own_positions():
     for k, p in enumerate(drafting):
         mine = rows[5 * k : 5 * k + 5]
         assert [list(r.output_ids) for r in mine] == want, p
+        assert [r.drafts for r in mine] == [0, 1, 2, 3, 4], p
         assert {r.rid for r in mine} == {mine[0].rid} and all(r.params == p for r in mine)
         assert len({r.generator for r in mine}) == 1
     tail = rows[5 * len(drafting) :]
-    assert [r.params for r in tail] == plain and [list(r.output_ids) for r in tail] == [[12]] * 2
+    assert [r.params for r in tail] == plain and [list(r.output_ids) for r in tail] == [[12]]
+    assert [r.drafts for r in tail] == [0]
     for rid in list(sched.requests):
         sched.abort(rid)
     assert_scheduler_clean(sched)

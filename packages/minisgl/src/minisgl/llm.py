@@ -125,7 +125,7 @@ class LLM:
     `speculative_algorithm` ("ngram"; "draft" with `speculative_draft_model_path`, a model
     sharing the target's tokenizer: an HF folder or a GGUF file), `speculative_num_draft_tokens`
     (k, default 4) and `speculative_max_step_rows` (the most rows a verify step holds, default
-    8): speculative decoding (`minisgl.speculative`; rows without a grammar draft,
+    8): speculative decoding (`minisgl.speculative`: every row drafts, logprobs and grammars too;
     the python control plane's serial loop); `speculative_stats()` and `last_run` report its
     acceptance."""
 

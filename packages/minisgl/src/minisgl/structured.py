@@ -162,12 +162,16 @@ class ResponseFormat:
 
 
 class ConstrainedRow(Protocol):
-    """What the bank reads of a sampled row (`Req`, `SampleView`)."""
+    """What the bank reads of a sampled row (`Req`, `SampleView`): a speculative verify row's
+    last `drafts` outputs are drafts, not yet the request's."""
 
     input_ids: np.ndarray
 
     @property
     def output_ids(self) -> Sequence[int]: ...
+
+    @property
+    def drafts(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -193,6 +197,16 @@ class MaskJob:
         """bool [rows, vocab]: True where a row may not sample the token next."""
         self.collected = True
         return self._future.result()
+
+
+def _common_prefix(done: list[int], outputs: Sequence[int]) -> int:
+    """How many leading tokens `done` and `outputs` share (all of `done` in the usual case:
+    the outputs extend what was consumed)."""
+    if len(outputs) >= len(done) and (not done or int(outputs[len(done) - 1]) == done[-1]):
+        return len(done)
+    n = min(len(done), len(outputs))
+    differ = np.flatnonzero(np.asarray(done[:n]) != np.asarray(outputs[:n], dtype=np.int64))
+    return int(differ[0]) if len(differ) else n
 
 
 @dataclass
@@ -260,17 +274,32 @@ class GrammarBank:
         for k in stale:
             del self._states[k]
 
-    def _catch_up(self, state: _State, outputs: Sequence[int]) -> None:
+    def _catch_up(self, state: _State, outputs: Sequence[int], drafts: int) -> bool:
+        """Feed the matcher the row's outputs it has not consumed, first rolling it back past
+        tokens the outputs no longer hold (a verify step's drafts it did not keep). A rejected
+        output fails the row (`state.error`); a rejected draft stops the feed there and
+        returns False: the row is past it, its token never kept (it cannot equal a draw the
+        grammar masks), so it may sample anything."""
         done = state.consumed
-        if len(outputs) < len(done) or (done and outputs[len(done) - 1] != done[-1]):
-            state.matcher.reset()  # another request reused the id, or a restart
-            done.clear()
-            state.error = None
-        for token in outputs[len(done) :]:
-            if state.error is None and not state.matcher.consume_token(int(token)):
-                state.error = f"the grammar rejected token {int(token)}"
-            done.append(int(token))
+        keep = _common_prefix(done, outputs)
+        if keep < len(done):
+            if state.error is None:
+                state.matcher.rollback(len(done) - keep)
+                del done[keep:]
+            else:  # a failed row's matcher stopped at its error: start it again
+                state.matcher.reset()
+                done.clear()
+                state.error = None
+        own = len(outputs) - drafts
+        for i in range(len(done), len(outputs)):
+            token = int(outputs[i])
+            if state.error is None and not state.matcher.try_consume_tokens([token]):
+                if i >= own:
+                    return False
+                state.error = f"the grammar rejected token {token}"
+            done.append(token)
             self._counts["tokens"] += 1
+        return True
 
     def start(self, rows: Sequence[ConstrainedRow], formats: Sequence[ResponseFormat]) -> MaskJob:
         """Start computing the tokens each row may not sample next, on the worker thread (each
@@ -309,8 +338,9 @@ class GrammarBank:
         masks = allocate_token_bitmask(len(rows), self.vocab_size)
         for i, (row, fmt) in enumerate(zip(rows, formats, strict=True)):
             state = self._state(row, fmt)
-            self._catch_up(state, row.output_ids)
-            if state.error is None and not state.matcher.is_error():
+            if not self._catch_up(state, row.output_ids, row.drafts):
+                masks[i] = -1  # past a rejected draft: anything (its token is never kept)
+            elif state.error is None and not state.matcher.is_error():
                 fill_next_token_bitmask(state.matcher, masks, i)
             else:
                 masks[i] = 0  # nothing allowed: the sampler fails this row alone

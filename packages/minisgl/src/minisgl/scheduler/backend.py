@@ -90,6 +90,7 @@ class SampleView:
     input_ids: np.ndarray
     output_ids: Sequence[int]
     finish_reason: str | None = None
+    drafts: int = 0  # a verify row: how many of the last `output_ids` are drafts
 
 
 class ScheduledStep(NamedTuple):

@@ -20,8 +20,10 @@ decode would see there. A seeded sampled request therefore gives exactly the tok
 without speculation (its target distribution, with no rejection step: an n-gram draft is a
 point guess, accepted where the draw equals it). A row with logprobs drafts too: the token
 emitted from verify row j carries row j's logprobs (the loop pairs a request's outputs with its
-rows in order). Rows with a grammar feed one token (their matcher state is not laid out per
-verify row). A step where no row drafts is a plain decode step.
+rows in order). So does a row with a grammar: the view says how many of its outputs are drafts,
+and the grammar bank masks row j after the drafts before it (a row past a draft the grammar
+rejects samples unmasked: its token is never kept). A step where no row drafts is a plain
+decode step.
 """
 
 from __future__ import annotations
@@ -130,14 +132,9 @@ class SpecScheduler(Scheduler):
 
     # ------------------------------------------------------------------ plans
     def _budget(self, req: Req) -> int:
-        """The most drafts a request may take: k, less than its output room, 0 for rows with a
-        grammar."""
-        p = req.params
+        """The most drafts a request may take: k, less than its output room."""
         t, slot = self.table, req.slot
-        budget = min(self.spec.num_draft_tokens, int(t.out_limit[slot] - t.out_len[slot]) - 1)
-        if budget <= 0 or p.response_format is not None:
-            return 0
-        return budget
+        return max(0, min(self.spec.num_draft_tokens, int(t.out_limit[slot] - t.out_len[slot]) - 1))
 
     def _step_drafts(self, reqs: list[Req]) -> list[np.ndarray]:
         """The drafts a decode step carries, within the step budget. An `exact` source (a
@@ -279,6 +276,6 @@ def _rows(req: Req, drafts: np.ndarray) -> list[Req | SampleView]:
     out = tuple(req.output_ids)
     ahead = drafts.tolist()
     return [
-        SampleView(req.rid, req.params, req.generator, req.input_ids, (*out, *ahead[:j]))
+        SampleView(req.rid, req.params, req.generator, req.input_ids, (*out, *ahead[:j]), drafts=j)
         for j in range(len(ahead) + 1)
     ]
