@@ -162,16 +162,14 @@ class ResponseFormat:
 
 
 class ConstrainedRow(Protocol):
-    """What the bank reads of a sampled row (`Req`, `SampleView`): a speculative verify row's
-    last `drafts` outputs are drafts, not yet the request's."""
+    """What the bank reads of a sampled row (`Req`, `SampleView`, the service worker's
+    `WorkerReq`). A speculative verify row (`SampleView`) also has `drafts`: how many of its
+    last outputs are drafts, not yet the request's; a row without it has none."""
 
     input_ids: np.ndarray
 
     @property
     def output_ids(self) -> Sequence[int]: ...
-
-    @property
-    def drafts(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -338,7 +336,7 @@ class GrammarBank:
         masks = allocate_token_bitmask(len(rows), self.vocab_size)
         for i, (row, fmt) in enumerate(zip(rows, formats, strict=True)):
             state = self._state(row, fmt)
-            if not self._catch_up(state, row.output_ids, row.drafts):
+            if not self._catch_up(state, row.output_ids, getattr(row, "drafts", 0)):
                 masks[i] = -1  # past a rejected draft: anything (its token is never kept)
             elif state.error is None and not state.matcher.is_error():
                 fill_next_token_bitmask(state.matcher, masks, i)

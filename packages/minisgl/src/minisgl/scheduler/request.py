@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -90,7 +90,6 @@ class _SlotColumn:
 
 @dataclass(eq=False)
 class Req:
-    drafts: ClassVar[int] = 0  # its outputs are its own (a verify row's `SampleView` has drafts)
     rid: int
     input_ids: np.ndarray  # int32 prompt
     params: SamplingParams
