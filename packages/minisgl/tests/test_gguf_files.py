@@ -423,3 +423,54 @@ def test_auto_serves_a_qwen3_moe_file_in_its_class(kind, moe_files):
     assert len(packed) == 2
     err = _relative_error(prompt_logits(llm, IDS), _reference_logits(path))
     assert err <= MOE_PACKED_ERROR[kind], f"{kind}: relative logits error {err:.4f}"
+
+
+# Mixtral files: llama.cpp stores Mixtral as `llama` with `llama.expert_count` and the same
+# stacked experts; transformers' GGUF support does not read them, so the reference is the HF
+# Mixtral the tiny file was written from (an F32 file holds its values exactly)
+MIXTRAL_ITEM = "a-mixtral-file-serves-as-mixtral"
+MIXTRAL_RED = "failing-tests-a-mixtral-file"
+
+
+@pytest.mark.card(CARD, MIXTRAL_RED)
+@pytest.mark.card(CARD, MIXTRAL_ITEM)
+def test_a_mixtral_file_serves_the_hf_mixtral_it_holds(tmp_path):
+    """An F32 Mixtral file: a MixtralForCausalLM config (experts, top-k, expert rows from
+    `feed_forward_length`, no sliding window: a GGUF file has none), fp32 logits within 1e-5
+    of the HF model it was written from, and its greedy tokens in a batch."""
+    from transformers import AutoModelForCausalLM
+
+    from minisgl.config import ModelConfig
+
+    path = write_tiny_gguf("mixtral", tmp_path / "mixtral.gguf", "F32")
+    cfg = ModelConfig.from_dir(_served(path))
+    assert cfg.architecture == "MixtralForCausalLM"
+    assert cfg.moe is not None
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.intermediate_size) == (4, 2, 512)
+    assert cfg.moe.sparse_layers == (0, 1)
+    hf = str(path) + ".hf"
+    got = prompt_logits(_llm(path, "none"), IDS)
+    assert _relative_error(got, _hf_logits(hf)) <= 1e-5
+    ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    prompts = random_prompts(3, 4, 20, vocab=380, seed=5)
+    out = _llm(path, "none").generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    )
+    assert [o["token_ids"] for o in out] == hf_greedy(ref, prompts, 8)
+
+
+@pytest.mark.card(CARD, MIXTRAL_RED)
+@pytest.mark.card(CARD, MIXTRAL_ITEM)
+def test_auto_serves_a_q4_k_mixtral_file_as_int4(tmp_path):
+    """A Q4_K Mixtral file: `auto` serves int4 with packed experts, within the class's error of
+    the file's de-quantized values served at fp32."""
+    from minisgl.quantization.experts import QuantizedExperts
+
+    path = write_tiny_gguf("mixtral", tmp_path / "mixtral-q4k.gguf", "Q4_K")
+    _served(path)
+    want = prompt_logits(_llm(path, "none"), IDS)
+    llm = _llm(path, "auto")
+    assert llm.engine.quantization == "int4"
+    assert sum(isinstance(m, QuantizedExperts) for m in llm.engine.model.modules()) == 2
+    err = _relative_error(prompt_logits(llm, IDS), want)
+    assert err <= MOE_PACKED_ERROR["Q4_K"], f"relative logits error {err:.4f}"

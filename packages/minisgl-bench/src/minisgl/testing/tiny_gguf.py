@@ -10,7 +10,9 @@ embedding in `tensor_type`. Llama and Mistral are stored as llama.cpp stores the
 permuted into llama.cpp's interleaved RoPE order. Qwen3-MoE (`qwen3moe`, as Qwen3-30B-A3B's
 files): every layer a MoE block, each layer's experts stacked into one 3-D tensor per projection
 (`ffn_{gate,up,down}_exps`, [experts, rows, columns]), the router `ffn_gate_inp` kept in F32 (as
-llama.cpp's quantizer keeps it) and the `expert_*` keys.
+llama.cpp's quantizer keeps it) and the `expert_*` keys. Mixtral as llama.cpp stores it:
+architecture `llama` with `llama.expert_count` / `expert_used_count` and the same stacked
+experts (`w1`, `w3`, `w2`: gate, up, down), no sliding window.
 
 Types gguf-py quantizes (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are quantized from the
 model's weights; the K-quants (Q2_K..Q6_K), which gguf-py only de-quantizes, are random valid
@@ -30,9 +32,9 @@ import numpy as np
 from minisgl.testing.tiny_models import write_tiny_model
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-MOE_FAMILIES = ("qwen3_moe",)
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-         "qwen3_moe": "qwen3moe"}  # fmt: skip
+         "qwen3_moe": "qwen3moe", "mixtral": "llama"}  # fmt: skip
 QUANTIZED_BY_GGUF = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 TENSOR_TYPES = QUANTIZED_BY_GGUF + K_QUANTS
@@ -42,9 +44,15 @@ _K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "
 SHAPE = dict(hidden_size=256, intermediate_size=512, head_dim=64, initializer_range=0.05)
 # Qwen3-MoE: every layer sparse (llama.cpp's qwen3moe has no dense layers); experts of 512 rows, not
 # the hidden size, so that a transposed down projection cannot pass
-MOE_SHAPE = dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
-                 moe_intermediate_size=512, mlp_only_layers=[], decoder_sparse_step=1)  # fmt: skip
-_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+MOE_SHAPE = {
+    "qwen3_moe": dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=512, mlp_only_layers=[], decoder_sparse_step=1),
+    # Mixtral's experts are `intermediate_size` wide; llama.cpp has no sliding window
+    "mixtral": dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=None),
+}  # fmt: skip
+_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+            "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # fmt: skip
 
 _LEAVES = {
     "self_attn.q_proj": "attn_q",
@@ -56,7 +64,8 @@ _LEAVES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
-    "mlp.gate": "ffn_gate_inp",  # a MoE block's router
+    "mlp.gate": "ffn_gate_inp",  # a MoE block's router (Qwen3-MoE; Mixtral below)
+    "block_sparse_moe.gate": "ffn_gate_inp",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
@@ -82,7 +91,7 @@ def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     stacks: dict[str, dict[int, np.ndarray]] = {}
     for name, w in tensors.items():
         parts = name.split(".")
-        if len(parts) == 8 and parts[3:5] == ["mlp", "experts"]:
+        if len(parts) == 8 and parts[4] == "experts":  # mlp. / block_sparse_moe.experts
             g = f"blk.{parts[2]}.{_EXPERTS[parts[6]]}.weight"
             stacks.setdefault(g, {})[int(parts[5])] = w
         else:
@@ -216,6 +225,7 @@ def _model_metadata(writer: Any, family: str, hf: dict[str, Any]) -> None:
     if family in MOE_FAMILIES:
         writer.add_expert_count(hf.get("num_experts") or hf["num_local_experts"])
         writer.add_expert_used_count(hf["num_experts_per_tok"])
+    if family == "qwen3_moe":
         writer.add_expert_feed_forward_length(hf["moe_intermediate_size"])
 
 
@@ -261,7 +271,7 @@ def write_tiny_gguf(
     types: dict[str, str] | None = None, rope_scaling: dict[str, Any] | None = None,
     rope_factors: np.ndarray | None = None, tokenizer: str = "bpe",
 ) -> Path:  # fmt: skip
-    """Write a tiny random `family` model (one of FAMILIES, or `qwen3_moe`) as the GGUF file
+    """Write a tiny random `family` model (one of FAMILIES or MOE_FAMILIES) as the GGUF file
     `path` with its linears and embedding in `tensor_type` (`types`: a type per GGUF tensor
     name instead, e.g. Q6_K for `ffn_down` as in llama.cpp's _M mixes); the HF folder it came
     from is `path` + `.hf`.
@@ -280,7 +290,7 @@ def write_tiny_gguf(
         raise ValueError(f"tokenizer: bpe or spm, got {tokenizer!r}")
     extra: dict[str, Any] = {"rope_scaling": rope_scaling} if rope_scaling else {}
     if family in MOE_FAMILIES:
-        extra.update(MOE_SHAPE)
+        extra.update(MOE_SHAPE[family])
     if tokenizer == "spm":
         extra["vocab_size"] = len(spm_vocabulary()[0])
     folder = write_tiny_model(
