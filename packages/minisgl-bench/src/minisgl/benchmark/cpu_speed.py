@@ -368,9 +368,8 @@ PEER_FAILED = 3  # exit status: a requested peer has no numbers (the record has 
 PROBE_TOKENS = 8  # a peer decodes this many tokens of the first parity prompt before it counts
 
 
-def main(argv: list[str] | None = None, peers: Mapping[str, PeerSpec] | None = None) -> int:
-    """The run; `peers` replaces the registry of peers (`peers.PEERS`) the flags name."""
-    registry = PEERS if peers is None else peers
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m minisgl.benchmark.cpu_speed`."""
     p = argparse.ArgumentParser(prog="python -m minisgl.benchmark.cpu_speed")
     p.add_argument("--out", required=True)
     p.add_argument("--plot", default=None)
@@ -382,29 +381,27 @@ def main(argv: list[str] | None = None, peers: Mapping[str, PeerSpec] | None = N
     p.add_argument("--set", action="append", metavar="PROFILE.KEY=VALUE")
     p.add_argument("--no-quality", action="store_true")
     p.add_argument("--llamacpp", action="store_true", help="add the llama.cpp arm (opt-in extra)")
-    args = p.parse_args(argv)
-    wanted = [registry["llamacpp"]] if args.llamacpp else []
-    for spec in wanted:  # before anything runs
-        if not spec.available():
-            p.error(spec.install_hint or f"{spec.name}: {spec.requires} is not installed")
-    if args.threads:
-        set_threads(args.threads)
-    import torch
+    return p
 
-    from minisgl.default_model import default_model_path
-    from minisgl.kernels import cpu as cpu_native
 
-    model_path = str(default_model_path())
-    configs = [c for c in args.configs.split(",") if c]
-    for name in configs:  # unknown names fail here, before any arm runs
-        llm_options(name)
-    hf_dtypes = [d for d in args.hf.split(",") if d]
+def _profiles(args: argparse.Namespace) -> list[Profile]:
+    """The `--profiles`, each with its own `--set PROFILE.KEY=VALUE` overrides."""
     sets = parse_sets(args.set)
     profiles = []
     for name in args.profiles.split(","):
         own = {k.split(".", 1)[1]: v for k, v in sets.items() if k.startswith(name + ".")}
         profiles.append(get_profile(name, own))
-    record: dict[str, Any] = {
+    return profiles
+
+
+def _new_record(model_path: str, profiles: list[Profile]) -> dict[str, Any]:
+    """The run's record before any arm loads: the machine and its measured bounds, the
+    profiles, and the empty tables the arms fill."""
+    import torch
+
+    from minisgl.kernels import cpu as cpu_native
+
+    return {
         **common.record_header("cpu-speed"),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -420,68 +417,143 @@ def main(argv: list[str] | None = None, peers: Mapping[str, PeerSpec] | None = N
         "bytes_per_token": {},
         "linear_params": linear_params(model_path),
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class QualityInputs:
+    """What the arms' quality is measured on, in the model's tokens: the parity prompts (a
+    peer's probe decodes the first) and the perplexity text; `measure` False with
+    --no-quality."""
+
+    prompts: list[list[int]]
+    ppl_ids: list[int]
+    measure: bool
+
+
+def _quality_inputs(model_path: str, measure: bool) -> QualityInputs:
+    """The `QualityInputs` of the model at `model_path` (through its tokenizer)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_path)
-    prompts = [tok.encode(t) for t in TEXT_PROMPTS]
-    ppl_ids = tok.encode(PPL_TEXT)
-    ref_tokens: list[list[int]] | None = None
-    record["malloc"] = malloc_of_arms()
+    return QualityInputs([tok.encode(t) for t in TEXT_PROMPTS], tok.encode(PPL_TEXT), measure)
 
-    def add(profile: str, arm: str, reps: list[dict[str, Any]]) -> None:
-        tok_s = common.median(r["output_tok_s"] for r in reps)
-        record["results"].setdefault(profile, {})[arm] = {
-            "output_tok_s": tok_s,
-            "output_tok_s_per_repeat": [r["output_tok_s"] for r in reps],
-            "tpot_ms_p50": common.median(r.get("tpot_ms", {}).get("p50", 0.0) for r in reps),
-            "input_tokens": reps[0]["input_tokens"],
-            "output_tokens": reps[0]["output_tokens"],
-        }
-        print(f"{profile:14s} {arm:12s} {tok_s:8.1f} tok/s", flush=True)
 
+def _hf_quality(
+    hf: Any, dtype: str, toks: list[list[int]], ref_tokens: list[list[int]] | None, ppl_ids
+) -> dict[str, Any] | None:
+    """HF's quality at `dtype`: fp32 (the reference) its perplexity; another dtype also its
+    greedy agreement with fp32's tokens; None when no fp32 arm ran before it."""
+    if dtype == "fp32":
+        return {"perplexity": perplexity_hf(hf, ppl_ids)}
+    if ref_tokens is None:
+        return None
+    firsts = [first_diff(a, b) for a, b in zip(toks, ref_tokens, strict=True)]
+    return {
+        "perplexity": perplexity_hf(hf, ppl_ids),
+        "agreement": sum(f is None for f in firsts) / len(firsts),
+        "first_divergence": firsts,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class HfArms:
+    """The HF arms, and HF fp32's greedy tokens on the parity prompts: the reference of every
+    arm's agreement (None without an fp32 arm or with --no-quality)."""
+
+    arms: list[Arm]
+    ref_tokens: list[list[int]] | None
+
+
+def _hf_arms(
+    model_path: str, dtypes: list[str], inputs: QualityInputs, record: dict[str, Any]
+) -> HfArms:
+    """One HF arm per `--hf` dtype, each loaded and its quality put in `record`."""
     arms: list[Arm] = []
-    for dtype in hf_dtypes:
+    ref_tokens: list[list[int]] | None = None
+    for dtype in dtypes:
         hf = load_hf(model_path, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype])
-        if not args.no_quality:
-            toks = hf_greedy_tokens(hf, prompts)
+        if inputs.measure:
+            toks = hf_greedy_tokens(hf, inputs.prompts)
             if dtype == "fp32":
                 ref_tokens = toks
-                record["quality"]["hf-fp32"] = {"perplexity": perplexity_hf(hf, ppl_ids)}
-            elif ref_tokens is not None:
-                firsts = [first_diff(a, b) for a, b in zip(toks, ref_tokens, strict=True)]
-                record["quality"][f"hf-{dtype}"] = {
-                    "perplexity": perplexity_hf(hf, ppl_ids),
-                    "agreement": sum(f is None for f in firsts) / len(firsts),
-                    "first_divergence": firsts,
-                }
+            q = _hf_quality(hf, dtype, toks, ref_tokens, inputs.ppl_ids)
+            if q is not None:
+                record["quality"][f"hf-{dtype}"] = q
         arms.append(Arm(f"hf-{dtype}", functools.partial(_run_hf, hf)))
+    return HfArms(arms, ref_tokens)
 
+
+def _start_peers(
+    wanted: list[PeerSpec],
+    record: dict[str, Any],
+    inputs: QualityInputs,
+    ref_tokens: list[list[int]] | None,
+) -> dict[str, PeerProcess]:
+    """Every wanted peer that opened (`start_peer`), by name; `record["peers"]` names them
+    all."""
     record["peers"] = [spec.name for spec in wanted]
     opened: dict[str, PeerProcess] = {}
     for spec in wanted:
-        quality_inputs = None if args.no_quality else (ref_tokens, ppl_ids)
-        peer = start_peer(spec, record, prompts, quality_inputs)
+        quality_inputs = (ref_tokens, inputs.ppl_ids) if inputs.measure else None
+        peer = start_peer(spec, record, inputs.prompts, quality_inputs)
         if peer is not None:
             opened[spec.name] = peer
-            arms.append(peer_arm(spec.name, peer))
+    return opened
 
+
+def _minisgl_arms(
+    configs: list[str],
+    profile: Profile,
+    record: dict[str, Any],
+    inputs: QualityInputs,
+    ref_tokens: list[list[int]] | None,
+) -> list[Arm]:
+    """One minisgl arm per config, each loaded (`record` gets its init seconds, its weight
+    bytes a token and, with a reference, its quality)."""
+    arms: list[Arm] = []
     for name in configs:
         t0 = time.perf_counter()
-        llm = make_llm(None, profiles[0], {**llm_options(name), "max_seq_len_override": 2048})
+        llm = make_llm(None, profile, {**llm_options(name), "max_seq_len_override": 2048})
         init_s = time.perf_counter() - t0
         record["bytes_per_token"][name] = weight_bytes_per_token(llm.engine.model)
         record.setdefault("init_s", {})[name] = init_s
-        if not args.no_quality and ref_tokens is not None:
-            record["quality"][name] = quality(llm, prompts, ref_tokens, ppl_ids)
+        if inputs.measure and ref_tokens is not None:
+            record["quality"][name] = quality(llm, inputs.prompts, ref_tokens, inputs.ppl_ids)
         arms.append(Arm(f"minisgl-{name}", functools.partial(_run_minisgl, llm)))
+    return arms
 
+
+def _add_result(record: dict[str, Any], profile: str, arm: str, reps: list[dict[str, Any]]) -> None:
+    """Puts one arm's medians over its timed passes of one profile in `record["results"]` and
+    prints its tok/s; returns None."""
+    tok_s = common.median(r["output_tok_s"] for r in reps)
+    record["results"].setdefault(profile, {})[arm] = {
+        "output_tok_s": tok_s,
+        "output_tok_s_per_repeat": [r["output_tok_s"] for r in reps],
+        "tpot_ms_p50": common.median(r.get("tpot_ms", {}).get("p50", 0.0) for r in reps),
+        "input_tokens": reps[0]["input_tokens"],
+        "output_tokens": reps[0]["output_tokens"],
+    }
+    print(f"{profile:14s} {arm:12s} {tok_s:8.1f} tok/s", flush=True)
+
+
+def _measure_profiles(
+    arms: list[Arm],
+    profiles: list[Profile],
+    repeats: int,
+    record: dict[str, Any],
+    opened: dict[str, PeerProcess],
+) -> None:
+    """Every profile's interleaved passes into `record`; a peer that dies is recorded as
+    failed, closed, taken out of `opened` and left out of the later profiles. Closes the peers
+    at the end; returns None."""
     for prof in profiles:
-        passes = measure_interleaved(arms, prof, args.repeats)
+        passes = measure_interleaved(arms, prof, repeats)
         record.setdefault("untimed_first_pass_tok_s", {})[prof.name] = {
             arm: m["output_tok_s"] for arm, m in passes.untimed.items()
         }
         for arm, reps in passes.timed.items():
-            add(prof.name, arm, reps)
+            _add_result(record, prof.name, arm, reps)
         for name, attempt in passes.failed.items():  # a peer that died: no more of it
             record[name]["attempts"].append(attempt)
             record[name]["status"] = "failed"
@@ -490,9 +562,11 @@ def main(argv: list[str] | None = None, peers: Mapping[str, PeerSpec] | None = N
             arms = [arm for arm in arms if arm.name != name]
     for peer in opened.values():
         peer.close()
-    del arms
-    gc.collect()
 
+
+def _finish(args: argparse.Namespace, record: dict[str, Any], wanted: list[PeerSpec]) -> int:
+    """Summarizes, plots (--plot) and writes the record, and names every wanted peer that has
+    no numbers; returns the exit status: `PEER_FAILED` when there is one, else 0."""
     with contextlib.suppress(OSError):
         record["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     summarize(record)
@@ -507,6 +581,38 @@ def main(argv: list[str] | None = None, peers: Mapping[str, PeerSpec] | None = N
         print(f"cpu_speed: peer {name} failed ({tried}); {args.out} has the other arms' numbers",
               file=sys.stderr)  # fmt: skip
     return PEER_FAILED if failed else 0
+
+
+def main(argv: list[str] | None = None, peers: Mapping[str, PeerSpec] | None = None) -> int:
+    """The run; `peers` replaces the registry of peers (`peers.PEERS`) the flags name."""
+    registry = PEERS if peers is None else peers
+    p = build_parser()
+    args = p.parse_args(argv)
+    wanted = [registry["llamacpp"]] if args.llamacpp else []
+    for spec in wanted:  # before anything runs
+        if not spec.available():
+            p.error(spec.install_hint or f"{spec.name}: {spec.requires} is not installed")
+    if args.threads:
+        set_threads(args.threads)
+    from minisgl.default_model import default_model_path
+
+    model_path = str(default_model_path())
+    configs = [c for c in args.configs.split(",") if c]
+    for name in configs:  # unknown names fail here, before any arm runs
+        llm_options(name)
+    hf_dtypes = [d for d in args.hf.split(",") if d]
+    profiles = _profiles(args)
+    record = _new_record(model_path, profiles)
+    inputs = _quality_inputs(model_path, not args.no_quality)
+    record["malloc"] = malloc_of_arms()
+    hf_arms = _hf_arms(model_path, hf_dtypes, inputs, record)
+    opened = _start_peers(wanted, record, inputs, hf_arms.ref_tokens)
+    arms = [*hf_arms.arms, *(peer_arm(name, peer) for name, peer in opened.items())]
+    arms += _minisgl_arms(configs, profiles[0], record, inputs, hf_arms.ref_tokens)
+    _measure_profiles(arms, profiles, args.repeats, record, opened)
+    del arms, hf_arms
+    gc.collect()
+    return _finish(args, record, wanted)
 
 
 def malloc_of_arms() -> dict[str, str]:
