@@ -28,7 +28,20 @@ logger = get_logger(__name__)
 
 # general.architecture -> served as; llama.cpp stores Mistral models as `llama`
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe")
-MOE_ARCHITECTURES = ("qwen3moe",)  # every layer a MoE block, as llama.cpp runs it
+# MoE files: general.architecture -> the `<arch>.*` keys they need. qwen3moe: Qwen3-MoE;
+# `llama` with `llama.expert_count`: Mixtral, as llama.cpp stores it
+MOE_KEYS = {
+    "qwen3moe": ("expert_count", "expert_used_count", "expert_feed_forward_length"),
+    "llama": ("expert_count", "expert_used_count"),
+}
+
+
+def moe_file(index) -> bool:
+    """A MoE model's file: qwen3moe, or Mixtral (`llama` with `llama.expert_count`)."""
+    arch = index.architecture
+    return arch == "qwen3moe" or (arch == "llama" and f"{arch}.expert_count" in index.scalars)
+
+
 # tensor type -> the precision class `quantization="auto"` serves a file of that type in
 TYPE_CLASSES = {
     "F32": "none",
@@ -72,7 +85,6 @@ def is_gguf(path: str | Path) -> bool:
 
 def check_gguf(path: str | Path):
     """The file's index (`quantization.gguf_index.GGUFIndex`) once it is known servable."""
-    from minisgl.quantization.gguf import expert_names, float_name, is_moe_tensor
     from minisgl.quantization.gguf_index import read_index
 
     path = Path(path)
@@ -95,26 +107,39 @@ def check_gguf(path: str | Path):
             )
         if t.name == ROPE_FREQS:  # Llama 3.1+ RoPE scaling: checked below
             continue
-        moe = is_moe_tensor(t.name)
-        known = arch in MOE_ARCHITECTURES if moe else float_name(t.name, False) is not None
-        if not known:
-            raise GGUFError(
-                f"{path.name}: tensor {t.name!r} is not part of a dense {arch} model "
-                f"(mixture-of-experts GGUF files: {', '.join(MOE_ARCHITECTURES)} only)"
-            )
-        if len(t.shape) == 3 and expert_names(t.name, 0) is not None:
-            count = index.scalars.get(f"{arch}.expert_count")
-            if count != int(t.shape[-1]):
-                raise GGUFError(
-                    f"{path.name}: tensor {t.name!r} stacks {int(t.shape[-1])} experts, but "
-                    f"{arch}.expert_count is {count}"
-                )
-    if arch in MOE_ARCHITECTURES:
-        for key in ("expert_count", "expert_used_count", "expert_feed_forward_length"):
+        _check_tensor(path, index, t)
+    if moe_file(index):
+        for key in MOE_KEYS[arch]:
             if not isinstance(index.scalars.get(f"{arch}.{key}"), int):
-                raise GGUFError(f"{path.name}: a {arch} file needs the integer key {arch}.{key}")
+                raise GGUFError(
+                    f"{path.name}: a MoE {arch} file needs the integer key {arch}.{key}"
+                )
     rope_parameters(index)
     return index
+
+
+def _check_tensor(path: Path, index, t) -> None:
+    """GGUFError unless tensor `t` has an HF name in the file's model: a dense linear or norm,
+    or in a MoE file its router and stacked experts, as many as `<arch>.expert_count`."""
+    from minisgl.quantization.gguf import float_name, is_moe_tensor
+
+    arch = index.architecture
+    if not is_moe_tensor(t.name):
+        known = float_name(t.name, False) is not None
+    else:
+        known = moe_file(index)
+    if not known:
+        raise GGUFError(
+            f"{path.name}: tensor {t.name!r} is not part of a dense {arch} model "
+            "(mixture-of-experts GGUF files: qwen3moe, or llama with llama.expert_count)"
+        )
+    if len(t.shape) == 3:
+        count = index.scalars.get(f"{arch}.expert_count")
+        if count != int(t.shape[-1]):
+            raise GGUFError(
+                f"{path.name}: tensor {t.name!r} stacks {int(t.shape[-1])} experts, but "
+                f"{arch}.expert_count is {count}"
+            )
 
 
 def rope_parameters(index) -> dict | None:
@@ -144,6 +169,31 @@ def native_class(index) -> str:
             cls = TYPE_CLASSES[t.tensor_type.name]
             sizes[cls] = sizes.get(cls, 0) + n
     return max(sizes, key=lambda c: sizes[c]) if sizes else "none"
+
+
+def _moe_config(config, arch: str, scalars: dict):
+    """The config of a MoE file as llama.cpp runs it. qwen3moe: the expert rows from
+    `expert_feed_forward_length` (transformers leaves Qwen3MoeConfig's default), every layer
+    sparse, the top-k weights renormalised. `llama` with experts: a MixtralConfig of the
+    transformers-read Llama config, experts `feed_forward_length` wide, no sliding window."""
+    if arch == "qwen3moe":
+        config.moe_intermediate_size = int(scalars[f"{arch}.expert_feed_forward_length"])
+        config.mlp_only_layers, config.decoder_sparse_step = [], 1
+        config.norm_topk_prob = True
+        return config
+    from transformers import MixtralConfig
+
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+            "rms_norm_eps", "rope_parameters", "tie_word_embeddings", "bos_token_id",
+            "eos_token_id", "pad_token_id")  # fmt: skip
+    fields = {k: getattr(config, k) for k in keep if getattr(config, k, None) is not None}
+    return MixtralConfig(
+        **fields,
+        num_local_experts=int(scalars[f"{arch}.expert_count"]),
+        num_experts_per_tok=int(scalars[f"{arch}.expert_used_count"]),
+        sliding_window=None,
+    )
 
 
 def model_folder(path: str | Path) -> Path:
@@ -192,7 +242,7 @@ def convert(
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from minisgl.quantization.gguf import one_parse_per_file, read_gguf_float
+    from minisgl.quantization.gguf import MOE_NAMES, one_parse_per_file, read_gguf_float
 
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -205,12 +255,11 @@ def convert(
             config.head_dim = int(head_dim)
         if rope is not None:
             config.rope_parameters = dict(rope)
-        if arch in MOE_ARCHITECTURES:  # llama.cpp's qwen3moe: every layer sparse, renormalised
-            config.moe_intermediate_size = int(scalars[f"{arch}.expert_feed_forward_length"])
-            config.mlp_only_layers, config.decoder_sparse_step = [], 1
-            config.norm_topk_prob = True
+        if (scalars or {}).get(f"{arch}.expert_count") is not None:
+            config = _moe_config(config, arch, scalars or {})
+        moe = config.model_type if config.model_type in MOE_NAMES else None
         weights = read_gguf_float(gguf, config.num_attention_heads, config.num_key_value_heads,
-                                  bool(config.tie_word_embeddings))  # fmt: skip
+                                  bool(config.tie_word_embeddings), moe)  # fmt: skip
     tmp.mkdir(parents=True)
     for attr in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, attr):

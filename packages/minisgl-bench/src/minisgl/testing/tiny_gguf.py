@@ -208,6 +208,13 @@ def _spm_tokenizer_metadata(writer: Any) -> int:
     return len(tokens)
 
 
+def rope_theta(hf: dict[str, Any]) -> float:
+    """An HF config's RoPE base: transformers 5 saves it in `rope_parameters` (a top-level
+    `rope_theta` in older configs; 10000 without either)."""
+    theta = (hf.get("rope_parameters") or {}).get("rope_theta") or hf.get("rope_theta")
+    return float(theta or 10000.0)
+
+
 def _model_metadata(writer: Any, family: str, hf: dict[str, Any]) -> None:
     """The `<arch>.*` keys of an HF config (`expert_*` too for a MoE family)."""
     writer.add_name(family if family == "mistral" else f"tiny-{family}")
@@ -220,7 +227,7 @@ def _model_metadata(writer: Any, family: str, hf: dict[str, Any]) -> None:
     writer.add_rope_dimension_count(hf["head_dim"])
     writer.add_key_length(hf["head_dim"])
     writer.add_value_length(hf["head_dim"])
-    writer.add_rope_freq_base(float(hf.get("rope_theta") or 10000.0))
+    writer.add_rope_freq_base(rope_theta(hf))
     writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
     if family in MOE_FAMILIES:
         writer.add_expert_count(hf.get("num_experts") or hf["num_local_experts"])
@@ -306,7 +313,7 @@ def write_tiny_gguf(
         writer.add_vocab_size(_tokenizer_metadata(writer, folder))
     _add_tensors(writer, folder, arch, hf, tensor_type, types, seed)
     if rope_scaling and rope_factors is None:
-        theta = float(hf.get("rope_theta") or 10000.0)
+        theta = rope_theta(hf)
         rope_factors = llama3_rope_factors(hf["head_dim"], theta, rope_scaling)
     if rope_factors is not None:
         writer.add_tensor("rope_freqs.weight", np.asarray(rope_factors, np.float32))

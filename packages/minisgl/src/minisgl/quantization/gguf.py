@@ -44,9 +44,14 @@ _LAYER_NAMES = {
 _BLOCK = 32
 # a MoE block: the router, and each projection's experts stacked in one [experts, rows, columns]
 ROUTER = "ffn_gate_inp"
-_ROUTER_NAMES = {ROUTER: "mlp.gate"}
-_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
-                 "ffn_down_exps": "down_proj"}  # fmt: skip
+_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+# HF names of a MoE block by model type: its router, its experts, each stack's projection
+MOE_NAMES: dict[str, tuple[str, str, dict[str, str]]] = {
+    "qwen3_moe": ("mlp.gate", "mlp.experts", dict(zip(_STACKS, ("gate_proj", "up_proj",
+                                                                   "down_proj")))),
+    "mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts",
+                dict(zip(_STACKS, ("w1", "w3", "w2")))),
+}  # fmt: skip
 
 
 _NORM_NAMES = {
@@ -75,35 +80,39 @@ def hf_name(gguf_name: str) -> str | None:
     return _layer_name(gguf_name, _LAYER_NAMES)
 
 
-def float_name(gguf_name: str, tied: bool) -> str | None:
+def float_name(gguf_name: str, tied: bool, moe: str | None = None) -> str | None:
     """HF name of any 2-D or 1-D tensor of a Llama-family GGUF file: linears and their biases
     (qwen2), the embedding (as `lm_head.weight` when tied: the name transformers' tied save
-    keeps), the norms (qwen3's Q / K norms too), a MoE block's router."""
+    keeps), the norms (qwen3's Q / K norms too), and the router of a MoE model of HF type
+    `moe` (a key of MOE_NAMES)."""
     if gguf_name == "token_embd.weight" and tied:
         return "lm_head.weight"
     if gguf_name == "output_norm.weight":
         return "model.norm.weight"
+    router = {ROUTER: MOE_NAMES[moe][0]} if moe is not None else {}
     return (
         _layer_name(gguf_name, _NORM_NAMES)
         or _layer_name(gguf_name, _LAYER_NAMES, "bias")
-        or _layer_name(gguf_name, _ROUTER_NAMES)
+        or _layer_name(gguf_name, router)
         or hf_name(gguf_name)
     )
 
 
-def expert_names(gguf_name: str, count: int) -> list[str] | None:
-    """HF names of the `count` experts a stacked `blk.{i}.ffn_{gate,up,down}_exps.weight`
-    holds, in its order (None for any other tensor)."""
+def expert_names(gguf_name: str, count: int, moe: str) -> list[str] | None:
+    """HF names (model type `moe`) of the `count` experts a stacked
+    `blk.{i}.ffn_{gate,up,down}_exps.weight` holds, in its order (None for other tensors)."""
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
-    if m is None or m.group(2) not in _EXPERT_NAMES:
+    _, experts, projections = MOE_NAMES[moe]
+    if m is None or m.group(2) not in projections:
         return None
-    proj = _EXPERT_NAMES[m.group(2)]
-    return [f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.weight" for e in range(count)]
+    proj = projections[m.group(2)]
+    return [f"model.layers.{m.group(1)}.{experts}.{e}.{proj}.weight" for e in range(count)]
 
 
 def is_moe_tensor(gguf_name: str) -> bool:
     """A MoE block's router or stacked experts."""
-    return expert_names(gguf_name, 0) is not None or gguf_name.endswith(f".{ROUTER}.weight")
+    m = re.fullmatch(r"blk\.\d+\.(\w+)\.weight", gguf_name)
+    return m is not None and (m.group(1) in _STACKS or m.group(1) == ROUTER)
 
 
 @contextmanager
@@ -135,11 +144,14 @@ def one_parse_per_file() -> Iterator[None]:
         readers.clear()
 
 
-def read_gguf_float(path: Path, num_heads: int, num_kv_heads: int, tied: bool):
+def read_gguf_float(
+    path: Path, num_heads: int, num_kv_heads: int, tied: bool, moe: str | None = None
+):
     """{HF name: fp32 tensor} of every tensor of a Llama-family GGUF file, de-quantized by
     gguf's own `dequantize` and Q / K rows un-permuted as transformers' GGUF loader does (the
-    same numbers its conversion writes, in one read of the file instead of its three); stacked
-    experts split into one tensor per expert, the names of an HF MoE folder."""
+    same numbers its conversion writes, in one read of the file instead of its three); a MoE
+    model's (HF type `moe`) stacked experts split into one tensor per expert, as its HF folder
+    names them."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -150,8 +162,8 @@ def read_gguf_float(path: Path, num_heads: int, num_kv_heads: int, tied: bool):
         if t.name == ROPE_FREQS:  # RoPE scaling, read into the config (gguf_rope)
             continue
         shape = [int(x) for x in reversed(t.shape)]  # GGUF lists dims innermost first
-        name = float_name(t.name, tied)
-        experts = expert_names(t.name, shape[0]) if len(shape) == 3 else None
+        name = float_name(t.name, tied, moe)
+        experts = expert_names(t.name, shape[0], moe) if moe and len(shape) == 3 else None
         if name is None and experts is None:
             raise ValueError(f"{path.name}: no HF name for the GGUF tensor {t.name!r}")
         w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
