@@ -449,6 +449,84 @@ def test_rows_with_a_grammar_draft_and_give_the_tokens_of_no_speculation(tiny):
     assert stats["verify_rows"] > 0 and stats["accepted_tokens"] > 0, stats
 
 
+OVERLAP_ITEM = "overlap-scheduling-runs-with-speculation"
+OVERLAP_RED = "failing-tests-overlap-with-speculation"
+
+
+def _ahead(sched):
+    try:
+        return sched.schedule_ahead()
+    except RuntimeError as exc:
+        pytest.fail(f"the speculative scheduler has no pipelined mode: {exc}")
+
+
+@pytest.mark.card(CARD, OVERLAP_ITEM)
+@pytest.mark.card(CARD, OVERLAP_RED)
+def test_a_step_ahead_drafts_only_with_nothing_in_flight():
+    """Pipelined: a step is drafted for only when nothing is in flight (its drafts need the
+    last token); a verify step in flight is committed before the next is planned. With a plain
+    step in flight, a request that would draft (an n-gram match in the tokens it knows) makes
+    `schedule_ahead` wait for the commit; requests with nothing to copy get a plain step ahead,
+    overlapped with the one in flight."""
+    sched = _spec_scheduler(4)
+    a = sched.add_request([10, 11, 12, 13, 14, 10, 11], greedy(20))  # "10 11" recurs
+    first = _ahead(sched)
+    assert first.plan.is_prefill
+    assert _ahead(sched) is None  # a would draft: wait for the prefill's token
+    assert [o.token_id for o in sched.commit_oldest([12]).outputs] == [12]
+    verify = _ahead(sched)
+    assert verify.plan.input_ids.tolist() == [12, 13, 14, 10, 11]
+    assert [r.drafts for r in verify.reqs] == [0, 1, 2, 3, 4]
+    assert _ahead(sched) is None  # a verify step in flight: commit it first
+    outs = sched.commit_oldest([13, 14, 99, 5, 6]).outputs
+    assert [(o.rid, o.token_id) for o in outs] == [(a, 13), (a, 14), (a, 99)]
+    assert sched.requests[a].kv_len == 10 and sched.num_inflight == 0
+    sched.abort(a)
+    b = sched.add_request([20, 21, 22, 23], greedy(5))  # nothing to copy
+    assert _ahead(sched).plan.is_prefill
+    plain = _ahead(sched)  # overlapped: planned with the prefill in flight
+    assert plain is not None and not plain.plan.is_prefill
+    assert plain.plan.input_ids.tolist() == [-1]  # the in-flight token
+    sched.commit_oldest([24])
+    sched.commit_oldest([25])
+    assert sched.requests[b].output_ids == [24, 25]
+    sched.abort(b)
+    assert_scheduler_clean(sched)
+
+
+@pytest.mark.card(CARD, OVERLAP_ITEM)
+@pytest.mark.card(CARD, OVERLAP_RED)
+def test_overlap_scheduling_with_speculation_gives_the_serial_loops_tokens(tiny):
+    """`overlap=True` with n-gram drafts: greedy, logprob, seeded sampled and constrained rows
+    give the tokens (and logprobs) of the serial loop without speculation, drafts accepted, the
+    KV clean after the run."""
+    prompts = [_grounded(1, 40), [5, 6, 7] * 12, random_prompts(1, 30, 30, seed=3)[0],
+               _grounded(4, 16)]  # fmt: skip
+    params = [greedy(60), greedy(50, logprobs=2),
+              SamplingParams(temperature=0.7, seed=4, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=40, response_format=AB)]  # fmt: skip
+    runs = []
+    for kw in ({"overlap": False}, {"overlap": True, "speculative_algorithm": "ngram",
+                                    "speculative_num_draft_tokens": 4}):  # fmt: skip
+        try:
+            llm = LLM(tiny, dtype="float32", max_extend_tokens=64, **kw)
+        except ValueError as exc:
+            pytest.fail(f"overlap scheduling refused with speculation: {exc}")
+        try:
+            runs.append((llm.generate(prompts, params), llm.speculative_stats(), llm.runtime.depth))
+            assert_kv_clean(llm)
+        finally:
+            llm.close()
+    (ref, _, _), (got, stats, depth) = runs
+    assert depth == 1
+    assert stats["verify_rows"] > 0 and stats["accepted_tokens"] > 0, stats
+    for want, have in zip(ref, got, strict=True):
+        assert (have["token_ids"], have["text"]) == (want["token_ids"], want["text"])
+        assert have["finish_reason"] == want["finish_reason"]
+    for a, b in zip(ref[1]["logprobs"], got[1]["logprobs"], strict=True):
+        assert b.token_id == a.token_id and b.logprob == pytest.approx(a.logprob, abs=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.card(CARD, "on-the-embedded-model", RED, GREEN)
 def test_greedy_output_is_token_identical_on_the_embedded_model():
