@@ -126,7 +126,7 @@ class LLM:
     sharing the target's tokenizer: an HF folder or a GGUF file), `speculative_num_draft_tokens`
     (k, default 4) and `speculative_max_step_rows` (the most rows a verify step holds, default
     8): speculative decoding (`minisgl.speculative`: every row drafts, logprobs and grammars too;
-    the python control plane's serial loop); `speculative_stats()` and `last_run` report its
+    the python control plane, either loop); `speculative_stats()` and `last_run` report its
     acceptance."""
 
     def __init__(

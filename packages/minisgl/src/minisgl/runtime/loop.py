@@ -192,6 +192,8 @@ class StepLoop:
     def _submit(self, plan: Any, reqs: Sequence[ScheduledReq]) -> None:
         rows: list[Any] = [reqs[r] for r in plan.sample_rows.tolist()]
         for k, req in enumerate(rows):
+            if isinstance(req, SampleView):
+                continue  # a snapshot already (a speculative verify row)
             p = req.params
             if p.is_greedy and not p.min_tokens and not p.needs_history:
                 continue  # the sampler reads only its params (immutable): no snapshot
@@ -224,12 +226,14 @@ class StepLoop:
                     if counter[row.rid] <= 0:
                         del counter[row.rid]
         commit = self.sched.commit_oldest(res.tokens)  # type: ignore[attr-defined]
+        row_lps = _row_logprobs(step.rows, res.logprobs, commit.outputs)
+        row_errs = {r.rid: e for r, e in zip(step.rows, res.errors, strict=True) if e}
         outs, lps, errs = [], [], {}
-        for k, out in enumerate(commit.outputs):
+        for out, lp in zip(commit.outputs, row_lps, strict=True):
             if out.finish_reason == DROPPED:
                 continue
             outs.append(out)
-            lps.append(res.logprobs[k])
-            if res.errors[k]:
-                errs[out.rid] = res.errors[k]
+            lps.append(lp)
+            if out.rid in row_errs:
+                errs[out.rid] = row_errs[out.rid]
         return StepBatch(outs, lps, errs)

@@ -58,20 +58,14 @@ _DECODE = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)  # 2 de
 _SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, max_tokens=3, ignore_eos=True)
 
 
-def _serial_for_speculation(backend: str, overlap: bool | None) -> bool:
-    """Speculative decode steps run on the python control plane's serial loop (this milestone):
-    a ValueError for any other backend or for overlap asked for explicitly."""
+def _check_speculation(backend: str) -> None:
+    """Speculative decode steps are planned by the python control plane (this milestone): a
+    ValueError for any other backend."""
     if backend != "python":
         raise ValueError(
             f"speculative decoding runs on the python control plane; cpu_backend={backend!r} "
             "cannot plan draft rows yet"
         )
-    if overlap:
-        raise ValueError(
-            "speculative decoding runs the serial loop: overlap scheduling cannot combine with "
-            "it yet (leave overlap unset or False)"
-        )
-    return False
 
 
 def _draft_model(speculative: SpecConfig | None, engine: Any, warm_up: bool) -> Any:
@@ -154,10 +148,10 @@ class Runtime:
         `warm_up` (a server's engine; a compiled engine's graphs always): `warm_up()` here.
         `priority_aging_steps`: priority scheduling (`SamplingParams.priority`, one level
         gained every that many steps; None: FIFO). `speculative`: speculative decode steps
-        (`speculative.scheduler`: the python backend, serial loop; else a ValueError)."""
+        (`speculative.scheduler`: the python backend, either loop; else a ValueError)."""
         name = cpu_backend.requested_backend(backend)
         if speculative is not None:
-            overlap = _serial_for_speculation(name, overlap)
+            _check_speculation(name)
         config: EngineConfig = engine.config
         eos = frozenset({*engine.model_config.eos_token_ids, *extra_eos})
         sched_config = SchedulerConfig(

@@ -12,6 +12,7 @@ import numpy as np
 
 from minisgl.kvcache import RadixCache
 from minisgl.scheduler.admission import Admission
+from minisgl.scheduler.backend import ScheduledStep
 from minisgl.scheduler.decode import Decode, rows_of
 from minisgl.scheduler.request import (
     FINISH_REASONS,
@@ -54,6 +55,7 @@ class InFlight(Admission, Decode):
         n_waiting = len(self.waiting)
         batch = self._schedule_prefill()
         run = self._running_slots()
+        keep: np.ndarray | None = None
         if batch:
             step = self._prefill_plan(batch)
         else:
@@ -62,6 +64,16 @@ class InFlight(Admission, Decode):
         if step is None:
             return None
         self._clock += 1
+        ahead = self._go_ahead(step, run, keep, n_waiting)
+        self.stats.schedule_s.append(time.perf_counter() - t0)
+        return ahead
+
+    def _go_ahead(
+        self, step: ScheduledStep, run: np.ndarray, keep: np.ndarray | None, n_waiting: int
+    ) -> AheadStep:
+        """Register a planned step as in flight: its KV lengths and samples counted ahead, the
+        prefix cache given its prompts (`run`: the running slots before it; `keep`: a decode
+        step's running requests that got a row, None for a prefill)."""
         plan, reqs = step.plan, list(step.reqs)
         t = self.table
         slots = plan.slots
@@ -70,6 +82,7 @@ class InFlight(Admission, Decode):
             where[run] = np.arange(len(run), dtype=np.int32)
             batch_pos = where[slots]
         else:  # the running requests that got a row
+            assert keep is not None
             batch_pos = np.flatnonzero(keep).astype(np.int32)
         t.kv_len[slots] += plan.extend_lens
         t.inflight[slots] += 1
@@ -83,7 +96,6 @@ class InFlight(Admission, Decode):
         self._inflight.append(
             Inflight(sid, reqs, slots, plan.sample_rows, plan.kv_indices, deferred)
         )
-        self.stats.schedule_s.append(time.perf_counter() - t0)
         return AheadStep(sid, plan, reqs, batch_pos, n_waiting - len(self.waiting))
 
     def commit_oldest(self, next_tokens: Sequence[int]) -> AheadCommit:

@@ -24,6 +24,13 @@ rows in order). So does a row with a grammar: the view says how many of its outp
 and the grammar bank masks row j after the drafts before it (a row past a draft the grammar
 rejects samples unmasked: its token is never kept). A step where no row drafts is a plain
 decode step.
+
+Pipelined (overlap scheduling, `schedule_ahead` / `commit_oldest`): a request's drafts need its
+last token, so a verify step is planned only with nothing in flight, and nothing is planned on
+top of it: its commit is the serial one. With a plain step in flight, a request that would draft
+(an n-gram match in the tokens it knows) makes `schedule_ahead` wait for that step's commit;
+when none would, a plain decode step goes ahead, overlapped, as without speculation. An abort
+while a verify step flies drops its rows' tokens and frees the request at the commit.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import numpy as np
 
 from minisgl.scheduler.backend import SampleView, ScheduledStep, SchedulerConfig
 from minisgl.scheduler.request import Req, StepOutput
-from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.scheduler import AheadCommit, AheadStep, Scheduler
 from minisgl.speculative import DraftSource, SpecConfig, make_draft_source
 from minisgl.step.plan import StepPlan, build_step_plan
 
@@ -71,6 +78,7 @@ class VerifyStep:
     reqs: list[Req] = field(repr=False)  # the requests, each once
     slots: np.ndarray = field(repr=False)  # theirs
     drafts: list[np.ndarray] = field(repr=False)  # per request (empty: no draft)
+    step: int = -1  # pipelined: its step number (`schedule_ahead`), -1 when serial
 
     @property
     def lens(self) -> np.ndarray:
@@ -118,7 +126,8 @@ class SpecScheduler(Scheduler):
         self.spec = speculative
         self.draft: DraftSource = make_draft_source(speculative) if draft is None else draft
         self.spec_stats = SpecStats()
-        self._verify: VerifyStep | None = None
+        self._verify: VerifyStep | None = None  # the verify step planned, until its commit
+        self._drafting = True  # False while a plain step is planned ahead
         self._acceptance: dict[int, float] = {}  # rid -> recent acceptance (EMA), 1 at first
 
     @classmethod
@@ -127,8 +136,61 @@ class SpecScheduler(Scheduler):
     ) -> SpecScheduler:
         return cls(speculative=speculative, draft=draft, **dataclasses.asdict(config))
 
-    def schedule_ahead(self):  # type: ignore[override]
-        raise RuntimeError("speculative decoding runs the serial loop (no overlap scheduling)")
+    # ------------------------------------------------------------------ pipelined
+    def schedule_ahead(self) -> AheadStep | None:
+        if self._verify is not None:
+            return None  # a verify step in flight: its commit comes first (module docs)
+        if self._inflight and self._would_draft():
+            return None
+        self._drafting = not self._inflight  # drafts need every request's last token
+        try:
+            return super().schedule_ahead()
+        finally:
+            self._drafting = True
+
+    def _go_ahead(
+        self, step: ScheduledStep, run: np.ndarray, keep: np.ndarray | None, n_waiting: int
+    ) -> AheadStep:
+        verify = self._verify
+        if verify is None or step.plan is not verify.plan:
+            return super()._go_ahead(step, run, keep, n_waiting)
+        sid = self._next_step
+        self._next_step += 1
+        self._verify = dataclasses.replace(verify, step=sid)
+        self.table.inflight[verify.slots] += 1  # an abort now frees the request at the commit
+        batch_pos = np.arange(len(verify.reqs), dtype=np.int32)
+        return AheadStep(sid, step.plan, list(step.reqs), batch_pos, 0)
+
+    def commit_oldest(self, next_tokens: Sequence[int]) -> AheadCommit:
+        verify = self._verify
+        if verify is None or verify.step < 0:
+            return super().commit_oldest(next_tokens)
+        t = self.table
+        tokens = np.asarray(next_tokens, dtype=np.int64).reshape(-1)
+        if len(tokens) != verify.plan.num_tokens:
+            raise ValueError(
+                f"commit got {len(tokens)} tokens for {verify.plan.num_tokens} samples"
+            )
+        t0 = time.perf_counter()
+        self._served["commit"] += 1
+        self._verify = None
+        t.inflight[verify.slots] -= 1
+        outputs = self._commit_verify(verify, tokens, t0)
+        gone = [r for r in verify.reqs if r in self._retiring and t.inflight[r.slot] == 0]
+        for req in gone:  # aborted while the step flew: freed now
+            self._retiring.remove(req)
+            self._release(req)
+        return AheadCommit(verify.step, outputs, [])
+
+    def _would_draft(self) -> bool:
+        """Some running request would take drafts: an exact source (a draft model) whenever
+        one has room; a weightless one when it proposes from the tokens known so far."""
+        reqs = list(self.running)
+        budgets = [self._budget(r) for r in reqs]
+        if self.draft.exact or not any(budgets):
+            return any(budgets)
+        tokens = [r.all_tokens() if b else _NONE for r, b in zip(reqs, budgets)]
+        return any(len(d) for d in self.draft.propose_many(tokens, budgets))
 
     # ------------------------------------------------------------------ plans
     def _budget(self, req: Req) -> int:
@@ -154,13 +216,18 @@ class SpecScheduler(Scheduler):
         self._verify = None
         if not self.running:
             self._acceptance.clear()
-        if keep is not None or not self.running:
+        if keep is not None or not self.running or not self._drafting:
             return super()._decode_plan(keep)
         reqs = list(self.running)
         drafts = self._step_drafts(reqs)
-        lens = np.array([1 + len(d) for d in drafts], dtype=np.int32)
-        if (lens == 1).all():
+        if all(len(d) == 0 for d in drafts):
             return super()._decode_plan()
+        step = self._verify_step(reqs, drafts)
+        return ScheduledStep(step.plan, [row for r, d in zip(reqs, drafts) for row in _rows(r, d)])
+
+    def _verify_step(self, reqs: list[Req], drafts: list[np.ndarray]) -> VerifyStep:
+        """The verify step of `reqs` with `drafts` (the one in flight from now on)."""
+        lens = np.array([1 + len(d) for d in drafts], dtype=np.int32)
         slots = self._running_slots()
         t = self.table
         starts = t.kv_len[slots]
@@ -171,7 +238,7 @@ class SpecScheduler(Scheduler):
         plan = verify_plan(self.alloc.page_table, slots, starts, lens, ids)
         self._last_decode = None
         self._verify = VerifyStep(plan, reqs, slots.astype(np.int64), drafts)
-        return ScheduledStep(plan, [row for r, d in zip(reqs, drafts) for row in _rows(r, d)])
+        return self._verify
 
     def _within_budget(self, reqs: list[Req], available: list[int]) -> list[int]:
         """How many of its `available` drafts each request takes: at most `max_step_rows` rows
@@ -207,6 +274,11 @@ class SpecScheduler(Scheduler):
             raise ValueError(f"commit got {len(tokens)} tokens for {plan.num_tokens} samples")
         if len(reqs) != plan.batch_size:
             raise ValueError(f"commit got {len(reqs)} requests for a batch of {plan.batch_size}")
+        return self._commit_verify(verify, tokens, t0)
+
+    def _commit_verify(self, verify: VerifyStep, tokens: np.ndarray, t0: float) -> list[StepOutput]:
+        """Each request's accepted drafts and next token, appended column by column under the
+        finish rules (module docs); rows of requests aborted meanwhile are dropped."""
         reqs = verify.reqs
         lens = verify.lens
         offsets = np.cumsum(lens) - lens
@@ -215,7 +287,7 @@ class SpecScheduler(Scheduler):
         self._count(reqs, verify.drafts, accepted)
         emit = accepted + 1
         slots = verify.slots
-        ended = np.zeros(len(reqs), dtype=bool)
+        ended = self.table.done[slots].copy()  # aborted while a pipelined verify step flew
         appended = np.zeros(len(reqs), dtype=np.int64)
         codes_of = np.zeros(len(reqs), dtype=np.int8)
         outputs: list[StepOutput] = []
