@@ -495,6 +495,27 @@ def test_a_step_ahead_drafts_only_with_nothing_in_flight():
 
 
 @pytest.mark.card(CARD, OVERLAP_ITEM)
+def test_a_full_step_goes_ahead_without_waiting_for_drafts():
+    """As many running requests as `max_step_rows`: no free row for a draft, so a step ahead
+    never waits for a commit to draft (and proposes nothing), even where n-grams match."""
+    sched = _spec_scheduler(4, max_step_rows=2)
+    for _ in range(2):
+        sched.add_request([10, 11, 12, 13, 14, 10, 11], greedy(20))  # "10 11" recurs
+    calls = []
+    propose = sched.draft.propose_many
+    sched.draft.propose_many = lambda *a: calls.append(a) or propose(*a)
+    assert _ahead(sched).plan.is_prefill
+    plain = _ahead(sched)  # overlapped: planned with the prefill in flight
+    assert plain is not None and plain.plan.input_ids.tolist() == [-1, -1]
+    assert calls == []
+    sched.commit_oldest([12, 12])
+    sched.commit_oldest([13, 13])
+    for rid in list(sched.requests):
+        sched.abort(rid)
+    assert_scheduler_clean(sched)
+
+
+@pytest.mark.card(CARD, OVERLAP_ITEM)
 @pytest.mark.card(CARD, OVERLAP_RED)
 def test_overlap_scheduling_with_speculation_gives_the_serial_loops_tokens(tiny):
     """`overlap=True` with n-gram drafts: greedy, logprob, seeded sampled and constrained rows
