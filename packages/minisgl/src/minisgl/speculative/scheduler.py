@@ -184,8 +184,11 @@ class SpecScheduler(Scheduler):
 
     def _would_draft(self) -> bool:
         """Some running request would take drafts: an exact source (a draft model) whenever
-        one has room; a weightless one when it proposes from the tokens known so far."""
+        one has room; a weightless one when it proposes from the tokens known so far. Never
+        when the running requests fill the step budget (no row left for a draft)."""
         reqs = list(self.running)
+        if len(reqs) >= self.spec.max_step_rows:
+            return False
         budgets = [self._budget(r) for r in reqs]
         if self.draft.exact or not any(budgets):
             return any(budgets)
