@@ -495,6 +495,28 @@ def test_a_step_ahead_drafts_only_with_nothing_in_flight():
 
 
 @pytest.mark.card(CARD, OVERLAP_ITEM)
+def test_an_abort_while_a_verify_step_flies_frees_the_request_at_its_commit():
+    """A request aborted (client gone, stop string) while its verify step is in flight keeps
+    its KV until the step is committed; the commit drops its rows' tokens and frees it, the
+    other request's accepted drafts are kept."""
+    sched = _spec_scheduler(4)
+    a = sched.add_request([10, 11, 12, 13, 14, 10, 11], greedy(20))
+    b = sched.add_request([30, 31, 32, 33, 34, 35, 30, 31], greedy(20))
+    assert _ahead(sched).plan.is_prefill
+    sched.commit_oldest([12, 32])
+    verify = _ahead(sched)
+    assert verify.plan.input_ids.tolist() == [12, 13, 14, 10, 11, 32, 33, 34, 35, 30]
+    assert sched.abort(a)
+    assert a not in sched.requests and sched.num_retiring == 1
+    sched.check_integrity()  # a's pages still held: the step in flight reads them
+    outs = sched.commit_oldest([13, 14, 10, 11, 7, 33, 34, 0, 0, 0]).outputs
+    assert [(o.rid, o.token_id) for o in outs] == [(b, 33), (b, 34), (b, 0)]
+    assert sched.num_retiring == 0 and sched.requests[b].output_ids == [32, 33, 34, 0]
+    sched.abort(b)
+    assert_scheduler_clean(sched)
+
+
+@pytest.mark.card(CARD, OVERLAP_ITEM)
 def test_a_full_step_goes_ahead_without_waiting_for_drafts():
     """As many running requests as `max_step_rows`: no free row for a draft, so a step ahead
     never waits for a commit to draft (and proposes nothing), even where n-grams match."""
