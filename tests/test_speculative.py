@@ -477,7 +477,7 @@ def test_a_step_ahead_drafts_only_with_nothing_in_flight():
     verify = _ahead(sched)
     assert verify.plan.input_ids.tolist() == [12, 13, 14, 10, 11]
     assert [r.drafts for r in verify.reqs] == [0, 1, 2, 3, 4]
-    assert _ahead(sched) is None  # a verify step in flight: commit it first
+    assert _ahead(sched) is None and sched.num_inflight == 1  # a verify step: commit it first
     outs = sched.commit_oldest([13, 14, 99, 5, 6]).outputs
     assert [(o.rid, o.token_id) for o in outs] == [(a, 13), (a, 14), (a, 99)]
     assert sched.requests[a].kv_len == 10 and sched.num_inflight == 0

@@ -182,6 +182,12 @@ class SpecScheduler(Scheduler):
             self._release(req)
         return AheadCommit(verify.step, outputs, [])
 
+    @property
+    def num_inflight(self) -> int:
+        """Steps in flight: the base's plain ones, or a verify step."""
+        flying = self._verify is not None and self._verify.step >= 0
+        return len(self._inflight) + flying
+
     def _would_draft(self) -> bool:
         """Some running request would take drafts: an exact source (a draft model) whenever
         one has room; a weightless one when it proposes from the tokens known so far. Never
