@@ -253,18 +253,25 @@ PLANES_ITEM = "the-chat-template-and-priority-hold-on-both-control-planes"
 PLANES_RED = "failing-tests-the-flags-on-the-rust-service"
 
 
+LONG = 8000  # a blocker's tokens: seconds of decoding, ended by its client long before
+
+
 @pytest.fixture(scope="module", params=["python", "rust_service"])
-def planes(request, tiny_model_dir, tmp_path_factory):
+def planes(request, tmp_path_factory):
     """A server on each control plane with `--chat-template` and `--scheduling-policy
-    priority`, one request running at a time, so that the waiting queue's order shows."""
+    priority`, one request running at a time, so that the waiting queue's order shows; its
+    tiny llama has an 8k context, so that a blocker outlasts any queueing delay."""
     from minisgl.testing.server import start
+    from minisgl.testing.tiny_models import write_tiny_model
 
     d = tmp_path_factory.mktemp(f"planes-{request.param}")
     template = d / "template.jinja"
     template.write_text(TEMPLATE)
-    with start(request.param, tiny_model_dir("llama"), "--chat-template", str(template),
+    model = write_tiny_model("llama", d / "model", seed=0, max_position_embeddings=LONG + 192)
+    with start(request.param, model, "--chat-template", str(template),
                "--scheduling-policy", "priority", "--max-running-requests", "1",
-               "--max-seq-len-override", "512", "--served-model-name", "m", log_dir=d, backend=request.param) as s:  # fmt: skip
+               "--max-seq-len-override", str(LONG + 192), "--num-pages", "16384",
+               "--served-model-name", "m", log_dir=d, backend=request.param) as s:  # fmt: skip
         if s.handle is not None:
             s.handle.model = "m"
         yield s  # a server that did not start fails each test by assertion (`s.get()`)
@@ -304,15 +311,17 @@ def wait_queued(server, n: int, alive: threading.Thread) -> None:
 
 @pytest.mark.card(CARD, PLANES_ITEM, PLANES_RED)
 def test_a_lower_priority_number_is_served_first_on_both_planes(planes):
-    """One request runs (a stream of up to 500 tokens); two 4-token requests queue behind it,
+    """One request runs (a stream of up to 8000 tokens); two 4-token requests queue behind it,
     priority 1000 first and -1000 after it (each seen in the queue before the next step); then
     the long one is ended by its client: the second is served first (FIFO would serve the
-    first). Aging (one level every 16 steps) cannot close a gap of 2000 levels in 500 steps.
+    first). Aging (one level every 16 steps) cannot close a gap of 2000 levels in the steps the
+    blocker runs.
     Without the queue checks, a busy machine could send `urgent` after the slot freed (CI at
-    081f6c7)."""
+    081f6c7); a 500-token blocker ended before the polls saw both queued on a fast one (CI at
+    59f3fea)."""
     planes = planes.get()
     done: dict[str, float] = {}
-    long_body = completion(planes, max_tokens=500, ignore_eos=True, stream=True, priority=0)
+    long_body = completion(planes, max_tokens=LONG, ignore_eos=True, stream=True, priority=0)
     first_token, both_queued = threading.Event(), threading.Event()
 
     def long_run() -> None:
