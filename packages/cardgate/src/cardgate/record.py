@@ -45,7 +45,7 @@ def manifest(
         "commit": pre.commit,
         "dirty": bool(pre.dirty),
         "dirty_files": list(pre.dirty[:200]),
-        "started_utc": timing.started.isoformat(timespec="seconds"),
+        "started_utc": timing.started.isoformat(timespec="microseconds"),
         "finished_utc": timing.finished.isoformat(timespec="seconds"),
         "pytest_command": [_relative(a, pre.root) for a in run.command],
         "pytest_args": [*(["-n", opts.workers] if opts.workers else []), *opts.pytest_args],
@@ -140,7 +140,7 @@ def record(
         {
             "card_path": target,
             "dirty": bool(outcome.dirty),
-            "started_utc": timing.started.isoformat(timespec="seconds"),
+            "started_utc": timing.started.isoformat(timespec="microseconds"),
             "finished_utc": timing.finished.isoformat(timespec="seconds"),
         }
     )
