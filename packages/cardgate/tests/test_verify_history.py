@@ -3,9 +3,13 @@ history, and only while no later gate of the same card text failed."""
 
 from __future__ import annotations
 
+import shutil
+from datetime import datetime, timedelta
+
 import pytest
 from cardgate_repo import FAIL, PASS, Repo
 
+from cardgate import evidence
 from cardgate.board import load_board
 from cardgate.verify import verify_card
 
@@ -49,6 +53,39 @@ def test_a_later_failing_gate_un_verifies_a_done_card(repo: Repo) -> None:
     repo.tests(impl="False", tdd=False)
     repo.commit("break it")
     assert repo.gate().ret == FAIL  # re-gated in place, same card text
+    verification = _verification(repo)
+    assert verification.verified is False
+    assert any("failed" in flag for flag in verification.flags), verification.flags
+
+
+@pytest.mark.card(CARD, "a-later-failing-gate-of-the-same-card-text-un-verifies", RED, GREEN)
+def test_a_later_failing_gate_in_the_same_second_un_verifies_whatever_its_folder_name(
+    repo: Repo,
+) -> None:
+    """Two gates in one second share their folders' stamp, so the folder names order them by
+    their commits' short hashes; the later failing gate must still count as later (by the
+    microsecond stamp in its summary). Here its folder's hash sorts first on purpose."""
+    repo.card(tdd=False)
+    repo.tests(impl="True", tdd=False)
+    repo.commit()
+    assert repo.gate("--commit").ret == PASS
+    repo.tests(impl="False", tdd=False)
+    repo.commit("break it")
+    assert repo.gate().ret == FAIL
+    base = repo.path / evidence.EVIDENCE_ROOT / "T-001"
+    passed, failed = (r for r in evidence.records(repo.path, "T-001"))
+    assert (passed.outcome, failed.outcome) == ("pass", "fail")
+    stamp = passed.path.name.split("-")[0]
+    moved = base / f"{stamp}-0000000-green"
+    shutil.copytree(failed.path, moved)
+    shutil.rmtree(failed.path)
+    later = datetime.fromisoformat(passed.summary["started_utc"]) + timedelta(microseconds=1)
+    summary = {k: v for k, v in failed.summary.items() if k != "digest"}
+    (moved / evidence.SUMMARY).unlink()
+    evidence.write_summary(moved, {**summary, "started_utc": later.isoformat()})
+    ordered = evidence.records(repo.path, "T-001")
+    assert [r.outcome for r in ordered] == ["pass", "fail"], [r.path.name for r in ordered]
+    assert ordered[-1].path.name < ordered[0].path.name  # the folder names say the opposite
     verification = _verification(repo)
     assert verification.verified is False
     assert any("failed" in flag for flag in verification.flags), verification.flags

@@ -108,14 +108,17 @@ def verify_card(root: Path, card: Card) -> Verification:
             + f": re-gate it (python -m cardgate gate {card.id} --commit)"
         )
         return Verification(False, (why,), last)
+    # records are in stamp order (evidence.records): what follows the last passing record in
+    # that list is later, whatever the folder names say (two gates in one second share their
+    # folders' stamp and then sort by commit hash)
+    after = records[records.index(matching[-1]) + 1 :]
     later = [
         r
-        for r in records
+        for r in after
         if r.phase == "green"
         and r.card == card.id
         and r.intact
         and r.summary.get("card_sha256") == current
-        and r.path.name > matching[-1].path.name
         and r.outcome == "fail"
     ]
     if later:
