@@ -119,9 +119,14 @@ def llamacpp_info() -> dict[str, Any]:
 
 
 def greedy_stream(model: Any, prompt: Sequence[int], max_tokens: int) -> Iterator[int]:
-    """Greedy continuation of `prompt`, exactly `max_tokens` tokens, yielded as they come."""
+    """Greedy continuation of `prompt`, exactly `max_tokens` tokens, yielded as they come, from
+    an empty context: `generate(reset=True)` alone still skips the longest common prefix with
+    the tokens the model evaluated last, and the benchmark's passes repeat their prompts (a
+    timed single-stream pass then skipped llama.cpp's prefill, while minisgl's arm flushes its
+    prefix cache before each pass)."""
     if max_tokens <= 0:
         return
+    model.reset()
     gen = model.generate(list(prompt), reset=True, **GREEDY)
     try:
         for n, tok in enumerate(gen, 1):
