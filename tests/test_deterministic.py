@@ -201,11 +201,60 @@ def test_linear_row_bits_do_not_depend_on_the_row_count(shape: tuple[int, int]) 
     torch.manual_seed(0)
     lin = torch.nn.Linear(*shape, bias=False).bfloat16()
     assert make_batch_invariant(lin) == 1
-    x = torch.randn(100, shape[0], dtype=torch.bfloat16)
+    x = torch.randn(300, shape[0], dtype=torch.bfloat16)
     with torch.inference_mode():
         alone = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])
-        for start, rows in [(0, 2), (3, 17), (0, 32), (1, 33), (0, 64), (5, 95), (0, 100)]:
+        for start, rows in [(0, 2), (3, 17), (0, 32), (1, 33), (0, 64), (5, 95), (0, 100),
+                            (0, 256), (1, 257), (0, 300)]:  # fmt: skip
             assert torch.equal(lin(x[start : start + rows]), alone[start : start + rows]), rows
+
+
+def _fake_gemm(w, wide_kernel_from: int | None = None, per_count: bool = False):
+    """A linear's forward for `row_block`: each row's sums in float64, rounded to bf16 (its
+    bits its own); from `wide_kernel_from` rows on, another kernel (the bf16 product, as
+    oneDNN's AMX tiles from 33 rows); `per_count`: every row count its own bits."""
+    import torch
+
+    def forward(x):
+        if wide_kernel_from is not None and x.shape[0] >= wide_kernel_from:
+            return x @ w.t()
+        y = (x.double() @ w.double().t()).bfloat16()
+        return y + x.shape[0] * 2.0**-4 if per_count else y
+
+    return forward
+
+
+def test_a_linear_runs_in_the_widest_row_block_whose_rows_agree() -> None:
+    """Deterministic mode's row blocks are as wide as the GEMM allows, probed per layer at load:
+    a GEMM whose rows agree at every probed count (2..256, two offsets) runs blocks of 256 (one
+    GEMM where oneDNN had 8: 1.4-1.8x on the embedded model's shapes, amd-epyc); one whose kernel
+    changes from 33 rows runs blocks of 32, as before; one whose every row count differs is
+    refused (the mode cannot keep its promise there). A one-row block still runs as two rows."""
+    import torch
+
+    from minisgl.engine.deterministic import ROW_BLOCK, WIDE_ROW_BLOCK, RowBlocks, row_block
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=g).bfloat16()
+    assert (ROW_BLOCK, WIDE_ROW_BLOCK) == (32, 256)
+    assert row_block(_fake_gemm(w), 64, torch.bfloat16) == WIDE_ROW_BLOCK
+    assert row_block(_fake_gemm(w, wide_kernel_from=33), 64, torch.bfloat16) == ROW_BLOCK
+    assert row_block(_fake_gemm(w, wide_kernel_from=200), 64, torch.bfloat16) == ROW_BLOCK
+    with pytest.raises(ValueError, match="deterministic mode: .*row count"):
+        row_block(_fake_gemm(w, per_count=True), 64, torch.bfloat16)
+    calls: list[int] = []
+
+    def counted(x):
+        calls.append(x.shape[0])
+        return _fake_gemm(w)(x)
+
+    blocks = RowBlocks(counted, WIDE_ROW_BLOCK)
+    x = torch.randn(513, 64, generator=g).bfloat16()
+    assert torch.equal(blocks(x), _fake_gemm(w)(x))
+    assert calls == [256, 256, 2]  # the last row alone, as two rows
+    calls.clear()
+    RowBlocks(counted, ROW_BLOCK)(x[:70])
+    assert calls == [32, 32, 6]
 
 
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (576, 1040)])
