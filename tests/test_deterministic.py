@@ -211,14 +211,13 @@ def test_linear_row_bits_do_not_depend_on_the_row_count(shape: tuple[int, int]) 
 
 def _fake_gemm(w, wide_kernel_from: int | None = None, per_count: bool = False):
     """A linear's forward for `row_block`: each row's sums in float64, rounded to bf16 (its
-    bits its own); from `wide_kernel_from` rows on, another kernel (the bf16 product, as
-    oneDNN's AMX tiles from 33 rows); `per_count`: every row count its own bits."""
-    import torch
+    bits its own); from `wide_kernel_from` rows on, another kernel's bits (as oneDNN's AMX tiles
+    from 33 rows: here the sums plus 1/8); `per_count`: every row count its own bits."""
 
     def forward(x):
-        if wide_kernel_from is not None and x.shape[0] >= wide_kernel_from:
-            return x @ w.t()
         y = (x.double() @ w.double().t()).bfloat16()
+        if wide_kernel_from is not None and x.shape[0] >= wide_kernel_from:
+            return y + 2.0**-3
         return y + x.shape[0] * 2.0**-4 if per_count else y
 
     return forward
