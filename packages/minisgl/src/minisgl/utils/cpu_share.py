@@ -15,7 +15,10 @@ minisgl.benchmark.contention`). Measured on the amd-epyc kind (2 cores, one 14-t
 beside four spinning processes, other work on the machine too, medians of 3): fixed 2 threads
 0.60 s (4.3x its 0.14 s alone), adapted (1 thread) 0.75 s (5.9x): there 2 threads lose less at
 the barriers than one thread's half of the cores costs, unlike the intel-amx report (8-40x with
-2 threads, ~6x with 1). A kind where the benchmark shows the adaptation faster may turn it on.
+2 threads, ~6x with 1). That was before `import minisgl` gave OpenMP a short spin; since, it
+measured faster than fixed threads beside the load on both kinds (amd-epyc 0.23-0.27 s against
+0.26-0.39, intel-amx 0.42 against 0.45; docs/runtime.md), in the contention benchmark only: it
+stays off until the batched and server benchmarks are measured with it.
 """
 
 from __future__ import annotations
