@@ -126,6 +126,8 @@ def llama_print_system_info():
 class Llama:
     def __init__(self, model_path, **kwargs):
         self.params = llama_cpp.llama_model_default_params()
+    def reset(self):
+        pass
     def generate(self, tokens, reset=True, **kw):
         if getattr(self.params, "use_extra_bufts", True):
             resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))

@@ -30,7 +30,11 @@ def die(how: str) -> None:
 
 
 class CountingModel:
-    """`llama_cpp.Llama`'s generate surface: the continuation is last token + 1, mod VOCAB."""
+    """`llama_cpp.Llama`'s generate surface (and `reset`, which the arm calls before each
+    request): the continuation is last token + 1, mod VOCAB."""
+
+    def reset(self) -> None:
+        pass
 
     def generate(self, tokens, reset=True, **_kw):
         last = tokens[-1]
