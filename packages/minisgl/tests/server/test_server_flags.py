@@ -254,6 +254,10 @@ PLANES_RED = "failing-tests-the-flags-on-the-rust-service"
 
 
 LONG = 8000  # a blocker's tokens: seconds of decoding, ended by its client long before
+# the queued requests' tokens: one runs at a time, so the second finishes SHORT decode steps
+# after the first, a gap no delay of the client's threads on a busy machine closes (with 4
+# tokens, CI at 0c176b3 read the two completions 1.6 ms apart, the later-served one first)
+SHORT = 48
 
 
 @pytest.fixture(scope="module", params=["python", "rust_service"])
@@ -311,7 +315,7 @@ def wait_queued(server, n: int, alive: threading.Thread) -> None:
 
 @pytest.mark.card(CARD, PLANES_ITEM, PLANES_RED)
 def test_a_lower_priority_number_is_served_first_on_both_planes(planes):
-    """One request runs (a stream of up to 8000 tokens); two 4-token requests queue behind it,
+    """One request runs (a stream of up to 8000 tokens); two 48-token requests queue behind it,
     priority 1000 first and -1000 after it (each seen in the queue before the next step); then
     the long one is ended by its client: the second is served first (FIFO would serve the
     first). Aging (one level every 16 steps) cannot close a gap of 2000 levels in the steps the
@@ -334,7 +338,8 @@ def test_a_lower_priority_number_is_served_first_on_both_planes(planes):
                     break  # the client goes away: the server aborts it and frees the slot
 
     def short(name: str, priority: int) -> None:
-        r = post(planes, "completions", four_tokens(planes, priority=priority), headers=None)
+        body = four_tokens(planes, priority=priority, max_tokens=SHORT)
+        r = post(planes, "completions", body, headers=None)
         assert r.status_code == 200, r.text
         done[name] = time.monotonic()
 
