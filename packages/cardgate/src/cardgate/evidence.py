@@ -11,10 +11,10 @@ record the gate wrote; a hand-written or hand-edited record does not verify). It
 against mistakes and hand edits, not a signature against a forger with the source code.
 
 Records are ordered by `started_utc` inside the summary (covered by the digest; to the
-microsecond since 2026-12-07, so two gates of a card in one second order by when they began, not
-by their folder names' commit hashes), never by the folder name: a record whose folder name disagrees with its stamp (renamed to outrank a later
-gate) or whose stamp lies in the future is refused (`refused_records`, a board lint error) and
-left out of `records`. A record from before stamps is ordered by its folder name.
+microsecond since 2026-12-07, so two gates of a card in one second order by when they began,
+not by their folder names' commit hashes), never by the folder name: a record whose folder name
+disagrees with its stamp (renamed to outrank a later gate) or whose stamp lies in the future
+is refused (`refused_records`, a board lint error) and left out of `records`. A record from before stamps is ordered by its folder name.
 
 Nothing named in `CARDGATE_PRIVATE_NAMES` (nor this machine's user and host name) is written
 into a record: `write_json` and `write_jsonl` replace each with `<private>`.

@@ -161,19 +161,13 @@ def row_block(forward: Callable[[torch.Tensor], torch.Tensor], k: int, dtype: to
     x = torch.randn(max(PROBE_ROWS) + max(PROBE_OFFSETS), k, generator=g).to(dtype)
     with torch.inference_mode():
         base = torch.cat([forward(x[s : s + ROW_BLOCK]) for s in range(0, len(x), ROW_BLOCK)])
-
-        def agree(limit: int) -> bool:
-            return all(
-                torch.equal(forward(x[off : off + m]), base[off : off + m])
-                for m in PROBE_ROWS
-                if m <= limit
-                for off in PROBE_OFFSETS
-            )
-
-        if agree(WIDE_ROW_BLOCK):
-            return WIDE_ROW_BLOCK
-        if agree(ROW_BLOCK):
-            return ROW_BLOCK
+        same = {
+            m: all(torch.equal(forward(x[o : o + m]), base[o : o + m]) for o in PROBE_OFFSETS)
+            for m in PROBE_ROWS
+        }
+    for limit in (WIDE_ROW_BLOCK, ROW_BLOCK):
+        if all(ok for m, ok in same.items() if m <= limit):
+            return limit
     raise ValueError(
         f"{HOW}: this CPU's GEMM gives a row other bits at another row count (a [{k}]-input "
         "linear, rows 2..32), so no row block keeps a request's logits its own"
