@@ -205,3 +205,57 @@ def test_cpu_speed_llamacpp_without_the_package_is_a_usage_error(monkeypatch, tm
     err = capsys.readouterr().err
     assert "llama-cpp-python" in err and "GGML_NATIVE=ON" in err
     assert not (tmp_path / "r.json").exists()
+
+
+def _import_minisgl_then(script: str, **env: str) -> str:
+    """`script`'s output in a fresh interpreter that imports minisgl first, with this process's
+    environment less the OpenMP variables (and their record) plus `env`."""
+    import os
+    import subprocess
+    import sys
+
+    own = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MINISGL_OPENMP_SET", "MINISGL_OPENMP")
+    base = {k: v for k, v in os.environ.items() if k not in own}
+    code = f"import os, minisgl\n{script}"
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, check=True,
+                         capture_output=True, text=True)  # fmt: skip
+    return out.stdout.strip()
+
+
+PEER_OPENMP = (
+    "from minisgl.benchmark.peers import peer_environ\n"
+    "e = peer_environ()\n"
+    "print(e.get('OMP_WAIT_POLICY'), e.get('GOMP_SPINCOUNT'), e.get('MINISGL_OPENMP'))"
+)
+
+
+def test_a_peer_starts_without_the_openmp_settings_minisgl_made_for_its_own_threads():
+    """`import minisgl` makes idle OpenMP threads sleep after a short spin (PASSIVE, 1000), for
+    its own engine on a shared machine; a peer is measured as its users run it: llama.cpp links
+    libgomp and vLLM's CPU build intel-openmp, whose defaults spin longer (minisgl's own decode
+    ran at a third of its speed under PASSIVE alone). Its process gets neither variable, and
+    is told not to set them when it imports minisgl itself; what the caller set reaches it."""
+    assert _import_minisgl_then(PEER_OPENMP) == "None None keep"
+    assert _import_minisgl_then(PEER_OPENMP, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE None keep"
+    both = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "50"}
+    assert _import_minisgl_then(PEER_OPENMP, **both) == "PASSIVE 50 keep"
+    keep = "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
+    assert _import_minisgl_then(keep, MINISGL_OPENMP="keep") == "None None"
+
+
+def test_the_peers_process_runs_with_its_librarys_openmp_defaults(run, monkeypatch):
+    """End to end: this process imported minisgl (which set and recorded both variables); the
+    peer's record says what its process had: neither."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    monkeypatch.setenv("MINISGL_OPENMP_SET", "OMP_WAIT_POLICY,GOMP_SPINCOUNT")
+    rc, record = run(fake_llamacpp(options={}))
+    assert rc == 0
+    assert record["llamacpp"]["openmp_env"] == {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the caller's own: the peer gets it
+    monkeypatch.delenv("MINISGL_OPENMP_SET")
+    rc, record = run(fake_llamacpp(options={}))
+    assert record["llamacpp"]["openmp_env"] == {
+        "OMP_WAIT_POLICY": "ACTIVE",
+        "GOMP_SPINCOUNT": "1000",
+    }

@@ -36,12 +36,18 @@ def _sleeping_openmp() -> None:
     region then woke its threads from a futex, and single-stream decode (hundreds of regions a
     step) fell from 143 to 50.6 tok/s on a quiet intel-amx; the short spin keeps 141.8 and a
     loaded request's latency (0.47-0.52 s against PASSIVE's 0.48-0.75). A dedicated machine
-    may set ACTIVE; a process that imported torch first keeps its policy."""
+    may set ACTIVE; a process that imported torch first keeps its policy.
+
+    What it set is named in `MINISGL_OPENMP_SET` (a benchmark's peer, another engine, starts
+    without it: `benchmark.peers.peer_environ`); `MINISGL_OPENMP=keep` sets nothing."""
     import os
 
-    if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-        os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+    if os.environ.get("MINISGL_OPENMP") == "keep" or "OMP_WAIT_POLICY" in os.environ:
+        return
+    made = {"OMP_WAIT_POLICY": "PASSIVE"}
+    if "GOMP_SPINCOUNT" not in os.environ:
+        made["GOMP_SPINCOUNT"] = "1000"
+    os.environ.update(made, MINISGL_OPENMP_SET=",".join(made))
 
 
 _cap_onednn()

@@ -108,7 +108,8 @@ class PeerProcess:
         self.spec, self.path = spec, path
         opts = json.dumps({**spec.options, **options})
         cmd = [sys.executable, "-m", "minisgl.benchmark.peers", spec.entry, path, opts]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=peer_environ())  # fmt: skip
         try:
             self.info: dict[str, Any] = self._reply("load")
         except PeerFailed:
@@ -147,6 +148,23 @@ class PeerProcess:
             self.proc.kill()
             self.proc.wait()
         self.proc.stdout.close()
+
+
+def peer_environ(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a peer's process starts with: `base` (this process's) less the OpenMP
+    variables `import minisgl` set for its own threads (`MINISGL_OPENMP_SET` names them), and
+    `MINISGL_OPENMP=keep`, so that the peer's own import of minisgl sets none: a peer runs with
+    its OpenMP library's defaults, as its users get them, or with what the caller set."""
+    env = dict(os.environ if base is None else base)
+    made = env.pop("MINISGL_OPENMP_SET", "")
+    for name in filter(None, made.split(",")):
+        env.pop(name, None)
+    env["MINISGL_OPENMP"] = "keep"
+    return env
+
+
+# what a peer's record says of the OpenMP settings its process ran with
+OPENMP_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def _json(obj: Any) -> Any:
@@ -210,7 +228,8 @@ def serve(entry: str, path: str, options: Mapping[str, Any]) -> int:
 
         kept = keep_freed_memory()  # the allocator the minisgl and HF arms run with
         peer.append(getattr(importlib.import_module(module), name)(path, **options))
-        return {**peer[0].info(), "malloc_tuned": kept}
+        openmp = {name: os.environ.get(name) for name in OPENMP_ENV}
+        return {**peer[0].info(), "malloc_tuned": kept, "openmp_env": openmp}
 
     answer(load)
     if not peer:
