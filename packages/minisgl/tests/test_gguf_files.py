@@ -5,6 +5,7 @@ the type's stated error; bad files are a ValueError offline and exit 2 at a serv
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -257,8 +258,6 @@ def test_a_llama3_files_rope_factors_serve_as_hfs_llama3_scaling(factor, tmp_pat
     """`rope_freqs.weight` is read back into the converted config as HF's `llama3` parameters
     (fitted to the factors, then checked to reproduce them) and served as the HF model the file
     came from: fp32 logits within 1e-5. Without the scaling they are far off."""
-    import json
-
     scaling = {**LLAMA3, "factor": factor}
     path = write_tiny_gguf("llama", tmp_path / "llama3.gguf", "F32", rope_scaling=scaling)
     cfg = json.loads((Path(resolve_model_path(path)) / "config.json").read_text())
@@ -374,8 +373,6 @@ def test_a_qwen3_moe_files_config_has_its_experts(moe_files):
     """The expert count, top-k and expert rows come from the `expert_*` keys (transformers
     leaves the rows at Qwen3MoeConfig's default, 768); every layer is sparse and the top-k
     weights renormalised, as llama.cpp's qwen3moe runs them."""
-    import json
-
     from minisgl.config import ModelConfig
 
     folder = _served(moe_files("Q4_K"))
@@ -474,3 +471,46 @@ def test_auto_serves_a_q4_k_mixtral_file_as_int4(tmp_path):
     assert sum(isinstance(m, QuantizedExperts) for m in llm.engine.model.modules()) == 2
     err = _relative_error(prompt_logits(llm, IDS), want)
     assert err <= MOE_PACKED_ERROR["Q4_K"], f"relative logits error {err:.4f}"
+
+
+def _weight_names(folder: Path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+@pytest.mark.parametrize("family, tied", [("qwen2", True), ("llama", False)])
+def test_a_converted_folder_names_its_embedding_as_hf_saves_it(family, tied, tmp_path):
+    """A file's folder is an HF folder other engines load: a tied embedding is stored once, as
+    `model.embed_tokens.weight` (what transformers' `save_pretrained` writes and vLLM reads;
+    vLLM 0.32 left the embedding at zero when it found only `lm_head.weight`, and decoded token
+    0 for every prompt); an untied file's output matrix is `lm_head.weight` beside it."""
+    folder = _served(write_tiny_gguf(family, tmp_path / f"{family}.gguf"))
+    names = _weight_names(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is tied
+    assert "model.embed_tokens.weight" in names
+    assert ("lm_head.weight" in names) is (not tied)
+
+
+def test_a_folder_converted_with_the_old_tied_name_is_renamed_on_its_next_use(tmp_path):
+    """Folders converted before held a tied embedding as `lm_head.weight`: the next use renames
+    it in place (same values; the packed cache beside it stays)."""
+    from safetensors.torch import load_file, save_file
+
+    path = write_tiny_gguf("qwen2", tmp_path / "t.gguf")
+    folder = _served(path)
+    weights = load_file(str(folder / "model.safetensors"))
+    embedding = weights["model.embed_tokens.weight"].clone()
+    weights["lm_head.weight"] = weights.pop("model.embed_tokens.weight")
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    packed = sorted(p.name for p in (folder / "packed").iterdir())
+
+    assert _served(path) == folder
+    assert _weight_names(folder) == set(weights) - {"lm_head.weight"} | {
+        "model.embed_tokens.weight"
+    }
+    renamed = load_file(str(folder / "model.safetensors"))
+    assert torch.equal(renamed["model.embed_tokens.weight"], embedding)
+    assert sorted(p.name for p in (folder / "packed").iterdir()) == packed

@@ -125,7 +125,7 @@ def _check_tensor(path: Path, index, t) -> None:
 
     arch = index.architecture
     if not is_moe_tensor(t.name):
-        known = float_name(t.name, False) is not None
+        known = float_name(t.name) is not None
     else:
         known = moe_file(index)
     if not known:
@@ -206,6 +206,48 @@ def model_folder(path: str | Path) -> Path:
     return cache_dir() / "models" / "gguf" / key / Path(path).stem
 
 
+# a tied embedding's name in folders converted before 2026-12-07 (`rename_old_tied_name`)
+OLD_TIED_NAME, TIED_NAME = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def converted(target: Path) -> bool:
+    """Whether `target` holds a finished conversion in the current layout (`packed/manifest`
+    written, the tied embedding under its HF name)."""
+    from minisgl.quantization.cache import manifest
+
+    if not (target / "config.json").is_file() or manifest(target) is None:
+        return False
+    return not has_old_tied_name(target)
+
+
+def has_old_tied_name(target: Path) -> bool:
+    """A tied model's folder whose embedding is stored as `lm_head.weight` alone: the layout
+    conversions wrote before, which transformers and minisgl load, but vLLM does not (it left
+    the embedding at zero)."""
+    import json
+
+    from safetensors import safe_open
+
+    if not json.loads((target / "config.json").read_text()).get("tie_word_embeddings"):
+        return False
+    with safe_open(str(target / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    return OLD_TIED_NAME in names and TIED_NAME not in names
+
+
+def rename_old_tied_name(target: Path) -> None:
+    """The weights file rewritten with the tied embedding under `TIED_NAME` (same values;
+    published by a rename; the caller holds the folder's lock)."""
+    from safetensors.torch import load_file, save_file
+
+    path = target / "model.safetensors"
+    weights = load_file(str(path))
+    weights[TIED_NAME] = weights.pop(OLD_TIED_NAME)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    save_file(weights, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path)
+
+
 def resolve_model_path(model_path: str | Path) -> str:
     """`model_path` itself, or for a GGUF file its converted HF folder (converting it first)."""
     if not is_gguf(model_path):
@@ -214,7 +256,7 @@ def resolve_model_path(model_path: str | Path) -> str:
 
     path = Path(model_path)
     target = model_folder(path)
-    if (target / "config.json").is_file() and manifest(target) is not None:
+    if converted(target):
         return str(target)
     index = check_gguf(path)
     from filelock import FileLock
@@ -224,6 +266,8 @@ def resolve_model_path(model_path: str | Path) -> str:
         if not (target / "config.json").is_file():
             logger.warning("first use of %s: converting it once into %s", path.name, target)
             convert(path, target, index.scalars, rope_parameters(index))
+        elif has_old_tied_name(target):
+            rename_old_tied_name(target)
         if manifest(target) is None:
             write_manifest(target, path.resolve(), native_class(index))
     return str(target)
@@ -259,7 +303,7 @@ def convert(
             config = _moe_config(config, arch, scalars or {})
         moe = config.model_type if config.model_type in MOE_NAMES else None
         weights = read_gguf_float(gguf, config.num_attention_heads, config.num_key_value_heads,
-                                  bool(config.tie_word_embeddings), moe)  # fmt: skip
+                                  moe)  # fmt: skip
     tmp.mkdir(parents=True)
     for attr in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, attr):

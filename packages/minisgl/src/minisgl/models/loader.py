@@ -201,6 +201,9 @@ def _fill(
     same: dict[tuple[int, Any, Any], set[str]] = {}  # the names filling one place (tied aliases)
     for n, t in targets.items():
         same.setdefault((id(t.param), t.rows, t.expert), set()).add(n)
+    for names in same.values():  # the alias of a name provided elsewhere (packed) is provided
+        if not names <= pending:
+            pending -= names
     for f in files:
         for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
             target = targets.get(name)

@@ -80,13 +80,11 @@ def hf_name(gguf_name: str) -> str | None:
     return _layer_name(gguf_name, _LAYER_NAMES)
 
 
-def float_name(gguf_name: str, tied: bool, moe: str | None = None) -> str | None:
+def float_name(gguf_name: str, moe: str | None = None) -> str | None:
     """HF name of any 2-D or 1-D tensor of a Llama-family GGUF file: linears and their biases
-    (qwen2), the embedding (as `lm_head.weight` when tied: the name transformers' tied save
-    keeps), the norms (qwen3's Q / K norms too), and the router of a MoE model of HF type
-    `moe` (a key of MOE_NAMES)."""
-    if gguf_name == "token_embd.weight" and tied:
-        return "lm_head.weight"
+    (qwen2), the embedding (`model.embed_tokens.weight`, tied or not: the name transformers'
+    `save_pretrained` keeps for a tied pair, and other engines read), the norms (qwen3's Q / K
+    norms too), and the router of a MoE model of HF type `moe` (a key of MOE_NAMES)."""
     if gguf_name == "output_norm.weight":
         return "model.norm.weight"
     router = {ROUTER: MOE_NAMES[moe][0]} if moe is not None else {}
@@ -144,9 +142,7 @@ def one_parse_per_file() -> Iterator[None]:
         readers.clear()
 
 
-def read_gguf_float(
-    path: Path, num_heads: int, num_kv_heads: int, tied: bool, moe: str | None = None
-):
+def read_gguf_float(path: Path, num_heads: int, num_kv_heads: int, moe: str | None = None):
     """{HF name: fp32 tensor} of every tensor of a Llama-family GGUF file, de-quantized by
     gguf's own `dequantize` and Q / K rows un-permuted as transformers' GGUF loader does (the
     same numbers its conversion writes, in one read of the file instead of its three); a MoE
@@ -162,7 +158,7 @@ def read_gguf_float(
         if t.name == ROPE_FREQS:  # RoPE scaling, read into the config (gguf_rope)
             continue
         shape = [int(x) for x in reversed(t.shape)]  # GGUF lists dims innermost first
-        name = float_name(t.name, tied, moe)
+        name = float_name(t.name, moe)
         experts = expert_names(t.name, shape[0], moe) if moe and len(shape) == 3 else None
         if name is None and experts is None:
             raise ValueError(f"{path.name}: no HF name for the GGUF tensor {t.name!r}")
