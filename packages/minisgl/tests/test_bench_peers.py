@@ -1,4 +1,4 @@
-"""`cpu_speed`'s peers (llama.cpp; a vLLM arm would be one more) run in processes of their own:
+"""`cpu_speed`'s peers (llama.cpp, vLLM: test_bench_vllm.py) run in processes of their own:
 a peer that crashes (SIGSEGV in llama.cpp's AMX path, an abort) is reported as a crash in the
 record, with the path it was on, and the run keeps the other arms; a peer is tried on its paths
 in order (llama.cpp: its default, then `use_extra_bufts = False`) and measured on the first that
@@ -15,6 +15,7 @@ import pytest
 from minisgl.benchmark import cpu_speed
 from minisgl.benchmark.offline import make_llm
 from minisgl.benchmark.peers import PEERS, PeerSpec
+from minisgl.testing.peers import VOCAB
 
 OUTPUT_LEN = 8
 ARGS = ["--configs", "fp32", "--hf", "", "--profiles", "single", "--repeats", "2"]
@@ -31,6 +32,8 @@ def run(monkeypatch, tiny_model_dir, tmp_path):
     monkeypatch.setattr(cpu_speed, "measure_bandwidth", lambda: {"read_gb_s": 10.0})
     bounds = {"fp32_gflop_s": 100.0, "bf16_gflop_s": 100.0}
     monkeypatch.setattr(cpu_speed, "measure_matmul", lambda: bounds)
+    # HF fp32's probe tokens: the fake peers' continuation (last token + 1)
+    monkeypatch.setattr(cpu_speed, "probe_reference", counting_reference)
 
     def go(peers=None, extra=()):
         out = tmp_path / "cpu-speed.json"
@@ -38,6 +41,11 @@ def run(monkeypatch, tiny_model_dir, tmp_path):
         return rc, json.loads(out.read_text())
 
     return go
+
+
+def counting_reference(_model_path, prompt, n):
+    """What the fake peers decode: the prompt's last token + 1, + 2, ... (mod VOCAB)."""
+    return [(prompt[-1] + i) % VOCAB for i in range(1, n + 1)]
 
 
 def fake_llamacpp(**options) -> dict[str, PeerSpec]:
@@ -259,3 +267,26 @@ def test_the_peers_process_runs_with_its_librarys_openmp_defaults(run, monkeypat
         "OMP_WAIT_POLICY": "ACTIVE",
         "GOMP_SPINCOUNT": "1000",
     }
+
+
+def test_a_peer_whose_first_probe_token_is_not_hf_fp32s_is_not_measured(run, monkeypatch, capsys):
+    """A peer counts only if it computes the model: its probe's first greedy token on "The
+    capital of France is" must be HF fp32's (vLLM 0.32 on a folder whose embedding it left at
+    zero decoded token 0 for every prompt, at a plausible speed). The record keeps the probe's
+    tokens beside HF's and where they part."""
+    rc, record = run(fake_llamacpp(options={}))
+    assert rc == 0
+    probe = record["llamacpp"]["probe"]
+    assert probe["tokens"] == probe["hf_fp32"] and probe["first_divergence"] is None
+    assert len(probe["tokens"]) == cpu_speed.PROBE_TOKENS
+
+    monkeypatch.setattr(cpu_speed, "probe_reference", lambda _m, prompt, n: [0] * n)
+    rc, record = run(fake_llamacpp(options={}))
+    assert rc == cpu_speed.PEER_FAILED
+    first, second = record["llamacpp"]["attempts"]
+    assert first["path"] == "default" and first["phase"] == "probe"
+    assert first["outcome"] == "error" and "not HF fp32's 0" in first["error"]
+    assert second["path"] == "no_extra_bufts" and second["outcome"] == "error"
+    assert "llamacpp" not in record["results"]["single"]
+    assert_minisgl_measured(record)
+    assert "not HF fp32's" in capsys.readouterr().err

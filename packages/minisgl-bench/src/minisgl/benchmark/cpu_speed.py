@@ -4,7 +4,7 @@ one run, medians of repeats, with the quality of every minisgl configuration bes
     python -m minisgl.benchmark.cpu_speed --out F.json [--plot F.png] [--repeats 3] \
         [--threads 2] [--configs fp32,bf16,int8,int4,int4-compiled] [--hf fp32,bf16] \
         [--profiles single,seed-offline,many-short] [--set many-short.num_requests=128] \
-        [--llamacpp]
+        [--llamacpp] [--vllm]
 
 Every arm is loaded first (with its quality measured), then the repeats run interleaved: each
 round runs every arm once, in alternating order, after an untimed round (`measure_interleaved`),
@@ -13,7 +13,9 @@ same minutes.
 
 `--llamacpp` adds llama-cpp-python on the GGUF file the embedded model ships (same threads,
 greedy, one request at a time: its Python API has no batching); an opt-in extra
-(`benchmark/llamacpp.py`). Such a peer runs in a process of its own (`benchmark/peers.py`), on
+(`benchmark/llamacpp.py`). `--vllm` adds vLLM's CPU build on the HF folder that file converts
+to, in bf16, batched by vLLM's own scheduler (`benchmark/vllm_cpu.py`; it runs in a virtualenv
+of its own: `nox -s vllm`). Such a peer runs in a process of its own (`benchmark/peers.py`), on
 the first of its paths that works (llama.cpp: its default, then `use_extra_bufts = False`):
 the record names the path measured (`llamacpp_path`) and every attempt (`llamacpp.attempts`:
 a crash's signal and exit code, the path and the phase); a peer that no path runs leaves the
@@ -365,7 +367,39 @@ def hf_greedy_tokens(model, prompts: list[list[int]]) -> list[list[int]]:
 
 
 PEER_FAILED = 3  # exit status: a requested peer has no numbers (the record has the others')
-PROBE_TOKENS = 8  # a peer decodes this many tokens of the first parity prompt before it counts
+PROBE_TOKENS = 8  # a peer decodes this many tokens of PROBE_TEXT before it counts
+PROBE_TEXT = "The capital of France is"  # HF fp32's first greedy token: " Paris", by a margin
+
+
+def probe_reference(model_path: str, prompt: list[int], n: int) -> list[int]:
+    """HF fp32's `n` greedy tokens of `prompt` on the model's HF folder: what a peer's probe
+    is checked against (~2 s for the embedded model)."""
+    from minisgl.testing.hf_reference import hf_greedy
+
+    hf = load_hf(model_path, dtype="float32")
+    return hf_greedy(hf, [prompt], n)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """The probe every peer decodes before it counts: `prompt` (PROBE_TEXT's tokens) and HF
+    fp32's PROBE_TOKENS greedy tokens of it."""
+
+    prompt: list[int]
+    reference: list[int]
+
+    def check(self, peer: PeerProcess) -> dict[str, Any]:
+        """The peer's probe tokens beside HF's; `PeerFailed` (an `error` in phase `probe`)
+        when its first token is not HF's: the peer does not compute this model."""
+        got = peer.call("probe", "generate", [self.prompt], PROBE_TOKENS)[0]
+        if not got or got[0] != self.reference[0]:
+            first = got[0] if got else None
+            raise PeerFailed({"path": peer.path, "phase": "probe", "outcome": "error",
+                              "error": f"its first greedy token on {PROBE_TEXT!r} is {first}, "
+                                       f"not HF fp32's {self.reference[0]}: it does not "
+                                       "compute this model"})  # fmt: skip
+        return {"tokens": got, "hf_fp32": self.reference,
+                "first_divergence": first_diff(got, self.reference)}  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -381,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="PROFILE.KEY=VALUE")
     p.add_argument("--no-quality", action="store_true")
     p.add_argument("--llamacpp", action="store_true", help="add the llama.cpp arm (opt-in extra)")
+    p.add_argument("--vllm", action="store_true",
+                   help="add the vLLM CPU arm (its own virtualenv: nox -s vllm)")  # fmt: skip
     return p
 
 
@@ -421,12 +457,14 @@ def _new_record(model_path: str, profiles: list[Profile]) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class QualityInputs:
-    """What the arms' quality is measured on, in the model's tokens: the parity prompts (a
-    peer's probe decodes the first) and the perplexity text; `measure` False with
-    --no-quality."""
+    """What the arms' quality is measured on, in the tokens of the model at `model_path`: the
+    parity prompts, the perplexity text and the peers' probe (PROBE_TEXT); `measure` False
+    with --no-quality (the probe is checked all the same)."""
 
+    model_path: str
     prompts: list[list[int]]
     ppl_ids: list[int]
+    probe_prompt: list[int]
     measure: bool
 
 
@@ -435,7 +473,8 @@ def _quality_inputs(model_path: str, measure: bool) -> QualityInputs:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_path)
-    return QualityInputs([tok.encode(t) for t in TEXT_PROMPTS], tok.encode(PPL_TEXT), measure)
+    prompts = [tok.encode(t) for t in TEXT_PROMPTS]
+    return QualityInputs(model_path, prompts, tok.encode(PPL_TEXT), tok.encode(PROBE_TEXT), measure)
 
 
 def _hf_quality(
@@ -493,9 +532,13 @@ def _start_peers(
     all."""
     record["peers"] = [spec.name for spec in wanted]
     opened: dict[str, PeerProcess] = {}
+    if not wanted:
+        return opened
+    ids = inputs.probe_prompt
+    probe = Probe(ids, probe_reference(inputs.model_path, ids, PROBE_TOKENS))
     for spec in wanted:
         quality_inputs = (ref_tokens, inputs.ppl_ids) if inputs.measure else None
-        peer = start_peer(spec, record, inputs.prompts, quality_inputs)
+        peer = start_peer(spec, record, inputs.prompts, probe, quality_inputs)
         if peer is not None:
             opened[spec.name] = peer
     return opened
@@ -588,7 +631,7 @@ def main(argv: list[str] | None = None, peers: Mapping[str, PeerSpec] | None = N
     registry = PEERS if peers is None else peers
     p = build_parser()
     args = p.parse_args(argv)
-    wanted = [registry["llamacpp"]] if args.llamacpp else []
+    wanted = [registry[name] for name in ("llamacpp", "vllm") if getattr(args, name)]
     for spec in wanted:  # before anything runs
         if not spec.available():
             p.error(spec.install_hint or f"{spec.name}: {spec.requires} is not installed")
@@ -694,10 +737,16 @@ def measure_interleaved(arms: Sequence[Arm], prof: Profile, repeats: int) -> Pas
 
 def peer_setup(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The options a peer opens with and what the record says of its inputs: llama.cpp, the
-    GGUF file the embedded model ships and this run's threads."""
+    GGUF file the embedded model ships; vLLM, the HF folder that file converts to (the HF and
+    minisgl arms' weights); both with this run's threads."""
     import torch
 
     threads = torch.get_num_threads()
+    if name == "vllm":
+        from minisgl.default_model import FOLDER, default_model_path
+
+        model = str(default_model_path())
+        return {"model": model, "threads": threads}, {"model": FOLDER, "threads": threads}
     if name != "llamacpp":
         return {"threads": threads}, {"threads": threads}
     from minisgl.default_model import gguf_path
@@ -708,17 +757,22 @@ def peer_setup(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def start_peer(
-    spec: PeerSpec, record: dict[str, Any], prompts: list[list[int]], quality_inputs=None
+    spec: PeerSpec,
+    record: dict[str, Any],
+    prompts: list[list[int]],
+    probe: Probe,
+    quality_inputs=None,
 ) -> PeerProcess | None:
-    """`spec` in a process of its own, on the first of its paths where it loads, decodes
-    PROBE_TOKENS tokens and (with `quality_inputs`, (HF fp32's greedy tokens, perplexity ids))
+    """`spec` in a process of its own, on the first of its paths where it loads, passes the
+    `probe` and (with `quality_inputs`, (HF fp32's greedy tokens of `prompts`, perplexity ids))
     gives its quality; the record gets `<name>` (inputs, the peer's info, `status`, `path`,
-    every attempt) and `<name>_path`. None when no path works."""
+    every attempt, the probe) and `<name>_path`. None when no path works."""
     options, about = peer_setup(spec.name)
     quality_of: dict[str, dict[str, Any]] = {}
+    probes: dict[str, dict[str, Any]] = {}
 
     def check(peer: PeerProcess) -> None:
-        peer.call("probe", "generate", prompts[:1], PROBE_TOKENS)
+        probes[peer.path] = probe.check(peer)
         if quality_inputs is not None and quality_inputs[0] is not None:
             ref_tokens, ppl_ids = quality_inputs
             q = agreement(peer.call("quality", "generate", prompts, AGREE_TOKENS), ref_tokens)
@@ -728,7 +782,8 @@ def start_peer(
     peer, attempts = open_first(spec, options, check)
     path = peer.path if peer is not None else None
     record[spec.name] = {**about, **(peer.info if peer else {}), "status": "ok" if peer else
-                         "failed", "path": path, "attempts": attempts}  # fmt: skip
+                         "failed", "path": path, "attempts": attempts,
+                         "probe": probes.get(path)}  # fmt: skip
     record[f"{spec.name}_path"] = path
     for attempt in attempts:
         if attempt["outcome"] != "ok":

@@ -1,6 +1,7 @@
-"""Peers of a comparison (other engines: llama.cpp; a vLLM CPU arm would be one more), each in a
-process of its own, so that a peer whose native code crashes (llama.cpp's AMX path segfaults
-in `decode` on the embedded Q4_1 GGUF) is reported as a crash instead of ending the run.
+"""Peers of a comparison (other engines: llama.cpp, vLLM's CPU build), each in a process of its
+own, so that a peer whose native code crashes (llama.cpp's AMX path segfaults in `decode` on the
+embedded Q4_1 GGUF) is reported as a crash instead of ending the run; a peer that pins its own
+torch (vLLM) runs in its own virtualenv's interpreter (`PeerSpec.python_env`).
 
 A peer is registered by a `PeerSpec`: its `entry`, "module:function", is called in the peer's
 process as `function(path, **options)` and returns an object with
@@ -39,7 +40,9 @@ from minisgl.benchmark.profiles import WorkItem
 class PeerSpec:
     """A peer: `entry` ("module:function") opens it on one of `paths` (tried in order);
     `requires` is the module it imports (checked before a run starts, with `install_hint`);
-    `options` go to `entry` beside the run's own."""
+    `options` go to `entry` beside the run's own. `python_env` names the variable that holds
+    the interpreter the peer runs in (a virtualenv of its own, `python_default` when unset);
+    None: this interpreter."""
 
     name: str
     entry: str
@@ -47,10 +50,27 @@ class PeerSpec:
     requires: str | None = None
     install_hint: str = ""
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    python_env: str | None = None
+    python_default: str = ""
+
+    def interpreter(self) -> str:
+        if self.python_env is None:
+            return sys.executable
+        return os.environ.get(self.python_env) or self.python_default
 
     def available(self) -> bool:
         if self.requires is None:
             return True
+        if self.python_env is not None:  # asked of the peer's own interpreter
+            probe = (
+                f"import importlib.util as u, sys; sys.exit(u.find_spec({self.requires!r}) is None)"
+            )
+            try:
+                done = subprocess.run([self.interpreter(), "-c", probe], capture_output=True,
+                                      timeout=120, env=peer_environ())  # fmt: skip
+            except (OSError, subprocess.TimeoutExpired):
+                return False
+            return done.returncode == 0
         try:
             return importlib.util.find_spec(self.requires) is not None
         except (ImportError, ValueError):  # ValueError: sys.modules holds None (import blocked)
@@ -64,7 +84,14 @@ def _llamacpp_spec() -> PeerSpec:
                     f"the llama.cpp arm needs llama-cpp-python: {INSTALL_HINT}")  # fmt: skip
 
 
-PEERS: dict[str, PeerSpec] = {"llamacpp": _llamacpp_spec()}
+def _vllm_spec() -> PeerSpec:
+    from minisgl.benchmark.vllm_cpu import DEFAULT_PYTHON, INSTALL_HINT, PATHS, PYTHON_ENV
+
+    return PeerSpec("vllm", "minisgl.benchmark.vllm_cpu:open_peer", PATHS, "vllm", INSTALL_HINT,
+                    python_env=PYTHON_ENV, python_default=DEFAULT_PYTHON)  # fmt: skip
+
+
+PEERS: dict[str, PeerSpec] = {"llamacpp": _llamacpp_spec(), "vllm": _vllm_spec()}
 
 
 class PeerFailed(RuntimeError):
@@ -107,9 +134,13 @@ class PeerProcess:
     def __init__(self, spec: PeerSpec, path: str, options: Mapping[str, Any]) -> None:
         self.spec, self.path = spec, path
         opts = json.dumps({**spec.options, **options})
-        cmd = [sys.executable, "-m", "minisgl.benchmark.peers", spec.entry, path, opts]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=peer_environ())  # fmt: skip
+        cmd = [spec.interpreter(), "-m", "minisgl.benchmark.peers", spec.entry, path, opts]
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         text=True, env=peer_environ())  # fmt: skip
+        except OSError as exc:  # no such interpreter
+            raise PeerFailed({"path": path, "phase": "load", "outcome": "error",
+                              "error": f"{type(exc).__name__}: {exc}"}) from None  # fmt: skip
         try:
             self.info: dict[str, Any] = self._reply("load")
         except PeerFailed:
