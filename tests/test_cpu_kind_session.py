@@ -29,7 +29,7 @@ def test_it_gates_every_card_keyed_by_cpu_kind():
 def test_every_step_has_its_function():
     text = SCRIPT.read_text()
     steps = _assigned("STEPS")
-    assert steps == ["suite", "start", "single", "batched", "gates", "matrix"]
+    assert steps == ["suite", "start", "single", "batched", "vllm", "gates", "matrix"]
     assert all(re.search(rf"^run_{s}\(\) {{", text, re.MULTILINE) for s in steps)
 
 
@@ -57,7 +57,7 @@ def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
     assert done.returncode == 2
     assert (
         "unknown step 'bogus'" in done.stderr
-        and "suite start single batched gates matrix" in done.stderr
+        and "suite start single batched vllm gates matrix" in done.stderr
     )
     assert not out.exists()
 
@@ -73,3 +73,16 @@ def test_the_batched_step_leaves_w8a8_out_where_the_cpu_refuses_it():
         r'\[ -n "\$why" \] && \{ configs=default; echo "w8a8 left out: \$why"; \}', text
     )
     assert '--configs "$configs"' in text
+
+
+def test_the_vllm_step_measures_the_batched_workload_against_vllm():
+    """Issue 59's goal: seed-offline and many-short (128) against vLLM's CPU build, the default
+    config and bf16 (equal precision) beside it, in one run (`nox -s vllm`: its own
+    virtualenv), recorded with the kind's other records of the day for the matrix."""
+    body = re.search(r"^run_vllm\(\) \{\n(.*?)^\}", SCRIPT.read_text(), re.M | re.S)
+    assert body, "run_vllm"
+    text = body.group(1)
+    assert "python3 -m nox -s vllm --" in text and "--vllm" in text
+    assert "--profiles seed-offline,many-short" in text and "many-short.num_requests=128" in text
+    assert "default,bf16" in text and "--threads 2" in text and "--repeats 3" in text
+    assert '--out "$BASE/cpu-speed-smollm2-vllm-$KIND-$DAY.json"' in text

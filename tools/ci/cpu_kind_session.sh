@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared CPU session (issue 35): where this machine's CPU kind stands on the issue's goals,
-# in one command from the root of a clean checkout (2 cores: ~60-75 minutes for everything).
+# in one command from the root of a clean checkout (2 cores: ~70-90 minutes for everything).
 #
 #   bash tools/ci/cpu_kind_session.sh                  # every step, in this order
 #   bash tools/ci/cpu_kind_session.sh start batched    # the steps named
@@ -12,6 +12,9 @@
 #            llama-cpp-python from source the first time: `nox -s llamacpp`, minutes)
 #   batched  seed-offline and many-short (128 requests): the default config and w8a8 (where the
 #            CPU has an int8 matrix unit) against HF generate in bf16, interleaved, medians of 3
+#   vllm     the same two profiles against vLLM's CPU build (bf16), the default config, bf16 and
+#            w8a8 beside it (`nox -s vllm`: vLLM in a virtualenv of its own, ~3 GB the first
+#            time; vLLM starts in 2-3 minutes)
 #   gates    the card gates keyed by CPU kind (P2-002 .. P2-006: `nox -s card -- ID`), which
 #            record this machine's evidence (a card already done stays done on a pass)
 #   matrix   always after the others (issue 59 item 3): this commit's entry in
@@ -23,7 +26,7 @@
 # nothing is committed.
 set -u
 cd "$(dirname "$0")/../.."
-STEPS="suite start single batched gates matrix"
+STEPS="suite start single batched vllm gates matrix"
 CARDS="P2-002 P2-003 P2-004 P2-005 P2-006"  # every card with a gate keyed by cpu:<kind>
 steps=("$@")
 [ ${#steps[@]} = 0 ] && read -r -a steps <<<"$STEPS"
@@ -75,6 +78,14 @@ run_batched() {
     nice -n -15 "$PY" -m minisgl.benchmark.cpu_speed --profiles seed-offline,many-short \
         --configs "$configs" --hf bf16 --set many-short.num_requests=128 --threads 2 \
         --repeats 3 --no-quality --out "$BASE/cpu-speed-smollm2-batched-$KIND-$DAY.json"
+}
+run_vllm() {
+    local configs=default,bf16,w8a8 why
+    why=$("$PY" -c "from minisgl.testing.capability import int8_matrix_unit_missing as m; print(m() or '')")
+    [ -n "$why" ] && { configs=default,bf16; echo "w8a8 left out: $why"; }
+    python3 -m nox -s vllm -- --vllm --profiles seed-offline,many-short --configs "$configs" \
+        --hf "" --set many-short.num_requests=128 --threads 2 --repeats 3 --no-quality \
+        --out "$BASE/cpu-speed-smollm2-vllm-$KIND-$DAY.json"
 }
 run_gates() {
     local rc=0 card
