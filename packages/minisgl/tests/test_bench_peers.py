@@ -13,9 +13,9 @@ import textwrap
 import pytest
 
 from minisgl.benchmark import cpu_speed
-from minisgl.benchmark.offline import make_llm
 from minisgl.benchmark.peers import PEERS, PeerSpec
-from minisgl.testing.peers import VOCAB
+from minisgl.testing.cpu_speed import fast_cpu_speed
+from minisgl.testing.peers import counting_continuation
 
 OUTPUT_LEN = 8
 ARGS = ["--configs", "fp32", "--hf", "", "--profiles", "single", "--repeats", "2"]
@@ -27,13 +27,7 @@ ARGS += ["--no-quality", "--llamacpp"]
 def run(monkeypatch, tiny_model_dir, tmp_path):
     """`cpu_speed.main` with the minisgl arm on a tiny model and the machine's bounds fixed
     (the slow parts of a real run); returns (exit status, record)."""
-    tiny = str(tiny_model_dir("llama"))
-    monkeypatch.setattr(cpu_speed, "make_llm", lambda _p, prof, kw: make_llm(tiny, prof, kw))
-    monkeypatch.setattr(cpu_speed, "measure_bandwidth", lambda: {"read_gb_s": 10.0})
-    bounds = {"fp32_gflop_s": 100.0, "bf16_gflop_s": 100.0}
-    monkeypatch.setattr(cpu_speed, "measure_matmul", lambda: bounds)
-    # HF fp32's probe tokens: the fake peers' continuation (last token + 1)
-    monkeypatch.setattr(cpu_speed, "probe_reference", counting_reference)
+    fast_cpu_speed(monkeypatch, str(tiny_model_dir("llama")), counting_continuation)
 
     def go(peers=None, extra=()):
         out = tmp_path / "cpu-speed.json"
@@ -41,11 +35,6 @@ def run(monkeypatch, tiny_model_dir, tmp_path):
         return rc, json.loads(out.read_text())
 
     return go
-
-
-def counting_reference(_model_path, prompt, n):
-    """What the fake peers decode: the prompt's last token + 1, + 2, ... (mod VOCAB)."""
-    return [(prompt[-1] + i) % VOCAB for i in range(1, n + 1)]
 
 
 def fake_llamacpp(**options) -> dict[str, PeerSpec]:

@@ -16,16 +16,10 @@ import textwrap
 import pytest
 
 from minisgl.benchmark import cpu_speed, vllm_cpu
-from minisgl.benchmark.offline import make_llm
 from minisgl.benchmark.peers import PEERS
 from minisgl.benchmark.profiles import WorkItem
-from minisgl.testing.peers import VOCAB
-
-
-def counting_reference(_model_path, prompt, n):
-    """The fake's continuation (last token + 1, ...), as HF fp32's probe tokens."""
-    return [(prompt[-1] + i) % VOCAB for i in range(1, n + 1)]
-
+from minisgl.testing.cpu_speed import fast_cpu_speed
+from minisgl.testing.peers import counting_continuation
 
 FAKE_VLLM = """
 import json, os
@@ -141,12 +135,7 @@ ARGS += ["--no-quality"]
 def run(monkeypatch, tiny_model_dir, tmp_path):
     """`cpu_speed.main` with the minisgl arm on a tiny model and the machine's bounds fixed;
     returns (exit status, record)."""
-    tiny = str(tiny_model_dir("llama"))
-    monkeypatch.setattr(cpu_speed, "make_llm", lambda _p, prof, kw: make_llm(tiny, prof, kw))
-    monkeypatch.setattr(cpu_speed, "measure_bandwidth", lambda: {"read_gb_s": 10.0})
-    bounds = {"fp32_gflop_s": 100.0, "bf16_gflop_s": 100.0}
-    monkeypatch.setattr(cpu_speed, "measure_matmul", lambda: bounds)
-    monkeypatch.setattr(cpu_speed, "probe_reference", counting_reference)
+    fast_cpu_speed(monkeypatch, str(tiny_model_dir("llama")), counting_continuation)
 
     def go(extra=()):
         out = tmp_path / "cpu-speed.json"

@@ -6,8 +6,25 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+
+def fast_cpu_speed(
+    monkeypatch: Any, model_dir: str, probe: Callable[[str, list[int], int], list[int]]
+) -> None:
+    """`cpu_speed.main` in this process without its slow parts (`monkeypatch`: pytest's): the
+    minisgl arms on `model_dir` (a tiny model), the machine's bounds fixed, and `probe`
+    (model path, prompt, n) giving HF fp32's probe tokens that the peers are checked against."""
+    from minisgl.benchmark import cpu_speed
+    from minisgl.benchmark.offline import make_llm
+
+    monkeypatch.setattr(cpu_speed, "make_llm", lambda _p, prof, kw: make_llm(model_dir, prof, kw))
+    monkeypatch.setattr(cpu_speed, "measure_bandwidth", lambda: {"read_gb_s": 10.0})
+    bounds = {"fp32_gflop_s": 100.0, "bf16_gflop_s": 100.0}
+    monkeypatch.setattr(cpu_speed, "measure_matmul", lambda: bounds)
+    monkeypatch.setattr(cpu_speed, "probe_reference", probe)
 
 
 def run_cpu_speed(

@@ -29,6 +29,12 @@ def die(how: str) -> None:
     raise ValueError(f"unknown way to crash: {how!r}")
 
 
+def counting_continuation(_model_path: str, prompt: Sequence[int], n: int) -> list[int]:
+    """What the fake peers decode after `prompt`: its last token + 1, + 2, ... (mod VOCAB); as
+    `cpu_speed.probe_reference`, HF's probe tokens that they match."""
+    return [(prompt[-1] + i) % VOCAB for i in range(1, n + 1)]
+
+
 class CountingModel:
     """`llama_cpp.Llama`'s generate surface (and `reset`, which the arm calls before each
     request): the continuation is last token + 1, mod VOCAB."""
