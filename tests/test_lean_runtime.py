@@ -156,6 +156,7 @@ def test_the_benchmark_commands_run_from_the_installed_wheels(venv, tmp_path):
 # imported by the bench without being its dependency or the runtime's: module -> why
 BENCH_OPTIONAL = {
     "llama_cpp": "the llama.cpp arm, minisgl-bench[llamacpp], opt-in",
+    "vllm": "the vLLM CPU arm, in a virtualenv of its own (nox -s vllm), opt-in",
     "minisgl_cpu": "the PyO3 extension (rust/minisgl-cpu-py), tests and benchmarks only",
     "triton": "CUDA only, comes with torch's Linux wheels",
     "tokenizers": "transformers' dependency",
