@@ -35,7 +35,7 @@ from minisgl.engine.memory import (
     resolve_dtype,
     resolve_quantization,
 )
-from minisgl.kernels import resolve_fused_ops
+from minisgl.kernels import onednn_packed, resolve_fused_ops
 from minisgl.kvcache.pool import KVPool
 from minisgl.quantization.load import load_quantized
 from minisgl.sampler import (
@@ -136,6 +136,9 @@ class Engine:
             n = deterministic.make_batch_invariant(model)
             logger.info("deterministic mode: %d batch-invariant linear layers, every prefill "
                         "attention through the vector C kernel", n)  # fmt: skip
+        elif not config.enable_torch_compile and onednn_packed.available(self.dtype, self.device):
+            n = onednn_packed.pack_linears(model)  # inductor lays out its own weights
+            logger.info("%d bf16 linear layers with weights laid out once for oneDNN", n)
         return model
 
     def _attention(
