@@ -473,44 +473,42 @@ def test_auto_serves_a_q4_k_mixtral_file_as_int4(tmp_path):
     assert err <= MOE_PACKED_ERROR["Q4_K"], f"relative logits error {err:.4f}"
 
 
-def _weight_names(folder: Path) -> set[str]:
-    from safetensors import safe_open
-
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        return set(f.keys())
-
-
 @pytest.mark.parametrize("family, tied", [("qwen2", True), ("llama", False)])
 def test_a_converted_folder_names_its_embedding_as_hf_saves_it(family, tied, tmp_path):
-    """A file's folder is an HF folder other engines load: a tied embedding is stored once, as
+    """A file's folder is an HF folder other engines load: the embedding is stored as
     `model.embed_tokens.weight` (what transformers' `save_pretrained` writes and vLLM reads;
     vLLM 0.32 left the embedding at zero when it found only `lm_head.weight`, and decoded token
-    0 for every prompt); an untied file's output matrix is `lm_head.weight` beside it."""
+    0 for every prompt); a tied one is `lm_head.weight` too (same values: what earlier minisgl
+    versions read, sharing the cache), an untied file's output matrix its own."""
+    from safetensors.torch import load_file
+
     folder = _served(write_tiny_gguf(family, tmp_path / f"{family}.gguf"))
-    names = _weight_names(folder)
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is tied
-    assert "model.embed_tokens.weight" in names
-    assert ("lm_head.weight" in names) is (not tied)
+    weights = load_file(str(folder / "model.safetensors"))
+    embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
+    assert torch.equal(embed, head) is tied
 
 
-def test_a_folder_converted_with_the_old_tied_name_is_renamed_on_its_next_use(tmp_path):
-    """Folders converted before held a tied embedding as `lm_head.weight`: the next use renames
-    it in place (same values; the packed cache beside it stays)."""
+@pytest.mark.parametrize("kept", ["lm_head.weight", "model.embed_tokens.weight"])
+def test_a_folder_with_one_tied_name_gets_the_other_on_its_next_use(kept, tmp_path):
+    """Folders converted before held a tied embedding as `lm_head.weight` alone (and for a day
+    as `model.embed_tokens.weight` alone): the next use adds the other name in place (same
+    values; the packed cache beside it stays)."""
     from safetensors.torch import load_file, save_file
 
     path = write_tiny_gguf("qwen2", tmp_path / "t.gguf")
     folder = _served(path)
     weights = load_file(str(folder / "model.safetensors"))
-    embedding = weights["model.embed_tokens.weight"].clone()
-    weights["lm_head.weight"] = weights.pop("model.embed_tokens.weight")
+    embedding = weights.pop("model.embed_tokens.weight")
+    weights.pop("lm_head.weight")
+    weights[kept] = embedding
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     packed = sorted(p.name for p in (folder / "packed").iterdir())
 
     assert _served(path) == folder
-    assert _weight_names(folder) == set(weights) - {"lm_head.weight"} | {
-        "model.embed_tokens.weight"
-    }
-    renamed = load_file(str(folder / "model.safetensors"))
-    assert torch.equal(renamed["model.embed_tokens.weight"], embedding)
+    now = load_file(str(folder / "model.safetensors"))
+    assert set(now) == set(weights) | {"model.embed_tokens.weight", "lm_head.weight"}
+    assert torch.equal(now["model.embed_tokens.weight"], embedding)
+    assert torch.equal(now["lm_head.weight"], embedding)
     assert sorted(p.name for p in (folder / "packed").iterdir()) == packed

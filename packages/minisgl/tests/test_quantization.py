@@ -188,7 +188,8 @@ def test_gguf_q8_0_converts_to_int8_like_quantize_int8_of_its_values():
 def test_the_embedded_gguf_converts_to_the_tensors_transformers_loads(tmp_path, monkeypatch):
     """`read_gguf_float` (the cold start's one read of the file) gives every tensor of the
     embedded GGUF bit for bit as transformers' GGUF loader does, under the names its tied save
-    keeps (`model.embed_tokens.weight` for the embedding); the converted folder holds them and a config
+    keeps (`model.embed_tokens.weight` for the embedding); the converted folder holds them (and
+    the embedding as `lm_head.weight` too, for earlier versions) and a config
     that loads as the model's (architecture, dtype, tied embeddings). The conversion parses
     the file's metadata once (config, tokenizer and weights share one reader: a parse is ~3 s
     of a ~24 s cold start on 2 cores)."""
@@ -221,7 +222,9 @@ def test_the_embedded_gguf_converts_to_the_tensors_transformers_loads(tmp_path, 
     assert parses == [str(g)], parses
     assert gguf.GGUFReader is counted  # restored after the conversion
     written = load_file(str(tmp_path / "m" / "model.safetensors"))
-    assert set(written) == set(got) and all(torch.equal(written[k], got[k]) for k in got)
+    assert set(written) == set(got) | {"lm_head.weight"}  # the tied embedding's second name
+    assert all(torch.equal(written[k], got[k]) for k in got)
+    assert torch.equal(written["lm_head.weight"], got["model.embed_tokens.weight"])
     conf = json.loads((tmp_path / "m" / "config.json").read_text())
     assert conf["architectures"] == ["LlamaForCausalLM"] and conf["dtype"] == "float32"
     assert conf["tie_word_embeddings"] is True and "quantization_config" not in conf

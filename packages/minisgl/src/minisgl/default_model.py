@@ -56,7 +56,7 @@ def served_name(model_path: str) -> str:
 
 def default_model_path() -> Path:
     """The converted HF folder of the embedded model (converting it on first use)."""
-    from minisgl.gguf_model import converted, has_old_tied_name, rename_old_tied_name
+    from minisgl.gguf_model import add_tied_name, converted, lacks_tied_name
     from minisgl.quantization.cache import manifest, write_manifest
 
     target = default_folder()
@@ -72,8 +72,8 @@ def default_model_path() -> Path:
             logger.warning("first use of the embedded model: converting %s once into %s "
                            "(about 10 s on 2 cores)", GGUF_NAME, target.parent)  # fmt: skip
             _convert(gguf_path(), target)
-        elif has_old_tied_name(target):
-            rename_old_tied_name(target)
+        elif (name := lacks_tied_name(target)) is not None:
+            add_tied_name(target, name)
         if manifest(target) is None:  # folders converted before the packed cache existed
             write_manifest(target, gguf_path(), NATIVE_QUANTIZATION)
     return target

@@ -206,43 +206,55 @@ def model_folder(path: str | Path) -> Path:
     return cache_dir() / "models" / "gguf" / key / Path(path).stem
 
 
-# a tied embedding's name in folders converted before 2026-12-07 (`rename_old_tied_name`)
-OLD_TIED_NAME, TIED_NAME = "lm_head.weight", "model.embed_tokens.weight"
+# a tied embedding's names: the one transformers' `save_pretrained` writes (and vLLM reads), and
+# the one this project's conversions wrote alone before 2026-12-07 (and earlier versions read)
+TIED_NAME, OLD_TIED_NAME = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def tie_names(weights: dict, tied: bool) -> None:
+    """A tied model's embedding under both of its names (`weights` changed in place): a folder
+    any version of minisgl, transformers and vLLM loads. 113 MB more for the embedded model's
+    fp32 folder."""
+    if tied and OLD_TIED_NAME not in weights:
+        weights[OLD_TIED_NAME] = weights[TIED_NAME].clone()
 
 
 def converted(target: Path) -> bool:
     """Whether `target` holds a finished conversion in the current layout (`packed/manifest`
-    written, the tied embedding under its HF name)."""
+    written, a tied embedding under both names)."""
     from minisgl.quantization.cache import manifest
 
     if not (target / "config.json").is_file() or manifest(target) is None:
         return False
-    return not has_old_tied_name(target)
+    return lacks_tied_name(target) is None
 
 
-def has_old_tied_name(target: Path) -> bool:
-    """A tied model's folder whose embedding is stored as `lm_head.weight` alone: the layout
-    conversions wrote before, which transformers and minisgl load, but vLLM does not (it left
-    the embedding at zero)."""
+def lacks_tied_name(target: Path) -> str | None:
+    """The name a tied model's folder lacks for its embedding, None if neither: conversions
+    wrote `lm_head.weight` alone before 2026-12-07, which vLLM misread (it used it as the
+    output matrix and left the embedding at zero), then for a day `model.embed_tokens.weight`
+    alone, which earlier minisgl versions cannot load quantized."""
     import json
 
     from safetensors import safe_open
 
     if not json.loads((target / "config.json").read_text()).get("tie_word_embeddings"):
-        return False
+        return None
     with safe_open(str(target / "model.safetensors"), "pt") as f:
         names = set(f.keys())
-    return OLD_TIED_NAME in names and TIED_NAME not in names
+    missing = {TIED_NAME, OLD_TIED_NAME} - names
+    return missing.pop() if len(missing) == 1 else None
 
 
-def rename_old_tied_name(target: Path) -> None:
-    """The weights file rewritten with the tied embedding under `TIED_NAME` (same values;
-    published by a rename; the caller holds the folder's lock)."""
+def add_tied_name(target: Path, name: str) -> None:
+    """The weights file rewritten with the tied embedding under `name` too (published by a
+    rename; the caller holds the folder's lock)."""
     from safetensors.torch import load_file, save_file
 
     path = target / "model.safetensors"
     weights = load_file(str(path))
-    weights[TIED_NAME] = weights.pop(OLD_TIED_NAME)
+    other = OLD_TIED_NAME if name == TIED_NAME else TIED_NAME
+    weights[name] = weights[other].clone()
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     save_file(weights, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path)
@@ -266,8 +278,8 @@ def resolve_model_path(model_path: str | Path) -> str:
         if not (target / "config.json").is_file():
             logger.warning("first use of %s: converting it once into %s", path.name, target)
             convert(path, target, index.scalars, rope_parameters(index))
-        elif has_old_tied_name(target):
-            rename_old_tied_name(target)
+        elif (name := lacks_tied_name(target)) is not None:
+            add_tied_name(target, name)
         if manifest(target) is None:
             write_manifest(target, path.resolve(), native_class(index))
     return str(target)
@@ -311,6 +323,7 @@ def convert(
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     config.dtype = torch.float32  # the weights' dtype, as the loaded model's config said
     config.save_pretrained(str(tmp))
+    tie_names(weights, bool(config.tie_word_embeddings))
     save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(str(tmp))
     os.replace(tmp, target)
