@@ -177,8 +177,7 @@ def _suite_cell(entry: KindEntry | None) -> str:
     return f"{icon} {entry.outcome}: {counts} at {_short(entry.commit)} ({entry.utc[:10]})"
 
 
-def _batched(key: str) -> bool:
-    return "/hf-" in key or "/vllm" in key
+BATCHED_PEERS = ("/hf-", "/vllm")  # a batched ratio's peer: HF generate, vLLM's CPU build
 
 
 def _single_cell(row: KindRow) -> str:
@@ -189,19 +188,24 @@ def _single_cell(row: KindRow) -> str:
 
 
 def _batched_cell(row: KindRow) -> str:
-    entry = _latest(row, lambda e: any(_batched(k) for k in e.ratios))
-    if entry is None:
-        return "-"
-    by_profile: dict[str, list[str]] = {}
-    for key, value in sorted(entry.ratios.items()):
-        if not _batched(key):
+    """Per peer (HF, vLLM), the ratios of the newest entry that measured against it: a kind
+    session that ran only one of them leaves the other's newest ratios on show."""
+    cells = []
+    for peer in BATCHED_PEERS:
+        entry = _latest(row, lambda e, p=peer: any(p in k for k in e.ratios))
+        if entry is None:
             continue
-        profile, _, arms = key.partition(".")
-        mine, _, peer = arms.partition("/")
-        label = mine.removeprefix("minisgl-") + ("" if peer == "hf-bf16" else f" vs {peer}")
-        by_profile.setdefault(profile, []).append(f"{label} {value:.2f}x")
-    parts = [f"{p}: {', '.join(v)}" for p, v in by_profile.items()]
-    return "; ".join(parts) + f" ({_short(entry.commit)})"
+        by_profile: dict[str, list[str]] = {}
+        for key, value in sorted(entry.ratios.items()):
+            if peer not in key:
+                continue
+            profile, _, arms = key.partition(".")
+            mine, _, other = arms.partition("/")
+            label = mine.removeprefix("minisgl-") + ("" if other == "hf-bf16" else f" vs {other}")
+            by_profile.setdefault(profile, []).append(f"{label} {value:.2f}x")
+        parts = [f"{p}: {', '.join(v)}" for p, v in by_profile.items()]
+        cells.append("; ".join(parts) + f" ({_short(entry.commit)})")
+    return "; ".join(cells) if cells else "-"
 
 
 def _peers_cell(row: KindRow) -> str:
