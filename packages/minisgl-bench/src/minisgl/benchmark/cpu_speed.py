@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from minisgl.benchmark import common
+from minisgl.benchmark import common, quiet
 from minisgl.benchmark.offline import load_hf, make_llm, run_hf, run_minisgl
 from minisgl.benchmark.peers import PEERS, PeerFailed, PeerProcess, PeerSpec, describe, open_first
 from minisgl.benchmark.profiles import (
@@ -570,14 +570,19 @@ def _add_result(record: dict[str, Any], profile: str, arm: str, reps: list[dict[
     """Puts one arm's medians over its timed passes of one profile in `record["results"]` and
     prints its tok/s; returns None."""
     tok_s = common.median(r["output_tok_s"] for r in reps)
+    loads = [r.get("machine_load") for r in reps]
     record["results"].setdefault(profile, {})[arm] = {
         "output_tok_s": tok_s,
         "output_tok_s_per_repeat": [r["output_tok_s"] for r in reps],
         "tpot_ms_p50": common.median(r.get("tpot_ms", {}).get("p50", 0.0) for r in reps),
         "input_tokens": reps[0]["input_tokens"],
         "output_tokens": reps[0]["output_tokens"],
+        # per timed pass, what else ran meanwhile (`benchmark.quiet`; None: not measurable)
+        "machine_load_per_repeat": loads,
     }
-    print(f"{profile:14s} {arm:12s} {tok_s:8.1f} tok/s", flush=True)
+    noisy = [i for i, x in enumerate(loads) if x is not None and not quiet.PassLoad(**x).quiet]
+    note = f"  (not quiet: repeat {', '.join(map(str, noisy))})" if noisy else ""
+    print(f"{profile:14s} {arm:12s} {tok_s:8.1f} tok/s{note}", flush=True)
 
 
 def _measure_profiles(
@@ -715,11 +720,14 @@ def measure_interleaved(arms: Sequence[Arm], prof: Profile, repeats: int) -> Pas
     def run(arm: Arm, work: list[WorkItem]) -> dict[str, Any] | None:
         if arm.name in failed:
             return None
+        before = quiet.sample()
         try:
-            return arm.run(prof, work)
+            metrics = arm.run(prof, work)
         except PeerFailed as died:  # the other arms go on
             failed[arm.name] = died.attempt
             return None
+        load = quiet.load_between(before, quiet.sample())
+        return metrics if load is None else {**metrics, "machine_load": load.to_dict()}
 
     for arm in arms:
         run(arm, warm)
@@ -838,12 +846,33 @@ def summarize(record: dict[str, Any]) -> None:
                 "fraction_of_bound": m["output_tok_s"] / (rate / flops),
             }
     record["compute_bound"] = compute
+    record["not_quiet"] = not_quiet = noisy_passes(res)
     print("\nratios:")
     for k, v in ratios.items():
         print(f"  {k:40s} {v:6.2f}x")
+    if not_quiet:
+        print(f"not quiet ({len(not_quiet)} timed passes with other work beside them: the "
+              "medians above may be off; rerun on a quiet machine):")  # fmt: skip
+        for p in not_quiet:
+            print(
+                f"  {p['profile']} {p['arm']} repeat {p['repeat']}: "
+                f"{p['other_cores']:.2f} cores of other work, {p['steal']:.1%} stolen"
+            )
     print("single stream vs memory bandwidth:")
     for k, v in bound.items():
         print(f"  {k}: {v}")
+
+
+def noisy_passes(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every timed pass whose machine load was over `quiet`'s limits: profile, arm, repeat
+    (0-based, in the order the arm's passes ran) and the load."""
+    out = []
+    for prof, arms in results.items():
+        for arm, m in arms.items():
+            for i, load in enumerate(m.get("machine_load_per_repeat") or ()):
+                if load is not None and not quiet.PassLoad(**load).quiet:
+                    out.append({"profile": prof, "arm": arm, "repeat": i, **load})
+    return out
 
 
 def plot(path: str, record: dict[str, Any]) -> None:
