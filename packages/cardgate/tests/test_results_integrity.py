@@ -160,3 +160,29 @@ def test_a_conftest_metric_fixture_is_refused(repo: Repo) -> None:
     result = repo.gate()
     assert result.ret == FAIL, result.stdout.str()
     result.stdout.fnmatch_lines(["*metric*fixture*tests/conftest.py*"])
+
+
+def _failed_with(message: str) -> RunResult:
+    phase = TestPhase("t::x", "call", "failed", message, "assertion", False, ())
+    return RunResult((), (), 1, False, (phase,), (), {"x": ("t::x",)}, "cpu:x", ())
+
+
+def test_a_failed_assertions_reason_shows_its_message_and_its_assert_line() -> None:
+    """The reason a gate prints and records for a failed test is the failure's first line (the
+    exception and its message) with the `assert` line pytest rewrote: a re-run of P2-004 on
+    amd-epyc recorded only the innermost explanation of its perplexity check ("where
+    <built-in function isfinite> = math.isfinite"), not the values that failed it."""
+    message = (
+        "AssertionError: (38.693434233653235, 37.501397702397156)\n"
+        "assert (True and 38.693434233653235 <= (37.501397702397156 * 1.02))\n"
+        " +  where True = <built-in function isfinite>(38.693434233653235)\n"
+        " +    where <built-in function isfinite> = math.isfinite"
+    )
+    reason = node_results(_failed_with(message))["t::x"].reason
+    assert reason.startswith("t::x call: AssertionError: (38.693434233653235, 37.50139770239")
+    assert "assert (True and 38.693434233653235 <= (37.501397702397156 * 1.02))" in reason
+    assert "math.isfinite" not in reason
+    plain = node_results(_failed_with("ValueError: bad shape [3, 4]"))["t::x"].reason
+    assert plain == "t::x call: ValueError: bad shape [3, 4]"
+    bare = node_results(_failed_with("assert 3 == 4\n +  where 3 = len([1, 2, 3])"))["t::x"]
+    assert bare.reason == "t::x call: assert 3 == 4"

@@ -54,11 +54,10 @@ def node_results(run: RunResult, timeout: float | None = None) -> dict[str, Node
         runs = f" (ran {len(calls)} times)" if len(calls) > 1 else ""
         if failed:
             f = failed[0]
-            msg = (f.message or "failed").strip().splitlines()
-            last = (msg[-1] if msg else "failed")[:300]
+            why = failure_line(f.message)
             if _contradicts(f):
-                last = f"the report says passed but the test raised ({f.failure}): {last}"
-            reason = f"{nodeid} {f.when}{runs}: {last}"
+                why = f"the report says passed but the test raised ({f.failure}): {why}"
+            reason = f"{nodeid} {f.when}{runs}: {why}"
             out[nodeid] = NodeResult(nodeid, Verdict.FAIL, reason, True, assertion)
         elif skipped:
             s = skipped[0]
@@ -73,6 +72,18 @@ def node_results(run: RunResult, timeout: float | None = None) -> dict[str, Node
         else:
             out[nodeid] = NodeResult(nodeid, Verdict.HOLD, f"{nodeid}: no result", False, False)
     return out
+
+
+def failure_line(message: str | None) -> str:
+    """A failure's message in one line (300 characters at most): its first line (the exception
+    and its message) and, for a rewritten assertion, the `assert` line after it, not pytest's
+    "+ where" explanations of the parts."""
+    lines = [ln.strip() for ln in (message or "").strip().splitlines() if ln.strip()]
+    if not lines:
+        return "failed"
+    head = lines[0]
+    asserted = next((ln for ln in lines[1:2] if ln.startswith("assert ")), None)
+    return (head if asserted is None else f"{head} | {asserted}")[:300]
 
 
 def _contradicts(phase: TestPhase) -> bool:
