@@ -121,3 +121,16 @@ def _tree_pids() -> set[int]:
         grew = bool(more)
         mine |= more
     return mine
+
+
+def test_the_noisy_passes_are_those_over_either_limit():
+    """A pass over the cores' limit or the stolen fraction's is named; an unmeasured one
+    (None) and one at the limits are not."""
+    at_limits = {"other_cores": quiet.OTHER_CORES_LIMIT, "steal": quiet.STEAL_LIMIT}
+    loads = [
+        at_limits,
+        None,
+        {"other_cores": quiet.OTHER_CORES_LIMIT + 0.01, "steal": 0.0},
+        {"other_cores": 0.0, "steal": quiet.STEAL_LIMIT + 0.01},
+    ]
+    assert quiet.noisy(loads) == [2, 3]

@@ -580,7 +580,7 @@ def _add_result(record: dict[str, Any], profile: str, arm: str, reps: list[dict[
         # per timed pass, what else ran meanwhile (`benchmark.quiet`; None: not measurable)
         "machine_load_per_repeat": loads,
     }
-    noisy = [i for i, x in enumerate(loads) if x is not None and not quiet.PassLoad(**x).quiet]
+    noisy = quiet.noisy(loads)
     note = f"  (not quiet: repeat {', '.join(map(str, noisy))})" if noisy else ""
     print(f"{profile:14s} {arm:12s} {tok_s:8.1f} tok/s{note}", flush=True)
 
@@ -869,9 +869,10 @@ def noisy_passes(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for prof, arms in results.items():
         for arm, m in arms.items():
-            for i, load in enumerate(m.get("machine_load_per_repeat") or ()):
-                if load is not None and not quiet.PassLoad(**load).quiet:
-                    out.append({"profile": prof, "arm": arm, "repeat": i, **load})
+            loads = m.get("machine_load_per_repeat") or []
+            out += [
+                {"profile": prof, "arm": arm, "repeat": i, **loads[i]} for i in quiet.noisy(loads)
+            ]
     return out
 
 

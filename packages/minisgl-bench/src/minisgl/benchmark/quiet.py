@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 # a pass above either is reported as not quiet (`cpu_speed`'s summary and its record)
@@ -51,6 +52,12 @@ class PassLoad:
 
     def to_dict(self) -> dict[str, float]:
         return {"other_cores": round(self.other_cores, 3), "steal": round(self.steal, 4)}
+
+
+def noisy(loads: Sequence[Mapping[str, float] | None]) -> list[int]:
+    """The indices of the passes whose recorded load (`PassLoad.to_dict`; None: not measured)
+    is over the limits."""
+    return [i for i, x in enumerate(loads) if x is not None and not PassLoad(**x).quiet]
 
 
 def parse_cpu_line(line: str) -> tuple[int, int, int]:
