@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -141,3 +142,18 @@ def test_a_scaled_rope_still_matches_transformers_tables(tiny_model_dir, tmp_pat
     freqs = torch.arange(32, dtype=torch.float32)[:, None] * inv[None, :].float()
     want = torch.cat((freqs, freqs), dim=-1).cos() * scale
     assert torch.equal(table.cos, want)
+
+
+def test_a_gguf_path_that_cannot_be_served_fails_before_torch_loads(tmp_path):
+    """The launcher resolves a GGUF path before any worker starts: a file that is no GGUF model
+    is refused from its header alone, without importing torch (~2-4 s of a failing start, 2
+    cores: the prefix cache's manifest module had imported the packed weights' classes)."""
+    bad = tmp_path / "model.Q4_0.gguf"
+    bad.write_bytes(b"GGUF" + bytes(60))
+    code = ("import sys\nfrom minisgl.config import ModelLoadError\n"
+            "from minisgl.gguf_model import resolve_model_path\n"
+            "try:\n    resolve_model_path(sys.argv[1])\nexcept ModelLoadError as e:\n"
+            "    print('refused', 'GGUF version 0' in str(e), 'torch' in sys.modules)\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, str(bad)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "MINISGL_CACHE_DIR": str(tmp_path / "cache")})
+    assert out.stdout.split() == ["refused", "True", "False"], out.stdout + out.stderr[-2000:]

@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from minisgl.quantization.packed import Int4Weight, Int8Weight
+if TYPE_CHECKING:  # torch: the manifest's readers (a launcher resolving a GGUF path) need none
+    from minisgl.quantization.packed import Int4Weight, Int8Weight
 
-PackedWeights = dict[str, Int4Weight | Int8Weight]
+PackedWeights = dict[str, "Int4Weight | Int8Weight"]
 _FORMAT = 1
 
 
@@ -77,6 +79,8 @@ def _build(model_path: Path, gguf: Path, method: str, target: Path) -> None:
 
 def _load(path: Path) -> PackedWeights:
     from safetensors.torch import load_file
+
+    from minisgl.quantization.packed import Int4Weight, Int8Weight
 
     flat = load_file(str(path))
     names = {k.rsplit(".", 1)[0] for k in flat}
