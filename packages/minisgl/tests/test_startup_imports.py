@@ -154,6 +154,11 @@ def test_a_gguf_path_that_cannot_be_served_fails_before_torch_loads(tmp_path):
             "from minisgl.gguf_model import resolve_model_path\n"
             "try:\n    resolve_model_path(sys.argv[1])\nexcept ModelLoadError as e:\n"
             "    print('refused', 'GGUF version 0' in str(e), 'torch' in sys.modules)\n")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code, str(bad)], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "MINISGL_CACHE_DIR": str(tmp_path / "cache")})
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MINISGL_CACHE_DIR": str(tmp_path / "cache")},
+    )
     assert out.stdout.split() == ["refused", "True", "False"], out.stdout + out.stderr[-2000:]
