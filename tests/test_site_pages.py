@@ -340,3 +340,39 @@ def test_the_kind_matrix_has_a_row_per_kind_with_its_last_green_commit(generated
 def test_the_kind_matrix_of_a_repository_without_records_says_so(small_repo):
     page = generate_site(small_repo).files["worklog/kinds.md"]
     assert "No CPU kind has a record" in page
+
+
+def test_a_baselines_versions_come_back_from_one_batch_newest_first(tmp_path):
+    """`baseline_versions` reads every committed version of a baseline file in one `git cat-file
+    --batch` (`_blobs`): each version's data by its commit, newest first, a version that is no
+    JSON object left out, the working copy first when it differs; `_blobs` answers None for a
+    missing path and for a folder, and keeps its place for the specs after them."""
+    import subprocess
+
+    from sitegen.data import Baseline, _blobs, baseline_versions
+
+    def git(*args: str) -> str:
+        env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@e", "GIT_COMMITTER_NAME": "t",
+               "GIT_COMMITTER_EMAIL": "t@e", "PATH": "/usr/bin:/bin"}  # fmt: skip
+        done = subprocess.run(["git", *args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, check=True)  # fmt: skip
+        return done.stdout.strip()
+
+    git("init", "-q")
+    rel = "worklog/baselines/b.json"
+    f = tmp_path / rel
+    f.parent.mkdir(parents=True)
+    shas = []
+    for body in ('{"x": 1}', "not json", '{"x": 2, "s": "a\\nb"}'):
+        f.write_text(body)
+        git("add", rel)
+        git("commit", "-qm", body)
+        shas.append(git("rev-parse", "HEAD"))
+    f.write_text('{"x": 3}')
+    got = baseline_versions(
+        tmp_path, Baseline(name="b", path=rel, data={"x": 3}, plot=None, notes=None)
+    )
+    assert [(sha, data) for sha, _, data in got] == [
+        ("", {"x": 3}), (shas[2], {"x": 2, "s": "a\nb"}), (shas[0], {"x": 1})]  # fmt: skip
+    specs = [f"{shas[0]}:{rel}", f"{shas[0]}:nope.json", f"{shas[0]}:worklog", f"{shas[1]}:{rel}"]
+    assert _blobs(tmp_path, specs) == ['{"x": 1}', None, None, "not json"]
