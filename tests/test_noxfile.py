@@ -99,8 +99,8 @@ def test_every_file_with_isa_paths_tests_runs_again_at_every_level(monkeypatch):
 def test_the_runtime_installs_with_bytecode_and_compiles_the_packages(tmp_path, monkeypatch):
     """uv, unlike pip, installs no bytecode, and with PYTHONDONTWRITEBYTECODE set (as on the
     project's machines) every process the suite starts compiled torch's and transformers'
-    sources again: `import torch` 4.2 s against 1.6 from bytecode (amd-epyc), in ~150
-    processes a run. Every install of the runtime asks uv for bytecode, and the repository's
+    sources again: `import torch` 4.2 s against 1.6 from bytecode (amd-epyc), in ~100
+    of its ~490 processes a run. Every install of the runtime asks uv for bytecode, and the repository's
     own packages (editable: not uv's to compile) are compiled once after it."""
     noxfile = _noxfile(monkeypatch)
     monkeypatch.setattr(noxfile, "install_service", lambda s: None)
